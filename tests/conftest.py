@@ -1,0 +1,30 @@
+"""Shared fixtures. GPU tests are marked `gpu` and skip with the reason when CUDA is absent."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_unavailable_reason() -> str | None:
+    try:
+        import pycuda.driver as drv
+    except ImportError as e:
+        return f"PyCUDA is not installed ({e}); GPU tests run on a CUDA machine with `make gpu-test`"
+    try:
+        drv.init()
+        if drv.Device.count() == 0:
+            return "no CUDA device found"
+    except Exception as e:  # pycuda raises its own LogicError/RuntimeError subclasses
+        return f"no usable CUDA driver ({e})"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = None
+    for item in items:
+        if "gpu" in item.keywords:
+            reason = reason or cuda_unavailable_reason()
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))

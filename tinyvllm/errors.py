@@ -1,0 +1,18 @@
+"""User-facing errors. Anything raised as a TinyVLLMError is the user's problem stated in one line
+(the CLI prints it without a traceback); anything else is a bug in tinyvllm."""
+
+
+class TinyVLLMError(Exception):
+    """Base class: a problem with the user's input, model files or environment."""
+
+
+class ModelLoadError(TinyVLLMError):
+    """The model directory, config.json, tokenizer or weight files are missing or invalid."""
+
+
+class InvalidRequestError(TinyVLLMError, ValueError):
+    """A request that can never be served: bad sampling values, empty or too-long prompt."""
+
+
+class GPUUnavailableError(TinyVLLMError):
+    """No CUDA driver, no GPU, PyCUDA or cuBLAS missing."""
