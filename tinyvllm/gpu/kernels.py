@@ -1,0 +1,79 @@
+"""Compile cuda/*.cu with PyCUDA and launch kernels through prepared calls.
+
+Every kernel's argument types live in KERNEL_SIGNATURES, the one table that ties a kernel name to
+its C signature (struct-module letters: P pointer, i int32, I uint32, f float32, Q uint64).
+Each .cu file is one SourceModule compiled for the device's own arch (sm_90 on an H200);
+PyCUDA caches the cubin on disk keyed by source and options, so only the first start compiles.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pycuda.driver as drv
+from pycuda.compiler import SourceModule
+
+CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+
+KERNEL_SIGNATURES: dict[str, str] = {
+    # filled in per kernel file below; name -> prepared-call argument letters
+}
+
+
+def register(signatures: dict[str, str]) -> None:
+    """Kernel wrapper modules declare their kernels' signatures here at import."""
+    for name, sig in signatures.items():
+        if KERNEL_SIGNATURES.get(name, sig) != sig:
+            raise ValueError(f"kernel {name} registered twice with different signatures")
+        KERNEL_SIGNATURES[name] = sig
+
+
+def device_arch() -> str:
+    major, minor = drv.Context.get_device().compute_capability()
+    return f"sm_{major}{minor}"
+
+
+@dataclass
+class Kernel:
+    name: str
+    function: drv.Function
+
+    def __call__(self, grid, block, *args, shared_bytes: int = 0, stream: drv.Stream | None = None):
+        """Launch on `stream` (None = the default stream). grid/block: int or tuple of ints."""
+        self.function.prepared_async_call(_dim3(grid), _dim3(block), stream, *args,
+                                          shared_size=shared_bytes)
+
+
+def _dim3(d) -> tuple[int, int, int]:
+    d = (d,) if isinstance(d, int) else tuple(int(x) for x in d)
+    return d + (1,) * (3 - len(d))
+
+
+class KernelLibrary:
+    """All kernels of cuda/*.cu, compiled once per process, looked up by name."""
+
+    def __init__(self, cuda_dir: Path = CUDA_DIR, extra_options: tuple[str, ...] = ()):
+        self.arch = device_arch()
+        self._modules: dict[str, SourceModule] = {}
+        options = ["-std=c++17", "-O3", "--use_fast_math", *extra_options]
+        for path in sorted(cuda_dir.glob("*.cu")):
+            self._modules[path.stem] = SourceModule(
+                path.read_text(), arch=self.arch, no_extern_c=True, options=options,
+                include_dirs=[str(cuda_dir)])
+        self._kernels: dict[str, Kernel] = {}
+
+    def __getitem__(self, name: str) -> Kernel:
+        if name not in self._kernels:
+            if name not in KERNEL_SIGNATURES:
+                raise KeyError(f"kernel {name!r} has no entry in KERNEL_SIGNATURES")
+            for module in self._modules.values():
+                try:
+                    fn = module.get_function(name)
+                except drv.LogicError:
+                    continue
+                fn.prepare(KERNEL_SIGNATURES[name])
+                self._kernels[name] = Kernel(name, fn)
+                break
+            else:
+                raise KeyError(f"kernel {name!r} not found in {sorted(self._modules)}")
+        return self._kernels[name]
