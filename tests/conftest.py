@@ -28,3 +28,11 @@ def pytest_collection_modifyitems(config, items):
             reason = reason or cuda_unavailable_reason()
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A random-weight `tiny` preset model (real Llama 3 tokenizer), written once per session.
+    Treat it as read-only: other tests share it."""
+    from tinyvllm.model_writer import write_model
+    return write_model(tmp_path_factory.mktemp("tiny-model"), preset="tiny", seed=0)
