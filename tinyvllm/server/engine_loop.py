@@ -1,0 +1,246 @@
+"""One thread owns the engine; HTTP handlers talk to it through queues.
+
+The engine is not thread-safe, and batching only happens if every request goes through the same
+`step()`. So a single background thread runs
+
+    wait until there is work -> apply queued commands (add / abort / call) -> engine.step()
+    -> hand each RequestOutput to the asyncio queue of the handler that owns that request
+
+Handlers (on the asyncio event loop) never touch the engine: they append a command under a
+condition variable, which also wakes the thread when it sleeps idle (no busy spin), and read
+`StreamEvent`s from their own asyncio.Queue, fed with loop.call_soon_threadsafe.
+
+An exception inside `step()` fails the requests in flight (their handlers answer 500), is logged
+with its traceback, and the loop goes on serving new requests."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import InvalidRequestError
+
+log = logging.getLogger("tinyvllm.server")
+
+
+class EngineFailure(RuntimeError):
+    """The engine raised while serving this request (a bug, not the client's fault: HTTP 500)."""
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """A snapshot of one RequestOutput, copied in the engine thread so the handler never reads
+    an object the engine may still be mutating."""
+    delta_text: str
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class RequestStream:
+    """The handler's end of one request. `accepted` resolves once add_request has run (or holds
+    its InvalidRequestError); `events` then receives StreamEvents, or an EngineFailure."""
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    accepted: asyncio.Future
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+    async def next_event(self) -> StreamEvent:
+        item = await self.events.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+
+@dataclass
+class _Command:
+    kind: str                      # "add" | "abort" | "call"
+    request_id: str = ""
+    prompt: Any = None
+    params: Any = None
+    stream: RequestStream | None = None
+    fn: Callable | None = None
+    result: concurrent.futures.Future | None = None
+
+
+def _snapshot(out) -> StreamEvent:
+    return StreamEvent(delta_text=out.delta_text or "",
+                       num_prompt_tokens=len(out.prompt_token_ids),
+                       num_generated_tokens=len(out.token_ids),
+                       finished=bool(out.finished),
+                       finish_reason=out.finish_reason)
+
+
+class EngineLoop:
+    def __init__(self, engine):
+        self.engine = engine
+        self._commands: collections.deque[_Command] = collections.deque()
+        self._wakeup = threading.Condition()
+        self._streams: dict[str, RequestStream] = {}   # live requests; engine thread only
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="tinyvllm-engine", daemon=True)
+        self.consecutive_failures = 0
+
+    # ---- called from the asyncio side (or any thread) ----------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever is in flight, fail its handlers, and join the thread."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    @property
+    def healthy(self) -> bool:
+        return self.alive and self.consecutive_failures < 3
+
+    async def submit(self, request_id: str, prompt, params) -> RequestStream:
+        """Queue a request; returns once the engine accepted it. Raises InvalidRequestError."""
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, loop, accepted=loop.create_future())
+        if not self.alive:
+            raise EngineFailure("the engine loop is not running")
+        self._push(_Command("add", request_id, prompt, params, stream=stream))
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:   # client went away before the engine saw the request
+            self.abort(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks. Safe to call for finished or unknown ids."""
+        self._push(_Command("abort", request_id))
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run fn(engine) on the engine thread (the only safe place), e.g. to read
+        engine.num_free_blocks. Await with asyncio.wrap_future or .result(timeout)."""
+        result: concurrent.futures.Future = concurrent.futures.Future()
+        self._push(_Command("call", fn=fn, result=result))
+        return result
+
+    def _push(self, command: _Command) -> None:
+        with self._wakeup:
+            self._commands.append(command)
+            self._wakeup.notify()
+
+    # ---- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        log.info("engine loop started")
+        while True:
+            with self._wakeup:
+                while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                    self._wakeup.wait()
+                commands = list(self._commands)
+                self._commands.clear()
+                stopping = self._stopping
+            for command in commands:
+                self._apply(command)
+            if stopping:
+                self._fail_all(EngineFailure("the server is shutting down"))
+                break
+            if self.engine.has_unfinished_requests():
+                self._step()
+        log.info("engine loop stopped")
+
+    def _apply(self, c: _Command) -> None:
+        if c.kind == "add":
+            try:
+                self.engine.add_request(c.request_id, c.prompt, c.params)
+            except InvalidRequestError as e:
+                self._resolve(c.stream, error=e)
+            except Exception as e:  # a bug in add_request: fail this request, keep serving
+                log.exception("add_request(%s) failed", c.request_id)
+                self._resolve(c.stream, error=EngineFailure(f"engine error: {e!r}"))
+            else:
+                self._streams[c.request_id] = c.stream
+                self._resolve(c.stream)
+        elif c.kind == "abort":
+            if self._streams.pop(c.request_id, None) is not None:
+                try:
+                    self.engine.abort_request(c.request_id)
+                except Exception:
+                    log.exception("abort_request(%s) failed", c.request_id)
+        elif c.kind == "call":
+            try:
+                c.result.set_result(c.fn(self.engine))
+            except Exception as e:
+                c.result.set_exception(e)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self.consecutive_failures += 1
+            log.exception("engine.step() failed; failing the %d requests in flight",
+                          len(self._streams))
+            self._fail_all(EngineFailure(f"engine error: {e!r}"))
+            return
+        self.consecutive_failures = 0
+        deliveries = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:        # aborted by its client since this step was scheduled
+                continue
+            event = _snapshot(out)
+            if event.finished:
+                del self._streams[out.request_id]
+            deliveries.append((stream, event))
+        self._deliver(deliveries)
+
+    def _fail_all(self, error: Exception) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id in streams:
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                log.exception("abort_request(%s) failed while failing requests", request_id)
+        self._deliver([(s, error) for s in streams.values()])
+
+    # One call_soon_threadsafe per event loop per step, not one per token: with 100 streams that
+    # is the difference between 1 and 100 wake-ups of the event loop.
+    def _deliver(self, deliveries: list[tuple[RequestStream, Any]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, item in deliveries:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:      # that event loop is closed: nobody is listening any more
+                pass
+
+    @staticmethod
+    def _resolve(stream: RequestStream, error: Exception | None = None) -> None:
+        def settle():
+            if stream.accepted.done():    # the handler was cancelled meanwhile
+                return
+            if error is None:
+                stream.accepted.set_result(None)
+            else:
+                stream.accepted.set_exception(error)
+        try:
+            stream.loop.call_soon_threadsafe(settle)
+        except RuntimeError:
+            pass
+
+
+def _put_all(batch) -> None:
+    for stream, item in batch:
+        stream.events.put_nowait(item)
