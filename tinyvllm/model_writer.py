@@ -4,7 +4,10 @@ at hand; the presets carry the real models' exact shapes.
 
 Weight scale, chosen so a random model behaves like a trained one numerically:
   * every projection has std 1/sqrt(fan_in), so a normalized input (rms 1) gives outputs of rms
-    ~1, attention scores of std ~1 (after the 1/sqrt(head_dim) scale) and MLP outputs of rms <1;
+    ~1 and MLP outputs of rms <1; q and k get an extra sqrt(ATTENTION_SHARPNESS) each, so scores
+    (after the 1/sqrt(head_dim) scale) have std ~3. With std-1 scores attention is near-uniform,
+    every position sees the same context average, and greedy decoding repeats one token forever,
+    which would make batching and paging bugs invisible in token-level tests;
   * the embedding has std EMBED_GAIN/sqrt(hidden): the residual stream starts small and each
     layer adds O(1), so hidden-state rms grows moderately (~sqrt(layers)) and the last token's
     own embedding does not dominate; logits, being normed-hidden . embedding rows, then have a
@@ -26,6 +29,7 @@ from .errors import ModelLoadError, TinyVLLMError
 from .weights import BF16, INDEX_FILE, TensorSpec, expected_shapes, write_checkpoint
 
 EMBED_GAIN = 2.5
+ATTENTION_SHARPNESS = 3.0
 NORM_JITTER = 0.1
 MAX_SHARD_BYTES = 2 * 1024**3         # shard above ~2 GB, as HF checkpoints do
 CHUNK_ELEMENTS = 1 << 22              # generate 4M values (16 MB of fp32) at a time
@@ -94,8 +98,10 @@ def random_tensor(spec: TensorSpec, seed: int) -> np.ndarray:
         center, half_width = 1.0, NORM_JITTER
     else:
         fan_in = spec.shape[1]
-        std = EMBED_GAIN / np.sqrt(fan_in) if "embed_tokens" in spec.name or "lm_head" in spec.name \
-            else 1.0 / np.sqrt(fan_in)
+        gain = EMBED_GAIN if "embed_tokens" in spec.name or "lm_head" in spec.name \
+            else np.sqrt(ATTENTION_SHARPNESS) if spec.name.endswith(("q_proj.weight", "k_proj.weight")) \
+            else 1.0
+        std = gain / np.sqrt(fan_in)
         center, half_width = 0.0, std * np.sqrt(3.0)     # uniform(-a, a) has std a / sqrt(3)
     # uniform rather than normal: 7x faster to draw, and the model only needs the right scale
     for start in range(0, flat.size, CHUNK_ELEMENTS):
