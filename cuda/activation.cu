@@ -1,0 +1,21 @@
+// SwiGLU activation: out[t, i] = silu(gate[t, i]) * up[t, i], where the fused gate_up projection
+// row holds gate in columns [0, inter) and up in [inter, 2 * inter).
+// Launch: grid-stride over num_tokens * inter / 8 chunks of 8 values. Requires inter % 8 == 0.
+#include "common.cuh"
+
+extern "C" __global__ void silu_mul(bf16* __restrict__ out, const bf16* __restrict__ gate_up,
+                                    int num_tokens, int inter) {
+    const int chunks_per_row = inter / 8;
+    const size_t total = (size_t)num_tokens * chunks_per_row;
+    for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < total;
+         idx += (size_t)gridDim.x * blockDim.x) {
+        const size_t t = idx / chunks_per_row;
+        const int c = (int)(idx % chunks_per_row) * 8;
+        float g[8], u[8];
+        load_bf16x8(gate_up + t * 2 * inter + c, g);
+        load_bf16x8(gate_up + t * 2 * inter + inter + c, u);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) g[i] = g[i] / (1.0f + __expf(-g[i])) * u[i];
+        store_bf16x8(out + t * inter + c, g);
+    }
+}

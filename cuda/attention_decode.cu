@@ -1,0 +1,214 @@
+// Decode attention over the paged KV cache (PagedAttention), split over the context
+// (flash decoding) and merged by attention_decode_reduce.
+//
+// One new query token per sequence (token index = sequence index). Grid: (num_seqs,
+// num_kv_heads, num_splits); block: 128 threads. A block serves all `group` query heads that
+// share one kv head, so each K/V row is read once per GQA group, over split blockIdx.z of the
+// sequence's context. The split is walked in chunks of CHUNK tokens with an online softmax
+// (running max m, running sum l, accumulators rescaled per chunk), so any context length works
+// with a fixed grid — which is what a captured CUDA graph needs.
+//
+// Thread layout: LANES = HEAD_DIM / 8 consecutive lanes cover one K/V row with 16-byte loads; a
+// warp scores 32 / LANES tokens at once.
+//
+// With one split the block writes the normalised result to `out`; with several it writes the
+// unnormalised accumulator and (m, l) to the workspace, merged by attention_decode_reduce.
+#include <math_constants.h>
+#include "common.cuh"
+
+namespace {
+
+constexpr int THREADS = 128;
+constexpr int WARPS = THREADS / 32;
+constexpr int CHUNK = 256;
+constexpr int MAX_GROUP = 8;
+
+template <int HEAD_DIM>
+__device__ __forceinline__ void decode_attention(
+    bf16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_ml,
+    const bf16* __restrict__ q, int q_row_stride, const bf16* __restrict__ k_cache,
+    const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks_per_seq,
+    const int* __restrict__ context_lens, int block_size, int num_kv_heads, int group, float scale) {
+    constexpr int LANES = HEAD_DIM / 8;
+    constexpr int ROWS_PER_WARP = 32 / LANES;
+    constexpr int ROWS_PER_PASS = ROWS_PER_WARP * WARPS;
+
+    __shared__ float probs[MAX_GROUP][CHUNK];
+    __shared__ float m_s[MAX_GROUP], l_s[MAX_GROUP], alpha_s[MAX_GROUP];
+    __shared__ float reduce_buf[WARPS][MAX_GROUP][HEAD_DIM];
+
+    const int seq = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
+    const int num_q_heads = num_kv_heads * group;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row_in_pass = warp * ROWS_PER_WARP + lane / LANES;
+    const int dim0 = (lane % LANES) * 8;
+
+    const int ctx = context_lens[seq];
+    const int per_split = (ctx + num_splits - 1) / num_splits;
+    const int begin = split * per_split;
+    const int end = min(ctx, begin + per_split);
+    const int* table = block_tables + (size_t)seq * max_blocks_per_seq;
+    const size_t kv_row = (size_t)num_kv_heads * HEAD_DIM;
+
+    float q_reg[MAX_GROUP][8];
+    float acc[MAX_GROUP][8];
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; ++g) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
+        if (g < group) {
+            load_bf16x8(q + (size_t)seq * q_row_stride + (kv_head * group + g) * HEAD_DIM + dim0,
+                        q_reg[g]);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) q_reg[g][i] *= scale;
+        }
+    }
+    if (threadIdx.x < MAX_GROUP) {
+        m_s[threadIdx.x] = -CUDART_INF_F;
+        l_s[threadIdx.x] = 0.0f;
+    }
+    __syncthreads();
+
+    for (int c0 = begin; c0 < end; c0 += CHUNK) {
+        const int n = min(CHUNK, end - c0);
+        // 1. raw scores q·k for the chunk's tokens
+        // (the loop bound is uniform across the warp so every lane reaches the shuffles)
+        for (int r0 = 0; r0 < n; r0 += ROWS_PER_PASS) {
+            const int r = r0 + row_in_pass;
+            const bool valid = r < n;
+            float k[8] = {};
+            if (valid) {
+                const int pos = c0 + r;
+                const size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
+                load_bf16x8(k_cache + slot * kv_row + kv_head * HEAD_DIM + dim0, k);
+            }
+#pragma unroll
+            for (int g = 0; g < MAX_GROUP; ++g) {
+                if (g < group) {
+                    float s = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) s += q_reg[g][i] * k[i];
+#pragma unroll
+                    for (int off = LANES / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+                    if (valid && lane % LANES == 0) probs[g][r] = s;
+                }
+            }
+        }
+        __syncthreads();
+        // 2. online softmax update, one warp per head
+        for (int g = warp; g < group; g += WARPS) {
+            float mx = -CUDART_INF_F;
+            for (int r = lane; r < n; r += 32) mx = fmaxf(mx, probs[g][r]);
+            const float m_old = m_s[g];
+            const float m_new = fmaxf(m_old, warp_max(mx));
+            float sum = 0.0f;
+            for (int r = lane; r < n; r += 32) {
+                const float p = __expf(probs[g][r] - m_new);
+                probs[g][r] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                const float alpha = __expf(m_old - m_new);  // 0 on the first chunk (m_old = -inf)
+                alpha_s[g] = alpha;
+                l_s[g] = l_s[g] * alpha + sum;
+                m_s[g] = m_new;
+            }
+        }
+        __syncthreads();
+        // 3. rescale the accumulators and add p·v
+#pragma unroll
+        for (int g = 0; g < MAX_GROUP; ++g) {
+            if (g < group) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[g][i] *= alpha_s[g];
+            }
+        }
+        for (int r = row_in_pass; r < n; r += ROWS_PER_PASS) {
+            const int pos = c0 + r;
+            const size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
+            float v[8];
+            load_bf16x8(v_cache + slot * kv_row + kv_head * HEAD_DIM + dim0, v);
+#pragma unroll
+            for (int g = 0; g < MAX_GROUP; ++g) {
+                if (g < group) {
+                    const float p = probs[g][r];
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[g][i] += p * v[i];
+                }
+            }
+        }
+        __syncthreads();  // probs[] is overwritten by the next chunk
+    }
+
+    // Sum the accumulators of the rows a warp handled (lanes with equal lane % LANES) ...
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; ++g) {
+        if (g < group) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                float a = acc[g][i];
+#pragma unroll
+                for (int off = LANES; off < 32; off <<= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
+                if (lane < LANES) reduce_buf[warp][g][dim0 + i] = a;
+            }
+        }
+    }
+    __syncthreads();
+    // ... then across warps, and write out.
+    for (int e = threadIdx.x; e < group * HEAD_DIM; e += THREADS) {
+        const int g = e / HEAD_DIM, d = e % HEAD_DIM;
+        float a = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) a += reduce_buf[w][g][d];
+        const int head = kv_head * group + g;
+        if (num_splits == 1) {
+            const float l = l_s[g];
+            out[((size_t)seq * num_q_heads + head) * HEAD_DIM + d] = __float2bfloat16(l > 0.0f ? a / l : 0.0f);
+        } else {
+            const size_t idx = ((size_t)seq * num_q_heads + head) * num_splits + split;
+            partial_out[idx * HEAD_DIM + d] = a;
+            if (d == 0) {
+                partial_ml[2 * idx] = m_s[g];
+                partial_ml[2 * idx + 1] = l_s[g];
+            }
+        }
+    }
+}
+
+}  // namespace
+
+#define DECODE_ATTENTION_KERNEL(D)                                                               \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_decode_d##D(                 \
+        bf16* out, float* partial_out, float* partial_ml, const bf16* q, int q_row_stride,       \
+        const bf16* k_cache, const bf16* v_cache, const int* block_tables,                       \
+        int max_blocks_per_seq, const int* context_lens, int block_size, int num_kv_heads,       \
+        int group, float scale) {                                                                \
+        decode_attention<D>(out, partial_out, partial_ml, q, q_row_stride, k_cache, v_cache,     \
+                            block_tables, max_blocks_per_seq, context_lens, block_size,          \
+                            num_kv_heads, group, scale);                                         \
+    }
+DECODE_ATTENTION_KERNEL(64)
+DECODE_ATTENTION_KERNEL(128)
+
+// Merge the splits: out = Σ_s acc_s · e^(m_s - M) / Σ_s l_s · e^(m_s - M), M = max_s m_s.
+// Grid: (num_seqs, num_q_heads); block: head_dim threads, one output value each.
+extern "C" __global__ void attention_decode_reduce(bf16* __restrict__ out,
+                                                   const float* __restrict__ partial_out,
+                                                   const float* __restrict__ partial_ml,
+                                                   int num_q_heads, int num_splits, int head_dim) {
+    const int seq = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
+    const size_t base = ((size_t)seq * num_q_heads + head) * num_splits;
+    float m_max = -CUDART_INF_F;
+    for (int s = 0; s < num_splits; ++s) m_max = fmaxf(m_max, partial_ml[2 * (base + s)]);
+    float num = 0.0f, den = 0.0f;
+    for (int s = 0; s < num_splits; ++s) {
+        const float m = partial_ml[2 * (base + s)];
+        if (m == -CUDART_INF_F) continue;  // an empty split
+        const float w = __expf(m - m_max);
+        den += partial_ml[2 * (base + s) + 1] * w;
+        num += partial_out[(base + s) * head_dim + d] * w;
+    }
+    if (d < head_dim)
+        out[((size_t)seq * num_q_heads + head) * head_dim + d] = __float2bfloat16(den > 0.0f ? num / den : 0.0f);
+}

@@ -1,0 +1,52 @@
+// Shared helpers for tinyvllm kernels: bf16 storage, fp32 math, 16-byte vector access, reductions.
+#pragma once
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+
+// Eight bf16 values: the unit of one 16-byte load or store.
+struct alignas(16) bf16x8 {
+    __nv_bfloat162 pair[4];
+};
+
+__device__ __forceinline__ void load_bf16x8(const bf16* src, float out[8]) {
+    const bf16x8 v = *reinterpret_cast<const bf16x8*>(src);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(v.pair[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ void store_bf16x8(bf16* dst, const float in[8]) {
+    bf16x8 v;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v.pair[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+    *reinterpret_cast<bf16x8*>(dst) = v;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
+
+// Sum over the whole block; every thread gets the result. blockDim.x must be a multiple of 32.
+__device__ __forceinline__ float block_sum(float x) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    x = warp_sum(x);
+    __syncthreads();  // partial[] may still be read by a previous call
+    if (lane == 0) partial[warp] = x;
+    __syncthreads();
+    x = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.0f;
+    return warp_sum(x);
+}

@@ -1,0 +1,27 @@
+// RMSNorm: out[r] = in[src(r)] / sqrt(mean(in[src(r)]^2) + eps) * weight, fp32 math, bf16 storage.
+// `rows` (may be null) maps output row r to input row src(r): the final norm reads only each
+// sequence's last token, so the LM head never sees the other prompt rows.
+// Launch: one block per output row, 256 threads, 16-byte loads. Requires hidden % 8 == 0.
+#include "common.cuh"
+
+extern "C" __global__ void rms_norm(bf16* __restrict__ out, const bf16* __restrict__ in,
+                                    const bf16* __restrict__ weight, const int* __restrict__ rows,
+                                    int num_rows, int hidden, float eps) {
+    const int r = blockIdx.x;
+    if (r >= num_rows) return;
+    const bf16* x = in + (size_t)(rows ? rows[r] : r) * hidden;
+    float v[8], w[8], sum_sq = 0.0f;
+    for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {
+        load_bf16x8(x + c, v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum_sq += v[i] * v[i];
+    }
+    const float scale = rsqrtf(block_sum(sum_sq) / hidden + eps);
+    for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {  // second read hits L1/L2
+        load_bf16x8(x + c, v);
+        load_bf16x8(weight + c, w);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = v[i] * scale * w[i];
+        store_bf16x8(out + (size_t)r * hidden + c, v);
+    }
+}
