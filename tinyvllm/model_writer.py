@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import zlib
 from pathlib import Path
 
@@ -113,6 +112,15 @@ def random_tensor(spec: TensorSpec, seed: int) -> np.ndarray:
     return out
 
 
+def write_text_model_tokenizer(source: Path, dest: Path, vocab_size: int) -> None:
+    """Copy tokenizer.json, dropping added tokens with ids the embedding has no row for. The
+    packaged file comes from Llama 3.2 Vision and adds <|image|> as id 128256, one past the text
+    models' 128256-row vocabulary; a prompt containing it would index past the embedding."""
+    tokenizer = json.loads(source.read_text(encoding="utf-8"))
+    tokenizer["added_tokens"] = [t for t in tokenizer.get("added_tokens", []) if t["id"] < vocab_size]
+    dest.write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
+
+
 def write_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0,
                 max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write a random-weight model of the preset's shape, loadable by tinyvllm and by HF."""
@@ -128,7 +136,7 @@ def write_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0,
     generation = {"bos_token_id": LLAMA3_BOS, "eos_token_id": list(LLAMA3_EOS), "do_sample": True,
                   "temperature": 0.6, "top_p": 0.9}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    shutil.copyfile(tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
+    write_text_model_tokenizer(tokenizer_dir / "tokenizer.json", out / "tokenizer.json", config.vocab_size)
     tok_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
     tok_config["eos_token"] = "<|eot_id|>"     # as in the Instruct models these presets mimic
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
