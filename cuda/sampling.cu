@@ -1,0 +1,245 @@
+// Sampling: one thread block per sequence turns a row of fp32 logits into one token id.
+// The algorithm is defined in tinyvllm/sampling.py (module docstring); this file is its CUDA
+// twin, written op for op so that both pick the same token.
+//
+// Launch: grid = (num_seqs), block = (SAMPLE_THREADS = 1024), no dynamic shared memory.
+// Passes over the row (vocab = 128256 -> 126 elements per thread):
+//   1. argmax / max                       (greedy rows stop here)
+//   2. e_i = exp((x_i - m) / T), written IN PLACE over the logits row; Z = sum of masses
+//   3. top-k: radix select of the k-th largest e           (4 passes, 8 bits each)
+//   4. top-p: radix select of the mass threshold           (4 passes, 8 bits each)
+//   5. inverse-CDF draw: per-thread contiguous chunks, block prefix scan of the chunk masses,
+//      the one thread whose chunk holds the draw walks it.
+// No sort, no atomics on floats: all sums are of uint64 masses, so the result does not depend
+// on the order of additions and the kernel is deterministic.
+#include <stdint.h>
+
+#define SAMPLE_THREADS 1024
+#define NUM_WARPS (SAMPLE_THREADS / 32)
+#define FULL_MASK 0xffffffffu
+#define MASS_SCALE 1099511627776.0f   // 2^40
+
+typedef unsigned long long u64;
+
+// ---- counter-based random bits: splitmix64 (same constants as sampling.py) ----------------
+__device__ __forceinline__ u64 mix64(u64 z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ u64 random_bits24(u64 seed, int step) {
+    return mix64(mix64(seed) + (u64)(step + 1) * 0x9E3779B97F4A7C15ull) >> 40;
+}
+
+// ---- e^z for z <= 0, every op rounded on its own (no FMA contraction, as in numpy) --------
+__device__ __forceinline__ float weight_exp(float x, float m, float inv_t) {
+    float t = __fmul_rn(__fmul_rn(__fsub_rn(x, m), inv_t), __int_as_float(0x3FB8AA3B)); // log2 e
+    if (!(t >= -125.0f)) return 0.0f;                     // no mass anyway; also catches NaN
+    float n = rintf(t);
+    float f = __fsub_rn(t, n);
+    float p = __int_as_float(0x39218489);                 // (ln 2)^6 / 6!
+    p = __fadd_rn(__fmul_rn(p, f), __int_as_float(0x3AAEC3FF));
+    p = __fadd_rn(__fmul_rn(p, f), __int_as_float(0x3C1D955B));
+    p = __fadd_rn(__fmul_rn(p, f), __int_as_float(0x3D635847));
+    p = __fadd_rn(__fmul_rn(p, f), __int_as_float(0x3E75FDF0));
+    p = __fadd_rn(__fmul_rn(p, f), __int_as_float(0x3F317218));
+    p = __fadd_rn(__fmul_rn(p, f), 1.0f);
+    return __fmul_rn(p, __int_as_float(((int)n + 127) << 23));   // * 2^n, exact
+}
+
+__device__ __forceinline__ u64 mass_of(float e) { return __float2ull_rn(__fmul_rn(e, MASS_SCALE)); }
+
+// ---- block-wide helpers (all threads of the block must call them) --------------------------
+struct Scratch {
+    u64 warp_u64[NUM_WARPS];
+    float warp_val[NUM_WARPS];
+    int warp_idx[NUM_WARPS];
+    u64 hist[256];
+    u64 chosen_above;
+    unsigned chosen_digit;
+};
+
+__device__ __forceinline__ u64 block_sum(u64 v, Scratch& s) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    __syncthreads();                                       // scratch may still be read
+    if (lane == 0) s.warp_u64[warp] = v;
+    __syncthreads();
+    u64 total = 0;
+    for (int w = 0; w < NUM_WARPS; ++w) total += s.warp_u64[w];
+    return total;
+}
+
+// Exclusive prefix sum over threads in thread order; *total gets the block's sum.
+__device__ __forceinline__ u64 block_exclusive_scan(u64 v, u64* total, Scratch& s) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u64 incl = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        u64 up = __shfl_up_sync(FULL_MASK, incl, o);
+        if (lane >= o) incl += up;
+    }
+    __syncthreads();
+    if (lane == 31) s.warp_u64[warp] = incl;
+    __syncthreads();
+    u64 before = 0, sum = 0;
+    for (int w = 0; w < NUM_WARPS; ++w) {
+        if (w < warp) before += s.warp_u64[w];
+        sum += s.warp_u64[w];
+    }
+    *total = sum;
+    return before + incl - v;
+}
+
+// Max of the row and its lowest index.
+__device__ __forceinline__ void block_argmax(const float* x, int vocab, float* best_val, int* best_idx, Scratch& s) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        float v = x[i];
+        if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+        int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    __syncthreads();
+    if (lane == 0) { s.warp_val[warp] = bv; s.warp_idx[warp] = bi; }
+    __syncthreads();
+    bv = s.warp_val[0]; bi = s.warp_idx[0];
+    for (int w = 1; w < NUM_WARPS; ++w) {
+        float ov = s.warp_val[w];
+        int oi = s.warp_idx[w];
+        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+    *best_val = bv;
+    *best_idx = bi == 0x7fffffff ? 0 : bi;
+}
+
+// Largest key t (the bits of a non-negative float e, so integer order = float order) such that
+// sum(weight_i for key_i >= t) >= target, where weight_i = mass_of(e_i) or 1 (counting: the
+// target-th largest key). Requires 0 < target <= total weight. Four 8-bit digit passes; each
+// builds a 256-bin histogram of the tokens whose higher digits match the prefix found so far.
+__device__ unsigned radix_select(const float* e, int vocab, bool weigh_by_mass, u64 target, Scratch& s) {
+    const int lane = threadIdx.x & 31;
+    unsigned prefix = 0;
+    u64 above = 0;                                        // weight of keys above the prefix range
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        const unsigned high_mask = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
+        __syncthreads();
+        if (threadIdx.x < 256) s.hist[threadIdx.x] = 0;
+        __syncthreads();
+        for (int base = 0; base < vocab; base += SAMPLE_THREADS) {   // same trip count for all
+            const int i = base + threadIdx.x;
+            bool match = false;
+            unsigned digit = 256;
+            u64 w = 0;
+            if (i < vocab) {
+                const float v = e[i];
+                const unsigned key = __float_as_uint(v);
+                match = (key & high_mask) == prefix;
+                digit = match ? (key >> shift) & 255u : 256u;
+                w = weigh_by_mass ? mass_of(v) : 1ull;
+            }
+            const unsigned active = __ballot_sync(FULL_MASK, match);
+            if (active == 0) continue;
+            // Warp-aggregate: lanes with the same digit add their weights, their lowest lane
+            // does one shared atomic (a plain per-lane atomic serialises on the few hot bins).
+            const unsigned peers = __match_any_sync(FULL_MASK, digit);
+            u64 sum = 0;
+            for (unsigned m = active; m; m &= m - 1) {
+                const int src = __ffs(m) - 1;
+                const u64 v = __shfl_sync(FULL_MASK, w, src);
+                if ((peers >> src) & 1u) sum += v;
+            }
+            if (match && lane == __ffs(peers) - 1) atomicAdd(&s.hist[digit], sum);
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {   // warp 0: lane l holds digits 255-8l .. 248-8l (descending)
+            u64 local = 0;
+            for (int j = 0; j < 8; ++j) local += s.hist[255 - 8 * lane - j];
+            u64 incl = local;
+            for (int o = 1; o < 32; o <<= 1) {
+                u64 up = __shfl_up_sync(FULL_MASK, incl, o);
+                if (lane >= o) incl += up;
+            }
+            u64 acc = above + incl - local;
+            if (acc < target && target <= acc + local) {
+                for (int j = 0; j < 8; ++j) {
+                    const unsigned d = 255 - 8 * lane - j;
+                    if (acc + s.hist[d] >= target) { s.chosen_digit = d; s.chosen_above = acc; break; }
+                    acc += s.hist[d];
+                }
+            }
+        }
+        __syncthreads();
+        prefix |= s.chosen_digit << shift;
+        above = s.chosen_above;
+    }
+    return prefix;
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overwritten with e
+              int vocab,
+              const float* __restrict__ temperature,  // [num_seqs]; <= 0: greedy
+              const int* __restrict__ top_k,          // [num_seqs]; <= 0 or >= vocab: off
+              const float* __restrict__ top_p,        // [num_seqs]; >= 1: off
+              const u64* __restrict__ seed,           // [num_seqs]
+              const int* __restrict__ step,           // [num_seqs]; tokens generated so far
+              int* __restrict__ out)                  // [num_seqs] sampled token ids
+{
+    __shared__ Scratch s;
+    const int row = blockIdx.x;
+    float* x = logits + (size_t)row * vocab;
+
+    float m;
+    int argmax;
+    block_argmax(x, vocab, &m, &argmax, s);
+    const float temp = temperature[row];
+    if (!(temp > 0.0f)) {
+        if (threadIdx.x == 0) out[row] = argmax;
+        return;
+    }
+
+    const float inv_t = __frcp_rn(temp);
+    u64 local = 0;
+    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        const float e = weight_exp(x[i], m, inv_t);
+        x[i] = e;                                         // later passes read e, not logits
+        local += mass_of(e);
+    }
+    const u64 z = block_sum(local, s);                    // its barrier publishes the writes
+
+    float tau = 0.0f;
+    const int k = top_k[row];
+    if (k > 0 && k < vocab) tau = __uint_as_float(radix_select(x, vocab, false, (u64)k, s));
+    const float p = top_p[row];
+    if (p < 1.0f) {
+        const u64 target = (u64)ceil((double)p * __ull2double_rn(z));
+        tau = fmaxf(tau, __uint_as_float(radix_select(x, vocab, true, target, s)));
+    }
+
+    // Inverse CDF in index order: thread t owns the contiguous chunk [t*chunk, (t+1)*chunk).
+    const int chunk = (vocab + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
+    const int begin = min(threadIdx.x * chunk, vocab), end = min(begin + chunk, vocab);
+    local = 0;
+    for (int i = begin; i < end; ++i) {
+        const float e = x[i];
+        if (e >= tau) local += mass_of(e);
+    }
+    u64 kept_total;
+    const u64 before = block_exclusive_scan(local, &kept_total, s);
+    const u64 u = random_bits24(seed[row], step[row]);
+    const u64 r = (kept_total >> 24) * u + (((kept_total & 0xFFFFFFull) * u) >> 24);   // < total
+    if (before <= r && r < before + local) {
+        u64 acc = before;
+        for (int i = begin; i < end; ++i) {
+            const float e = x[i];
+            if (e >= tau) acc += mass_of(e);
+            if (acc > r) { out[row] = i; break; }
+        }
+    }
+}

@@ -1,0 +1,146 @@
+"""GPU sampler (cuda/sampling.cu via tinyvllm.gpu.sampler) against its numpy twin
+(tinyvllm.sampling) on fresh random logits, with the output buffer poisoned first."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from tinyvllm.sampling import SamplingBatch, exp_weights, mass, random_bits24, sample
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = 128256
+POISON = -7
+
+
+@pytest.fixture(scope="module")
+def gpu(tmp_path_factory):
+    import pycuda.driver as drv
+    drv.init()
+    ctx = drv.Device(0).make_context()
+    try:
+        from tinyvllm.gpu.kernels import CUDA_DIR, KernelLibrary
+        from tinyvllm.gpu.sampler import Sampler
+        only_sampling = tmp_path_factory.mktemp("cuda")
+        shutil.copy(CUDA_DIR / "sampling.cu", only_sampling / "sampling.cu")
+        yield drv, Sampler(KernelLibrary(cuda_dir=only_sampling))
+    finally:
+        ctx.pop()
+
+
+def gpu_sample(gpu, logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
+    drv, sampler = gpu
+    num_seqs, vocab = logits.shape
+    dev = {name: drv.to_device(np.ascontiguousarray(a)) for name, a in (
+        ("logits", logits.astype(np.float32)), ("temperature", batch.temperature),
+        ("top_k", batch.top_k), ("top_p", batch.top_p), ("seed", batch.seed), ("step", batch.step))}
+    out = drv.to_device(np.full(num_seqs + 1, POISON, np.int32))    # one extra: must stay poisoned
+    sampler.sample(dev["logits"], num_seqs, vocab, dev["temperature"], dev["top_k"], dev["top_p"],
+                   dev["seed"], dev["step"], out)
+    drv.Context.synchronize()
+    result = drv.from_device(out, (num_seqs + 1,), np.int32)
+    assert result[-1] == POISON, "sampler wrote past the last row"
+    return result[:-1]
+
+
+def random_batch(rng, num_seqs, temperatures, top_ks, top_ps) -> SamplingBatch:
+    return SamplingBatch.build(rng.choice(temperatures, num_seqs), rng.choice(top_ks, num_seqs),
+                               rng.choice(top_ps, num_seqs), rng.integers(0, 2**63, num_seqs),
+                               rng.integers(0, 1000, num_seqs))
+
+
+def explained_by_boundary(x, params, token, tol=1e-6) -> bool:
+    """A GPU token that differs from numpy's is acceptable only if the draw u lies within `tol`
+    (as a fraction of the kept mass) of that token's CDF interval, or the token sits on a
+    top-k/top-p threshold within rounding: the cases where float exp differences may flip."""
+    temperature, top_k, top_p, seed, step = params
+    e = exp_weights(x, temperature).astype(np.float64)
+    w = mass(e.astype(np.float32)).astype(np.float64)
+    order = np.sort(e)[::-1]
+    tau = 0.0
+    if 0 < top_k < len(x):
+        tau = order[top_k - 1]
+    if top_p < 1:
+        cs = np.cumsum(np.sort(w)[::-1])
+        tau = max(tau, order[np.searchsorted(cs, np.ceil(np.float32(top_p) * w.sum()))])
+    if e[token] < tau * (1 - 1e-5):
+        return False
+    kept = np.where(e >= tau * (1 - 1e-5), w, 0.0)
+    cdf = np.cumsum(kept) / kept.sum()
+    u = random_bits24(seed, step) / 2**24
+    lo = cdf[token - 1] if token else 0.0
+    return lo - tol <= u <= cdf[token] + tol
+
+
+def test_greedy_is_exact_argmax_with_ties(gpu):
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((33, VOCAB)).astype(np.float32) * 4
+    logits[3, [10, 500, 127000]] = 50.0          # ties: lowest index wins
+    logits[4, :] = -np.inf
+    logits[4, 77] = 0.0
+    logits[5, :] = 1.0                           # all equal -> 0
+    batch = SamplingBatch.greedy(33)
+    got = gpu_sample(gpu, logits, batch)
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=1))
+    assert got[3] == 10 and got[4] == 77 and got[5] == 0
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 1000, 50257, 7])
+@pytest.mark.parametrize("scale", [1.0, 4.0, 12.0])
+def test_seeded_sampling_matches_numpy_twin(gpu, vocab, scale):
+    rng = np.random.default_rng(int(scale * 1000) + vocab)
+    num_seqs = 64
+    logits = (rng.standard_normal((num_seqs, vocab)) * scale).astype(np.float32)
+    batch = random_batch(rng, num_seqs, [0.0, 0.3, 0.7, 1.0, 1.8],
+                         [-1, 0, 1, 2, 40, 1000, vocab + 5], [1.0, 0.95, 0.8, 0.3, 0.01])
+    expected = sample(logits.copy(), batch)
+    got = gpu_sample(gpu, logits, batch)
+    mismatched = np.flatnonzero(got != expected)
+    for i in mismatched:
+        params = (float(batch.temperature[i]), int(batch.top_k[i]), float(batch.top_p[i]),
+                  int(batch.seed[i]), int(batch.step[i]))
+        assert batch.temperature[i] > 0, f"greedy row {i} differs"
+        assert explained_by_boundary(logits[i], params, int(got[i])), \
+            f"row {i} {params}: gpu {got[i]} numpy {expected[i]}"
+    assert len(mismatched) <= 1, f"{len(mismatched)} rows differ from the numpy twin"
+    assert np.all((got >= 0) & (got < vocab))
+
+
+def test_sampling_is_deterministic_and_batch_independent(gpu):
+    rng = np.random.default_rng(7)
+    logits = (rng.standard_normal((16, VOCAB)) * 3).astype(np.float32)
+    batch = random_batch(rng, 16, [0.8, 1.0], [-1, 50], [1.0, 0.9])
+    first = gpu_sample(gpu, logits, batch)
+    again = gpu_sample(gpu, logits, batch)
+    np.testing.assert_array_equal(first, again)
+    # Row 5 alone gives the same token as inside the batch.
+    alone = SamplingBatch(*(a[5:6] for a in (batch.temperature, batch.top_k, batch.top_p,
+                                             batch.seed, batch.step)))
+    assert gpu_sample(gpu, logits[5:6], alone)[0] == first[5]
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("top_k,top_p,kept", [(-1, 1.0, 8), (3, 1.0, 3), (-1, 0.7, None)])
+def test_sampled_frequencies_follow_probabilities(gpu, top_k, top_p, kept):
+    n = 4096
+    row = np.full(VOCAB, -30.0, np.float32)
+    hot = np.array([5, 900, 1234, 40000, 70000, 100000, 128000, 128255])
+    row[hot] = [2.0, 1.7, 1.4, 1.0, 0.6, 0.3, 0.0, -0.4]
+    logits = np.tile(row, (n, 1))
+    batch = SamplingBatch.build([1.0] * n, [top_k] * n, [top_p] * n, np.arange(n) * 7919 + 3, [0] * n)
+    got = gpu_sample(gpu, logits, batch)
+    probs = np.exp(row[hot] - row[hot].max())
+    probs /= probs.sum()
+    if kept is None:     # top-p: smallest prefix of the sorted probabilities reaching 0.7
+        kept = int(np.searchsorted(np.cumsum(probs), 0.7) + 1)
+    probs = probs[:kept] / probs[:kept].sum()
+    counts = np.array([(got == t).sum() for t in hot[:kept]])
+    assert counts.sum() == n, "sampled a token outside the kept set"
+    # 99.9th percentile of chi-square with kept-1 <= 7 degrees of freedom is below 25.
+    assert chi_square(counts, probs) < 25.0
