@@ -16,7 +16,25 @@ from pycuda.compiler import SourceModule
 CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
 
 KERNEL_SIGNATURES: dict[str, str] = {
-    # filled in per kernel file below; name -> prepared-call argument letters
+    # cuda/embedding.cu: out, table, token_ids, num_tokens, hidden, vocab_size
+    "embedding_gather": "PPPiii",
+    # cuda/rmsnorm.cu: out, in, weight, rows (nullable), num_rows, hidden, eps
+    "rms_norm": "PPPPiif",
+    # cuda/activation.cu: out, gate_up, num_tokens, inter
+    "silu_mul": "PPii",
+    # cuda/rope_kv.cu: qkv, k_cache, v_cache, positions, slot_mapping, inv_freq,
+    #                  num_tokens, num_q_heads, num_kv_heads, head_dim
+    "rope_write_kv": "PPPPPPiiii",
+    # cuda/attention_prefill.cu: out, q, q_row_stride, k_cache, v_cache, block_tables,
+    #   max_blocks_per_seq, query_start, context_lens, block_size, num_kv_heads, group, scale
+    "attention_prefill_d64": "PPiPPPiPPiiif",
+    "attention_prefill_d128": "PPiPPPiPPiiif",
+    # cuda/attention_decode.cu: out, partial_out, partial_ml, q, q_row_stride, k_cache, v_cache,
+    #   block_tables, max_blocks_per_seq, context_lens, block_size, num_kv_heads, group, scale
+    "attention_decode_d64": "PPPPiPPPiPiiif",
+    "attention_decode_d128": "PPPPiPPPiPiiif",
+    # out, partial_out, partial_ml, num_q_heads, num_splits, head_dim
+    "attention_decode_reduce": "PPPiii",
 }
 
 
@@ -37,10 +55,11 @@ def device_arch() -> str:
 class Kernel:
     name: str
     function: drv.Function
+    stream: drv.Stream | None      # the library's stream; None = the default stream
 
     def __call__(self, grid, block, *args, shared_bytes: int = 0, stream: drv.Stream | None = None):
-        """Launch on `stream` (None = the default stream). grid/block: int or tuple of ints."""
-        self.function.prepared_async_call(_dim3(grid), _dim3(block), stream, *args,
+        """Launch on `stream`, by default the library's. grid/block: an int or a tuple of up to 3."""
+        self.function.prepared_async_call(_dim3(grid), _dim3(block), stream or self.stream, *args,
                                           shared_size=shared_bytes)
 
 
@@ -52,10 +71,14 @@ def _dim3(d) -> tuple[int, int, int]:
 class KernelLibrary:
     """All kernels of cuda/*.cu, compiled once per process, looked up by name."""
 
-    def __init__(self, cuda_dir: Path = CUDA_DIR, extra_options: tuple[str, ...] = ()):
+    def __init__(self, stream: drv.Stream | None = None, cuda_dir: Path = CUDA_DIR,
+                 extra_options: tuple[str, ...] = ()):
         self.arch = device_arch()
+        self.stream = stream
         self._modules: dict[str, SourceModule] = {}
-        options = ["-std=c++17", "-O3", "--use_fast_math", *extra_options]
+        # No --use_fast_math: RoPE needs sincosf's full range reduction at large positions;
+        # kernels ask for fast intrinsics (__expf) explicitly where they are safe.
+        options = ["-std=c++17", "-O3", *extra_options]
         for path in sorted(cuda_dir.glob("*.cu")):
             self._modules[path.stem] = SourceModule(
                 path.read_text(), arch=self.arch, no_extern_c=True, options=options,
@@ -72,7 +95,7 @@ class KernelLibrary:
                 except drv.LogicError:
                     continue
                 fn.prepare(KERNEL_SIGNATURES[name])
-                self._kernels[name] = Kernel(name, fn)
+                self._kernels[name] = Kernel(name, fn, self.stream)
                 break
             else:
                 raise KeyError(f"kernel {name!r} not found in {sorted(self._modules)}")

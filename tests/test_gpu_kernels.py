@@ -1,0 +1,211 @@
+"""Every CUDA kernel and linear() against its numpy twin in tinyvllm/reference.py, on fresh random
+inputs with the outputs poisoned first. Tolerances: bf16 outputs, relative (Frobenius) error
+<= 1e-2 unless stated; copies must be exact."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tinyvllm import reference as ref
+from tinyvllm.batch import ForwardBatch
+
+pytestmark = pytest.mark.gpu
+BF16_TOL = 1e-2
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    import pycuda.driver as drv
+    from tinyvllm.gpu.kernels import KernelLibrary
+    drv.init()
+    ctx = drv.Device(0).retain_primary_context()
+    ctx.push()
+    lib = KernelLibrary()
+    yield lib
+    drv.Context.synchronize()
+    ctx.pop()
+
+
+@pytest.fixture
+def rng(request):
+    # fresh inputs each run, but a failure prints the seed that reproduces it
+    seed = np.random.SeedSequence().entropy % 2**32
+    print(f"rng seed {seed}")
+    return np.random.default_rng(seed)
+
+
+def _sync():
+    import pycuda.driver as drv
+    drv.Context.synchronize()
+
+
+@pytest.mark.parametrize("vocab,hidden,tokens", [(1000, 256, 37), (128256, 2048, 5)])
+def test_embedding_gather(gpu, rng, vocab, hidden, tokens):
+    from gpu_helpers import DeviceArray, to_bf16
+    table = to_bf16(rng.standard_normal((vocab, hidden)))
+    ids = rng.integers(0, vocab, tokens).astype(np.int32)
+    d_table, d_ids = DeviceArray(table), DeviceArray(ids)
+    out = DeviceArray.poisoned((tokens, hidden), table.dtype)
+    gpu["embedding_gather"](tokens, 128, out, d_table, d_ids, tokens, hidden, vocab)
+    _sync()
+    np.testing.assert_array_equal(out.get().astype(np.float32), ref.embedding(ids, table))
+
+
+@pytest.mark.parametrize("hidden", [256, 2056, 4096])
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_rms_norm(gpu, rng, hidden, with_rows):
+    from gpu_helpers import DeviceArray, rel_err, to_bf16
+    T = 33
+    x = to_bf16(rng.standard_normal((T, hidden)) * 3)
+    w = to_bf16(1 + 0.1 * rng.standard_normal(hidden))
+    rows = rng.permutation(T)[:7].astype(np.int32) if with_rows else None
+    n = len(rows) if with_rows else T
+    out = DeviceArray.poisoned((n, hidden), x.dtype)
+    d_rows = DeviceArray(rows) if with_rows else None
+    gpu["rms_norm"](n, 256, out, DeviceArray(x), DeviceArray(w), int(d_rows) if with_rows else 0, n, hidden, 1e-5)
+    _sync()
+    want = ref.rms_norm(x[rows] if with_rows else x, w, 1e-5)
+    assert rel_err(out.get(), want) < BF16_TOL
+
+
+def test_silu_mul(gpu, rng):
+    from gpu_helpers import DeviceArray, rel_err, to_bf16
+    T, inter = 19, 1000
+    gate_up = to_bf16(rng.standard_normal((T, 2 * inter)) * 2)
+    out = DeviceArray.poisoned((T, inter), gate_up.dtype)
+    gpu["silu_mul"](8, 256, out, DeviceArray(gate_up), T, inter)
+    _sync()
+    want = ref.silu_mul(gate_up[:, :inter], gate_up[:, inter:])
+    assert rel_err(out.get(), want) < BF16_TOL
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 64), (24, 8, 128), (4, 2, 64)])
+def test_rope_write_kv(gpu, rng, hq, hkv, d):
+    from gpu_helpers import DeviceArray, rel_err, to_bf16
+    import dataclasses
+    from tinyvllm.model_writer import preset_config
+    inv_freq = ref.rope_inv_freq(dataclasses.replace(preset_config("llama-3.2-1b"), head_dim=d))
+    T, block_size, num_blocks = 45, 16, 9
+    qkv = to_bf16(rng.standard_normal((T, (hq + 2 * hkv) * d)))
+    positions = rng.integers(0, 131072, T).astype(np.int32)
+    slots = rng.permutation(num_blocks * block_size)[:T].astype(np.int32)
+    slots[[3, 17]] = -1                                           # padding tokens: no write
+    d_qkv = DeviceArray(qkv)
+    k_cache = DeviceArray.poisoned((num_blocks, block_size, hkv, d), qkv.dtype)
+    v_cache = DeviceArray.poisoned((num_blocks, block_size, hkv, d), qkv.dtype)
+    gpu["rope_write_kv"](T, 128, d_qkv, k_cache, v_cache, DeviceArray(positions), DeviceArray(slots),
+                         DeviceArray(inv_freq), T, hq, hkv, d)
+    _sync()
+    q = qkv[:, :hq * d].reshape(T, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].reshape(T, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].reshape(T, hkv, d)
+    got_q = d_qkv.get()[:, :hq * d].reshape(T, hq, d)
+    assert rel_err(got_q, ref.apply_rope(q, positions, inv_freq)) < BF16_TOL
+    want_k = np.full((num_blocks, block_size, hkv, d), np.nan, np.float32)
+    want_v = want_k.copy()
+    ref.write_kv(want_k, want_v, ref.apply_rope(k, positions, inv_freq), v, slots)
+    got_k, got_v = k_cache.get().astype(np.float32), v_cache.get().astype(np.float32)
+    written = ~np.isnan(want_k[..., 0, 0])
+    assert np.isnan(got_k[~written]).all() and np.isnan(got_v[~written]).all(), "wrote outside slot_mapping"
+    assert rel_err(got_k[written], want_k[written]) < BF16_TOL
+    np.testing.assert_array_equal(got_v[written], want_v[written])
+
+
+def _attention_case(rng, q_lens, context_lens, hq, hkv, d, block_size=16):
+    from gpu_helpers import shuffled_block_tables, to_bf16
+    tables, num_blocks = shuffled_block_tables(rng, context_lens, block_size)
+    batch = ForwardBatch.build([[0] * n for n in q_lens], list(context_lens), tables, block_size,
+                               is_prefill=True)
+    k_cache = to_bf16(rng.standard_normal((num_blocks, block_size, hkv, d)))
+    v_cache = to_bf16(rng.standard_normal((num_blocks, block_size, hkv, d)))
+    q = to_bf16(rng.standard_normal((batch.num_tokens, hq, d)))
+    want = ref.paged_attention(q, k_cache, v_cache, batch, 1 / math.sqrt(d))
+    return batch, q, k_cache, v_cache, want
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (32, 8, 64), (6, 2, 128)])
+def test_attention_prefill(gpu, rng, hq, hkv, d):
+    """Several prompts of odd lengths (not multiples of the 64-row tile), some with a cached
+    prefix, over shuffled block tables; one of 4,100 tokens."""
+    from gpu_helpers import DeviceArray, rel_err
+    q_lens = [1, 17, 64, 65, 130, 4100]
+    cached = [0, 5, 0, 100, 37, 0]
+    batch, q, kc, vc, want = _attention_case(rng, q_lens, [a + b for a, b in zip(q_lens, cached)], hq, hkv, d)
+    out = DeviceArray.poisoned((batch.num_tokens, hq, d), q.dtype)
+    grid = (math.ceil(max(q_lens) / 64), batch.num_seqs, hq)
+    gpu[f"attention_prefill_d{d}"](grid, 64 * (d // 64), out, DeviceArray(q), hq * d, DeviceArray(kc),
+                                   DeviceArray(vc), DeviceArray(batch.block_tables),
+                                   batch.block_tables.shape[1], DeviceArray(batch.query_start),
+                                   DeviceArray(batch.context_lens), 16, hkv, hq // hkv,
+                                   1 / math.sqrt(d))
+    _sync()
+    got = out.get()
+    for i in range(batch.num_seqs):
+        s, e = batch.query_start[i], batch.query_start[i + 1]
+        assert rel_err(got[s:e], want[s:e]) < BF16_TOL, f"sequence {i}"
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 64), (8, 8, 64), (24, 8, 128), (4, 2, 64)])
+@pytest.mark.parametrize("splits", [1, 5, 32])
+def test_attention_decode(gpu, rng, hq, hkv, d, splits):
+    """One query per sequence at contexts from 1 to 5,000 tokens; with several splits the reduce
+    kernel merges them (splits beyond a short context are empty and must be ignored)."""
+    from gpu_helpers import DeviceArray, rel_err
+    from tinyvllm.gpu.arena import MAX_DECODE_SPLITS
+    ctx = [1, 15, 300, 4129, 5000, 257]
+    batch, q, kc, vc, want = _attention_case(rng, [1] * len(ctx), ctx, hq, hkv, d)
+    S = batch.num_seqs
+    out = DeviceArray.poisoned((S, hq, d), q.dtype)
+    part_out = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, d), np.float32)
+    part_ml = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, 2), np.float32)
+    gpu[f"attention_decode_d{d}"]((S, hkv, splits), 128, out, part_out, part_ml, DeviceArray(q), hq * d,
+                                  DeviceArray(kc), DeviceArray(vc), DeviceArray(batch.block_tables),
+                                  batch.block_tables.shape[1], DeviceArray(batch.context_lens), 16, hkv,
+                                  hq // hkv, 1 / math.sqrt(d))
+    if splits > 1:
+        gpu["attention_decode_reduce"]((S, hq), d, out, part_out, part_ml, hq, splits, d)
+    _sync()
+    got = out.get()
+    for i in range(S):
+        assert rel_err(got[i], want[i]) < BF16_TOL, f"sequence {i} (context {ctx[i]})"
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 3072, 2048), (7, 1000, 264), (33, 130, 72), (300, 2048, 8192)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_linear(gpu, rng, m, n, k, accumulate):
+    """Y (+)= X @ W^T through the one transpose trick, bf16 in, bf16 out, odd shapes."""
+    import pycuda.driver as drv
+    from gpu_helpers import DeviceArray, rel_err, to_bf16
+    from tinyvllm.gpu.cublas import Cublas
+    x, w = to_bf16(rng.standard_normal((m, k))), to_bf16(rng.standard_normal((n, k)) / math.sqrt(k))
+    y0 = to_bf16(rng.standard_normal((m, n)))
+    y = DeviceArray(y0) if accumulate else DeviceArray.poisoned((m, n), x.dtype)
+    ws = drv.mem_alloc(1 << 22)
+    blas = Cublas(0, int(ws), 1 << 22)
+    try:
+        blas.linear(int(y), int(DeviceArray(x)), int(DeviceArray(w)), m, n, k, accumulate=accumulate)
+        _sync()
+    finally:
+        blas.close()
+    want = x.astype(np.float32) @ w.astype(np.float32).T + (y0.astype(np.float32) if accumulate else 0)
+    assert rel_err(y.get(), want) < BF16_TOL
+
+
+def test_linear_fp32_out(gpu, rng):
+    """The LM head's variant: fp32 logits; tolerance 1e-3 (only the bf16 inputs are rounded)."""
+    import pycuda.driver as drv
+    from gpu_helpers import DeviceArray, rel_err, to_bf16
+    from tinyvllm.gpu.cublas import Cublas
+    m, n, k = 5, 12345, 256
+    x, w = to_bf16(rng.standard_normal((m, k))), to_bf16(rng.standard_normal((n, k)))
+    y = DeviceArray.poisoned((m, n), np.float32)
+    ws = drv.mem_alloc(1 << 22)
+    blas = Cublas(0, int(ws), 1 << 22)
+    try:
+        blas.linear(int(y), int(DeviceArray(x)), int(DeviceArray(w)), m, n, k, out_dtype="float32")
+        _sync()
+    finally:
+        blas.close()
+    assert rel_err(y.get(), x.astype(np.float32) @ w.astype(np.float32).T) < 1e-3

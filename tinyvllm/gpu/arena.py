@@ -1,0 +1,227 @@
+"""The buffer arena: every activation and per-step input of a forward pass in one device
+allocation, laid out once from a table, addressed by name.
+
+The layout is computed in plain Python (no GPU needed, so CI tests it); `Arena` allocates it.
+Buffers that share a `storage` name share bytes: their lifetimes within a layer never overlap.
+
+    storage   buffers            live from ... to ...
+    hidden    hidden             embedding ... final norm (the residual stream)
+    normed    normed             RMSNorm ... the next projection
+              final_normed       final norm ... LM head
+    proj      qkv                qkv_proj ... attention            (q, k, v side by side per row)
+              gate_up            gate_up_proj ... silu_mul
+    mid       attn_out           attention ... o_proj
+              act                silu_mul ... down_proj
+
+The per-step inputs (token ids, positions, slot mapping, block tables, sampling parameters)
+form one contiguous region mirrored in page-locked host memory, so a step uploads them with a
+single copy. Block tables come last and are packed with the batch's own width, so that copy
+stops right after the rows in use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..config import EngineConfig, ModelConfig
+
+ALIGN = 256                      # bytes; cuBLAS and 16-byte vector loads are happy with this
+CUBLAS_WORKSPACE_BYTES = 32 << 20
+MAX_DECODE_SPLITS = 32           # flash-decoding splits per sequence (see cuda/attention_decode.cu)
+
+
+@dataclass(frozen=True)
+class ArenaDims:
+    tokens: int          # max new tokens in one step
+    seqs: int            # max sequences in one step
+    hidden: int
+    q_width: int         # num_heads * head_dim
+    qkv_width: int       # (num_heads + 2 * num_kv_heads) * head_dim
+    inter: int
+    vocab: int
+    heads: int
+    head_dim: int
+    blocks_per_seq: int
+
+    @classmethod
+    def from_configs(cls, model: ModelConfig, engine: EngineConfig) -> "ArenaDims":
+        seqs = engine.max_num_seqs
+        return cls(tokens=max(engine.max_num_batched_tokens, seqs), seqs=seqs,
+                   hidden=model.hidden_size, q_width=model.q_size,
+                   qkv_width=model.q_size + 2 * model.kv_size, inter=model.intermediate_size,
+                   vocab=model.vocab_size, heads=model.num_attention_heads,
+                   head_dim=model.head_dim, blocks_per_seq=engine.max_blocks_per_seq(model))
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    name: str
+    shape: Callable[[ArenaDims], tuple[int, ...]]
+    dtype: str
+    storage: str
+
+
+BF16, F32, I32, U64 = "bfloat16", "float32", "int32", "uint64"
+ITEMSIZE = {BF16: 2, F32: 4, I32: 4, U64: 8}
+
+ACTIVATIONS = [
+    BufferSpec("hidden", lambda d: (d.tokens, d.hidden), BF16, "hidden"),
+    BufferSpec("normed", lambda d: (d.tokens, d.hidden), BF16, "normed"),
+    BufferSpec("final_normed", lambda d: (d.seqs, d.hidden), BF16, "normed"),
+    BufferSpec("qkv", lambda d: (d.tokens, d.qkv_width), BF16, "proj"),
+    BufferSpec("gate_up", lambda d: (d.tokens, 2 * d.inter), BF16, "proj"),
+    BufferSpec("attn_out", lambda d: (d.tokens, d.q_width), BF16, "mid"),
+    BufferSpec("act", lambda d: (d.tokens, d.inter), BF16, "mid"),
+    BufferSpec("logits", lambda d: (d.seqs, d.vocab), F32, "logits"),
+    BufferSpec("decode_partial_out", lambda d: (d.seqs, d.heads, MAX_DECODE_SPLITS, d.head_dim), F32, "decode_partial_out"),
+    BufferSpec("decode_partial_ml", lambda d: (d.seqs, d.heads, MAX_DECODE_SPLITS, 2), F32, "decode_partial_ml"),
+    BufferSpec("cublas_workspace", lambda d: (CUBLAS_WORKSPACE_BYTES // 4,), F32, "cublas_workspace"),
+]
+
+# Uploaded every step in one copy: keep block_tables last (see module docstring).
+INPUTS = [
+    BufferSpec("token_ids", lambda d: (d.tokens,), I32, "token_ids"),
+    BufferSpec("positions", lambda d: (d.tokens,), I32, "positions"),
+    BufferSpec("slot_mapping", lambda d: (d.tokens,), I32, "slot_mapping"),
+    BufferSpec("query_start", lambda d: (d.seqs + 1,), I32, "query_start"),
+    BufferSpec("context_lens", lambda d: (d.seqs,), I32, "context_lens"),
+    BufferSpec("last_token_idx", lambda d: (d.seqs,), I32, "last_token_idx"),
+    BufferSpec("temperature", lambda d: (d.seqs,), F32, "temperature"),
+    BufferSpec("top_k", lambda d: (d.seqs,), I32, "top_k"),
+    BufferSpec("top_p", lambda d: (d.seqs,), F32, "top_p"),
+    BufferSpec("seeds", lambda d: (d.seqs,), U64, "seeds"),
+    BufferSpec("steps", lambda d: (d.seqs,), I32, "steps"),
+    BufferSpec("block_tables", lambda d: (d.seqs, d.blocks_per_seq), I32, "block_tables"),
+]
+
+OUTPUTS = [
+    BufferSpec("sampled_ids", lambda d: (d.seqs,), I32, "sampled_ids"),
+]
+
+
+@dataclass(frozen=True)
+class Placement:
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+    storage: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * ITEMSIZE[self.dtype]
+
+
+def _round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def plan_layout(specs: list[BufferSpec], dims: ArenaDims, base: int = 0) -> tuple[dict[str, Placement], int]:
+    """Place each storage group once (sized for its largest member) in table order.
+    Returns the placements by name and the end offset."""
+    group_size: dict[str, int] = {}
+    for spec in specs:
+        nbytes = int(np.prod(spec.shape(dims))) * ITEMSIZE[spec.dtype]
+        group_size[spec.storage] = max(group_size.get(spec.storage, 0), nbytes)
+    group_offset, offset = {}, _round_up(base)
+    for storage, size in group_size.items():      # dicts keep the table's order
+        group_offset[storage] = offset
+        offset = _round_up(offset + size)
+    placements = {s.name: Placement(s.name, group_offset[s.storage], s.shape(dims), s.dtype, s.storage)
+                  for s in specs}
+    return placements, offset
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    dims: ArenaDims
+    activations: dict[str, Placement]
+    inputs: dict[str, Placement]      # offsets relative to the inputs region
+    outputs: dict[str, Placement]
+    activation_bytes: int
+    input_bytes: int
+    output_bytes: int
+
+    @classmethod
+    def plan(cls, dims: ArenaDims) -> "ArenaLayout":
+        act, act_end = plan_layout(ACTIVATIONS, dims)
+        inp, inp_end = plan_layout(INPUTS, dims)
+        out, out_end = plan_layout(OUTPUTS, dims)
+        return cls(dims, act, inp, out, act_end, inp_end, out_end)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.activation_bytes + self.input_bytes + self.output_bytes
+
+    def memory_map(self) -> str:
+        lines = [f"{'region':<12}{'offset':>14}  {'bytes':>14}  {'buffer':<20}{'shape':<24}{'dtype':<9}storage"]
+        regions = (("activations", 0, self.activations), ("inputs", self.activation_bytes, self.inputs),
+                   ("outputs", self.activation_bytes + self.input_bytes, self.outputs))
+        for region, base, placements in regions:
+            for p in sorted(placements.values(), key=lambda p: (p.offset, p.name)):
+                lines.append(f"{region:<12}{base + p.offset:>14,}  {p.nbytes:>14,}  {p.name:<20}"
+                             f"{str(p.shape):<24}{p.dtype:<9}{p.storage}")
+        lines.append(f"total {self.total_bytes:,} bytes ({self.total_bytes / 2**20:.1f} MiB)")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    """A typed window into device memory. int(view) is the pointer kernels and cuBLAS take."""
+    name: str
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __int__(self) -> int:
+        return self.ptr
+
+    def row(self, i: int) -> int:
+        """Pointer to row i (first axis)."""
+        return self.ptr + i * int(np.prod(self.shape[1:])) * ITEMSIZE[self.dtype]
+
+
+class Arena:
+    """Allocates the planned layout once: activations + inputs + outputs in one cuMemAlloc, with
+    a page-locked host mirror of the inputs and outputs regions for single-copy transfers."""
+
+    def __init__(self, layout: ArenaLayout):
+        import pycuda.driver as drv
+        self.layout = layout
+        self._allocation = drv.mem_alloc(layout.total_bytes)
+        base = int(self._allocation)
+        self.inputs_ptr = base + layout.activation_bytes
+        self.outputs_ptr = self.inputs_ptr + layout.input_bytes
+        self._views: dict[str, DeviceView] = {}
+        for region_base, placements in ((base, layout.activations), (self.inputs_ptr, layout.inputs),
+                                        (self.outputs_ptr, layout.outputs)):
+            for p in placements.values():
+                self._views[p.name] = DeviceView(p.name, region_base + p.offset, p.shape, p.dtype)
+        self.host_inputs_bytes = drv.pagelocked_empty(layout.input_bytes, np.uint8)
+        self.host_outputs_bytes = drv.pagelocked_empty(layout.output_bytes, np.uint8)
+        self._host = {p.name: _host_view(self.host_inputs_bytes, p) for p in layout.inputs.values()}
+        self._host.update({p.name: _host_view(self.host_outputs_bytes, p) for p in layout.outputs.values()})
+
+    def view(self, name: str) -> DeviceView:
+        return self._views[name]
+
+    def host(self, name: str) -> np.ndarray:
+        """The page-locked host mirror of an input or output buffer."""
+        return self._host[name]
+
+    def upload_inputs(self, nbytes: int, stream) -> None:
+        import pycuda.driver as drv
+        drv.memcpy_htod_async(self.inputs_ptr, self.host_inputs_bytes[:nbytes], stream)
+
+    def download_outputs(self, nbytes: int, stream) -> None:
+        import pycuda.driver as drv
+        drv.memcpy_dtoh_async(self.host_outputs_bytes[:nbytes], self.outputs_ptr, stream)
+
+    def __str__(self) -> str:
+        return self.layout.memory_map()
+
+
+def _host_view(buffer: np.ndarray, p: Placement) -> np.ndarray:
+    return buffer[p.offset:p.offset + p.nbytes].view(np.dtype(p.dtype)).reshape(p.shape)

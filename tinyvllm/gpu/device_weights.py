@@ -1,0 +1,94 @@
+"""Weights on the GPU: uploaded once, into one allocation, in the layout the forward pass wants.
+
+Two fusions happen here, at load: q/k/v projections are concatenated along the output dimension
+into one [q + 2kv, hidden] matrix, and gate/up into one [2 * inter, hidden] matrix, so each layer
+runs two GEMMs where HF runs five. Tied checkpoints point the LM head at the embedding table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import ml_dtypes
+
+from ..config import ModelConfig
+from ..reference import rope_inv_freq
+from .arena import ALIGN
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: int      # [hidden]
+    qkv: int             # [q + 2 kv, hidden]
+    o: int               # [hidden, q]
+    post_norm: int       # [hidden]
+    gate_up: int         # [2 inter, hidden]
+    down: int            # [hidden, inter]
+
+
+@dataclass(frozen=True)
+class DeviceWeights:
+    embed: int           # [vocab, hidden]
+    final_norm: int      # [hidden]
+    lm_head: int         # [vocab, hidden]; == embed when tied
+    rope_inv_freq: int   # float32 [head_dim / 2]
+    layers: tuple[LayerWeights, ...]
+    nbytes: int
+
+
+def device_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor uploaded, in upload order, with its (fused) shape."""
+    h, i, qkv = config.hidden_size, config.intermediate_size, config.q_size + 2 * config.kv_size
+    shapes = {"embed": (config.vocab_size, h)}
+    for n in range(config.num_hidden_layers):
+        shapes.update({f"{n}.input_norm": (h,), f"{n}.qkv": (qkv, h), f"{n}.o": (h, config.q_size),
+                       f"{n}.post_norm": (h,), f"{n}.gate_up": (2 * i, h), f"{n}.down": (h, i)})
+    shapes["final_norm"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (config.vocab_size, h)
+    shapes["rope_inv_freq"] = (config.head_dim // 2,)
+    return shapes
+
+
+def _host_tensor(key: str, config: ModelConfig, w: dict[str, np.ndarray]) -> np.ndarray:
+    """The host array for one device tensor; fused matrices are concatenated here, one at a
+    time, so at most one layer's worth of extra host memory exists."""
+    if key == "rope_inv_freq":
+        return rope_inv_freq(config)             # float32: angles need the precision
+    if key in ("embed", "final_norm", "lm_head"):
+        name = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+                "lm_head": "lm_head.weight"}[key]
+        return w[name]
+    layer, part = key.split(".")
+    p = f"model.layers.{layer}."
+    if part == "qkv":
+        return np.concatenate([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], axis=0)
+    if part == "gate_up":
+        return np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)
+    return w[p + {"input_norm": "input_layernorm.weight", "o": "self_attn.o_proj.weight",
+                  "post_norm": "post_attention_layernorm.weight", "down": "mlp.down_proj.weight"}[part]]
+
+
+def upload_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> tuple[DeviceWeights, object]:
+    """Copy the model to the GPU in one allocation. Returns the pointers and the allocation
+    object that owns the memory (keep it alive as long as the pointers are used)."""
+    import pycuda.driver as drv
+
+    shapes = device_tensor_shapes(config)
+    itemsize = {k: 4 if k == "rope_inv_freq" else 2 for k in shapes}
+    total = sum(_padded(int(np.prod(s)) * itemsize[k]) for k, s in shapes.items())
+    allocation = drv.mem_alloc(total)
+    ptrs, offset = {}, int(allocation)
+    for key, shape in shapes.items():
+        arr = _host_tensor(key, config, weights)
+        dtype = np.float32 if itemsize[key] == 4 else ml_dtypes.bfloat16
+        arr = np.ascontiguousarray(arr, dtype=dtype)
+        assert arr.shape == shape, (key, arr.shape, shape)
+        drv.memcpy_htod(offset, arr)
+        ptrs[key] = offset
+        offset += _padded(arr.nbytes)
+    layers = tuple(LayerWeights(**{f: ptrs[f"{n}.{f}"] for f in LayerWeights.__dataclass_fields__})
+                   for n in range(config.num_hidden_layers))
+    return DeviceWeights(embed=ptrs["embed"], final_norm=ptrs["final_norm"],
+                         lm_head=ptrs.get("lm_head", ptrs["embed"]),
+                         rope_inv_freq=ptrs["rope_inv_freq"], layers=layers, nbytes=total), allocation

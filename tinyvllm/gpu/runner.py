@@ -1,0 +1,138 @@
+"""CudaRunner: the CUDA backend of the ModelRunner interface (tinyvllm/runner.py).
+
+Start-up, once: CUDA context and stream, kernels compiled (cached on disk), the arena, the
+weights, cuBLAS bound to the stream and to a workspace inside the arena, then the KV cache from
+whatever memory is left. Per step: write the batch into the arena's page-locked input mirror,
+one host-to-device copy, the forward pass, sampling, and one copy of S token ids back.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..batch import ForwardBatch
+from ..config import EngineConfig, ModelConfig
+from ..errors import GPUUnavailableError, TinyVLLMError
+from ..model import LlamaModel, StepShape
+from ..sampling import SamplingBatch
+from .arena import CUBLAS_WORKSPACE_BYTES, Arena, ArenaDims, ArenaLayout
+from .cublas import Cublas
+from .device_weights import upload_weights
+from .kernels import KernelLibrary
+from .kv_memory import DeviceKVCache, num_blocks_to_allocate
+from .sampler import Sampler
+
+
+def _cuda():
+    try:
+        import pycuda.driver as drv
+        drv.init()
+        if drv.Device.count() == 0:
+            raise GPUUnavailableError("no CUDA device found; use --device cpu")
+        return drv
+    except ImportError as e:
+        raise GPUUnavailableError(f"PyCUDA is not installed ({e}); `pip install -e .[gpu]` "
+                                  f"or use --device cpu") from None
+    except Exception as e:  # noqa: BLE001 — pycuda raises its own error types here
+        if isinstance(e, TinyVLLMError):
+            raise
+        raise GPUUnavailableError(f"no usable CUDA driver ({e}); use --device cpu") from None
+
+
+class CudaRunner:
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig):
+        drv = _cuda()
+        self.cfg, self.engine_cfg = config, engine_config
+        device = drv.Device(0)
+        self.device_name = device.name()
+        # The primary context can be pushed from whichever thread drives the engine (the
+        # server runs it on a background thread).
+        self.ctx = device.retain_primary_context()
+        self.ctx.push()
+        try:
+            self.stream = drv.Stream()
+            self.kernels = KernelLibrary(self.stream)
+            self.dims = ArenaDims.from_configs(config, engine_config)
+            self.arena = Arena(ArenaLayout.plan(self.dims))
+            self.weights, self._weights_allocation = upload_weights(config, weights)
+            self.blas = Cublas(self.stream.handle, int(self.arena.view("cublas_workspace")),
+                               CUBLAS_WORKSPACE_BYTES)
+            free, total = drv.mem_get_info()
+            self.num_kv_blocks = num_blocks_to_allocate(config, engine_config, free, total)
+            self.kv_cache = DeviceKVCache(config, self.num_kv_blocks, engine_config.block_size)
+            num_sms = device.get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
+            self.model = LlamaModel(config, self.weights, self.arena, self.kv_cache, self.kernels,
+                                    self.blas, num_sms)
+            self.sampler = Sampler(self.kernels)
+            self._block_tables_offset = self.arena.layout.inputs["block_tables"].offset
+            self._block_tables_flat = self.arena.host_inputs_bytes[self._block_tables_offset:].view(np.int32)
+        finally:
+            self.ctx.pop()
+
+    # -- one step ----------------------------------------------------------------------------
+    def _stage_inputs(self, batch: ForwardBatch, sampling: SamplingBatch | None) -> StepShape:
+        """Write the batch into the page-locked input mirror and upload it in one copy."""
+        T, S = batch.num_tokens, batch.num_seqs
+        if T > self.dims.tokens or S > self.dims.seqs:
+            raise ValueError(f"batch of {T} tokens / {S} sequences exceeds the arena "
+                             f"({self.dims.tokens} tokens / {self.dims.seqs} sequences)")
+        width = batch.block_tables.shape[1]
+        if width > self.dims.blocks_per_seq:
+            raise ValueError(f"block table width {width} exceeds {self.dims.blocks_per_seq}")
+        h = self.arena.host
+        h("token_ids")[:T] = batch.token_ids
+        h("positions")[:T] = batch.positions
+        h("slot_mapping")[:T] = batch.slot_mapping
+        h("query_start")[:S + 1] = batch.query_start
+        h("context_lens")[:S] = batch.context_lens
+        h("last_token_idx")[:S] = batch.last_token_indices
+        if sampling is not None:
+            h("temperature")[:S] = sampling.temperature
+            h("top_k")[:S] = sampling.top_k
+            h("top_p")[:S] = sampling.top_p
+            h("seeds")[:S] = sampling.seed
+            h("steps")[:S] = sampling.step
+        # packed with this batch's width: the kernels take the width as the row stride
+        self._block_tables_flat[:S * width] = batch.block_tables.reshape(-1)
+        self.arena.upload_inputs(self._block_tables_offset + S * width * 4, self.stream)
+        q_lens = np.diff(batch.query_start)
+        return StepShape(num_tokens=T, num_seqs=S, is_prefill=batch.is_prefill,
+                         max_query_len=int(q_lens.max()), max_context_len=int(batch.context_lens.max()),
+                         block_table_width=width)
+
+    def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> np.ndarray:
+        """Forward + sample; returns the int32 [S] next token of each sequence."""
+        self.ctx.push()
+        try:
+            step = self._stage_inputs(batch, sampling)
+            self.model.forward(step)
+            S, v = step.num_seqs, self.arena.view
+            self.sampler.sample(v("logits"), S, self.cfg.vocab_size, v("temperature"), v("top_k"),
+                                v("top_p"), v("seeds"), v("steps"), v("sampled_ids"))
+            self.arena.download_outputs(S * 4, self.stream)
+            self.stream.synchronize()
+            return self.arena.host("sampled_ids")[:S].copy()
+        finally:
+            self.ctx.pop()
+
+    def forward_logits(self, batch: ForwardBatch) -> np.ndarray:
+        """Forward only; copies the fp32 logits [S, vocab] back (tests and debugging)."""
+        import pycuda.driver as drv
+        self.ctx.push()
+        try:
+            step = self._stage_inputs(batch, None)
+            self.model.forward(step)
+            out = np.empty((step.num_seqs, self.cfg.vocab_size), np.float32)
+            drv.memcpy_dtoh_async(out, int(self.arena.view("logits")), self.stream)
+            self.stream.synchronize()
+            return out
+        finally:
+            self.ctx.pop()
+
+    def close(self) -> None:
+        if getattr(self, "blas", None) is not None:
+            self.ctx.push()
+            try:
+                self.blas.close()
+            finally:
+                self.ctx.pop()
+            self.blas = None

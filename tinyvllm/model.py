@@ -1,0 +1,115 @@
+"""LlamaModel: the forward pass on the GPU as a readable list of kernel launches and linear()
+calls on arena views. No allocation, no numpy, no hidden state: the runner fills the arena's
+input views before forward() and reads the logits (or sampled ids) after it.
+
+Per layer (T new tokens; residual stream `hidden` in bf16):
+    normed   = rms_norm(hidden)                         kernel
+    qkv      = normed @ Wqkv^T                          cuBLAS (q, k, v fused)
+    q, cache = rope(qkv) -> paged K/V write             kernel (RoPE fused with the cache write)
+    attn_out = attention(q, paged K/V)                  kernel(s): prefill tiles or split decode
+    hidden  += attn_out @ Wo^T                          cuBLAS, beta = 1 fuses the residual add
+    normed   = rms_norm(hidden)                         kernel
+    gate_up  = normed @ Wgate_up^T                      cuBLAS (gate, up fused)
+    act      = silu(gate) * up                          kernel
+    hidden  += act @ Wdown^T                            cuBLAS, beta = 1
+then the final norm of each sequence's last token and the LM head (fp32 logits, S rows only).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .config import ModelConfig
+from .gpu.arena import MAX_DECODE_SPLITS, Arena
+from .gpu.cublas import Cublas
+from .gpu.device_weights import DeviceWeights
+from .gpu.kernels import KernelLibrary
+from .gpu.kv_memory import DeviceKVCache
+
+NORM_THREADS = 256
+DECODE_CHUNK = 256          # tokens per inner chunk of attention_decode (cuda/attention_decode.cu)
+PREFILL_BLOCK_Q = 64        # query rows per block of attention_prefill
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the host knows about a step without reading device memory."""
+    num_tokens: int
+    num_seqs: int
+    is_prefill: bool
+    max_query_len: int
+    max_context_len: int
+    block_table_width: int   # the row stride of the packed block tables this step
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: DeviceWeights, arena: Arena,
+                 kv_cache: DeviceKVCache, kernels: KernelLibrary, blas: Cublas, num_sms: int):
+        if config.head_dim not in (64, 128):
+            raise NotImplementedError(f"head_dim {config.head_dim}: attention kernels exist for 64 and 128")
+        self.cfg, self.w, self.arena, self.kv, self.k, self.blas = config, weights, arena, kv_cache, kernels, blas
+        self.num_sms = num_sms
+        self.group = config.num_attention_heads // config.num_key_value_heads
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.qkv_width = config.q_size + 2 * config.kv_size
+        v = arena.view
+        self.hidden, self.normed, self.qkv, self.attn_out = v("hidden"), v("normed"), v("qkv"), v("attn_out")
+        self.gate_up, self.act, self.final_normed, self.logits = v("gate_up"), v("act"), v("final_normed"), v("logits")
+        self.partial_out, self.partial_ml = v("decode_partial_out"), v("decode_partial_ml")
+        self.token_ids, self.positions, self.slot_mapping = v("token_ids"), v("positions"), v("slot_mapping")
+        self.query_start, self.context_lens = v("query_start"), v("context_lens")
+        self.last_token_idx, self.block_tables = v("last_token_idx"), v("block_tables")
+
+    def forward(self, step: StepShape) -> None:
+        """Run all layers for the step's tokens; logits of each sequence's last token land in
+        the arena's `logits` view, fp32 [num_seqs, vocab]."""
+        c, w, k, blas = self.cfg, self.w, self.k, self.blas
+        T, H, I = step.num_tokens, c.hidden_size, c.intermediate_size
+        k["embedding_gather"](T, 128, self.hidden, w.embed, self.token_ids, T, H, c.vocab_size)
+        for layer, lw in enumerate(w.layers):
+            self._rms_norm(self.normed, self.hidden, lw.input_norm, T)
+            blas.linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H)
+            k["rope_write_kv"](T, 128, self.qkv, self.kv.k(layer), self.kv.v(layer), self.positions,
+                               self.slot_mapping, w.rope_inv_freq, T, c.num_attention_heads,
+                               c.num_key_value_heads, c.head_dim)
+            self._attention(step, layer)
+            blas.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True)
+            self._rms_norm(self.normed, self.hidden, lw.post_norm, T)
+            blas.linear(self.gate_up, self.normed, lw.gate_up, T, 2 * I, H)
+            k["silu_mul"](min(T * I // 8 // 256 + 1, 4 * self.num_sms), 256, self.act, self.gate_up, T, I)
+            blas.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True)
+        S = step.num_seqs
+        self._rms_norm(self.final_normed, self.hidden, w.final_norm, S, rows=self.last_token_idx)
+        blas.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32")
+
+    def _rms_norm(self, out, inp, weight, num_rows, rows=0):
+        self.k["rms_norm"](num_rows, NORM_THREADS, out, inp, weight, rows, num_rows,
+                           self.cfg.hidden_size, self.cfg.rms_norm_eps)
+
+    def _attention(self, step: StepShape, layer: int) -> None:
+        c, D = self.cfg, self.cfg.head_dim
+        common = (self.kv.k(layer), self.kv.v(layer), self.block_tables, step.block_table_width)
+        if step.is_prefill:
+            grid = (math.ceil(step.max_query_len / PREFILL_BLOCK_Q), step.num_seqs, c.num_attention_heads)
+            self.k[f"attention_prefill_d{D}"](
+                grid, PREFILL_BLOCK_Q * (D // 64), self.attn_out, self.qkv, self.qkv_width, *common,
+                self.query_start, self.context_lens, self.kv.block_size, c.num_key_value_heads,
+                self.group, self.scale)
+            return
+        splits = self.decode_splits(step)
+        self.k[f"attention_decode_d{D}"](
+            (step.num_seqs, c.num_key_value_heads, splits), 128, self.attn_out, self.partial_out,
+            self.partial_ml, self.qkv, self.qkv_width, *common, self.context_lens,
+            self.kv.block_size, c.num_key_value_heads, self.group, self.scale)
+        if splits > 1:
+            self.k["attention_decode_reduce"]((step.num_seqs, c.num_attention_heads), D, self.attn_out,
+                                              self.partial_out, self.partial_ml,
+                                              c.num_attention_heads, splits, D)
+
+    def decode_splits(self, step: StepShape) -> int:
+        """Split each sequence's context over enough blocks to fill the GPU about twice, but never
+        into pieces shorter than one chunk."""
+        blocks_without_split = step.num_seqs * self.cfg.num_key_value_heads
+        wanted = math.ceil(2 * self.num_sms / blocks_without_split)
+        useful = math.ceil(step.max_context_len / DECODE_CHUNK)
+        return max(1, min(wanted, useful, MAX_DECODE_SPLITS))
