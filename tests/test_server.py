@@ -353,3 +353,4 @@ def test_cli_serve_answers_and_stops_cleanly_on_ctrl_c(tiny_model_dir):
             proc.kill()
             raise
     assert proc.returncode == 0, output
+    assert "Traceback" not in output, output

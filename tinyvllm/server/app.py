@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -182,7 +183,7 @@ async def _sse_events(stream: RequestStream, ident: R.ResponseIdentity, include_
         try:
             event = await stream.next_event()
         except EngineFailure as e:
-            yield R.sse(R.error_body(str(e), "server_error", code="engine_error"))
+            yield R.sse(R.error_body(str(e), "server_error", code=e.code))
             break
         if event.delta_text or event.finished:
             yield R.sse(R.chunk(ident, event.delta_text,
@@ -213,7 +214,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(request: Request, exc: InvalidRequestError):
-        return reply(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
+        param = getattr(exc, "param", None)
+        if param is None:   # SamplingParams.validate() names the field in its message
+            found = re.match(r"invalid sampling parameter (\w+)=", str(exc))
+            param = found and found.group(1)
+        return reply(400, str(exc), "invalid_request_error", param)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -221,7 +226,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineFailure)
     async def engine_failure(request: Request, exc: EngineFailure):
-        return reply(500, str(exc), "server_error", code="engine_error")
+        return reply(exc.status, str(exc), "server_error", code=exc.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

@@ -29,6 +29,11 @@ log = logging.getLogger("tinyvllm.server")
 
 class EngineFailure(RuntimeError):
     """The engine raised while serving this request (a bug, not the client's fault: HTTP 500)."""
+    status, code = 500, "engine_error"
+
+
+class ServerShuttingDown(EngineFailure):
+    status, code = 503, "server_shutting_down"
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,8 @@ class EngineLoop:
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     @property
     def alive(self) -> bool:
@@ -115,7 +121,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, accepted=loop.create_future())
         if not self.alive:
-            raise EngineFailure("the engine loop is not running")
+            raise ServerShuttingDown("the server is shutting down")
         self._push(_Command("add", request_id, prompt, params, stream=stream))
         try:
             await stream.accepted
@@ -154,7 +160,7 @@ class EngineLoop:
             for command in commands:
                 self._apply(command)
             if stopping:
-                self._fail_all(EngineFailure("the server is shutting down"))
+                self._fail_all(ServerShuttingDown("the server is shutting down"))
                 break
             if self.engine.has_unfinished_requests():
                 self._step()

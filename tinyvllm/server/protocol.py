@@ -61,7 +61,7 @@ class _SamplingFields(BaseModel):
             seed=self.seed,
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
             stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
+            stop_token_ids=list(self.stop_token_ids or ()),
             ignore_eos=bool(self.ignore_eos),
         )
         params.validate()
