@@ -23,7 +23,7 @@ class SamplingParams:
     seed: int | None = None           # None: the engine draws one from its own seeded generator
     max_tokens: int = 16              # generated tokens, >= 1
     stop: str | list[str] | None = None        # stop strings; not included in the output text
-    stop_token_ids: list[int] = field(default_factory=list)   # finish_reason "stop"
+    stop_token_ids: list[int] | None = field(default_factory=list)   # finish_reason "stop"
     ignore_eos: bool = False          # keep generating past the model's EOS tokens
 
     @property
@@ -31,6 +31,10 @@ class SamplingParams:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def stop_token_id_set(self) -> frozenset[int]:
+        return frozenset(self.stop_token_ids or ())
 
     @property
     def is_greedy(self) -> bool:
@@ -55,8 +59,8 @@ class SamplingParams:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
             if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
                 bad("stop", "must be a non-empty string or a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                _is_int(t) and t >= 0 for t in self.stop_token_ids):
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be true or false")

@@ -1,0 +1,204 @@
+"""LLMEngine: requests in, one step at a time, RequestOutputs out. LLM: the offline batch API.
+
+    engine = LLMEngine("path/to/model", device="cpu")
+    engine.add_request("a", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): print(out.delta_text, end="")
+
+Aborted requests: abort_request() frees the blocks at once; the next step() reports the request
+one last time with finished=True, finish_reason="abort".
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .config import EngineConfig, ModelConfig
+from .errors import InvalidRequestError, TinyVLLMError
+from .kv_cache import BlockManager, blocks_for
+from .runner import make_runner
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import RequestOutput, Sequence
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .weights import load_weights
+
+
+def make_engine_config(engine_config: EngineConfig | None, options: dict) -> EngineConfig:
+    try:
+        if engine_config is None:
+            return EngineConfig(**options)
+        return dataclasses.replace(engine_config, **options)
+    except TypeError as e:           # an unknown keyword
+        known = ", ".join(f.name for f in dataclasses.fields(EngineConfig))
+        raise TinyVLLMError(f"unknown engine option ({e}); known options: {known}") from None
+    except ValueError as e:          # EngineConfig's own range checks
+        raise TinyVLLMError(f"invalid engine option: {e}") from None
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None, **engine_options):
+        self.engine_config = make_engine_config(engine_config, engine_options)
+        self.model_config = ModelConfig.from_pretrained(model_dir)
+        self.tokenizer = Tokenizer.from_pretrained(model_dir, self.model_config)
+        self.runner = make_runner(self.model_config, load_weights(model_dir, self.model_config),
+                                  self.engine_config)
+        self.context_limit = self.engine_config.context_limit(self.model_config)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.engine_config.block_size)
+        self.scheduler = Scheduler(self.engine_config, self.block_manager, self.context_limit,
+                                   self.tokenizer.eos_token_ids)
+        self._seed_rng = np.random.default_rng(self.engine_config.seed)   # seeds for unseeded requests
+        self._requests: dict[str, Sequence] = {}                          # unfinished, by id
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    *, arrival_time: float | None = None) -> None:
+        """Queue a request. Anything wrong with it raises InvalidRequestError before the engine
+        changes at all."""
+        params = (params or SamplingParams()).validate()
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        if len(ids) >= self.context_limit:
+            raise InvalidRequestError(f"prompt is {len(ids)} tokens; the context limit is "
+                                      f"{self.context_limit}, which leaves no room to generate")
+        if blocks_for(len(ids), self.block_manager.block_size) > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"prompt is {len(ids)} tokens but the whole KV cache holds only "
+                f"{self.block_manager.num_blocks * self.block_manager.block_size}")
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))
+        seq = Sequence(request_id, text, ids, params, seed, IncrementalDetokenizer(self.tokenizer),
+                       arrival_time)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return prompt, self.tokenizer.encode(prompt, add_bos=True)
+        if isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = [int(t) for t in prompt] if all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt) else None
+            if ids is None:
+                raise InvalidRequestError("a token-id prompt must be a list of integers")
+            if not ids:
+                raise InvalidRequestError("prompt is empty")
+            vocab = self.model_config.vocab_size
+            if not all(0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+            return None, ids
+        raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks now; unknown or finished ids are ignored."""
+        seq = self._requests.get(request_id)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.abort(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step: a prefill batch or a decode step. -> one RequestOutput per
+        request that got a new token or finished."""
+        batch = self.scheduler.schedule()
+        tokens = batch and self.runner.execute(batch.forward_batch(self.engine_config.block_size),
+                                               batch.sampling_batch())
+        return [self._report(seq) for seq in self.scheduler.postprocess(batch, tokens)]
+
+    def _report(self, seq: Sequence) -> RequestOutput:
+        if seq.is_finished:
+            self._requests.pop(seq.request_id, None)
+        return RequestOutput.of(seq)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr (no tqdm): `[#####-----] 5/10 requests`."""
+
+    def __init__(self, total: int, enabled: bool = True, stream=sys.stderr, width: int = 30):
+        self.total, self.done, self.enabled, self.stream, self.width = total, 0, enabled, stream, width
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if self.enabled:
+            filled = self.width * self.done // max(self.total, 1)
+            self.stream.write(f"\r[{'#' * filled}{'-' * (self.width - filled)}] "
+                              f"{self.done}/{self.total} requests")
+            if self.done >= self.total:
+                self.stream.write("\n")
+            self.stream.flush()
+
+
+class LLM:
+    """Offline generation: LLM(model_dir, **engine_options).generate(prompts, params)."""
+
+    def __init__(self, model_dir: str | Path, **engine_options):
+        self.engine = LLMEngine(model_dir, **engine_options)
+        self._next_id = 0
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False, progress: bool = False) -> list[RequestOutput]:
+        """Run all prompts to completion with continuous batching; -> outputs in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        if not prompts:
+            raise InvalidRequestError("no prompts given")
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise InvalidRequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        else:
+            params = [params] * len(prompts)
+        ids = self._add_all(prompts, params)
+        results: dict[str, RequestOutput] = {}
+        bar = ProgressBar(len(ids), enabled=use_tqdm or progress)
+        while len(results) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.advance()
+        return [results[i] for i in ids]
+
+    def _add_all(self, prompts, params) -> list[str]:
+        """Add every request, or none: a bad one aborts those already added."""
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = str(self._next_id)
+                self._next_id += 1
+                self.engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except TinyVLLMError:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        return ids
+
+    def chat(self, messages: list[dict] | list[list[dict]], params=None, **kwargs) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, params, **kwargs)

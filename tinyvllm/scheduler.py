@@ -1,0 +1,181 @@
+"""Scheduler: which sequences run in the next step, and what their new tokens do to them.
+
+Every step is either ONE prefill batch or ONE decode step (never mixed), prefill first:
+  prefill   admit waiting sequences in arrival order while they fit the token budget
+            (max_num_batched_tokens), the sequence budget (max_num_seqs) and the free KV blocks.
+            A prompt longer than the whole token budget is prefilled in chunks, alone.
+  decode    one new token for every running sequence, oldest first. When a sequence needs a
+            block and none is free, the most recently admitted running sequence is preempted:
+            its blocks are freed and it goes back to the FRONT of the waiting queue, to be
+            recomputed (prompt + generated tokens) by a later prefill. Sampling is counter based
+            (see sampling.py), so a preempted request still produces exactly the same tokens.
+Static scheduling (the comparison mode) admits a batch only when nothing is running, so each
+batch runs to completion before the next starts.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from .batch import ForwardBatch
+from .config import EngineConfig
+from .kv_cache import BlockManager
+from .sampling import SamplingBatch
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    is_prefill: bool
+
+    def forward_batch(self, block_size: int) -> ForwardBatch:
+        """The model's input: each sequence's scheduled tokens, after its cached ones."""
+        new_tokens = [s.token_ids[s.num_cached_tokens:s.num_cached_tokens + s.num_scheduled_tokens]
+                      for s in self.seqs]
+        context_lens = [s.num_cached_tokens + s.num_scheduled_tokens for s in self.seqs]
+        return ForwardBatch.build(new_tokens, context_lens, [s.block_table for s in self.seqs],
+                                  block_size, self.is_prefill)
+
+    def sampling_batch(self) -> SamplingBatch:
+        p = [s.params for s in self.seqs]
+        return SamplingBatch.build([x.temperature for x in p], [x.top_k for x in p],
+                                   [x.top_p for x in p], [s.seed for s in self.seqs],
+                                   [s.num_output_tokens for s in self.seqs])
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, context_limit: int,
+                 eos_token_ids: tuple[int, ...]):
+        self.config = config
+        self.block_manager = block_manager
+        self.context_limit = context_limit
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []        # in admission order: oldest first
+        self._finished_unreported: list[Sequence] = []   # aborted, or out of KV cache
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._finished_unreported)
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a sequence now and free its blocks; the next postprocess reports it."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            return
+        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    # -- scheduling ----------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        if self.config.scheduling == "static" and self.running:
+            return None
+        seqs: list[Sequence] = []
+        budget = self.config.max_num_batched_tokens
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            remaining = seq.num_tokens - seq.num_cached_tokens
+            if (remaining > budget and seqs) or not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate(seq)
+            seq.num_scheduled_tokens = min(remaining, budget)
+            budget -= seq.num_scheduled_tokens
+            seqs.append(seq)
+            if seq.num_scheduled_tokens < remaining:
+                break                        # a chunk: the sequence stays at the queue's head
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return ScheduledBatch(seqs, is_prefill=True) if seqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        candidates, self.running = self.running, []
+        while candidates:
+            seq = candidates.pop(0)
+            while not self.block_manager.can_append(seq):
+                if candidates:
+                    self._preempt(candidates.pop())          # the most recently admitted
+                elif self.running:
+                    self._preempt(seq)
+                    break
+                else:   # it holds the whole cache by itself: it can never grow further
+                    self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+                    break
+            else:
+                self.block_manager.append_slot(seq)
+                seq.num_scheduled_tokens = 1
+                self.running.append(seq)
+        return ScheduledBatch(list(self.running), is_prefill=False) if self.running else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)          # also resets num_cached_tokens: recompute all
+        seq.status = SequenceStatus.WAITING
+        seq.num_scheduled_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- after the model ran ---------------------------------------------------------------
+    def postprocess(self, batch: ScheduledBatch | None, token_ids) -> list[Sequence]:
+        """Apply one step's sampled tokens. -> the sequences with something to report: a new
+        token, a finish (also aborts and cache exhaustion since the previous step)."""
+        updated, self._finished_unreported = self._finished_unreported, []
+        for seq, token in zip(batch.seqs if batch else [], token_ids if batch else []):
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            if seq.num_cached_tokens < seq.num_tokens or seq.is_finished:
+                continue                      # a prompt chunk (no token yet), or aborted
+            self._append_token(seq, int(token))
+            if seq.is_finished:
+                self.running.remove(seq)
+                self.block_manager.free(seq)
+            updated.append(seq)
+        return updated
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        params = seq.params
+        if token in params.stop_token_id_set:
+            return self._finish_text(seq, SequenceStatus.FINISHED_STOPPED)
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return self._finish_text(seq, SequenceStatus.FINISHED_EOS)
+        piece = seq.detokenizer.add(token)
+        if piece and self._cut_at_stop_string(seq, piece):
+            return seq.finish(SequenceStatus.FINISHED_STOPPED)
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.context_limit:
+            self._finish_text(seq, SequenceStatus.FINISHED_LENGTH)
+
+    def _finish_text(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Finish, first releasing text the detokenizer held back (an incomplete character)."""
+        tail = seq.detokenizer.flush()
+        stopped = bool(tail) and self._cut_at_stop_string(seq, tail)
+        seq.finish(SequenceStatus.FINISHED_STOPPED if stopped else status)
+
+    @staticmethod
+    def _cut_at_stop_string(seq: Sequence, piece: str) -> bool:
+        """Append `piece` to the text; if a stop string now occurs, cut the text before it."""
+        stops = seq.params.stop_strings
+        start = max(0, len(seq.text) - max((len(s) for s in stops), default=0) + 1)
+        seq.text += piece
+        hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
+        if hits:
+            seq.text = seq.text[:min(hits)]
+        return bool(hits)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        self.block_manager.free(seq)
+        seq.num_scheduled_tokens = 0
+        seq.finish(status)
+        self._finished_unreported.append(seq)
