@@ -19,6 +19,7 @@ import collections
 import concurrent.futures
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -198,6 +199,8 @@ class EngineLoop:
             log.exception("engine.step() failed; failing the %d requests in flight",
                           len(self._streams))
             self._fail_all(EngineFailure(f"engine error: {e!r}"))
+            # An engine that fails every step must not turn this loop into a log-flooding spin.
+            time.sleep(min(5.0, 0.01 * 2 ** self.consecutive_failures))
             return
         self.consecutive_failures = 0
         deliveries = []
