@@ -35,6 +35,8 @@ class DeviceArray:
     def __int__(self) -> int:
         return self.ptr
 
+    __index__ = __int__   # so a DeviceArray can be passed straight to a 'P' kernel argument
+
 
 def to_bf16(x) -> np.ndarray:
     return np.asarray(x, np.float32).astype(BF16)

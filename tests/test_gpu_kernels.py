@@ -46,7 +46,7 @@ def test_embedding_gather(gpu, rng, vocab, hidden, tokens):
     from gpu_helpers import DeviceArray, to_bf16
     table = to_bf16(rng.standard_normal((vocab, hidden)))
     ids = rng.integers(0, vocab, tokens).astype(np.int32)
-    d_table, d_ids = DeviceArray(table), DeviceArray(ids)
+    d_table, d_ids = DeviceArray(table), DeviceArray(ids)   # kept alive until the sync
     out = DeviceArray.poisoned((tokens, hidden), table.dtype)
     gpu["embedding_gather"](tokens, 128, out, d_table, d_ids, tokens, hidden, vocab)
     _sync()
@@ -64,7 +64,8 @@ def test_rms_norm(gpu, rng, hidden, with_rows):
     n = len(rows) if with_rows else T
     out = DeviceArray.poisoned((n, hidden), x.dtype)
     d_rows = DeviceArray(rows) if with_rows else None
-    gpu["rms_norm"](n, 256, out, DeviceArray(x), DeviceArray(w), int(d_rows) if with_rows else 0, n, hidden, 1e-5)
+    d_x, d_w = DeviceArray(x), DeviceArray(w)
+    gpu["rms_norm"](n, 256, out, d_x, d_w, int(d_rows) if with_rows else 0, n, hidden, 1e-5)
     _sync()
     want = ref.rms_norm(x[rows] if with_rows else x, w, 1e-5)
     assert rel_err(out.get(), want) < BF16_TOL
@@ -75,7 +76,8 @@ def test_silu_mul(gpu, rng):
     T, inter = 19, 1000
     gate_up = to_bf16(rng.standard_normal((T, 2 * inter)) * 2)
     out = DeviceArray.poisoned((T, inter), gate_up.dtype)
-    gpu["silu_mul"](8, 256, out, DeviceArray(gate_up), T, inter)
+    d_gate_up = DeviceArray(gate_up)
+    gpu["silu_mul"](8, 256, out, d_gate_up, T, inter)
     _sync()
     want = ref.silu_mul(gate_up[:, :inter], gate_up[:, inter:])
     assert rel_err(out.get(), want) < BF16_TOL
@@ -95,8 +97,8 @@ def test_rope_write_kv(gpu, rng, hq, hkv, d):
     d_qkv = DeviceArray(qkv)
     k_cache = DeviceArray.poisoned((num_blocks, block_size, hkv, d), qkv.dtype)
     v_cache = DeviceArray.poisoned((num_blocks, block_size, hkv, d), qkv.dtype)
-    gpu["rope_write_kv"](T, 128, d_qkv, k_cache, v_cache, DeviceArray(positions), DeviceArray(slots),
-                         DeviceArray(inv_freq), T, hq, hkv, d)
+    inputs = [DeviceArray(a) for a in (positions, slots, inv_freq)]
+    gpu["rope_write_kv"](T, 128, d_qkv, k_cache, v_cache, *inputs, T, hq, hkv, d)
     _sync()
     q = qkv[:, :hq * d].reshape(T, hq, d)
     k = qkv[:, hq * d:(hq + hkv) * d].reshape(T, hkv, d)
@@ -135,10 +137,10 @@ def test_attention_prefill(gpu, rng, hq, hkv, d):
     batch, q, kc, vc, want = _attention_case(rng, q_lens, [a + b for a, b in zip(q_lens, cached)], hq, hkv, d)
     out = DeviceArray.poisoned((batch.num_tokens, hq, d), q.dtype)
     grid = (math.ceil(max(q_lens) / 64), batch.num_seqs, hq)
-    gpu[f"attention_prefill_d{d}"](grid, 64 * (d // 64), out, DeviceArray(q), hq * d, DeviceArray(kc),
-                                   DeviceArray(vc), DeviceArray(batch.block_tables),
-                                   batch.block_tables.shape[1], DeviceArray(batch.query_start),
-                                   DeviceArray(batch.context_lens), 16, hkv, hq // hkv,
+    d_q, d_k, d_v, d_tables, d_qs, d_ctx = (DeviceArray(a) for a in (
+        q, kc, vc, batch.block_tables, batch.query_start, batch.context_lens))
+    gpu[f"attention_prefill_d{d}"](grid, 64 * (d // 64), out, d_q, hq * d, d_k, d_v, d_tables,
+                                   batch.block_tables.shape[1], d_qs, d_ctx, 16, hkv, hq // hkv,
                                    1 / math.sqrt(d))
     _sync()
     got = out.get()
@@ -160,10 +162,11 @@ def test_attention_decode(gpu, rng, hq, hkv, d, splits):
     out = DeviceArray.poisoned((S, hq, d), q.dtype)
     part_out = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, d), np.float32)
     part_ml = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, 2), np.float32)
-    gpu[f"attention_decode_d{d}"]((S, hkv, splits), 128, out, part_out, part_ml, DeviceArray(q), hq * d,
-                                  DeviceArray(kc), DeviceArray(vc), DeviceArray(batch.block_tables),
-                                  batch.block_tables.shape[1], DeviceArray(batch.context_lens), 16, hkv,
-                                  hq // hkv, 1 / math.sqrt(d))
+    d_q, d_k, d_v, d_tables, d_ctx = (DeviceArray(a) for a in (
+        q, kc, vc, batch.block_tables, batch.context_lens))
+    gpu[f"attention_decode_d{d}"]((S, hkv, splits), 128, out, part_out, part_ml, d_q, hq * d, d_k, d_v,
+                                  d_tables, batch.block_tables.shape[1], d_ctx, 16, hkv, hq // hkv,
+                                  1 / math.sqrt(d))
     if splits > 1:
         gpu["attention_decode_reduce"]((S, hq), d, out, part_out, part_ml, hq, splits, d)
     _sync()
@@ -185,7 +188,8 @@ def test_linear(gpu, rng, m, n, k, accumulate):
     ws = drv.mem_alloc(1 << 22)
     blas = Cublas(0, int(ws), 1 << 22)
     try:
-        blas.linear(int(y), int(DeviceArray(x)), int(DeviceArray(w)), m, n, k, accumulate=accumulate)
+        d_x, d_w = DeviceArray(x), DeviceArray(w)
+        blas.linear(int(y), int(d_x), int(d_w), m, n, k, accumulate=accumulate)
         _sync()
     finally:
         blas.close()
@@ -204,7 +208,8 @@ def test_linear_fp32_out(gpu, rng):
     ws = drv.mem_alloc(1 << 22)
     blas = Cublas(0, int(ws), 1 << 22)
     try:
-        blas.linear(int(y), int(DeviceArray(x)), int(DeviceArray(w)), m, n, k, out_dtype="float32")
+        d_x, d_w = DeviceArray(x), DeviceArray(w)
+        blas.linear(int(y), int(d_x), int(d_w), m, n, k, out_dtype="float32")
         _sync()
     finally:
         blas.close()

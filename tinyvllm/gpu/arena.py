@@ -178,6 +178,8 @@ class DeviceView:
     def __int__(self) -> int:
         return self.ptr
 
+    __index__ = __int__   # kernels' 'P' arguments and ctypes take the view itself
+
     def row(self, i: int) -> int:
         """Pointer to row i (first axis)."""
         return self.ptr + i * int(np.prod(self.shape[1:])) * ITEMSIZE[self.dtype]

@@ -106,7 +106,7 @@ class Cublas:
         beta = self._one if accumulate else self._zero
         self._check(self.lib.cublasGemmEx(
             self.handle, OP_T, OP_N, n, m, k, ctypes.byref(self._one),
-            ctypes.c_void_p(w), CUDA_R_16BF, k,
-            ctypes.c_void_p(x), CUDA_R_16BF, k, ctypes.byref(beta),
-            ctypes.c_void_p(y), DTYPE_CODES[out_dtype], n,
+            ctypes.c_void_p(int(w)), CUDA_R_16BF, k,
+            ctypes.c_void_p(int(x)), CUDA_R_16BF, k, ctypes.byref(beta),
+            ctypes.c_void_p(int(y)), DTYPE_CODES[out_dtype], n,
             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
