@@ -47,9 +47,87 @@ def _cmd_serve(args) -> int:
         log_level=args.log_level))
 
 
+def _read_prompts(args) -> list[str]:
+    prompts = list(args.prompts)
+    if args.file:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise TinyVLLMError(f"cannot read prompt file {args.file}: {e.strerror}") from None
+    if not prompts:
+        raise TinyVLLMError("no prompt given: pass PROMPT arguments or --file FILE")
+    return prompts
+
+
+def _cmd_generate(args) -> int:
+    """Stream one prompt's tokens as they come; for many prompts show a progress bar (or, with
+    --stream, stream them one after another in input order) and print each result."""
+    import time
+    from .engine import LLMEngine, ProgressBar
+    from .sampling_params import SamplingParams
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
+                            ignore_eos=args.ignore_eos).validate()
+    prompts = _read_prompts(args)
+    options = engine_options_from_args(args)
+    options.update({k: v for k, v in (("scheduling", args.scheduling),
+                                      ("num_kv_blocks", args.num_kv_blocks)) if v is not None})
+    engine = LLMEngine(args.model, **options)
+    if args.chat or args.system is not None:
+        prompts_in = [engine.tokenizer.chat_prompt(p, system=args.system) for p in prompts]
+    else:
+        prompts_in = prompts
+    ids = [str(i) for i in range(len(prompts))]
+    start = time.perf_counter()
+    for request_id, prompt in zip(ids, prompts_in):
+        engine.add_request(request_id, prompt, params)
+
+    stream, many = args.stream or len(ids) == 1, len(ids) > 1
+    header = lambda i: f"--- [{i + 1}/{len(ids)}] {prompts[i][:60]!r}\n" if many else ""
+    finals, pending, cursor = {}, {i: [] for i in ids}, 0
+    bar = ProgressBar(len(ids), enabled=many and not stream)
+    if stream:
+        sys.stdout.write(header(0))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            pending[out.request_id].append(out.delta_text)
+            if out.finished:
+                finals[out.request_id] = out
+                bar.advance()
+        while stream and cursor < len(ids):           # print in input order, as far as done
+            sys.stdout.write("".join(pending[ids[cursor]]))
+            pending[ids[cursor]].clear()
+            if ids[cursor] not in finals:
+                break
+            cursor += 1
+            sys.stdout.write("\n" + (header(cursor) if cursor < len(ids) else ""))
+        sys.stdout.flush()
+    elapsed = time.perf_counter() - start
+    outputs = [finals[i] for i in ids]
+    if not stream:
+        for i, out in enumerate(outputs):
+            sys.stdout.write(f"{header(i)}{out.text}\n")
+    generated = sum(len(o.token_ids) for o in outputs)
+    ttfts = [o.time_to_first_token for o in outputs if o.time_to_first_token is not None]
+    print(f"{len(outputs)} requests, {sum(o.num_prompt_tokens for o in outputs)} prompt tokens, "
+          f"{generated} generated tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s), "
+          f"mean TTFT {1000 * sum(ttfts) / max(len(ttfts), 1):.1f} ms, "
+          f"{engine.num_preemptions} preemptions", file=sys.stderr)
+    engine.close()
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one line, like every other tinyvllm error."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .model_writer import PRESETS
-    p = argparse.ArgumentParser(prog="tinyvllm", description=__doc__.splitlines()[0])
+    p = _Parser(prog="tinyvllm", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     mm = sub.add_parser("make-model", help="write a random-weight Llama model in HF layout")
@@ -57,6 +135,27 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     mm.add_argument("--seed", type=int, default=0)
     mm.set_defaults(func=_cmd_make_model)
+
+    gen = sub.add_parser("generate", help="generate text offline (continuous batching)")
+    gen.add_argument("--model", required=True, help="Hugging Face model directory")
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts (or use --file)")
+    gen.add_argument("--file", help="a text file with one prompt per line")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--system", default=None, help="system message (implies --chat)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed of every request")
+    gen.add_argument("--stop", action="extend", nargs="+", default=None, metavar="STR",
+                     help="stop strings (not printed)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--stream", action="store_true",
+                     help="print tokens as they come (always on for a single prompt)")
+    add_engine_options(gen)
+    gen.add_argument("--scheduling", choices=["continuous", "static"], default=None)
+    gen.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV cache size in blocks")
+    gen.set_defaults(func=_cmd_generate)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs tinyvllm[server])")
     sv.add_argument("--model", required=True, help="Hugging Face model directory")
@@ -75,7 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:        # --help, or an argument error already printed in one line
+        return e.code if isinstance(e.code, int) else 2
     try:
         return args.func(args)
     except TinyVLLMError as e:
