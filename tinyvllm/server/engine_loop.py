@@ -95,6 +95,7 @@ class EngineLoop:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tinyvllm-engine", daemon=True)
         self.consecutive_failures = 0
+        self._closed = False
 
     # ---- called from the asyncio side (or any thread) ----------------------------------------
 
@@ -102,12 +103,20 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort whatever is in flight, fail its handlers, and join the thread."""
+        """Abort whatever is in flight, fail its handlers, join the thread, release the engine
+        (GPU memory, cuBLAS handle) once nothing can touch it any more. Idempotent."""
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("engine thread did not stop within %.0fs; not closing the engine", timeout)
+            return
+        with self._wakeup:      # stop() may race with itself (Ctrl-C timer and app shutdown)
+            close, self._closed = not self._closed, True
+        if close and hasattr(self.engine, "close"):
+            self.engine.close()
 
     @property
     def alive(self) -> bool:
@@ -121,8 +130,6 @@ class EngineLoop:
         """Queue a request; returns once the engine accepted it. Raises InvalidRequestError."""
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, accepted=loop.create_future())
-        if not self.alive:
-            raise ServerShuttingDown("the server is shutting down")
         self._push(_Command("add", request_id, prompt, params, stream=stream))
         try:
             await stream.accepted
@@ -144,8 +151,16 @@ class EngineLoop:
 
     def _push(self, command: _Command) -> None:
         with self._wakeup:
-            self._commands.append(command)
-            self._wakeup.notify()
+            if not self._stopping:
+                self._commands.append(command)
+                self._wakeup.notify()
+                return
+        # The loop has stopped or is stopping: nobody will apply this command, so answer it now.
+        gone = ServerShuttingDown("the server is shutting down")
+        if command.kind == "add":
+            self._resolve(command.stream, error=gone)
+        elif command.kind == "call":
+            command.result.set_exception(gone)
 
     # ---- the engine thread -------------------------------------------------------------------
 
