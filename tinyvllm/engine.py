@@ -131,8 +131,9 @@ class LLMEngine:
 class ProgressBar:
     """A one-line progress bar on stderr (no tqdm): `[#####-----] 5/10 requests`."""
 
-    def __init__(self, total: int, enabled: bool = True, stream=sys.stderr, width: int = 30):
-        self.total, self.done, self.enabled, self.stream, self.width = total, 0, enabled, stream, width
+    def __init__(self, total: int, enabled: bool = True, stream=None, width: int = 30):
+        self.total, self.done, self.enabled, self.width = total, 0, enabled, width
+        self.stream = stream or sys.stderr
 
     def advance(self, n: int = 1) -> None:
         self.done += n

@@ -1,0 +1,87 @@
+"""`python -m tinyvllm generate` on the numpy backend: happy paths and one-line errors."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tinyvllm.cli import main
+
+CPU = ["--device", "cpu", "--num-kv-blocks", "64"]
+
+
+def generate(capsys, *args):
+    code = main(["generate", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_single_prompt_streams_and_summarises(tiny_model_dir, capsys):
+    code, out, err = generate(capsys, "--model", str(tiny_model_dir), *CPU, "--max-tokens", "6",
+                              "--temperature", "0", "--ignore-eos", "Hello world")
+    assert code == 0 and out.strip() and "---" not in out
+    assert "1 requests" in err and "6 generated tokens" in err and "tok/s" in err and "TTFT" in err
+
+
+def test_stream_is_the_same_text_as_batch_output(tiny_model_dir, capsys):
+    args = ["--model", str(tiny_model_dir), *CPU, "--max-tokens", "5", "--temperature", "0.8",
+            "--seed", "3", "--top-k", "50", "--top-p", "0.9", "--ignore-eos", "a cat", "a dog"]
+    code, streamed, _ = generate(capsys, *args, "--stream")
+    assert code == 0
+    code, batched, err = generate(capsys, *args)
+    assert code == 0 and streamed == batched
+    assert batched.count("--- [") == 2 and "2/2 requests" in err
+
+
+def test_file_chat_system_and_stop(tiny_model_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\n\nsecond prompt\nthird prompt\n")
+    code, out, err = generate(capsys, "--model", str(tiny_model_dir), *CPU, "--file", str(prompts),
+                              "--chat", "--system", "Be brief.", "--max-tokens", "3",
+                              "--stop", "zzz", "--scheduling", "static")
+    assert code == 0 and out.count("--- [") == 3 and "'second prompt'" in out
+    assert "3 requests" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "/no/such/dir", "hi"], "model directory not found"),
+    (["--model", "{model}", *CPU], "no prompt given"),
+    (["--model", "{model}", *CPU, "--file", "/no/such/file", "hi"], "cannot read prompt file"),
+    (["--model", "{model}", *CPU, "--temperature", "-2", "hi"], "temperature"),
+    (["--model", "{model}", *CPU, "--top-p", "1.5", "hi"], "top_p"),
+    (["--model", "{model}", *CPU, "--max-tokens", "0", "hi"], "max_tokens"),
+    (["--model", "{model}", *CPU, "--max-model-len", "4", "a prompt longer than four tokens"],
+     "context limit"),
+    (["--model", "{model}", *CPU, "--max-num-seqs", "0", "hi"], "max_num_seqs"),
+    (["--model", "{model}", "--device", "cuda", "hi"], "use --device cpu"),
+])
+def test_errors_are_one_line_with_exit_2(tiny_model_dir, capsys, args, message):
+    args = [a.replace("{model}", str(tiny_model_dir)) for a in args]
+    if "--device" in args and args[args.index("--device") + 1] == "cuda":
+        try:
+            import pycuda.driver as drv
+            drv.init()
+            if drv.Device.count():
+                pytest.skip("a GPU is present: --device cuda works here")
+        except Exception:
+            pass
+    code, out, err = generate(capsys, *args)
+    assert code == 2 and message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args", [["--top-k", "abc", "x"], ["x"], ["--bogus"]])
+def test_argument_errors_are_one_line(tiny_model_dir, capsys, args):
+    if args != ["x"]:
+        args = ["--model", str(tiny_model_dir), *args]
+    code, out, err = generate(capsys, *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "error:" in err
+
+
+def test_real_process_prints_no_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "tinyvllm", "generate", "--model",
+                             str(tmp_path / "missing"), "hello"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("tinyvllm: error:")
