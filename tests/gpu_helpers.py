@@ -2,6 +2,8 @@
 Imported only by tests marked `gpu` (it needs PyCUDA)."""
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pycuda.driver as drv
@@ -43,9 +45,14 @@ def to_bf16(x) -> np.ndarray:
 
 
 def rel_err(got, want) -> float:
+    """||got - want|| / ||want||, printed with the test's name (the error table in the notes
+    comes from these lines: grep '^\[rel-err\]' in the log)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.all(np.isfinite(got)), "output has NaN/inf (unwritten poison?)"
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0].split("::")[-1]
+    print(f"[rel-err] {test} {err:.2e}")
+    return err
 
 
 def shuffled_block_tables(rng, context_lens, block_size, num_blocks=None):

@@ -36,6 +36,10 @@ class DeviceWeights:
     nbytes: int
 
 
+def _padded(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
 def device_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor uploaded, in upload order, with its (fused) shape."""
     h, i, qkv = config.hidden_size, config.intermediate_size, config.q_size + 2 * config.kv_size

@@ -1,0 +1,65 @@
+"""The arena's layout (planned without a GPU) and the device weight layout."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from tinyvllm.config import EngineConfig
+from tinyvllm.gpu.arena import ACTIVATIONS, ALIGN, INPUTS, ArenaDims, ArenaLayout
+from tinyvllm.gpu.device_weights import device_tensor_shapes
+from tinyvllm.model_writer import preset_config
+
+# Buffers that one kernel or GEMM reads and writes together, or that are live across each
+# other's lifetimes; none of these pairs may share bytes.
+LIVE_TOGETHER = [
+    ("hidden", "normed"), ("hidden", "qkv"), ("hidden", "attn_out"), ("hidden", "gate_up"),
+    ("hidden", "act"), ("hidden", "final_normed"), ("normed", "qkv"), ("normed", "gate_up"),
+    ("qkv", "attn_out"), ("gate_up", "act"), ("final_normed", "logits"),
+    ("attn_out", "decode_partial_out"), ("decode_partial_out", "decode_partial_ml"),
+]
+
+
+@pytest.fixture(params=["tiny", "llama-3.2-1b", "llama-3.1-8b"])
+def layout(request):
+    cfg = preset_config(request.param)
+    return ArenaLayout.plan(ArenaDims.from_configs(cfg, EngineConfig(max_model_len=4096)))
+
+
+def _overlap(a, b):
+    return a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
+
+
+def test_live_buffers_never_overlap(layout):
+    for a, b in LIVE_TOGETHER:
+        assert not _overlap(layout.activations[a], layout.activations[b]), (a, b)
+
+
+def test_only_declared_storage_is_shared(layout):
+    for group in (layout.activations, layout.inputs, layout.outputs):
+        for a, b in itertools.combinations(group.values(), 2):
+            assert _overlap(a, b) == (a.storage == b.storage), (a.name, b.name)
+
+
+def test_alignment_and_sizes(layout):
+    for p in itertools.chain(layout.activations.values(), layout.inputs.values()):
+        assert p.offset % ALIGN == 0
+    assert max(p.offset + p.nbytes for p in layout.activations.values()) <= layout.activation_bytes
+    assert INPUTS[-1].name == "block_tables", "block tables must stay last: uploads stop after them"
+    assert {s.name for s in ACTIVATIONS} == set(layout.activations)
+
+
+def test_memory_map_lists_every_buffer(layout):
+    text = layout.memory_map()
+    for name in itertools.chain(layout.activations, layout.inputs, layout.outputs):
+        assert name in text
+    assert "MiB" in text.splitlines()[-1]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-3.2-1b", "llama-3.1-8b"])
+def test_device_weights_hold_every_parameter(preset):
+    cfg = preset_config(preset)
+    shapes = device_tensor_shapes(cfg)
+    n = sum(int(np.prod(s)) for k, s in shapes.items() if k != "rope_inv_freq")
+    assert n == cfg.num_parameters
