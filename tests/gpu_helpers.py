@@ -45,7 +45,7 @@ def to_bf16(x) -> np.ndarray:
 
 
 def rel_err(got, want) -> float:
-    """||got - want|| / ||want||, printed with the test's name (the error table in the notes
+    r"""||got - want|| / ||want||, printed with the test's name (the error table in the notes
     comes from these lines: grep '^\[rel-err\]' in the log)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert np.all(np.isfinite(got)), "output has NaN/inf (unwritten poison?)"

@@ -1,7 +1,8 @@
 """The whole forward pass on the GPU (CudaRunner + LlamaModel) against the numpy reference on the
 tiny preset: a prefill of prompts of different lengths, then 32 decode steps over shuffled block
 tables. Logits are compared every step (relative error bound below, printed per step); greedy
-tokens must agree except where the reference's top two logits are closer than the error allows.
+tokens must agree except where the reference's top two logits are closer than twice that row's
+largest logit error (a near-tie the bf16 error can flip); such cases are counted and printed.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from tinyvllm.weights import load_weights
 
 pytestmark = pytest.mark.gpu
 LOGITS_TOL = 1e-2          # bf16 weights and activations vs the fp32 reference, per step
-NEAR_TIE = 0.05            # top-2 logit gap under which a greedy pick may legitimately differ
 BLOCK = 16
 
 
@@ -59,7 +59,10 @@ def test_tiny_model_matches_reference(tiny):
         top2 = np.sort(want, axis=-1)[:, -2:]
         for i in range(3):
             if got[i].argmax() != nxt[i]:
-                assert top2[i, 1] - top2[i, 0] < NEAR_TIE, f"step {step} seq {i}: greedy token differs"
+                # only a near-tie that this row's own logit error could flip is acceptable
+                max_abs_err = float(np.abs(got[i] - want[i]).max())
+                gap = float(top2[i, 1] - top2[i, 0])
+                assert gap < 2 * max_abs_err, f"step {step} seq {i}: greedy token differs (gap {gap:.3f})"
                 mismatches += 1
             seqs[i].append(int(nxt[i]))
         ctx = [c + 1 for c in ctx]
