@@ -19,7 +19,8 @@ POISON = -7
 def gpu(tmp_path_factory):
     import pycuda.driver as drv
     drv.init()
-    ctx = drv.Device(0).make_context()
+    ctx = drv.Device(0).retain_primary_context()
+    ctx.push()
     try:
         from tinyvllm.gpu.kernels import CUDA_DIR, KernelLibrary
         from tinyvllm.gpu.sampler import Sampler
@@ -144,3 +145,28 @@ def test_sampled_frequencies_follow_probabilities(gpu, top_k, top_p, kept):
     assert counts.sum() == n, "sampled a token outside the kept set"
     # 99.9th percentile of chi-square with kept-1 <= 7 degrees of freedom is below 25.
     assert chi_square(counts, probs) < 25.0
+
+
+@pytest.mark.parametrize("num_seqs,temperature,top_k,top_p", [
+    (1, 0.0, -1, 1.0), (1, 0.8, -1, 1.0), (1, 0.8, 50, 0.9), (64, 0.8, 50, 0.9), (256, 0.8, -1, 0.95)])
+def test_sampler_time_report(gpu, num_seqs, temperature, top_k, top_p):
+    """Not a pass/fail check: prints the kernel's time per call (grep '^[sampler-time]')."""
+    drv, sampler = gpu
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((num_seqs, VOCAB)) * 3).astype(np.float32)
+    batch = SamplingBatch.build([temperature] * num_seqs, [top_k] * num_seqs, [top_p] * num_seqs,
+                                range(num_seqs), [0] * num_seqs)
+    dev = [drv.to_device(np.ascontiguousarray(a)) for a in (
+        logits, batch.temperature, batch.top_k, batch.top_p, batch.seed, batch.step)]
+    out = drv.mem_alloc(4 * num_seqs)
+    start, end = drv.Event(), drv.Event()
+    times = []
+    for _ in range(5):
+        drv.memcpy_htod(dev[0], logits)            # the kernel overwrites sampled rows
+        start.record()
+        sampler.sample(dev[0], num_seqs, VOCAB, *dev[1:], out)
+        end.record()
+        end.synchronize()
+        times.append(end.time_since(start) * 1000)
+    print(f"[sampler-time] S={num_seqs} T={temperature} top_k={top_k} top_p={top_p}: "
+          f"{min(times):.1f} us")
