@@ -1,8 +1,14 @@
 """The whole forward pass on the GPU (CudaRunner + LlamaModel) against the numpy reference on the
 tiny preset: a prefill of prompts of different lengths, then 32 decode steps over shuffled block
-tables. Logits are compared every step (relative error bound below, printed per step); greedy
-tokens must agree except where the reference's top two logits are closer than twice that row's
-largest logit error (a near-tie the bf16 error can flip); such cases are counted and printed.
+tables, compared every step.
+
+Two oracles. `ReferenceModel(round_bf16=True)` rounds activations to bf16 exactly where the GPU
+stores them (residual stream, norms, projections, attention output): the kernels must match it
+to LOGITS_TOL. The pure fp32 reference differs from any bf16 engine by the bf16 rounding itself
+(measured 1.3e-2 .. 3.3e-2 on this preset, 2026-12-02): that gap is printed and bounded by
+FP32_GAP_TOL as a sanity check. Greedy tokens must agree with the bf16 oracle except where its top
+two logits are closer than twice that row's largest logit error (a near-tie the rounding can
+flip); such cases are counted and printed.
 """
 from __future__ import annotations
 
@@ -16,7 +22,8 @@ from tinyvllm.sampling import SamplingBatch
 from tinyvllm.weights import load_weights
 
 pytestmark = pytest.mark.gpu
-LOGITS_TOL = 1e-2          # bf16 weights and activations vs the fp32 reference, per step
+LOGITS_TOL = 1e-2          # vs the bf16-rounding reference, per step
+FP32_GAP_TOL = 6e-2        # vs the fp32 reference, per step (sanity bound on bf16 rounding)
 BLOCK = 16
 
 
@@ -27,7 +34,7 @@ def tiny(tiny_model_dir):
     weights = load_weights(tiny_model_dir, cfg)
     runner = CudaRunner(cfg, weights, EngineConfig(max_num_seqs=8, max_num_batched_tokens=1024,
                                                     num_kv_blocks=128, block_size=BLOCK, max_model_len=2048))
-    yield cfg, runner, ReferenceModel(cfg, weights)
+    yield cfg, runner, ReferenceModel(cfg, weights, round_bf16=True), ReferenceModel(cfg, weights)
     runner.close()
 
 
@@ -37,7 +44,7 @@ def _rel(got, want):
 
 
 def test_tiny_model_matches_reference(tiny):
-    cfg, runner, refm = tiny
+    cfg, runner, refm, ref32 = tiny
     rng = np.random.default_rng()
     prompt_lens, steps = [5, 23, 70], 32
     prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in prompt_lens]
@@ -45,15 +52,18 @@ def test_tiny_model_matches_reference(tiny):
     perm = [int(b) for b in rng.permutation(runner.num_kv_blocks)]
     tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(3)]
     ref_cache = refm.new_kv_cache(runner.num_kv_blocks, BLOCK)
+    ref32_cache = ref32.new_kv_cache(runner.num_kv_blocks, BLOCK)
 
     ctx = list(prompt_lens)
     batch = ForwardBatch.build(prompts, ctx, tables, BLOCK, is_prefill=True)
-    errors, mismatches = [], 0
+    errors, fp32_gaps, mismatches = [], [], 0
     seqs = [list(p) for p in prompts]
     for step in range(steps + 1):
         got = runner.forward_logits(batch)
         want = refm.forward(batch, ref_cache)
+        want32 = ref32.forward(batch, ref32_cache)
         errors.append(max(_rel(got[i], want[i]) for i in range(3)))
+        fp32_gaps.append(max(_rel(got[i], want32[i]) for i in range(3)))
         # teacher forcing: both sides continue with the reference's greedy token
         nxt = want.argmax(-1)
         top2 = np.sort(want, axis=-1)[:, -2:]
@@ -67,14 +77,16 @@ def test_tiny_model_matches_reference(tiny):
             seqs[i].append(int(nxt[i]))
         ctx = [c + 1 for c in ctx]
         batch = ForwardBatch.build([[int(t)] for t in nxt], ctx, tables, BLOCK, is_prefill=False)
-    print("per-step max relative logits error:", " ".join(f"{e:.1e}" for e in errors))
+    print("per-step max relative logits error vs bf16 oracle:", " ".join(f"{e:.1e}" for e in errors))
+    print("per-step max relative logits error vs fp32 oracle:", " ".join(f"{e:.1e}" for e in fp32_gaps))
     print(f"greedy mismatches at near-ties: {mismatches}")
     assert max(errors) < LOGITS_TOL
+    assert max(fp32_gaps) < FP32_GAP_TOL
 
 
 def test_execute_samples_greedy_argmax(tiny):
     """execute() = forward + the GPU sampler: greedy ids equal the argmax of forward_logits."""
-    cfg, runner, _ = tiny
+    cfg, runner, _, _ = tiny
     rng = np.random.default_rng()
     prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in (9, 40)]
     tables = [[0, 1, 2], [3, 4, 5, 6]]
