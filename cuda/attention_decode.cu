@@ -27,7 +27,7 @@ template <int HEAD_DIM>
 __device__ __forceinline__ void decode_attention(
     bf16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_ml,
     const bf16* __restrict__ q, int q_row_stride, const bf16* __restrict__ k_cache,
-    const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks_per_seq,
+    const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ block_table_width,
     const int* __restrict__ context_lens, int block_size, int num_kv_heads, int group, float scale) {
     constexpr int LANES = HEAD_DIM / 8;
     constexpr int ROWS_PER_WARP = 32 / LANES;
@@ -47,7 +47,8 @@ __device__ __forceinline__ void decode_attention(
     const int per_split = (ctx + num_splits - 1) / num_splits;
     const int begin = split * per_split;
     const int end = min(ctx, begin + per_split);
-    const int* table = block_tables + (size_t)seq * max_blocks_per_seq;
+    // the row stride is read from device memory so a captured CUDA graph serves any width
+    const int* table = block_tables + (size_t)seq * *block_table_width;
     const size_t kv_row = (size_t)num_kv_heads * HEAD_DIM;
 
     float q_reg[MAX_GROUP][8];
@@ -182,10 +183,10 @@ __device__ __forceinline__ void decode_attention(
     extern "C" __global__ void __launch_bounds__(THREADS) attention_decode_d##D(                 \
         bf16* out, float* partial_out, float* partial_ml, const bf16* q, int q_row_stride,       \
         const bf16* k_cache, const bf16* v_cache, const int* block_tables,                       \
-        int max_blocks_per_seq, const int* context_lens, int block_size, int num_kv_heads,       \
+        const int* block_table_width, const int* context_lens, int block_size, int num_kv_heads,       \
         int group, float scale) {                                                                \
         decode_attention<D>(out, partial_out, partial_ml, q, q_row_stride, k_cache, v_cache,     \
-                            block_tables, max_blocks_per_seq, context_lens, block_size,          \
+                            block_tables, block_table_width, context_lens, block_size,          \
                             num_kv_heads, group, scale);                                         \
     }
 DECODE_ATTENTION_KERNEL(64)

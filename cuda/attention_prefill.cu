@@ -25,7 +25,7 @@ template <int HEAD_DIM>
 __device__ __forceinline__ void prefill_attention(
     bf16* __restrict__ out, const bf16* __restrict__ q, int q_row_stride,
     const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
-    const int* __restrict__ block_tables, int max_blocks_per_seq,
+    const int* __restrict__ block_tables, const int* __restrict__ block_table_width,
     const int* __restrict__ query_start, const int* __restrict__ context_lens, int block_size,
     int num_kv_heads, int group, float scale) {
     constexpr int TPR = HEAD_DIM / 64;           // threads per query row
@@ -47,7 +47,8 @@ __device__ __forceinline__ void prefill_attention(
     const bool active = qi < q_len;
     const int pos_q = first_pos + qi;
     const int kv_end = first_pos + min(tile_q0 + BLOCK_Q, q_len);  // one past the tile's last position
-    const int* table = block_tables + (size_t)seq * max_blocks_per_seq;
+    // the row stride is read from device memory so a captured CUDA graph serves any width
+    const int* table = block_tables + (size_t)seq * *block_table_width;
     const size_t kv_row = (size_t)num_kv_heads * HEAD_DIM;
 
     float q_reg[64], o[64];
@@ -138,10 +139,10 @@ __device__ __forceinline__ void prefill_attention(
 #define PREFILL_ATTENTION_KERNEL(D)                                                              \
     extern "C" __global__ void __launch_bounds__(BLOCK_Q*(D / 64)) attention_prefill_d##D(       \
         bf16* out, const bf16* q, int q_row_stride, const bf16* k_cache, const bf16* v_cache,    \
-        const int* block_tables, int max_blocks_per_seq, const int* query_start,                 \
+        const int* block_tables, const int* block_table_width, const int* query_start,                 \
         const int* context_lens, int block_size, int num_kv_heads, int group, float scale) {     \
         prefill_attention<D>(out, q, q_row_stride, k_cache, v_cache, block_tables,               \
-                             max_blocks_per_seq, query_start, context_lens, block_size,          \
+                             block_table_width, query_start, context_lens, block_size,           \
                              num_kv_heads, group, scale);                                        \
     }
 PREFILL_ATTENTION_KERNEL(64)

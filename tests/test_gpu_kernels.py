@@ -137,11 +137,11 @@ def test_attention_prefill(gpu, rng, hq, hkv, d):
     batch, q, kc, vc, want = _attention_case(rng, q_lens, [a + b for a, b in zip(q_lens, cached)], hq, hkv, d)
     out = DeviceArray.poisoned((batch.num_tokens, hq, d), q.dtype)
     grid = (math.ceil(max(q_lens) / 64), batch.num_seqs, hq)
-    d_q, d_k, d_v, d_tables, d_qs, d_ctx = (DeviceArray(a) for a in (
-        q, kc, vc, batch.block_tables, batch.query_start, batch.context_lens))
+    width = np.array([batch.block_tables.shape[1]], np.int32)
+    d_q, d_k, d_v, d_tables, d_width, d_qs, d_ctx = (DeviceArray(a) for a in (
+        q, kc, vc, batch.block_tables, width, batch.query_start, batch.context_lens))
     gpu[f"attention_prefill_d{d}"](grid, 64 * (d // 64), out, d_q, hq * d, d_k, d_v, d_tables,
-                                   batch.block_tables.shape[1], d_qs, d_ctx, 16, hkv, hq // hkv,
-                                   1 / math.sqrt(d))
+                                   d_width, d_qs, d_ctx, 16, hkv, hq // hkv, 1 / math.sqrt(d))
     _sync()
     got = out.get()
     for i in range(batch.num_seqs):
@@ -162,11 +162,11 @@ def test_attention_decode(gpu, rng, hq, hkv, d, splits):
     out = DeviceArray.poisoned((S, hq, d), q.dtype)
     part_out = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, d), np.float32)
     part_ml = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, 2), np.float32)
-    d_q, d_k, d_v, d_tables, d_ctx = (DeviceArray(a) for a in (
-        q, kc, vc, batch.block_tables, batch.context_lens))
+    width = np.array([batch.block_tables.shape[1]], np.int32)
+    d_q, d_k, d_v, d_tables, d_width, d_ctx = (DeviceArray(a) for a in (
+        q, kc, vc, batch.block_tables, width, batch.context_lens))
     gpu[f"attention_decode_d{d}"]((S, hkv, splits), 128, out, part_out, part_ml, d_q, hq * d, d_k, d_v,
-                                  d_tables, batch.block_tables.shape[1], d_ctx, 16, hkv, hq // hkv,
-                                  1 / math.sqrt(d))
+                                  d_tables, d_width, d_ctx, 16, hkv, hq // hkv, 1 / math.sqrt(d))
     if splits > 1:
         gpu["attention_decode_reduce"]((S, hq), d, out, part_out, part_ml, hq, splits, d)
     _sync()

@@ -27,19 +27,18 @@ from .gpu.kernels import KernelLibrary
 from .gpu.kv_memory import DeviceKVCache
 
 NORM_THREADS = 256
-DECODE_CHUNK = 256          # tokens per inner chunk of attention_decode (cuda/attention_decode.cu)
 PREFILL_BLOCK_Q = 64        # query rows per block of attention_prefill
 
 
 @dataclass(frozen=True)
 class StepShape:
-    """What the host knows about a step without reading device memory."""
+    """What the host passes to the kernels besides the arena's contents: the only per-step
+    launch parameters. A decode step's shape depends on num_seqs alone, so one captured CUDA
+    graph per batch size serves every decode step of that size."""
     num_tokens: int
     num_seqs: int
     is_prefill: bool
-    max_query_len: int
-    max_context_len: int
-    block_table_width: int   # the row stride of the packed block tables this step
+    max_query_len: int = 1
 
 
 class LlamaModel:
@@ -59,6 +58,7 @@ class LlamaModel:
         self.token_ids, self.positions, self.slot_mapping = v("token_ids"), v("positions"), v("slot_mapping")
         self.query_start, self.context_lens = v("query_start"), v("context_lens")
         self.last_token_idx, self.block_tables = v("last_token_idx"), v("block_tables")
+        self.block_table_width = v("block_table_width")
 
     def forward(self, step: StepShape) -> None:
         """Run all layers for the step's tokens; logits of each sequence's last token land in
@@ -88,7 +88,7 @@ class LlamaModel:
 
     def _attention(self, step: StepShape, layer: int) -> None:
         c, D = self.cfg, self.cfg.head_dim
-        common = (self.kv.k(layer), self.kv.v(layer), self.block_tables, step.block_table_width)
+        common = (self.kv.k(layer), self.kv.v(layer), self.block_tables, self.block_table_width)
         if step.is_prefill:
             grid = (math.ceil(step.max_query_len / PREFILL_BLOCK_Q), step.num_seqs, c.num_attention_heads)
             self.k[f"attention_prefill_d{D}"](
@@ -96,7 +96,7 @@ class LlamaModel:
                 self.query_start, self.context_lens, self.kv.block_size, c.num_key_value_heads,
                 self.group, self.scale)
             return
-        splits = self.decode_splits(step)
+        splits = self.decode_splits(step.num_seqs)
         self.k[f"attention_decode_d{D}"](
             (step.num_seqs, c.num_key_value_heads, splits), 128, self.attn_out, self.partial_out,
             self.partial_ml, self.qkv, self.qkv_width, *common, self.context_lens,
@@ -106,10 +106,10 @@ class LlamaModel:
                                               self.partial_out, self.partial_ml,
                                               c.num_attention_heads, splits, D)
 
-    def decode_splits(self, step: StepShape) -> int:
-        """Split each sequence's context over enough blocks to fill the GPU about twice, but never
-        into pieces shorter than one chunk."""
-        blocks_without_split = step.num_seqs * self.cfg.num_key_value_heads
-        wanted = math.ceil(2 * self.num_sms / blocks_without_split)
-        useful = math.ceil(step.max_context_len / DECODE_CHUNK)
-        return max(1, min(wanted, useful, MAX_DECODE_SPLITS))
+    def decode_splits(self, num_seqs: int) -> int:
+        """Split each sequence's context over enough blocks to fill the GPU about twice. It
+        depends on the batch size only — not on context lengths — so eager steps and graph
+        replays run identical launches (and give bit-identical results); splits past a short
+        context are empty and cost one early-exiting block each."""
+        blocks_without_split = num_seqs * self.cfg.num_key_value_heads
+        return max(1, min(math.ceil(2 * self.num_sms / blocks_without_split), MAX_DECODE_SPLITS))

@@ -93,6 +93,7 @@ INPUTS = [
     BufferSpec("top_p", lambda d: (d.seqs,), F32, "top_p"),
     BufferSpec("seeds", lambda d: (d.seqs,), U64, "seeds"),
     BufferSpec("steps", lambda d: (d.seqs,), I32, "steps"),
+    BufferSpec("block_table_width", lambda d: (1,), I32, "block_table_width"),
     BufferSpec("block_tables", lambda d: (d.seqs, d.blocks_per_seq), I32, "block_tables"),
 ]
 

@@ -26,13 +26,15 @@ KERNEL_SIGNATURES: dict[str, str] = {
     #                  num_tokens, num_q_heads, num_kv_heads, head_dim
     "rope_write_kv": "PPPPPPiiii",
     # cuda/attention_prefill.cu: out, q, q_row_stride, k_cache, v_cache, block_tables,
-    #   max_blocks_per_seq, query_start, context_lens, block_size, num_kv_heads, group, scale
-    "attention_prefill_d64": "PPiPPPiPPiiif",
-    "attention_prefill_d128": "PPiPPPiPPiiif",
+    #   block_table_width (device int), query_start, context_lens, block_size, num_kv_heads,
+    #   group, scale
+    "attention_prefill_d64": "PPiPPPPPPiiif",
+    "attention_prefill_d128": "PPiPPPPPPiiif",
     # cuda/attention_decode.cu: out, partial_out, partial_ml, q, q_row_stride, k_cache, v_cache,
-    #   block_tables, max_blocks_per_seq, context_lens, block_size, num_kv_heads, group, scale
-    "attention_decode_d64": "PPPPiPPPiPiiif",
-    "attention_decode_d128": "PPPPiPPPiPiiif",
+    #   block_tables, block_table_width (device int), context_lens, block_size, num_kv_heads,
+    #   group, scale
+    "attention_decode_d64": "PPPPiPPPPPiiif",
+    "attention_decode_d128": "PPPPiPPPPPiiif",
     # out, partial_out, partial_ml, num_q_heads, num_splits, head_dim
     "attention_decode_reduce": "PPPiii",
 }

@@ -65,14 +65,23 @@ class CudaRunner:
             self.sampler = Sampler(self.kernels)
             self._block_tables_offset = self.arena.layout.inputs["block_tables"].offset
             self._block_tables_flat = self.arena.host_inputs_bytes[self._block_tables_offset:].view(np.int32)
+            self.graphs: dict[int, object] = {}
+            self._graph_sizes: list[int] = []
+            if not engine_config.enforce_eager:
+                self.capture_decode_graphs()
         finally:
             self.ctx.pop()
 
     # -- one step ----------------------------------------------------------------------------
-    def _stage_inputs(self, batch: ForwardBatch, sampling: SamplingBatch | None) -> StepShape:
-        """Write the batch into the page-locked input mirror and upload it in one copy."""
+    def _stage_inputs(self, batch: ForwardBatch, sampling: SamplingBatch | None, rows: int | None = None) -> StepShape:
+        """Write the batch into the page-locked input mirror and upload it in one copy.
+
+        rows > num_seqs pads a decode batch up to a captured graph's size with harmless
+        sequences: token 0 at position 0, no KV write (slot -1), context 1 through block 0,
+        greedy; their outputs are never read."""
         T, S = batch.num_tokens, batch.num_seqs
-        if T > self.dims.tokens or S > self.dims.seqs:
+        R = rows or S
+        if T > self.dims.tokens or R > self.dims.seqs:
             raise ValueError(f"batch of {T} tokens / {S} sequences exceeds the arena "
                              f"({self.dims.tokens} tokens / {self.dims.seqs} sequences)")
         width = batch.block_tables.shape[1]
@@ -85,34 +94,84 @@ class CudaRunner:
         h("query_start")[:S + 1] = batch.query_start
         h("context_lens")[:S] = batch.context_lens
         h("last_token_idx")[:S] = batch.last_token_indices
-        if sampling is not None:
-            h("temperature")[:S] = sampling.temperature
-            h("top_k")[:S] = sampling.top_k
-            h("top_p")[:S] = sampling.top_p
-            h("seeds")[:S] = sampling.seed
-            h("steps")[:S] = sampling.step
-        # packed with this batch's width: the kernels take the width as the row stride
+        if sampling is None:
+            sampling = SamplingBatch.greedy(S)
+        h("temperature")[:S] = sampling.temperature
+        h("top_k")[:S] = sampling.top_k
+        h("top_p")[:S] = sampling.top_p
+        h("seeds")[:S] = sampling.seed
+        h("steps")[:S] = sampling.step
+        if R > S:
+            assert not batch.is_prefill and T == S, "only decode batches are padded"
+            for name, value in (("token_ids", 0), ("positions", 0), ("slot_mapping", -1),
+                                ("context_lens", 1), ("temperature", 0.0), ("top_k", -1),
+                                ("top_p", 1.0), ("seeds", 0), ("steps", 0)):
+                h(name)[S:R] = value
+            h("last_token_idx")[S:R] = np.arange(S, R)
+        h("block_table_width")[0] = width
+        # packed with this batch's width (the kernels read the width from the arena), so the
+        # upload stops right after the rows in use
         self._block_tables_flat[:S * width] = batch.block_tables.reshape(-1)
-        self.arena.upload_inputs(self._block_tables_offset + S * width * 4, self.stream)
-        q_lens = np.diff(batch.query_start)
-        return StepShape(num_tokens=T, num_seqs=S, is_prefill=batch.is_prefill,
-                         max_query_len=int(q_lens.max()), max_context_len=int(batch.context_lens.max()),
-                         block_table_width=width)
+        self._block_tables_flat[S * width:R * width] = 0
+        self.arena.upload_inputs(self._block_tables_offset + R * width * 4, self.stream)
+        return StepShape(num_tokens=R if R > S else T, num_seqs=R, is_prefill=batch.is_prefill,
+                         max_query_len=int(np.diff(batch.query_start).max()))
 
-    def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> np.ndarray:
-        """Forward + sample; returns the int32 [S] next token of each sequence."""
+    def _forward_and_sample(self, step: StepShape) -> None:
+        """The device work of one step, as captured into a decode graph."""
+        self.model.forward(step)
+        v = self.arena.view
+        self.sampler.sample(v("logits"), step.num_seqs, self.cfg.vocab_size, v("temperature"),
+                            v("top_k"), v("top_p"), v("seeds"), v("steps"), v("sampled_ids"))
+
+    def execute(self, batch: ForwardBatch, sampling: SamplingBatch, replay: bool = True) -> np.ndarray:
+        """Forward + sample; returns the int32 [S] next token of each sequence. Decode steps
+        replay the smallest captured graph that holds the batch; replay=False runs the very
+        same (padded) launches eagerly instead, which is how tests check the graphs."""
         self.ctx.push()
         try:
-            step = self._stage_inputs(batch, sampling)
-            self.model.forward(step)
-            S, v = step.num_seqs, self.arena.view
-            self.sampler.sample(v("logits"), S, self.cfg.vocab_size, v("temperature"), v("top_k"),
-                                v("top_p"), v("seeds"), v("steps"), v("sampled_ids"))
+            S = batch.num_seqs
+            graph_size = None if batch.is_prefill else self._graph_size_for(S)
+            step = self._stage_inputs(batch, sampling, rows=graph_size)
+            if graph_size is None or not replay:
+                self._forward_and_sample(step)
+            else:
+                self.graphs[graph_size].launch(self.stream)
             self.arena.download_outputs(S * 4, self.stream)
             self.stream.synchronize()
             return self.arena.host("sampled_ids")[:S].copy()
         finally:
             self.ctx.pop()
+
+    # -- CUDA graphs for decode ------------------------------------------------------------------
+    def graph_batch_sizes(self) -> list[int]:
+        """1, 2, 4, 8, then every 16 up to max_num_seqs (and max_num_seqs itself)."""
+        top = self.dims.seqs
+        sizes = [s for s in (1, 2, 4, 8) if s < top] + list(range(16, top, 16)) + [top]
+        return sorted(set(sizes))
+
+    def _graph_size_for(self, num_seqs: int) -> int | None:
+        for size in self._graph_sizes:
+            if size >= num_seqs:
+                return size
+        return None
+
+    def capture_decode_graphs(self) -> None:
+        """Capture one decode step per batch size. Each size runs once eagerly first, so that
+        cuBLAS picks and loads its kernels outside the capture."""
+        from .graphs import CudaGraph
+        for size in self.graph_batch_sizes():
+            dummy = ForwardBatch.build([[0]] * size, [1] * size, [[0]] * size, self.engine_cfg.block_size,
+                                       is_prefill=False)
+            dummy.slot_mapping[:] = -1            # write nothing into the KV cache
+            step = self._stage_inputs(dummy, None)
+            self._forward_and_sample(step)
+            self.stream.synchronize()
+            with CudaGraph.capture(self.stream) as graph:
+                self._forward_and_sample(step)
+            self.graphs[size] = graph
+        self.stream.synchronize()
+        self._graph_sizes = sorted(self.graphs)
 
     def forward_logits(self, batch: ForwardBatch) -> np.ndarray:
         """Forward only; copies the fp32 logits [S, vocab] back (tests and debugging)."""
@@ -128,10 +187,25 @@ class CudaRunner:
         finally:
             self.ctx.pop()
 
+    def read_logits(self, num_seqs: int) -> np.ndarray:
+        """The fp32 logits [num_seqs, vocab] of the last step (sampled rows hold the sampler's
+        weights instead: it works in place)."""
+        import pycuda.driver as drv
+        self.ctx.push()
+        try:
+            out = np.empty((num_seqs, self.cfg.vocab_size), np.float32)
+            drv.memcpy_dtoh(out, int(self.arena.view("logits")))
+            return out
+        finally:
+            self.ctx.pop()
+
     def close(self) -> None:
         if getattr(self, "blas", None) is not None:
             self.ctx.push()
             try:
+                for graph in self.graphs.values():
+                    graph.close()
+                self.graphs, self._graph_sizes = {}, []
                 self.blas.close()
             finally:
                 self.ctx.pop()
