@@ -1,0 +1,115 @@
+"""Where a decode step's time goes, on the GPU: per-op GPU time from CUDA events (eager mode,
+one event pair around every kernel launch and cuBLAS call), and whole-step wall time for eager
+launches vs CUDA-graph replay, at several batch sizes.
+
+    python benchmarks/decode_profile.py [--preset llama-3.2-1b] [--context 256] [--batch 1 8 64 256]
+
+Prints two tables; run on a GPU machine (the model is written to /tmp if absent).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from tinyvllm.batch import ForwardBatch
+from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.sampling import SamplingBatch
+from tinyvllm.weights import load_weights
+
+
+def decode_batch(num_seqs: int, context: int, block_size: int, rng) -> ForwardBatch:
+    blocks = -(-context // block_size)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(num_seqs)]
+    tokens = [[int(t)] for t in rng.integers(0, 1000, num_seqs)]
+    return ForwardBatch.build(tokens, [context] * num_seqs, tables, block_size, is_prefill=False)
+
+
+def time_steps(runner, batch, replay: bool, repeats: int = 30) -> float:
+    sampling = SamplingBatch.greedy(batch.num_seqs)
+    for _ in range(3):
+        runner.execute(batch, sampling, replay=replay)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        runner.execute(batch, sampling, replay=replay)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def per_op_times(runner, batch) -> dict[str, float]:
+    """GPU microseconds per op name for one eager decode step (median of 10 steps)."""
+    import pycuda.driver as drv
+    from tinyvllm.gpu import kernels as kmod
+    from tinyvllm.gpu.cublas import Cublas
+    records: list[tuple[str, object, object]] = []
+    original_kernel, original_linear = kmod.Kernel.__call__, Cublas.linear
+
+    def timed(name, fn):
+        start, end = drv.Event(), drv.Event()
+        start.record(runner.stream)
+        fn()
+        end.record(runner.stream)
+        records.append((name, start, end))
+
+    def kernel_call(self, *a, **k):
+        timed(self.name, lambda: original_kernel(self, *a, **k))
+
+    def linear_call(self, y, x, w, m, n, k, **kw):
+        timed(f"gemm {n}x{k}", lambda: original_linear(self, y, x, w, m, n, k, **kw))
+
+    kmod.Kernel.__call__, Cublas.linear = kernel_call, linear_call
+    try:
+        per_step = []
+        for _ in range(10):
+            records.clear()
+            runner.execute(batch, SamplingBatch.greedy(batch.num_seqs), replay=False)
+            totals = defaultdict(float)
+            for name, s, e in records:
+                totals[name] += e.time_since(s) * 1e3
+            per_step.append(totals)
+    finally:
+        kmod.Kernel.__call__, Cublas.linear = original_kernel, original_linear
+    return {name: float(np.median([t[name] for t in per_step])) for name in per_step[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama-3.2-1b")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
+    args = ap.parse_args()
+    from tinyvllm.gpu.runner import CudaRunner
+    from tinyvllm.model_writer import write_model
+    path = Path(f"/tmp/tinyvllm-models/{args.preset}")
+    if not (path / "config.json").exists():
+        write_model(path, preset=args.preset)
+    cfg = ModelConfig.from_pretrained(path)
+    runner = CudaRunner(cfg, load_weights(path, cfg),
+                        EngineConfig(max_num_seqs=max(args.batch), max_num_batched_tokens=2048,
+                                     max_model_len=4096, kv_cache_gb=max(args.batch) * args.context * cfg.kv_bytes_per_token / 2**30 * 1.1 + 0.1))
+    rng = np.random.default_rng(0)
+    weight_gb = cfg.num_parameters * 2 / 1e9
+    print(f"\n{args.preset}: {weight_gb:.2f} GB of weights, context {args.context}")
+    print(f"{'batch':>6} {'eager ms':>10} {'graph ms':>10} {'graph tok/s':>12} {'weights TB/s':>13}")
+    profile_batch = None
+    for s in args.batch:
+        batch = decode_batch(s, args.context, runner.engine_cfg.block_size, rng)
+        eager, graph = time_steps(runner, batch, replay=False), time_steps(runner, batch, replay=True)
+        print(f"{s:>6} {eager * 1e3:>10.3f} {graph * 1e3:>10.3f} {s / graph:>12,.0f} {weight_gb / graph / 1e3:>13.2f}")
+        profile_batch = profile_batch or batch
+    ops = per_op_times(runner, profile_batch)
+    total = sum(ops.values())
+    print(f"\nGPU time per op in one eager decode step, batch {profile_batch.num_seqs} (CUDA events):")
+    print(f"{'op':<28} {'us':>9} {'share':>7}")
+    for name, us in sorted(ops.items(), key=lambda kv: -kv[1]):
+        print(f"{name:<28} {us:>9.1f} {us / total:>7.1%}")
+    print(f"{'total GPU time':<28} {total:>9.1f}")
+    runner.close()
+
+
+if __name__ == "__main__":
+    main()
