@@ -1,5 +1,5 @@
 // Decode attention over the paged KV cache (PagedAttention), split over the context
-// (flash decoding) and merged by attention_decode_reduce.
+// (flash decoding); the last split of each (sequence, kv head) to finish merges them.
 //
 // One new query token per sequence (token index = sequence index). Grid: (num_seqs,
 // num_kv_heads, num_splits); block: 128 threads. A block serves all `group` query heads that
@@ -11,8 +11,11 @@
 // Thread layout: LANES = HEAD_DIM / 8 consecutive lanes cover one K/V row with 16-byte loads; a
 // warp scores 32 / LANES tokens at once.
 //
-// With one split the block writes the normalised result to `out`; with several it writes the
-// unnormalised accumulator and (m, l) to the workspace, merged by attention_decode_reduce.
+// With one split the block writes the normalised result to `out`. With several, each block
+// writes its unnormalised accumulator and (m, l) to the workspace, then counts itself done on
+// split_counters[seq, kv_head]; the block that finishes last merges all splits into `out` and
+// resets the counter to 0 for the next launch (so no separate reduce launch is needed, and the
+// counters must start at zero: the arena is zeroed at allocation).
 #include <math_constants.h>
 #include "common.cuh"
 
@@ -26,7 +29,7 @@ constexpr int MAX_GROUP = 8;
 template <int HEAD_DIM>
 __device__ __forceinline__ void decode_attention(
     bf16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_ml,
-    const bf16* __restrict__ q, int q_row_stride, const bf16* __restrict__ k_cache,
+    int* __restrict__ split_counters, const bf16* __restrict__ q, int q_row_stride, const bf16* __restrict__ k_cache,
     const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ block_table_width,
     const int* __restrict__ context_lens, int block_size, int num_kv_heads, int group, float scale) {
     constexpr int LANES = HEAD_DIM / 8;
@@ -175,41 +178,49 @@ __device__ __forceinline__ void decode_attention(
             }
         }
     }
+    if (num_splits == 1) return;
+
+    // Count this split done; the last one merges (threadFenceReduction pattern).
+    __shared__ bool is_last;
+    __threadfence();              // our partials are visible device-wide before we count
+    __syncthreads();
+    int* counter = split_counters + (size_t)seq * num_kv_heads + kv_head;
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == num_splits - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    // out = sum_s acc_s * e^(m_s - M) / sum_s l_s * e^(m_s - M), M = max_s m_s.
+    // Other blocks' partials are read through L2 (__ldcg): L1 is not coherent across SMs.
+    for (int e = threadIdx.x; e < group * HEAD_DIM; e += THREADS) {
+        const int g = e / HEAD_DIM, d = e % HEAD_DIM;
+        const int head = kv_head * group + g;
+        const size_t base = ((size_t)seq * num_q_heads + head) * num_splits;
+        float m_max = -CUDART_INF_F;
+        for (int s = 0; s < num_splits; ++s) m_max = fmaxf(m_max, __ldcg(&partial_ml[2 * (base + s)]));
+        float num = 0.0f, den = 0.0f;
+        for (int s = 0; s < num_splits; ++s) {
+            const float m = __ldcg(&partial_ml[2 * (base + s)]);
+            if (m == -CUDART_INF_F) continue;  // an empty split
+            const float w = __expf(m - m_max);
+            den += __ldcg(&partial_ml[2 * (base + s) + 1]) * w;
+            num += __ldcg(&partial_out[(base + s) * HEAD_DIM + d]) * w;
+        }
+        out[((size_t)seq * num_q_heads + head) * HEAD_DIM + d] = __float2bfloat16(den > 0.0f ? num / den : 0.0f);
+    }
+    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (or graph replay)
 }
 
 }  // namespace
 
 #define DECODE_ATTENTION_KERNEL(D)                                                               \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_decode_d##D(                 \
-        bf16* out, float* partial_out, float* partial_ml, const bf16* q, int q_row_stride,       \
-        const bf16* k_cache, const bf16* v_cache, const int* block_tables,                       \
-        const int* block_table_width, const int* context_lens, int block_size, int num_kv_heads,       \
+        bf16* out, float* partial_out, float* partial_ml, int* split_counters, const bf16* q,    \
+        int q_row_stride, const bf16* k_cache, const bf16* v_cache, const int* block_tables,     \
+        const int* block_table_width, const int* context_lens, int block_size, int num_kv_heads, \
         int group, float scale) {                                                                \
-        decode_attention<D>(out, partial_out, partial_ml, q, q_row_stride, k_cache, v_cache,     \
-                            block_tables, block_table_width, context_lens, block_size,          \
-                            num_kv_heads, group, scale);                                         \
+        decode_attention<D>(out, partial_out, partial_ml, split_counters, q, q_row_stride,       \
+                            k_cache, v_cache, block_tables, block_table_width, context_lens,     \
+                            block_size, num_kv_heads, group, scale);                             \
     }
 DECODE_ATTENTION_KERNEL(64)
 DECODE_ATTENTION_KERNEL(128)
-
-// Merge the splits: out = Σ_s acc_s · e^(m_s - M) / Σ_s l_s · e^(m_s - M), M = max_s m_s.
-// Grid: (num_seqs, num_q_heads); block: head_dim threads, one output value each.
-extern "C" __global__ void attention_decode_reduce(bf16* __restrict__ out,
-                                                   const float* __restrict__ partial_out,
-                                                   const float* __restrict__ partial_ml,
-                                                   int num_q_heads, int num_splits, int head_dim) {
-    const int seq = blockIdx.x, head = blockIdx.y, d = threadIdx.x;
-    const size_t base = ((size_t)seq * num_q_heads + head) * num_splits;
-    float m_max = -CUDART_INF_F;
-    for (int s = 0; s < num_splits; ++s) m_max = fmaxf(m_max, partial_ml[2 * (base + s)]);
-    float num = 0.0f, den = 0.0f;
-    for (int s = 0; s < num_splits; ++s) {
-        const float m = partial_ml[2 * (base + s)];
-        if (m == -CUDART_INF_F) continue;  // an empty split
-        const float w = __expf(m - m_max);
-        den += partial_ml[2 * (base + s) + 1] * w;
-        num += partial_out[(base + s) * head_dim + d] * w;
-    }
-    if (d < head_dim)
-        out[((size_t)seq * num_q_heads + head) * head_dim + d] = __float2bfloat16(den > 0.0f ? num / den : 0.0f);
-}

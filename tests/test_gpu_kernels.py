@@ -152,27 +152,31 @@ def test_attention_prefill(gpu, rng, hq, hkv, d):
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 64), (8, 8, 64), (24, 8, 128), (4, 2, 64)])
 @pytest.mark.parametrize("splits", [1, 5, 32])
 def test_attention_decode(gpu, rng, hq, hkv, d, splits):
-    """One query per sequence at contexts from 1 to 5,000 tokens; with several splits the reduce
-    kernel merges them (splits beyond a short context are empty and must be ignored)."""
+    """One query per sequence at contexts from 1 to 5,000 tokens. With several splits, the last
+    block of each (sequence, kv head) merges them (splits past a short context are empty and must
+    be ignored) and resets its counter: a second launch on the same buffers must give the same
+    result, and the counters must be back at zero."""
     from gpu_helpers import DeviceArray, rel_err
     from tinyvllm.gpu.arena import MAX_DECODE_SPLITS
     ctx = [1, 15, 300, 4129, 5000, 257]
     batch, q, kc, vc, want = _attention_case(rng, [1] * len(ctx), ctx, hq, hkv, d)
     S = batch.num_seqs
-    out = DeviceArray.poisoned((S, hq, d), q.dtype)
     part_out = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, d), np.float32)
     part_ml = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, 2), np.float32)
+    counters = DeviceArray(np.zeros((S, hkv), np.int32))
     width = np.array([batch.block_tables.shape[1]], np.int32)
     d_q, d_k, d_v, d_tables, d_width, d_ctx = (DeviceArray(a) for a in (
         q, kc, vc, batch.block_tables, width, batch.context_lens))
-    gpu[f"attention_decode_d{d}"]((S, hkv, splits), 128, out, part_out, part_ml, d_q, hq * d, d_k, d_v,
-                                  d_tables, d_width, d_ctx, 16, hkv, hq // hkv, 1 / math.sqrt(d))
-    if splits > 1:
-        gpu["attention_decode_reduce"]((S, hq), d, out, part_out, part_ml, hq, splits, d)
-    _sync()
-    got = out.get()
-    for i in range(S):
-        assert rel_err(got[i], want[i]) < BF16_TOL, f"sequence {i} (context {ctx[i]})"
+    for launch in range(2):
+        out = DeviceArray.poisoned((S, hq, d), q.dtype)
+        gpu[f"attention_decode_d{d}"]((S, hkv, splits), 128, out, part_out, part_ml, counters, d_q, hq * d,
+                                      d_k, d_v, d_tables, d_width, d_ctx, 16, hkv, hq // hkv,
+                                      1 / math.sqrt(d))
+        _sync()
+        got = out.get()
+        for i in range(S):
+            assert rel_err(got[i], want[i]) < BF16_TOL, f"launch {launch}, sequence {i} (context {ctx[i]})"
+        np.testing.assert_array_equal(counters.get(), 0)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 3072, 2048), (7, 1000, 264), (33, 130, 72), (300, 2048, 8192)])

@@ -6,7 +6,7 @@ Per layer (T new tokens; residual stream `hidden` in bf16):
     normed   = rms_norm(hidden)                         kernel
     qkv      = normed @ Wqkv^T                          cuBLAS (q, k, v fused)
     q, cache = rope(qkv) -> paged K/V write             kernel (RoPE fused with the cache write)
-    attn_out = attention(q, paged K/V)                  kernel(s): prefill tiles or split decode
+    attn_out = attention(q, paged K/V)                  kernel: prefill tiles or split decode
     hidden  += attn_out @ Wo^T                          cuBLAS, beta = 1 fuses the residual add
     normed   = rms_norm(hidden)                         kernel
     gate_up  = normed @ Wgate_up^T                      cuBLAS (gate, up fused)
@@ -55,6 +55,7 @@ class LlamaModel:
         self.hidden, self.normed, self.qkv, self.attn_out = v("hidden"), v("normed"), v("qkv"), v("attn_out")
         self.gate_up, self.act, self.final_normed, self.logits = v("gate_up"), v("act"), v("final_normed"), v("logits")
         self.partial_out, self.partial_ml = v("decode_partial_out"), v("decode_partial_ml")
+        self.split_counters = v("decode_split_counters")
         self.token_ids, self.positions, self.slot_mapping = v("token_ids"), v("positions"), v("slot_mapping")
         self.query_start, self.context_lens = v("query_start"), v("context_lens")
         self.last_token_idx, self.block_tables = v("last_token_idx"), v("block_tables")
@@ -99,12 +100,8 @@ class LlamaModel:
         splits = self.decode_splits(step.num_seqs)
         self.k[f"attention_decode_d{D}"](
             (step.num_seqs, c.num_key_value_heads, splits), 128, self.attn_out, self.partial_out,
-            self.partial_ml, self.qkv, self.qkv_width, *common, self.context_lens,
-            self.kv.block_size, c.num_key_value_heads, self.group, self.scale)
-        if splits > 1:
-            self.k["attention_decode_reduce"]((step.num_seqs, c.num_attention_heads), D, self.attn_out,
-                                              self.partial_out, self.partial_ml,
-                                              c.num_attention_heads, splits, D)
+            self.partial_ml, self.split_counters, self.qkv, self.qkv_width, *common,
+            self.context_lens, self.kv.block_size, c.num_key_value_heads, self.group, self.scale)
 
     def decode_splits(self, num_seqs: int) -> int:
         """Split each sequence's context over enough blocks to fill the GPU about twice. It

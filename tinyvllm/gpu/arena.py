@@ -42,6 +42,7 @@ class ArenaDims:
     inter: int
     vocab: int
     heads: int
+    kv_heads: int
     head_dim: int
     blocks_per_seq: int
 
@@ -52,7 +53,7 @@ class ArenaDims:
                    hidden=model.hidden_size, q_width=model.q_size,
                    qkv_width=model.q_size + 2 * model.kv_size, inter=model.intermediate_size,
                    vocab=model.vocab_size, heads=model.num_attention_heads,
-                   head_dim=model.head_dim, blocks_per_seq=engine.max_blocks_per_seq(model))
+                   kv_heads=model.num_key_value_heads, head_dim=model.head_dim, blocks_per_seq=engine.max_blocks_per_seq(model))
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ ACTIVATIONS = [
     BufferSpec("logits", lambda d: (d.seqs, d.vocab), F32, "logits"),
     BufferSpec("decode_partial_out", lambda d: (d.seqs, d.heads, MAX_DECODE_SPLITS, d.head_dim), F32, "decode_partial_out"),
     BufferSpec("decode_partial_ml", lambda d: (d.seqs, d.heads, MAX_DECODE_SPLITS, 2), F32, "decode_partial_ml"),
+    BufferSpec("decode_split_counters", lambda d: (d.seqs, d.kv_heads), I32, "decode_split_counters"),
     BufferSpec("cublas_workspace", lambda d: (CUBLAS_WORKSPACE_BYTES // 4,), F32, "cublas_workspace"),
 ]
 
@@ -195,6 +197,8 @@ class Arena:
         self.layout = layout
         self._allocation = drv.mem_alloc(layout.total_bytes)
         base = int(self._allocation)
+        # zeroed once: attention_decode's split counters must start at 0 (it resets them itself)
+        drv.memset_d8(base, 0, layout.total_bytes)
         self.inputs_ptr = base + layout.activation_bytes
         self.outputs_ptr = self.inputs_ptr + layout.input_bytes
         self._views: dict[str, DeviceView] = {}

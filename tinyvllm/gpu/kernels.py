@@ -30,13 +30,11 @@ KERNEL_SIGNATURES: dict[str, str] = {
     #   group, scale
     "attention_prefill_d64": "PPiPPPPPPiiif",
     "attention_prefill_d128": "PPiPPPPPPiiif",
-    # cuda/attention_decode.cu: out, partial_out, partial_ml, q, q_row_stride, k_cache, v_cache,
-    #   block_tables, block_table_width (device int), context_lens, block_size, num_kv_heads,
-    #   group, scale
-    "attention_decode_d64": "PPPPiPPPPPiiif",
-    "attention_decode_d128": "PPPPiPPPPPiiif",
-    # out, partial_out, partial_ml, num_q_heads, num_splits, head_dim
-    "attention_decode_reduce": "PPPiii",
+    # cuda/attention_decode.cu: out, partial_out, partial_ml, split_counters, q, q_row_stride,
+    #   k_cache, v_cache, block_tables, block_table_width (device int), context_lens,
+    #   block_size, num_kv_heads, group, scale
+    "attention_decode_d64": "PPPPPiPPPPPiiif",
+    "attention_decode_d128": "PPPPPiPPPPPiiif",
 }
 
 
