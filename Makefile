@@ -1,7 +1,8 @@
 # tinyvllm — every task the project has, one target each.
 #   make test        install the CPU test set-up and run everything a machine without a GPU can run
 #   make gpu-test    (on a GPU machine) kernel, cuBLAS and whole-model tests against the numpy reference
-#   make bench       (on a GPU machine) latency + throughput benchmark on a Llama-3.2-1B-shaped model
+#   make bench       (on a GPU machine) latency, batch64, throughput on a Llama-3.2-1B-shaped model
+#                    -> table + bench.json; add the HF comparison with BENCH_ARGS=--compare-hf
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 NVCC ?= nvcc
@@ -39,8 +40,9 @@ check-kernels:
 	  done; \
 	else echo "check-kernels: nvcc not found, kernels not compiled"; fi
 
+BENCH_ARGS ?=
 bench:
-	$(PYTHON) -m tinyvllm bench --preset llama-3.2-1b
+	$(PYTHON) -m tinyvllm bench --preset llama-3.2-1b --json bench.json $(BENCH_ARGS)
 
 # OpenAI-compatible server on 127.0.0.1:8000; e.g. make serve MODEL=/tmp/tinyvllm-tiny DEVICE=cpu
 MODEL ?= /tmp/tinyvllm-tiny

@@ -118,6 +118,19 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    from .bench import BenchOptions, run_bench
+    options = engine_options_from_args(args)
+    if args.num_kv_blocks is not None:
+        options["num_kv_blocks"] = args.num_kv_blocks
+    run_bench(BenchOptions(
+        model=args.model, preset=args.preset, model_cache=args.model_cache, workload=args.workload,
+        json_path=args.json, compare_hf=args.compare_hf, hf_max_seconds=args.hf_max_seconds,
+        engine_options=options, num_requests=args.num_requests, min_len=args.min_len,
+        max_len=args.max_len, seed=args.seed))
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """Argument errors as one line, like every other tinyvllm error."""
 
@@ -156,6 +169,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--scheduling", choices=["continuous", "static"], default=None)
     gen.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV cache size in blocks")
     gen.set_defaults(func=_cmd_generate)
+
+    bench = sub.add_parser("bench", help="latency / batch64 / throughput benchmark (table + JSON)")
+    which = bench.add_mutually_exclusive_group()
+    which.add_argument("--model", default=None, help="model directory (default: --preset's)")
+    which.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.2-1b",
+                       help="random-weight model, written once under --model-cache")
+    bench.add_argument("--model-cache", default="/tmp/tinyvllm-models", help="where presets go")
+    bench.add_argument("--workload", choices=["latency", "throughput", "batch64", "all"], default="all")
+    bench.add_argument("--json", default=None, metavar="OUT.json", help="write every number here")
+    bench.add_argument("--compare-hf", action="store_true",
+                       help="run the same workloads with HF transformers (needs torch, transformers)")
+    bench.add_argument("--hf-max-seconds", type=float, default=180.0,
+                       help="wall-time budget of all HF runs together (default 180)")
+    bench.add_argument("--num-requests", type=int, default=None,
+                       help="override the request count of batch64 and throughput (small runs)")
+    bench.add_argument("--min-len", type=int, default=None, help="override: shortest ragged length")
+    bench.add_argument("--max-len", type=int, default=None, help="override: cap on every length")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
+    add_engine_options(bench)
+    bench.add_argument("--num-kv-blocks", type=int, default=None,
+                       help="exact KV cache size in blocks (default: enough for the workloads)")
+    bench.set_defaults(func=_cmd_bench)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs tinyvllm[server])")
     sv.add_argument("--model", required=True, help="Hugging Face model directory")

@@ -1,0 +1,176 @@
+"""`python -m tinyvllm bench` on the numpy backend with tiny workloads: the JSON has every number,
+the numbers are sane, the table prints, the workloads are the issue's, and bad arguments are
+one line with exit status 2."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tinyvllm.bench import (WARMUP, WORKLOADS, BenchOptions, WorkloadResult, kv_blocks_needed,
+                            run_bench, select_workloads)
+from tinyvllm.cli import main
+
+SMALL = ["--device", "cpu", "--num-requests", "4", "--min-len", "4", "--max-len", "12"]
+RESULT_KEYS = {"backend", "num_requests", "prompt_tokens", "output_tokens", "wall_s",
+               "output_tok_s", "total_tok_s", "decode_tok_s", "ms_per_token", "ttft_ms",
+               "preemptions", "note"}
+
+
+def test_cli_bench_writes_json_and_prints_the_table(tiny_model_dir, tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    code = main(["bench", "--model", str(tiny_model_dir), *SMALL, "--json", str(out_json)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out_json.read_text())
+    assert {"date", "git_commit", "device", "model", "engine_config", "workloads"} <= report.keys()
+    assert report["device"]["kind"] == "cpu" and report["device"]["floor_tok_s"] is None
+    assert report["model"]["weight_bytes"] == 2 * report["model"]["num_parameters"] > 0
+    assert report["engine_config"]["max_num_seqs"] == 256
+    assert report["engine_config"]["max_num_batched_tokens"] == 16384
+    assert list(report["workloads"]) == ["latency", "batch64", "throughput"]
+    for name, entry in report["workloads"].items():
+        ours = entry["tinyvllm"]
+        assert entry["hf"] is None and entry["standard"] is False
+        assert set(ours) == RESULT_KEYS and ours["backend"] == "tinyvllm"
+        assert ours["num_requests"] == (1 if name == "latency" else 4)
+        assert ours["wall_s"] > 0 and ours["output_tok_s"] > 0
+        assert ours["total_tok_s"] > ours["output_tok_s"]
+        assert ours["preemptions"] == 0      # the KV cache is sized for the workloads
+    latency = report["workloads"]["latency"]["tinyvllm"]
+    assert latency["output_tokens"] == 12 and latency["prompt_tokens"] == 12
+    assert latency["decode_tok_s"] > 0 and latency["ttft_ms"] > 0
+    assert latency["ms_per_token"] == pytest.approx(1000 / latency["decode_tok_s"])
+    # every request ran to its own max_tokens (ignore_eos): outputs are within [4, 12] each
+    throughput = report["workloads"]["throughput"]["tinyvllm"]
+    assert 4 * 4 <= throughput["output_tokens"] <= 4 * 12
+    for needle in ("workload", "decode tok/s (batch 1)", "fraction of the floor", "throughput",
+                   "output tok/s", ">= 40,000", ">= 20,000", ">= 1,300", f"wrote {out_json}"):
+        assert needle in out
+    assert "HF" not in out                   # no HF columns without --compare-hf
+
+
+def test_one_workload_only(tiny_model_dir, capsys):
+    report = run_bench(BenchOptions(model=str(tiny_model_dir), workload="batch64",
+                                    engine_options={"device": "cpu"}, num_requests=2, max_len=6))
+    assert list(report.workloads) == ["batch64"]
+    result = report.workloads["batch64"]["tinyvllm"]
+    assert result["output_tokens"] == 2 * 6 and result["prompt_tokens"] == 2 * 6
+    assert "batch64" in capsys.readouterr().out
+
+
+def test_preset_model_is_written_once_into_the_cache(tmp_path, capsys):
+    args = ["bench", "--preset", "tiny", "--model-cache", str(tmp_path), "--workload", "latency",
+            "--device", "cpu", "--max-len", "4"]
+    assert main(args) == 0
+    model_dir = tmp_path / "tiny"
+    assert (model_dir / "config.json").is_file() and not list(tmp_path.glob(".*partial"))
+    assert "writing the tiny model" in capsys.readouterr().err
+    stamp = (model_dir / "config.json").stat().st_mtime_ns
+    assert main(args) == 0
+    assert (model_dir / "config.json").stat().st_mtime_ns == stamp
+    assert "writing" not in capsys.readouterr().err
+
+
+def test_default_workloads_are_the_issues():
+    latency, batch64, throughput = select_workloads("all")
+    assert (latency.num_requests, latency.prompt_len, latency.output_len) == (1, (128, 128), (256, 256))
+    assert (batch64.num_requests, batch64.prompt_len, batch64.output_len) == (64, (128, 128), (128, 128))
+    assert throughput.num_requests == 256
+    assert throughput.prompt_len == throughput.output_len == (100, 1024)
+    assert [(s.target_metric, s.target) for s in (latency, batch64, throughput)] == \
+        [("decode_tok_s", 1300), ("output_tok_s", 20000), ("output_tok_s", 40000)]
+    requests = throughput.requests(seed=0)
+    assert requests == throughput.requests(seed=0)          # seeded: the same every run
+    assert all(100 <= len(r.prompt_token_ids) <= 1024 and 100 <= r.max_tokens <= 1024 for r in requests)
+    assert len({r.max_tokens for r in requests}) > 100       # ragged, not one length
+
+
+def test_kv_cache_is_sized_for_the_worst_case_of_the_workloads():
+    # 256 sequences of up to 1024 + 1024 tokens in 16-token blocks: 256 * 128 blocks (16 GiB at
+    # Llama-3.2-1B's 32 KiB per token)
+    assert kv_blocks_needed(select_workloads("all"), max_num_seqs=256, block_size=16) == 256 * 128
+    assert kv_blocks_needed(select_workloads("latency"), 256, 16) == max(
+        24, *(s.num_requests * -(-s.max_context // 16) for s in WARMUP))
+
+
+def test_shrunk_workloads_keep_their_shape():
+    latency, batch64, throughput = select_workloads("all", num_requests=4, min_len=4, max_len=12)
+    assert (latency.num_requests, latency.prompt_len, latency.output_len) == (1, (12, 12), (12, 12))
+    assert (batch64.num_requests, batch64.prompt_len) == (4, (12, 12))
+    assert throughput.prompt_len == throughput.output_len == (4, 12)
+    assert latency != WORKLOADS["latency"]
+
+
+def test_result_rates():
+    r = WorkloadResult("tinyvllm", prompt_tokens=300, output_tokens=100, decode_tok_s=50.0).finish(2.0)
+    assert (r.output_tok_s, r.total_tok_s, r.ms_per_token) == (50.0, 200.0, 20.0)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--num-requests", "0"], "--num-requests must be >= 1"),
+    (["--min-len", "9", "--max-len", "5"], "--min-len 9 is larger than --max-len 5"),
+    (["--max-len", "1"], "--max-len must be >= 2"),
+    (["--model", "/no/such/dir"], "model directory not found"),
+    (["--workload", "fastest"], "invalid choice"),
+    (["--preset", "tiny", "--model", "/x"], "not allowed with argument"),
+    (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--compare-hf", "--hf-max-seconds", "0"], "--hf-max-seconds must be > 0"),
+])
+def test_errors_are_one_line_with_exit_2(tiny_model_dir, capsys, args, message):
+    if "--model" not in args and "--preset" not in args:
+        args = ["--model", str(tiny_model_dir), *args]
+    code = main(["bench", "--device", "cpu", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_compare_hf_without_torch_fails_before_running(tiny_model_dir, capsys, monkeypatch):
+    import importlib.util
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real_find_spec(name, *a))
+    code = main(["bench", "--model", str(tiny_model_dir), *SMALL, "--compare-hf"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "--compare-hf needs torch" in err and "latency ..." not in err
+
+
+def test_compare_hf_on_cpu(tiny_model_dir, tmp_path, capsys):
+    """The HF side end to end where torch and transformers happen to be installed (they are not
+    tinyvllm dependencies; the H200 image has them)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    out_json = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(tiny_model_dir), *SMALL, "--compare-hf",
+                 "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "tinyvllm/HF" in out
+    for entry in json.loads(out_json.read_text())["workloads"].values():
+        hf = entry["hf"]
+        assert hf["backend"] == "hf" and hf["output_tok_s"] > 0, hf
+        assert hf["output_tokens"] == entry["tinyvllm"]["output_tokens"]
+
+
+def test_table_on_the_h200_shows_floor_verdicts_and_hf_ratios():
+    """The GPU-only parts of the table, from a report built by hand."""
+    from tinyvllm.bench_report import BenchReport, format_table
+    report = BenchReport(date="d", git_commit="abc", engine_config={},
+                         device={"kind": "cuda", "name": "NVIDIA H200", "copy_bandwidth_GBps": 4240.0,
+                                 "floor_tok_s": 1715.0},
+                         model={"path": "/m", "num_parameters": 1_235_814_400, "weight_bytes": 2_471_628_800})
+    latency, batch64, throughput = select_workloads("all")
+    report.add(latency, WorkloadResult("tinyvllm", 1, 128, 256, decode_tok_s=1372.0).finish(0.3),
+               WorkloadResult("hf", 1, 128, 256, decode_tok_s=13.72).finish(20.0))
+    report.add(batch64, WorkloadResult("tinyvllm", 64, 8192, 8192).finish(0.5), None)
+    skipped = WorkloadResult("hf", 256, note="skipped: estimated 300 s, 100 s left of --hf-max-seconds")
+    report.add(throughput, WorkloadResult("tinyvllm", 256, 1000, 100_000, preemptions=0).finish(4.0),
+               skipped)
+    assert report.workloads["latency"]["fraction_of_floor"] == pytest.approx(0.8)
+    table = format_table(report)
+    assert "NVIDIA H200, copy bandwidth 4,240 GB/s" in table and "commit abc" in table
+    assert ">= 1,300 (met)" in table and "80.0%" in table and "1,715" in table
+    assert ">= 20,000 (NOT met)" in table and "100.0x" in table        # 1,372 vs 13.72 tok/s
+    assert ">= 40,000 (NOT met)" in table and "skipped" in table
+    assert "HF throughput: skipped: estimated 300 s" in table
+    json.loads(report.to_json())
