@@ -305,13 +305,22 @@ def run_tinyvllm_workloads(model_dir: Path, options: dict, specs: list[WorkloadS
         engine_config["num_kv_blocks"] = llm.engine.block_manager.num_blocks
         warm_up(llm, opts.seed, opts.max_len)
         for spec in specs:
-            print(f"tinyvllm: {spec.name} ...", file=sys.stderr)
+            print(f"tinyvllm: {spec.name} ...", file=sys.stderr, end=" ", flush=True)
             results[spec.name] = run_tinyvllm(llm, spec, opts.seed)
+            print(progress_line(results[spec.name]), file=sys.stderr)
     finally:
         llm.engine.close()
         del llm
         gc.collect()                   # the runner's device allocations go with their objects
     return results, engine_config
+
+
+def progress_line(result: WorkloadResult) -> str:
+    """What a run gave, on stderr as it ends: a run cut short by a timeout still leaves this."""
+    if result.wall_s is None:
+        return result.note or "n/a"
+    decode = f", decode {result.decode_tok_s:,.1f} tok/s" if result.decode_tok_s else ""
+    return f"{result.output_tok_s:,.1f} output tok/s in {result.wall_s:.2f} s{decode}"
 
 
 def run_hf_workloads(model_dir: Path, device: str, specs: list[WorkloadSpec],
@@ -324,8 +333,9 @@ def run_hf_workloads(model_dir: Path, device: str, specs: list[WorkloadSpec],
         results = {}
         hf.warm_up(specs[0].requests(opts.seed))
         for spec in specs:
-            print(f"HF transformers: {spec.name} ...", file=sys.stderr)
+            print(f"HF transformers: {spec.name} ...", file=sys.stderr, end=" ", flush=True)
             results[spec.name] = hf.run(spec, spec.requests(opts.seed))
+            print(progress_line(results[spec.name]), file=sys.stderr)
     finally:
         hf.close()
     return results, about
