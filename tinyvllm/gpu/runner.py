@@ -200,13 +200,19 @@ class CudaRunner:
             self.ctx.pop()
 
     def close(self) -> None:
-        if getattr(self, "blas", None) is not None:
-            self.ctx.push()
-            try:
-                for graph in self.graphs.values():
-                    graph.close()
-                self.graphs, self._graph_sizes = {}, []
-                self.blas.close()
-            finally:
-                self.ctx.pop()
+        """Free everything this runner holds on the GPU (graphs, cuBLAS, KV cache, weights,
+        arena), so another user of the device — say a baseline in the same process — gets it."""
+        if getattr(self, "blas", None) is None:
+            return
+        self.ctx.push()
+        try:
+            for graph in self.graphs.values():
+                graph.close()
+            self.graphs, self._graph_sizes = {}, []
+            self.blas.close()
             self.blas = None
+            self.stream.synchronize()
+            for allocation in (self.kv_cache._allocation, self._weights_allocation, self.arena._allocation):
+                allocation.free()
+        finally:
+            self.ctx.pop()
