@@ -1,0 +1,173 @@
+// Small-batch bf16 GEMV / skinny GEMM for decode:  Y[m, n] (+)= X[m, k] @ W[n, k]^T,  1 <= m <= 8.
+//
+// Decode at batch <= 8 reads every weight once per step and does almost no math, so this kernel
+// is a weight stream: each byte of W is loaded exactly once, 16 bytes per lane per load, several
+// loads in flight per lane, straight from HBM past L1 (ld.global.nc.L1::no_allocate). X (at most
+// 8 x 8192 bf16 = 128 KB) is re-read by every CTA and is served by L1/L2.
+//
+// The math runs on the tensor cores: one mma.sync.m16n8k16 (bf16 in, fp32 accumulate) per 8 W
+// values per lane instead of 8*m scalar FMAs plus conversions. Per warp step:
+//   A (16 x 16) = W rows n0 .. n0 + 15,  B (16 x 8) = X^T (column j = X row j; rows >= m zero),
+//   D (16 x 8)  = Y^T tile: D[r][j] += sum_k W[n0 + r][k] X[j][k].
+// A dot product may visit k in any order as long as A and B agree, so instead of the canonical
+// fragment layout the lanes load contiguous memory: lane (g = lane/4, t = lane%4) reads the 16
+// bytes k = k0 + 8t .. k0 + 8t + 7 of W rows n0 + g and n0 + 8 + g and of X row g. Those are
+// uint4 p (row g), q (row g + 8), v (X); each 32-bit word is a bf16 pair. Two mmas consume them:
+//   mma 1: A = {p.x, q.x, p.y, q.y}, B = {v.x, v.y};   mma 2: A = {p.z, q.z, p.w, q.w}, B = {v.z, v.w}.
+// In the PTX fragment layout, A's registers 0/1 and B's register 0 hold logical k = 2t, 2t+1,
+// A's registers 2/3 and B's register 1 hold logical k = 2t+8, 2t+9 (rows g and g+8 of A, column
+// g of B). So a logical k maps to the same physical k (k0 + 8t + 0/1 or + 2/3, resp. + 4..7 in
+// mma 2) in A and in B, for every lane with the same t: each mma sums matching products only.
+// A warp step thus covers 16 W rows x 32 k (a 64-byte run of each row) with 2 W loads, 1 X load
+// and 2 mmas; D's c0..c3 land on lane (g, t) as Y[2t][n0+g], Y[2t+1][n0+g], Y[2t][n0+8+g],
+// Y[2t+1][n0+8+g].
+//
+// Launch shape (tinyvllm/gpu/gemv.py picks it):
+//   grid.x  = ceil(n / 16): a CTA owns the 16 outputs n0 .. n0 + 15 of every x row (one mma tile).
+//   block.x = 32 * kw, kw in 1..32 warps that split K (split-K inside the CTA). The K range is
+//             cut into 32-wide steps; warp w walks steps [w*S/kw, (w+1)*S/kw), S = ceil(k/32),
+//             kUnroll = 4 steps (8 16-byte W loads per lane) in flight at a time.
+//   shared  = kw * 512 bytes: each warp's 8 x 16 fp32 partial tile; after one __syncthreads the
+//             first 16*m threads sum the kw partials of one output each and write it.
+// Registers: 8 W uint4 + 4 X uint4 in flight + 4 accumulators; __launch_bounds__(1024) caps the
+// kernel at 64 registers, so 32 warps fit on an SM whatever kw is (ptxas: 64 registers, no spills).
+// The Python side chooses kw so that ceil(n/16) * kw fills the GPU about once (o/qkv: 16 warps of
+// 4 steps, down: 32 warps of 8 steps, gate_up: 4 warps of 16 steps, lm_head: 1 warp of 64 steps):
+// small matrices put their whole weight in flight at once, big ones stream with fewer, longer
+// warps. No workspace, one launch, no atomics: every output is written by exactly one thread.
+//
+// Bounds: W rows >= n, k >= K (k % 8 == 0 is required, so a 16-byte chunk is all in or all out)
+// and X rows >= m are never read (predicated loads, zeros in their place); outputs outside
+// [m, n) are never written. x and w must be 16-byte aligned. The loop trip count and the mma are
+// warp-uniform (they depend on the warp index only), as mma.sync requires.
+// PDL-ready: the kernel executes griddepcontrol.wait after issuing its first W loads and before
+// it touches X or Y. That is a no-op for an ordinary launch; under programmatic dependent launch
+// the weight stream starts while the previous kernel (which produces X) is still finishing.
+// (It never calls griddepcontrol.launch_dependents: a dependent starts when this grid is done.)
+// -DGEMV_L2_PREFETCH=1 adds the .L2::256B prefetch hint to the W loads (benchmarks/gemv_bench.py
+// compares both; the default build has no hint).
+#include "common.cuh"
+
+namespace {
+
+constexpr int kRowsPerCta = 16;   // W rows (outputs n) per CTA: the M of one m16n8k16 tile
+constexpr int kStepK = 32;        // k per warp step: 4 lanes x 8 bf16 per W row
+constexpr int kUnroll = 4;        // steps in flight per warp: 8 x 16-byte W loads per lane
+constexpr int kMaxWarps = 32;
+
+#ifndef GEMV_L2_PREFETCH
+#define GEMV_L2_PREFETCH 0
+#endif
+#if GEMV_L2_PREFETCH
+#define GEMV_W_LOAD "ld.global.nc.L1::no_allocate.L2::256B.v4.u32"
+#else
+#define GEMV_W_LOAD "ld.global.nc.L1::no_allocate.v4.u32"
+#endif
+
+__device__ __forceinline__ uint4 load_stream(const bf16* p) {   // W: read once, keep out of L1
+    uint4 v;
+    asm volatile(GEMV_W_LOAD " {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// X: re-read by every CTA, cached in L1 (the default for ld.global on sm_90). Not .nc: X is the
+// previous kernel's output, and under programmatic dependent launch that kernel may still run
+// during this one, so X is not read-only for this kernel's lifetime; ptxas does hoist .nc loads
+// (and __ldg) above griddepcontrol.wait. volatile keeps the load after the wait in the PTX.
+__device__ __forceinline__ uint4 load_cached(const bf16* p) {
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// c += A * B, A = {a0, a1, a2, a3} (16 x 16 bf16), B = {b0, b1} (16 x 8 bf16), c: 16 x 8 fp32.
+__device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+}  // namespace
+
+// y: [m, n] bf16 (out_f32 = 0) or fp32 (out_f32 = 1), row stride n; x: [m, k] bf16; w: [n, k] bf16.
+// accumulate = 1: y += x @ w^T (fp32 sum of the old value and the product, rounded once).
+extern "C" __global__ void __launch_bounds__(kMaxWarps * 32)
+gemv_bf16(void* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
+          int m, int n, int k, int out_f32, int accumulate) {
+    extern __shared__ float partial[];   // [warps][8 rows of x][16 columns of the CTA]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * kRowsPerCta;
+    const int steps = (k + kStepK - 1) / kStepK;
+    // k < 2^26 (checked in Python), so steps * warps < 2^26 fits an int.
+    const int s_begin = warp * steps / warps, s_end = (warp + 1) * steps / warps;
+
+    // This lane's two W rows (n0 + g, n0 + 8 + g) and its X row g; pointers of rows that do not
+    // exist are clamped to row 0 and never dereferenced.
+    const bool w_ok0 = n0 + g < n, w_ok1 = n0 + 8 + g < n, x_ok = g < m;
+    const bf16* w0 = w + (size_t)(w_ok0 ? n0 + g : 0) * k + 8 * t;
+    const bf16* w1 = w + (size_t)(w_ok1 ? n0 + 8 + g : 0) * k + 8 * t;
+    const bf16* xr = x + (size_t)(x_ok ? g : 0) * k + 8 * t;
+
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s0 = s_begin; s0 < s_end; s0 += kUnroll) {
+        uint4 wv0[kUnroll], wv1[kUnroll], xv[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int kk = (s0 + u) * kStepK;
+            const bool in = s0 + u < s_end && kk + 8 * t < k;
+            wv0[u] = wv1[u] = make_uint4(0u, 0u, 0u, 0u);
+            if (in && w_ok0) wv0[u] = load_stream(w0 + kk);
+            if (in && w_ok1) wv1[u] = load_stream(w1 + kk);
+        }
+        if (s0 == s_begin) grid_dependency_wait();   // X is the previous kernel's output
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int kk = (s0 + u) * kStepK;
+            const bool in = s0 + u < s_end && kk + 8 * t < k;
+            xv[u] = make_uint4(0u, 0u, 0u, 0u);
+            if (in && x_ok) xv[u] = load_cached(xr + kk);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            mma_bf16(acc, wv0[u].x, wv1[u].x, wv0[u].y, wv1[u].y, xv[u].x, xv[u].y);
+            mma_bf16(acc, wv0[u].z, wv1[u].z, wv0[u].w, wv1[u].w, xv[u].z, xv[u].w);
+        }
+    }
+    grid_dependency_wait();   // warps without steps: Y is read/written below
+
+    // Lane (g, t) holds Y[2t][n0+g], Y[2t+1][n0+g], Y[2t][n0+8+g], Y[2t+1][n0+8+g] (this warp's
+    // share of K); partial[warp][row][column] with row = x row, column = n - n0.
+    float* mine = partial + warp * (8 * kRowsPerCta) + 2 * t * kRowsPerCta + g;
+    mine[0] = acc[0];
+    mine[kRowsPerCta] = acc[1];
+    mine[8] = acc[2];
+    mine[kRowsPerCta + 8] = acc[3];
+    __syncthreads();
+
+    const int rows = m < 8 ? m : 8;   // m <= 8 is checked in Python; never read past the tile
+    for (int i = threadIdx.x; i < rows * kRowsPerCta; i += blockDim.x) {
+        const int row = i / kRowsPerCta, col = n0 + i % kRowsPerCta;
+        if (col >= n) continue;
+        float sum = 0.f;
+        for (int v = 0; v < warps; ++v) sum += partial[v * (8 * kRowsPerCta) + i];
+        const size_t at = (size_t)row * n + col;
+        if (out_f32) {
+            float* yf = static_cast<float*>(y);
+            yf[at] = accumulate ? yf[at] + sum : sum;
+        } else {
+            bf16* yb = static_cast<bf16*>(y);
+            yb[at] = __float2bfloat16(accumulate ? __bfloat162float(yb[at]) + sum : sum);
+        }
+    }
+}
