@@ -4,25 +4,32 @@ input views before forward() and reads the logits (or sampled ids) after it.
 
 Per layer (T new tokens; residual stream `hidden` in bf16):
     normed   = rms_norm(hidden)                         kernel
-    qkv      = normed @ Wqkv^T                          cuBLAS (q, k, v fused)
+    qkv      = normed @ Wqkv^T                          linear (q, k, v fused)
     q, cache = rope(qkv) -> paged K/V write             kernel (RoPE fused with the cache write)
     attn_out = attention(q, paged K/V)                  kernel: prefill tiles or split decode
-    hidden  += attn_out @ Wo^T                          cuBLAS, beta = 1 fuses the residual add
+    hidden  += attn_out @ Wo^T                          linear, beta = 1 fuses the residual add
     normed   = rms_norm(hidden)                         kernel
-    gate_up  = normed @ Wgate_up^T                      cuBLAS (gate, up fused)
+    gate_up  = normed @ Wgate_up^T                      linear (gate, up fused)
     act      = silu(gate) * up                          kernel
-    hidden  += act @ Wdown^T                            cuBLAS, beta = 1
+    hidden  += act @ Wdown^T                            linear, beta = 1
 then the final norm of each sequence's last token and the LM head (fp32 logits, S rows only).
+
+"linear" is cuBLAS (gpu/cublas.py) except for decode batches of at most Gemv.MAX_ROWS tokens,
+which use our weight-streaming GEMV (cuda/gemv.cu): at M <= 8 cuBLAS reads the small matrices
+at 1.7-2.5 TB/s, far from the 4.2 TB/s the weights could stream at. TINYVLLM_GEMV=0 turns the
+GEMV off (for comparisons).
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from .config import ModelConfig
 from .gpu.arena import MAX_DECODE_SPLITS, Arena
 from .gpu.cublas import Cublas
 from .gpu.device_weights import DeviceWeights
+from .gpu.gemv import Gemv
 from .gpu.kernels import KernelLibrary
 from .gpu.kv_memory import DeviceKVCache
 
@@ -47,6 +54,7 @@ class LlamaModel:
         if config.head_dim not in (64, 128):
             raise NotImplementedError(f"head_dim {config.head_dim}: attention kernels exist for 64 and 128")
         self.cfg, self.w, self.arena, self.kv, self.k, self.blas = config, weights, arena, kv_cache, kernels, blas
+        self.gemv = Gemv(kernels, num_sms) if os.environ.get("TINYVLLM_GEMV", "1") != "0" else None
         self.num_sms = num_sms
         self.group = config.num_attention_heads // config.num_key_value_heads
         self.scale = 1.0 / math.sqrt(config.head_dim)
@@ -64,24 +72,31 @@ class LlamaModel:
     def forward(self, step: StepShape) -> None:
         """Run all layers for the step's tokens; logits of each sequence's last token land in
         the arena's `logits` view, fp32 [num_seqs, vocab]."""
-        c, w, k, blas = self.cfg, self.w, self.k, self.blas
+        c, w, k, linear = self.cfg, self.w, self.k, self._linear
         T, H, I = step.num_tokens, c.hidden_size, c.intermediate_size
         k["embedding_gather"](T, 128, self.hidden, w.embed, self.token_ids, T, H, c.vocab_size)
         for layer, lw in enumerate(w.layers):
             self._rms_norm(self.normed, self.hidden, lw.input_norm, T)
-            blas.linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H)
+            linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H)
             k["rope_write_kv"](T, 128, self.qkv, self.kv.k(layer), self.kv.v(layer), self.positions,
                                self.slot_mapping, w.rope_inv_freq, T, c.num_attention_heads,
                                c.num_key_value_heads, c.head_dim)
             self._attention(step, layer)
-            blas.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True)
+            linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True)
             self._rms_norm(self.normed, self.hidden, lw.post_norm, T)
-            blas.linear(self.gate_up, self.normed, lw.gate_up, T, 2 * I, H)
+            linear(self.gate_up, self.normed, lw.gate_up, T, 2 * I, H)
             k["silu_mul"](min(T * I // 8 // 256 + 1, 4 * self.num_sms), 256, self.act, self.gate_up, T, I)
-            blas.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True)
+            linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True)
         S = step.num_seqs
         self._rms_norm(self.final_normed, self.hidden, w.final_norm, S, rows=self.last_token_idx)
-        blas.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32")
+        linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32")
+
+    def _linear(self, y, x, w, m: int, n: int, k: int, **kwargs) -> None:
+        """Y[m, n] (+)= X[m, k] @ W[n, k]^T: the GEMV for small decode batches, else cuBLAS."""
+        if self.gemv is not None and self.gemv.supports(m, n, k):
+            self.gemv.linear(y, x, w, m, n, k, **kwargs)
+        else:
+            self.blas.linear(y, x, w, m, n, k, **kwargs)
 
     def _rms_norm(self, out, inp, weight, num_rows, rows=0):
         self.k["rms_norm"](num_rows, NORM_THREADS, out, inp, weight, rows, num_rows,
