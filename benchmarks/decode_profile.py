@@ -1,6 +1,6 @@
-"""Where a decode step's time goes, on the GPU: per-op GPU time from CUDA events (eager mode,
-one event pair around every kernel launch and cuBLAS call), and whole-step wall time for eager
-launches vs CUDA-graph replay, at several batch sizes.
+"""Where a decode step's time goes, on the GPU: whole-step wall time for eager launches vs
+CUDA-graph replay at several batch sizes, the GPU time of a replay alone, and per-op GPU time
+(each op's launches of one step captured into a graph of their own and timed with CUDA events).
 
     python benchmarks/decode_profile.py [--preset llama-3.2-1b] [--context 256] [--batch 1 8 64 256]
 
@@ -61,40 +61,59 @@ def graph_gpu_time(runner, batch, repeats: int = 50) -> float:
         runner.ctx.pop()
 
 
-def per_op_times(runner, batch) -> dict[str, float]:
-    """GPU microseconds per op name for one eager decode step (median of 10 steps)."""
+def per_op_times(runner, batch, repeats: int = 20) -> dict[str, float]:
+    """GPU microseconds per op name in one decode step, inside CUDA graphs: record every launch
+    of an eager step, then capture all launches of each op (×repeats) into a graph of its own and
+    time its replays with CUDA events. Launch gaps are excluded, as in the real decode graph."""
+    import functools
     import pycuda.driver as drv
     from tinyvllm.gpu import kernels as kmod
     from tinyvllm.gpu.cublas import Cublas
-    records: list[tuple[str, object, object]] = []
-    original_kernel, original_linear = kmod.Kernel.__call__, Cublas.linear
-
-    def timed(name, fn):
-        start, end = drv.Event(), drv.Event()
-        start.record(runner.stream)
-        fn()
-        end.record(runner.stream)
-        records.append((name, start, end))
+    from tinyvllm.gpu.gemv import Gemv
+    from tinyvllm.gpu.graphs import CudaGraph
+    calls: dict[str, list] = defaultdict(list)
+    original = {"kernel": kmod.Kernel.__call__, "cublas": Cublas.linear, "gemv": Gemv.linear}
+    inside_linear = []
 
     def kernel_call(self, *a, **k):
-        timed(self.name, lambda: original_kernel(self, *a, **k))
+        if not inside_linear:
+            calls[self.name].append(functools.partial(original["kernel"], self, *a, **k))
+        return original["kernel"](self, *a, **k)
 
-    def linear_call(self, y, x, w, m, n, k, **kw):
-        timed(f"gemm {n}x{k}", lambda: original_linear(self, y, x, w, m, n, k, **kw))
+    def linear_call(kind):
+        def call(self, y, x, w, m, n, k, **kw):
+            calls[f"{kind} {n}x{k}"].append(functools.partial(original[kind], self, y, x, w, m, n, k, **kw))
+            inside_linear.append(1)
+            try:
+                return original[kind](self, y, x, w, m, n, k, **kw)
+            finally:
+                inside_linear.pop()
+        return call
 
-    kmod.Kernel.__call__, Cublas.linear = kernel_call, linear_call
+    kmod.Kernel.__call__, Cublas.linear, Gemv.linear = kernel_call, linear_call("cublas"), linear_call("gemv")
     try:
-        per_step = []
-        for _ in range(10):
-            records.clear()
-            runner.execute(batch, SamplingBatch.greedy(batch.num_seqs), replay=False)
-            totals = defaultdict(float)
-            for name, s, e in records:
-                totals[name] += e.time_since(s) * 1e3
-            per_step.append(totals)
+        runner.execute(batch, SamplingBatch.greedy(batch.num_seqs), replay=False)
     finally:
-        kmod.Kernel.__call__, Cublas.linear = original_kernel, original_linear
-    return {name: float(np.median([t[name] for t in per_step])) for name in per_step[0]}
+        kmod.Kernel.__call__, Cublas.linear, Gemv.linear = original["kernel"], original["cublas"], original["gemv"]
+    times = {}
+    runner.ctx.push()
+    try:
+        for name, launches in calls.items():
+            with CudaGraph.capture(runner.stream) as graph:
+                for _ in range(repeats):
+                    for launch in launches:
+                        launch()
+            graph.launch(runner.stream)
+            start, end = drv.Event(), drv.Event()
+            start.record(runner.stream)
+            graph.launch(runner.stream)
+            end.record(runner.stream)
+            end.synchronize()
+            times[f"{name} (x{len(launches)})"] = end.time_since(start) * 1e3 / repeats
+            graph.close()
+    finally:
+        runner.ctx.pop()
+    return times
 
 
 def main() -> None:
@@ -126,11 +145,13 @@ def main() -> None:
         profile_batch = profile_batch or batch
     ops = per_op_times(runner, profile_batch)
     total = sum(ops.values())
-    print(f"\nGPU time per op in one eager decode step, batch {profile_batch.num_seqs} (CUDA events):")
-    print(f"{'op':<28} {'us':>9} {'share':>7}")
+    print(f"\nGPU time per op in one decode step, batch {profile_batch.num_seqs}, each op replayed in a "
+          f"CUDA graph of its own (CUDA events):")
+    print(f"{'op (launches per step)':<34} {'us/step':>9} {'us/launch':>10} {'share':>7}")
     for name, us in sorted(ops.items(), key=lambda kv: -kv[1]):
-        print(f"{name:<28} {us:>9.1f} {us / total:>7.1%}")
-    print(f"{'total GPU time':<28} {total:>9.1f}")
+        n = int(name.rsplit("(x", 1)[1].rstrip(")"))
+        print(f"{name:<34} {us:>9.1f} {us / n:>10.2f} {us / total:>7.1%}")
+    print(f"{'sum':<34} {total:>9.1f}")
     runner.close()
 
 

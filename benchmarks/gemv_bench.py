@@ -144,11 +144,12 @@ def main() -> None:
             calls = max(copies, MIN_CALLS)
             weights = drv.mem_alloc(copies * nbytes)
             block = min(nbytes, 16 << 20)
+            # PyCUDA's to_device cannot take the bf16 dtype itself: hand it the raw 16-bit words
             seed = drv.to_device((rng.standard_normal(block // 2, dtype=np.float32)
-                                  / np.float32(math.sqrt(k))).astype(BF16))
+                                  / np.float32(math.sqrt(k))).astype(BF16).view(np.uint16))
             for off in range(0, copies * nbytes, block):
                 drv.memcpy_dtod(int(weights) + off, int(seed), min(block, copies * nbytes - off))
-            x = drv.to_device(rng.standard_normal((8, k), dtype=np.float32).astype(BF16))
+            x = drv.to_device(rng.standard_normal((8, k), dtype=np.float32).astype(BF16).view(np.uint16))
             y = drv.mem_alloc(8 * n * 4)
             y_ref = drv.mem_alloc(8 * n * 4)
             drv.memset_d8(int(y), 0, 8 * n * 4)

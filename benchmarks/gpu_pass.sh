@@ -28,7 +28,7 @@ for step in $steps; do
       timeout 300 python3 -m tinyvllm bench --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
       log "bench rc=$?"; tail -20 "$OUT/bench.log" | tee -a "$OUT/summary.log" ;;
     bench-hf)
-      timeout 470 python3 -m tinyvllm bench --compare-hf --hf-max-seconds 150 --json "$OUT/bench-hf.json" > "$OUT/bench-hf.log" 2>&1
+      timeout 400 python3 -m tinyvllm bench --compare-hf --hf-max-seconds 120 --json "$OUT/bench-hf.json" > "$OUT/bench-hf.log" 2>&1
       log "bench --compare-hf rc=$?"; tail -20 "$OUT/bench-hf.log" | tee -a "$OUT/summary.log" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
