@@ -1,8 +1,10 @@
 // Decode attention over the paged KV cache (PagedAttention), split over the context
-// (flash decoding); the last split of each (sequence, kv head) to finish merges them.
+// (flash decoding) when it is long; the last split of each (sequence, kv head) to finish merges
+// them.
 //
 // One new query token per sequence (token index = sequence index). Grid: (num_seqs,
-// num_kv_heads, num_splits); block: 128 threads. A block serves all `group` query heads that
+// num_kv_heads, max_splits); block: 128 threads. A sequence uses min(max_splits,
+// ceil(context / MIN_SPLIT_TOKENS)) of its splits. A block serves all `group` query heads that
 // share one kv head, so each K/V row is read once per GQA group, over split blockIdx.z of the
 // sequence's context. The split is walked in chunks of CHUNK tokens with an online softmax
 // (running max m, running sum l, accumulators rescaled per chunk), so any context length works
@@ -25,6 +27,7 @@ constexpr int THREADS = 128;
 constexpr int WARPS = THREADS / 32;
 constexpr int CHUNK = 256;
 constexpr int MAX_GROUP = 8;
+constexpr int MIN_SPLIT_TOKENS = 128;
 
 template <int HEAD_DIM>
 __device__ __forceinline__ void decode_attention(
@@ -40,13 +43,18 @@ __device__ __forceinline__ void decode_attention(
     __shared__ float m_s[MAX_GROUP], l_s[MAX_GROUP], alpha_s[MAX_GROUP];
     __shared__ float reduce_buf[WARPS][MAX_GROUP][HEAD_DIM];
 
-    const int seq = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z, num_splits = gridDim.z;
+    const int seq = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
     const int num_q_heads = num_kv_heads * group;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row_in_pass = warp * ROWS_PER_WARP + lane / LANES;
     const int dim0 = (lane % LANES) * 8;
 
+    // The grid has a fixed number of splits (a CUDA graph fixes it per batch size), but a short
+    // context is split only into pieces of at least MIN_SPLIT_TOKENS: the surplus blocks leave at
+    // once, and a context of <= MIN_SPLIT_TOKENS takes the single-split path (no merge at all).
     const int ctx = context_lens[seq];
+    const int num_splits = max(1, min((int)gridDim.z, (ctx + MIN_SPLIT_TOKENS - 1) / MIN_SPLIT_TOKENS));
+    if (split >= num_splits) return;
     const int per_split = (ctx + num_splits - 1) / num_splits;
     const int begin = split * per_split;
     const int end = min(ctx, begin + per_split);

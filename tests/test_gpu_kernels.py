@@ -152,10 +152,10 @@ def test_attention_prefill(gpu, rng, hq, hkv, d):
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 64), (8, 8, 64), (24, 8, 128), (4, 2, 64)])
 @pytest.mark.parametrize("splits", [1, 5, 32])
 def test_attention_decode(gpu, rng, hq, hkv, d, splits):
-    """One query per sequence at contexts from 1 to 5,000 tokens. With several splits, the last
-    block of each (sequence, kv head) merges them (splits past a short context are empty and must
-    be ignored) and resets its counter: a second launch on the same buffers must give the same
-    result, and the counters must be back at zero."""
+    """One query per sequence at contexts from 1 to 5,000 tokens, with a grid of 1, 5 or 32
+    splits. A short context uses fewer splits than the grid has (one at <= 128 tokens: no merge);
+    with several, the last block of each (sequence, kv head) merges them and resets its counter:
+    a second launch on the same buffers must give the same result, counters back at zero."""
     from gpu_helpers import DeviceArray, rel_err
     from tinyvllm.gpu.arena import MAX_DECODE_SPLITS
     ctx = [1, 15, 300, 4129, 5000, 257]

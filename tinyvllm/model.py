@@ -35,6 +35,10 @@ from .gpu.kv_memory import DeviceKVCache
 
 NORM_THREADS = 256
 PREFILL_BLOCK_Q = 64        # query rows per block of attention_prefill
+ROPE_THREADS = 256
+# cuBLAS streams the 525 MB LM head at 4.1 TB/s, our GEMV at 3.8 (benchmarks/gemv_bench.py,
+# H200, 2026-12-02): the GEMV serves the per-layer projections only.
+GEMV_MAX_N = 32768
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ class LlamaModel:
         for layer, lw in enumerate(w.layers):
             self._rms_norm(self.normed, self.hidden, lw.input_norm, T)
             linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H)
-            k["rope_write_kv"](T, 128, self.qkv, self.kv.k(layer), self.kv.v(layer), self.positions,
+            k["rope_write_kv"](T, ROPE_THREADS, self.qkv, self.kv.k(layer), self.kv.v(layer), self.positions,
                                self.slot_mapping, w.rope_inv_freq, T, c.num_attention_heads,
                                c.num_key_value_heads, c.head_dim)
             self._attention(step, layer)
@@ -93,7 +97,7 @@ class LlamaModel:
 
     def _linear(self, y, x, w, m: int, n: int, k: int, **kwargs) -> None:
         """Y[m, n] (+)= X[m, k] @ W[n, k]^T: the GEMV for small decode batches, else cuBLAS."""
-        if self.gemv is not None and self.gemv.supports(m, n, k):
+        if self.gemv is not None and n <= GEMV_MAX_N and self.gemv.supports(m, n, k):
             self.gemv.linear(y, x, w, m, n, k, **kwargs)
         else:
             self.blas.linear(y, x, w, m, n, k, **kwargs)
@@ -119,9 +123,8 @@ class LlamaModel:
             self.context_lens, self.kv.block_size, c.num_key_value_heads, self.group, self.scale)
 
     def decode_splits(self, num_seqs: int) -> int:
-        """Split each sequence's context over enough blocks to fill the GPU about twice. It
-        depends on the batch size only — not on context lengths — so eager steps and graph
-        replays run identical launches (and give bit-identical results); splits past a short
-        context are empty and cost one early-exiting block each."""
+        """The most splits a sequence's context may use: enough blocks to fill the GPU about
+        twice. It depends on the batch size only, so eager steps and graph replays run identical
+        launches (bit-identical results); the kernel itself uses fewer for short contexts."""
         blocks_without_split = num_seqs * self.cfg.num_key_value_heads
         return max(1, min(math.ceil(2 * self.num_sms / blocks_without_split), MAX_DECODE_SPLITS))
