@@ -36,3 +36,28 @@ def tiny_model_dir(tmp_path_factory):
     Treat it as read-only: other tests share it."""
     from tinyvllm.model_writer import write_model
     return write_model(tmp_path_factory.mktemp("tiny-model"), preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def kernel_library():
+    """GPU tests: the device's primary CUDA context pushed for the module, and every cuda/*.cu
+    kernel compiled (PyCUDA caches the cubins)."""
+    import pycuda.driver as drv
+    from tinyvllm.gpu.kernels import KernelLibrary
+    drv.init()
+    ctx = drv.Device(0).retain_primary_context()
+    ctx.push()
+    try:
+        yield KernelLibrary()
+        drv.Context.synchronize()
+    finally:
+        ctx.pop()
+
+
+@pytest.fixture
+def rng():
+    """Fresh random inputs on every run; the seed is printed so a failure can be reproduced."""
+    import numpy as np
+    seed = np.random.SeedSequence().entropy % 2**32
+    print(f"rng seed {seed}")
+    return np.random.default_rng(seed)

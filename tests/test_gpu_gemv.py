@@ -39,25 +39,10 @@ def _cases():
 
 
 @pytest.fixture(scope="module")
-def gpu():
-    import pycuda.driver as drv
+def gpu(kernel_library):
     from tinyvllm.gpu.gemv import Gemv
-    from tinyvllm.gpu.kernels import KernelLibrary
-    drv.init()
-    ctx = drv.Device(0).retain_primary_context()
-    ctx.push()
-    gemv = Gemv(KernelLibrary())
-    yield gemv
-    drv.Context.synchronize()
+    yield Gemv(kernel_library)
     _WEIGHTS.clear()
-    ctx.pop()
-
-
-@pytest.fixture
-def rng(request):
-    seed = np.random.SeedSequence().entropy % 2**32
-    print(f"rng seed {seed}")
-    return np.random.default_rng(seed)
 
 
 _WEIGHTS: dict = {}   # (n, k) -> (fp32 copy of the bf16 W, device W with 16 NaN rows after it)
