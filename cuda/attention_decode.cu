@@ -28,6 +28,7 @@ constexpr int WARPS = THREADS / 32;
 constexpr int CHUNK = 256;
 constexpr int MAX_GROUP = 8;
 constexpr int MIN_SPLIT_TOKENS = 128;
+constexpr int UNROLL = 4;        // K/V rows each thread loads before using any of them
 
 template <int HEAD_DIM>
 __device__ __forceinline__ void decode_attention(
@@ -61,6 +62,11 @@ __device__ __forceinline__ void decode_attention(
     // the row stride is read from device memory so a captured CUDA graph serves any width
     const int* table = block_tables + (size_t)seq * *block_table_width;
     const size_t kv_row = (size_t)num_kv_heads * HEAD_DIM;
+    // element offset of this thread's 8 dims of context position `pos` in the K or V cache
+    auto kv_offset = [&](int pos) -> size_t {
+        const size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
+        return slot * kv_row + kv_head * HEAD_DIM + dim0;
+    };
 
     float q_reg[MAX_GROUP][8];
     float acc[MAX_GROUP][8];
@@ -83,26 +89,31 @@ __device__ __forceinline__ void decode_attention(
 
     for (int c0 = begin; c0 < end; c0 += CHUNK) {
         const int n = min(CHUNK, end - c0);
-        // 1. raw scores q·k for the chunk's tokens
-        // (the loop bound is uniform across the warp so every lane reaches the shuffles)
-        for (int r0 = 0; r0 < n; r0 += ROWS_PER_PASS) {
-            const int r = r0 + row_in_pass;
-            const bool valid = r < n;
-            float k[8] = {};
-            if (valid) {
-                const int pos = c0 + r;
-                const size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
-                load_bf16x8(k_cache + slot * kv_row + kv_head * HEAD_DIM + dim0, k);
+        // 1. raw scores q·k for the chunk's tokens. UNROLL rows per thread are loaded before any
+        //    is used, so enough bytes are in flight to cover memory latency. The loop bounds are
+        //    uniform across the warp so every lane reaches the shuffles.
+        for (int r0 = 0; r0 < n; r0 += ROWS_PER_PASS * UNROLL) {
+            uint4 k_raw[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int r = r0 + u * ROWS_PER_PASS + row_in_pass;
+                k_raw[u] = r < n ? *reinterpret_cast<const uint4*>(k_cache + kv_offset(c0 + r)) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
-            for (int g = 0; g < MAX_GROUP; ++g) {
-                if (g < group) {
-                    float s = 0.0f;
+            for (int u = 0; u < UNROLL; ++u) {
+                const int r = r0 + u * ROWS_PER_PASS + row_in_pass;
+                float k[8];
+                unpack_bf16x8(k_raw[u], k);
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) s += q_reg[g][i] * k[i];
+                for (int g = 0; g < MAX_GROUP; ++g) {
+                    if (g < group) {
+                        float s = 0.0f;
 #pragma unroll
-                    for (int off = LANES / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-                    if (valid && lane % LANES == 0) probs[g][r] = s;
+                        for (int i = 0; i < 8; ++i) s += q_reg[g][i] * k[i];
+#pragma unroll
+                        for (int off = LANES / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+                        if (r < n && lane % LANES == 0) probs[g][r] = s;
+                    }
                 }
             }
         }
@@ -136,17 +147,26 @@ __device__ __forceinline__ void decode_attention(
                 for (int i = 0; i < 8; ++i) acc[g][i] *= alpha_s[g];
             }
         }
-        for (int r = row_in_pass; r < n; r += ROWS_PER_PASS) {
-            const int pos = c0 + r;
-            const size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
-            float v[8];
-            load_bf16x8(v_cache + slot * kv_row + kv_head * HEAD_DIM + dim0, v);
+        for (int r0 = 0; r0 < n; r0 += ROWS_PER_PASS * UNROLL) {
+            uint4 v_raw[UNROLL];
 #pragma unroll
-            for (int g = 0; g < MAX_GROUP; ++g) {
-                if (g < group) {
-                    const float p = probs[g][r];
+            for (int u = 0; u < UNROLL; ++u) {
+                const int r = r0 + u * ROWS_PER_PASS + row_in_pass;
+                v_raw[u] = r < n ? *reinterpret_cast<const uint4*>(v_cache + kv_offset(c0 + r)) : make_uint4(0, 0, 0, 0);
+            }
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[g][i] += p * v[i];
+            for (int u = 0; u < UNROLL; ++u) {
+                const int r = r0 + u * ROWS_PER_PASS + row_in_pass;
+                if (r >= n) break;
+                float v[8];
+                unpack_bf16x8(v_raw[u], v);
+#pragma unroll
+                for (int g = 0; g < MAX_GROUP; ++g) {
+                    if (g < group) {
+                        const float p = probs[g][r];
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) acc[g][i] += p * v[i];
+                    }
                 }
             }
         }

@@ -10,14 +10,19 @@ struct alignas(16) bf16x8 {
     __nv_bfloat162 pair[4];
 };
 
-__device__ __forceinline__ void load_bf16x8(const bf16* src, float out[8]) {
-    const bf16x8 v = *reinterpret_cast<const bf16x8*>(src);
+// Widen eight bf16 values held in a 16-byte register quad (kept raw while loads are in flight).
+__device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float out[8]) {
+    const bf16x8 v = *reinterpret_cast<const bf16x8*>(&raw);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const float2 f = __bfloat1622float2(v.pair[i]);
         out[2 * i] = f.x;
         out[2 * i + 1] = f.y;
     }
+}
+
+__device__ __forceinline__ void load_bf16x8(const bf16* src, float out[8]) {
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(src), out);
 }
 
 __device__ __forceinline__ void store_bf16x8(bf16* dst, const float in[8]) {
