@@ -121,6 +121,7 @@ def main() -> None:
     ap.add_argument("--preset", default="llama-3.2-1b")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--prefill", type=int, nargs=2, default=[16, 512], metavar=("PROMPTS", "LEN"))
     args = ap.parse_args()
     from tinyvllm.gpu.runner import CudaRunner
     from tinyvllm.model_writer import write_model
@@ -129,8 +130,9 @@ def main() -> None:
         write_model(path, preset=args.preset)
     cfg = ModelConfig.from_pretrained(path)
     runner = CudaRunner(cfg, load_weights(path, cfg),
-                        EngineConfig(max_num_seqs=max(args.batch), max_num_batched_tokens=2048,
-                                     max_model_len=4096, kv_cache_gb=max(args.batch) * args.context * cfg.kv_bytes_per_token / 2**30 * 1.1 + 0.1))
+                        EngineConfig(max_num_seqs=max(args.batch), max_num_batched_tokens=args.prefill[0] * args.prefill[1],
+                                     max_model_len=4096, kv_cache_gb=max(max(args.batch) * args.context, args.prefill[0] * args.prefill[1])
+                                     * cfg.kv_bytes_per_token / 2**30 * 1.1 + 0.1))
     rng = np.random.default_rng(0)
     weight_gb = cfg.num_parameters * 2 / 1e9
     print(f"\n{args.preset}: {weight_gb:.2f} GB of weights, context {args.context}")
@@ -143,16 +145,43 @@ def main() -> None:
         print(f"{s:>6} {eager * 1e3:>10.3f} {graph * 1e3:>10.3f} {gpu * 1e3:>13.3f} {s / graph:>12,.0f} "
               f"{weight_gb / gpu / 1e3:>13.2f}")
         profile_batch = profile_batch or batch
-    ops = per_op_times(runner, profile_batch)
+    print_ops(per_op_times(runner, profile_batch), f"one decode step, batch {profile_batch.num_seqs}")
+    big = decode_batch(max(args.batch), args.context, runner.engine_cfg.block_size, rng)
+    print_ops(per_op_times(runner, big), f"one decode step, batch {big.num_seqs}")
+    prompts, plen = args.prefill
+    prefill = prefill_batch(prompts, plen, runner.engine_cfg.block_size, rng)
+    t = time_prefill(runner, prefill)
+    print(f"\nprefill {prompts} x {plen} tokens: {t * 1e3:.2f} ms wall ({prompts * plen / t:,.0f} tok/s)")
+    print_ops(per_op_times(runner, prefill), f"one prefill step, {prompts} x {plen} tokens")
+    runner.close()
+
+
+def prefill_batch(num_prompts: int, length: int, block_size: int, rng) -> ForwardBatch:
+    blocks = -(-length // block_size)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(num_prompts)]
+    prompts = [[int(t) for t in rng.integers(0, 1000, length)] for _ in range(num_prompts)]
+    return ForwardBatch.build(prompts, [length] * num_prompts, tables, block_size, is_prefill=True)
+
+
+def time_prefill(runner, batch, repeats: int = 5) -> float:
+    sampling = SamplingBatch.greedy(batch.num_seqs)
+    runner.execute(batch, sampling)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        runner.execute(batch, sampling)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def print_ops(ops: dict[str, float], what: str) -> None:
     total = sum(ops.values())
-    print(f"\nGPU time per op in one decode step, batch {profile_batch.num_seqs}, each op replayed in a "
-          f"CUDA graph of its own (CUDA events):")
+    print(f"\nGPU time per op in {what}, each op's launches replayed in a CUDA graph of their own:")
     print(f"{'op (launches per step)':<34} {'us/step':>9} {'us/launch':>10} {'share':>7}")
     for name, us in sorted(ops.items(), key=lambda kv: -kv[1]):
         n = int(name.rsplit("(x", 1)[1].rstrip(")"))
         print(f"{name:<34} {us:>9.1f} {us / n:>10.2f} {us / total:>7.1%}")
     print(f"{'sum':<34} {total:>9.1f}")
-    runner.close()
 
 
 if __name__ == "__main__":
