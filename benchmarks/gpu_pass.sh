@@ -2,7 +2,8 @@
 # One GPU-machine pass: GEMV tests first (the model uses the GEMV at decode batches <= 8; if it
 # fails, the rest runs with TINYVLLM_GEMV=0 so their results still mean something), then every
 # other GPU test, then the benchmarks. Logs go to $OUT (or ./gpu-pass-logs).
-#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [profile] [bench] [bench-hf]
+#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [profile] [bench] [bench-hf] [server-load]
+# (server-load needs the server extra: fastapi, uvicorn, pydantic)
 set -u
 OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"
 steps=${*:-tests gemv-bench profile}
@@ -30,6 +31,23 @@ for step in $steps; do
     bench-hf)
       timeout 400 python3 -m tinyvllm bench --compare-hf --hf-max-seconds 120 --json "$OUT/bench-hf.json" > "$OUT/bench-hf.log" 2>&1
       log "bench --compare-hf rc=$?"; tail -20 "$OUT/bench-hf.log" | tee -a "$OUT/summary.log" ;;
+    server-load)
+      model=/tmp/tinyvllm-models/llama-3.2-1b
+      [ -f $model/config.json ] || python3 -m tinyvllm make-model $model --preset llama-3.2-1b > /dev/null
+      python3 -m tinyvllm serve --model $model --served-model-name llama --kv-cache-gb 8 --port 8123 \
+        > "$OUT/serve.log" 2>&1 &
+      pid=$!
+      python3 -c "
+import time, urllib.request
+for _ in range(180):
+    try:
+        urllib.request.urlopen('http://127.0.0.1:8123/health', timeout=1); break
+    except Exception:
+        time.sleep(1)"
+      timeout 160 python3 benchmarks/load_server.py --url http://127.0.0.1:8123 --num-requests 256 \
+        --concurrency 64 --max-tokens 128 --timeout 150 --out "$OUT/load.json" > "$OUT/load.log" 2>&1
+      log "server load rc=$?"; tail -15 "$OUT/load.log" | tee -a "$OUT/summary.log"
+      kill -INT $pid; wait $pid ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
