@@ -187,6 +187,16 @@ class CudaRunner:
         finally:
             self.ctx.pop()
 
+    def memory_report(self) -> str:
+        """Everything this runner holds on the GPU: weights, the arena's memory map, the KV cache."""
+        kv = self.kv_cache
+        return "\n".join([
+            f"{self.device_name}: weights {self.weights.nbytes / 2**30:.2f} GiB (q/k/v and gate/up fused)",
+            f"KV cache {kv.nbytes / 2**30:.2f} GiB: {kv.num_blocks:,} blocks of {kv.block_size} tokens "
+            f"({self.cfg.kv_bytes_per_token:,} bytes per token)",
+            f"decode graphs captured for batch sizes {self._graph_sizes or 'none (eager)'}",
+            "arena:", str(self.arena)])
+
     def read_logits(self, num_seqs: int) -> np.ndarray:
         """The fp32 logits [num_seqs, vocab] of the last step (sampled rows hold the sampler's
         weights instead: it works in place)."""
