@@ -133,6 +133,7 @@ def main() -> None:
                         EngineConfig(max_num_seqs=max(args.batch), max_num_batched_tokens=args.prefill[0] * args.prefill[1],
                                      max_model_len=4096, kv_cache_gb=max(max(args.batch) * args.context, args.prefill[0] * args.prefill[1])
                                      * cfg.kv_bytes_per_token / 2**30 * 1.1 + 0.1))
+    print(runner.memory_report())
     rng = np.random.default_rng(0)
     weight_gb = cfg.num_parameters * 2 / 1e9
     print(f"\n{args.preset}: {weight_gb:.2f} GB of weights, context {args.context}")
