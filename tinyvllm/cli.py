@@ -91,7 +91,8 @@ def _cmd_generate(args) -> int:
         sys.stdout.write(header(0))
     while engine.has_unfinished_requests():
         for out in engine.step():
-            pending[out.request_id].append(out.delta_text)
+            if stream:                     # (reading delta_text costs a detokenization)
+                pending[out.request_id].append(out.delta_text)
             if out.finished:
                 finals[out.request_id] = out
                 bar.advance()

@@ -19,7 +19,7 @@ import numpy as np
 from .config import EngineConfig, ModelConfig
 from .errors import InvalidRequestError, TinyVLLMError
 from .kv_cache import BlockManager, blocks_for
-from .runner import make_runner
+from .runner import ModelRunner, make_runner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence
@@ -40,12 +40,15 @@ def make_engine_config(engine_config: EngineConfig | None, options: dict) -> Eng
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None, **engine_options):
+    def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None, *,
+                 runner: ModelRunner | None = None, **engine_options):
+        """runner: a ready ModelRunner to use instead of loading the weights into a new one
+        (benchmarks and tests drive the real engine with a fake model this way)."""
         self.engine_config = make_engine_config(engine_config, engine_options)
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir, self.model_config)
-        self.runner = make_runner(self.model_config, load_weights(model_dir, self.model_config),
-                                  self.engine_config)
+        self.runner = runner or make_runner(self.model_config, load_weights(model_dir, self.model_config),
+                                            self.engine_config)
         self.context_limit = self.engine_config.context_limit(self.model_config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.engine_config.block_size)
         self.scheduler = Scheduler(self.engine_config, self.block_manager, self.context_limit,

@@ -17,10 +17,16 @@ Invariants:
     every block id is either in the free list or in exactly one block table
 A decode step writes K/V for position num_tokens - 1; when that position starts a new block
 (num_tokens - 1 is a multiple of block_size) the sequence needs one more block first.
+
+Each block table is also copied into a row of `tables` (int32, -1 padded; the row number is
+seq.block_table_row while the sequence holds blocks), so that a decode batch's block tables are
+one numpy gather, `tables[rows, :width]`, rather than a Python loop over the sequences.
 """
 from __future__ import annotations
 
 from collections import deque
+
+import numpy as np
 
 from .sequence import Sequence
 
@@ -37,6 +43,8 @@ class BlockManager:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._owner: dict[int, str] = {}      # block id -> request id, to catch double frees
+        self.tables = np.full((16, 16), -1, np.int32)   # grows by doubling as needed
+        self._free_rows = list(range(16))
 
     @property
     def num_free_blocks(self) -> int:
@@ -68,12 +76,26 @@ class BlockManager:
                 raise RuntimeError(f"append_slot({seq.request_id}): no free block")
             self._take(seq)
 
+    def try_append_slot(self, seq: Sequence) -> bool:
+        """can_append + append_slot in one call (the decode loop's, for every sequence every
+        step): False, changing nothing, when a block is needed and none is free."""
+        if -(-len(seq.token_ids) // self.block_size) <= len(seq.block_table):
+            return True
+        if not self._free:
+            return False
+        self._take(seq)
+        return True
+
     def free(self, seq: Sequence) -> None:
         """Give back all of a sequence's blocks (finish, abort, preemption)."""
         for block in seq.block_table:
             if self._owner.pop(block, None) != seq.request_id:
                 raise RuntimeError(f"block {block} freed by {seq.request_id}, which does not own it")
             self._free.append(block)
+        if seq.block_table_row is not None:
+            self.tables[seq.block_table_row, :len(seq.block_table)] = -1
+            self._free_rows.append(seq.block_table_row)
+            seq.block_table_row = None
         seq.block_table = []
         seq.num_cached_tokens = 0
 
@@ -83,4 +105,17 @@ class BlockManager:
     def _take(self, seq: Sequence) -> None:
         block = self._free.popleft()
         self._owner[block] = seq.request_id
+        if seq.block_table_row is None:
+            if not self._free_rows:
+                self._grow(rows=2 * self.tables.shape[0])
+            seq.block_table_row = self._free_rows.pop()
+        if len(seq.block_table) == self.tables.shape[1]:
+            self._grow(cols=2 * self.tables.shape[1])
+        self.tables[seq.block_table_row, len(seq.block_table)] = block
         seq.block_table.append(block)
+
+    def _grow(self, rows: int | None = None, cols: int | None = None) -> None:
+        old = self.tables
+        self.tables = np.full((rows or old.shape[0], cols or old.shape[1]), -1, np.int32)
+        self.tables[:old.shape[0], :old.shape[1]] = old
+        self._free_rows += range(old.shape[0], self.tables.shape[0])

@@ -18,6 +18,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from .batch import ForwardBatch
 from .config import EngineConfig
 from .kv_cache import BlockManager
@@ -29,20 +31,28 @@ from .sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence]
     is_prefill: bool
+    block_manager: BlockManager          # holds the block tables as rows of one matrix
 
     def forward_batch(self, block_size: int) -> ForwardBatch:
         """The model's input: each sequence's scheduled tokens, after its cached ones."""
+        seqs = self.seqs
+        if not self.is_prefill:          # the hot path: every step of a long generation
+            context_lens = [len(s.token_ids) for s in seqs]
+            width = -(-max(context_lens) // block_size)     # = the longest block table
+            tables = self.block_manager.tables[[s.block_table_row for s in seqs], :width]
+            return ForwardBatch.build_decode([s.token_ids[-1] for s in seqs], context_lens,
+                                             tables, block_size)
         new_tokens = [s.token_ids[s.num_cached_tokens:s.num_cached_tokens + s.num_scheduled_tokens]
-                      for s in self.seqs]
-        context_lens = [s.num_cached_tokens + s.num_scheduled_tokens for s in self.seqs]
-        return ForwardBatch.build(new_tokens, context_lens, [s.block_table for s in self.seqs],
+                      for s in seqs]
+        context_lens = [s.num_cached_tokens + s.num_scheduled_tokens for s in seqs]
+        return ForwardBatch.build(new_tokens, context_lens, [s.block_table for s in seqs],
                                   block_size, self.is_prefill)
 
     def sampling_batch(self) -> SamplingBatch:
         p = [s.params for s in self.seqs]
         return SamplingBatch.build([x.temperature for x in p], [x.top_k for x in p],
                                    [x.top_p for x in p], [s.seed for s in self.seqs],
-                                   [s.num_output_tokens for s in self.seqs])
+                                   [len(s.token_ids) - s.num_prompt_tokens for s in self.seqs])
 
 
 class Scheduler:
@@ -96,13 +106,13 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        return ScheduledBatch(seqs, is_prefill=True) if seqs else None
+        return ScheduledBatch(seqs, True, self.block_manager) if seqs else None
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        candidates, self.running = self.running, []
+        candidates, self.running = deque(self.running), []
         while candidates:
-            seq = candidates.pop(0)
-            while not self.block_manager.can_append(seq):
+            seq = candidates.popleft()
+            while not self.block_manager.try_append_slot(seq):
                 if candidates:
                     self._preempt(candidates.pop())          # the most recently admitted
                 elif self.running:
@@ -112,10 +122,9 @@ class Scheduler:
                     self._finish(seq, SequenceStatus.FINISHED_LENGTH)
                     break
             else:
-                self.block_manager.append_slot(seq)
                 seq.num_scheduled_tokens = 1
                 self.running.append(seq)
-        return ScheduledBatch(list(self.running), is_prefill=False) if self.running else None
+        return ScheduledBatch(list(self.running), False, self.block_manager) if self.running else None
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)          # also resets num_cached_tokens: recompute all
@@ -130,13 +139,16 @@ class Scheduler:
         """Apply one step's sampled tokens. -> the sequences with something to report: a new
         token, a finish (also aborts and cache exhaustion since the previous step)."""
         updated, self._finished_unreported = self._finished_unreported, []
-        for seq, token in zip(batch.seqs if batch else [], token_ids if batch else []):
+        if batch is None:
+            return updated
+        # one pass of plain Python per sequence: this runs for every sequence on every step
+        for seq, token in zip(batch.seqs, np.asarray(token_ids).tolist()):
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            if seq.num_cached_tokens < seq.num_tokens or seq.is_finished:
+            if seq.num_cached_tokens < len(seq.token_ids) or seq.status.is_finished:
                 continue                      # a prompt chunk (no token yet), or aborted
-            self._append_token(seq, int(token))
-            if seq.is_finished:
+            self._append_token(seq, token)
+            if seq.status.is_finished:
                 self.running.remove(seq)
                 self.block_manager.free(seq)
             updated.append(seq)
@@ -147,18 +159,23 @@ class Scheduler:
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         params = seq.params
-        if token in params.stop_token_id_set:
-            return self._finish_text(seq, SequenceStatus.FINISHED_STOPPED)
+        if token in seq.stop_token_ids:
+            return self._finish_text(seq, SequenceStatus.FINISHED_STOPPED, token_is_text=False)
         if token in self.eos_token_ids and not params.ignore_eos:
-            return self._finish_text(seq, SequenceStatus.FINISHED_EOS)
-        piece = seq.detokenizer.add(token)
-        if piece and self._cut_at_stop_string(seq, piece):
-            return seq.finish(SequenceStatus.FINISHED_STOPPED)
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.context_limit:
-            self._finish_text(seq, SequenceStatus.FINISHED_LENGTH)
+            return self._finish_text(seq, SequenceStatus.FINISHED_EOS, token_is_text=False)
+        if seq.detokenizes_every_step:        # else the text is made when read (sequence.py)
+            piece = seq.detokenizer.add(token)
+            if piece and self._cut_at_stop_string(seq, piece):
+                return seq.finish(SequenceStatus.FINISHED_STOPPED)
+        num_tokens = len(seq.token_ids)
+        if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.context_limit:
+            self._finish_text(seq, SequenceStatus.FINISHED_LENGTH, token_is_text=True)
 
-    def _finish_text(self, seq: Sequence, status: SequenceStatus) -> None:
+    def _finish_text(self, seq: Sequence, status: SequenceStatus, token_is_text: bool) -> None:
         """Finish, first releasing text the detokenizer held back (an incomplete character)."""
+        if not seq.detokenizes_every_step:
+            seq.end_text(seq.num_output_tokens - (not token_is_text), flush=True)
+            return seq.finish(status)
         tail = seq.detokenizer.flush()
         stopped = bool(tail) and self._cut_at_stop_string(seq, tail)
         seq.finish(SequenceStatus.FINISHED_STOPPED if stopped else status)
@@ -166,7 +183,7 @@ class Scheduler:
     @staticmethod
     def _cut_at_stop_string(seq: Sequence, piece: str) -> bool:
         """Append `piece` to the text; if a stop string now occurs, cut the text before it."""
-        stops = seq.params.stop_strings
+        stops = seq.stop_strings
         start = max(0, len(seq.text) - max((len(s) for s in stops), default=0) + 1)
         seq.text += piece
         hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
@@ -177,5 +194,6 @@ class Scheduler:
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.block_manager.free(seq)
         seq.num_scheduled_tokens = 0
+        seq.end_text(seq.num_output_tokens, flush=False)     # no flush: as the text stood
         seq.finish(status)
         self._finished_unreported.append(seq)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
 
 from .sampling_params import SamplingParams
 from .tokenizer import IncrementalDetokenizer
@@ -18,9 +17,10 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = "length"           # max_tokens, or the context limit
     FINISHED_ABORTED = "abort"           # abort_request()
 
-    @property
-    def is_finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+    def __init__(self, value: str):
+        # a plain attribute set once per member (Enum calls __init__ with the value), not a
+        # property: it is read for every sequence on every step, and an Enum's .name is slow
+        self.is_finished = value not in ("waiting", "running")
 
 
 class Sequence:
@@ -30,11 +30,15 @@ class Sequence:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         self.token_ids = list(prompt_token_ids)     # prompt + generated: what the model has seen
         self.params = params
         self.seed = seed                            # params.seed, or one drawn by the engine
+        self.stop_strings = params.stop_strings     # params' derived values, read every step
+        self.stop_token_ids = params.stop_token_id_set
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []            # physical KV blocks, in logical order
+        self.block_table_row: int | None = None     # its copy's row in BlockManager.tables
         self.num_cached_tokens = 0                  # tokens whose K/V are in the cache
         self.num_scheduled_tokens = 0               # tokens fed to the model in this step
         self.num_preemptions = 0
@@ -42,6 +46,11 @@ class Sequence:
         self.text = ""                              # generated text, stop string cut off
         self.num_emitted_chars = 0                  # text[:num_emitted_chars] has been reported
         self.num_reported_tokens = 0                # output tokens already in a RequestOutput
+        # Text on demand (sequences without stop strings, see text_reported)
+        self.text_pieces: list[str] = []            # the detokenizer's piece for each token fed
+        self.num_text_tokens: int | None = None     # once finished: output tokens that are text
+        self.flush_text = False                     # once finished: flush the detokenizer
+        self.final_text: str | None = None
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -55,16 +64,12 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -74,58 +79,161 @@ class Sequence:
     def finish_reason(self) -> str | None:
         return self.status.value if self.is_finished else None
 
+    @property
+    def detokenizes_every_step(self) -> bool:
+        """Stop strings need the text as it grows; any other sequence is detokenized only when
+        someone reads its text (RequestOutput.text / delta_text), which offline generation does
+        once, at the end."""
+        return bool(self.stop_strings)
+
     def finish(self, status: SequenceStatus) -> None:
         self.status = status
         self.finish_time = time.perf_counter()
 
     def take_new_text(self) -> str:
-        """The text not yet reported. While running, the last (longest stop string - 1)
-        characters are held back: they might turn out to be the start of a stop string."""
-        hold = 0 if self.is_finished else max((len(s) for s in self.params.stop_strings), default=1) - 1
+        """(Sequences detokenized every step.) The text not yet reported. While running, the
+        last (longest stop string - 1) characters are held back: they might turn out to be the
+        start of a stop string."""
+        hold = 0 if self.is_finished else max((len(s) for s in self.stop_strings), default=1) - 1
         end = max(self.num_emitted_chars, len(self.text) - hold)
         new = self.text[self.num_emitted_chars:end]
         self.num_emitted_chars = end
         return new
 
+    # -- text on demand -----------------------------------------------------------------------
+    # The text an output reports is exactly what detokenizing every step would have reported:
+    # the detokenizer is fed the same tokens one by one (its piece for each is kept, so outputs
+    # can be read in any order) and flushed at the same finishes. Only when the final text is
+    # the first thing read is it decoded in one call instead, which gives the same text because
+    # the detokenizer's pieces concatenate to decode(all ids).
+    def text_reported(self, num_output_tokens: int, final: bool) -> str:
+        """The whole text of the output that covered this many generated tokens."""
+        if not final:
+            self._feed_detokenizer(num_output_tokens)
+            return "".join(self.text_pieces[:num_output_tokens])
+        if self.final_text is None:
+            ids = self.token_ids[self.num_prompt_tokens:self.num_prompt_tokens + self.num_text_tokens]
+            if not self.text_pieces and self.flush_text:
+                self.final_text = self.detokenizer.decode_all(ids)
+            else:
+                self._feed_detokenizer(self.num_text_tokens)
+                tail = self.detokenizer.flush() if self.flush_text else ""
+                self.final_text = "".join(self.text_pieces[:self.num_text_tokens]) + tail
+        return self.final_text
 
-@dataclass
+    def delta_text_reported(self, start: int, end: int, final: bool) -> str:
+        """The text new in the output that covered generated tokens [start, end)."""
+        if not final:                     # streaming: just the pieces of the new tokens
+            self._feed_detokenizer(end)
+            return "".join(self.text_pieces[start:end])
+        return self.text_reported(end, True)[len(self.text_reported(start, False)):]
+
+    def _feed_detokenizer(self, num_output_tokens: int) -> None:
+        p, fed = self.num_prompt_tokens, len(self.text_pieces)
+        for token in self.token_ids[p + fed:p + num_output_tokens]:
+            self.text_pieces.append(self.detokenizer.add(token))
+
+    def end_text(self, num_text_tokens: int, flush: bool) -> None:
+        """At a finish (text on demand): which generated tokens are text (a stop token or EOS
+        is not), and whether the detokenizer's held-back tail is released."""
+        self.num_text_tokens, self.flush_text = num_text_tokens, flush
+
+
 class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str                        # all text reported so far (stop string excluded)
-    token_ids: list[int]             # all generated token ids so far
-    delta_text: str                  # text new since this request's previous RequestOutput
-    delta_token_ids: list[int]       # token ids new since the previous RequestOutput
-    finished: bool
-    finish_reason: str | None        # "stop", "eos", "length", "abort" or None while running
-    num_preemptions: int = 0
-    time_to_first_token: float | None = None   # seconds from arrival to the first token
-    latency: float | None = None               # seconds from arrival to finish
-    decode_tokens_per_s: float | None = None   # tokens after the first / time after the first
+    """What the engine reports about one request after a step.
+
+    Made for every request that got a token, on every step, but most are never read (offline
+    generation reads `finished` only), so making one is cheap: it notes how far the sequence
+    had got, and the token lists, text and timings are worked out when first read. Every field
+    reads as a snapshot of the moment it was reported."""
+
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "finished", "num_preemptions",
+                 "_seq", "_status", "_start", "_end", "_text", "_delta_text", "_token_ids")
+
+    def __init__(self, seq: Sequence):
+        """Report a sequence's progress since its previous RequestOutput."""
+        self.request_id = seq.request_id
+        self.prompt = seq.prompt
+        self.prompt_token_ids = seq.prompt_token_ids
+        self._seq, self._status = seq, seq.status
+        self.finished = seq.status.is_finished
+        self.num_preemptions = seq.num_preemptions
+        self._start, self._end = seq.num_reported_tokens, len(seq.token_ids) - seq.num_prompt_tokens
+        seq.num_reported_tokens = self._end
+        self._token_ids = None
+        if seq.detokenizes_every_step:
+            self._delta_text = seq.take_new_text()
+            self._text = seq.text[:seq.num_emitted_chars]
+        else:
+            self._text = self._delta_text = None
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestOutput":
+        return cls(seq)
+
+    @property
+    def text(self) -> str:
+        """All text reported so far (a stop string excluded)."""
+        if self._text is None:
+            self._text = self._seq.text_reported(self._end, self.finished)
+        return self._text
+
+    @property
+    def delta_text(self) -> str:
+        """The text new since this request's previous RequestOutput."""
+        if self._delta_text is None:
+            self._delta_text = self._seq.delta_text_reported(self._start, self._end, self.finished)
+        return self._delta_text
+
+    @property
+    def token_ids(self) -> list[int]:
+        """All generated token ids so far."""
+        if self._token_ids is None:
+            p = self._seq.num_prompt_tokens
+            self._token_ids = self._seq.token_ids[p:p + self._end]
+        return self._token_ids
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """len(token_ids), without making the list."""
+        return self._end
+
+    @property
+    def delta_token_ids(self) -> list[int]:
+        """Token ids new since the previous RequestOutput."""
+        p = self._seq.num_prompt_tokens
+        return self._seq.token_ids[p + self._start:p + self._end]
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    @classmethod
-    def of(cls, seq: Sequence) -> "RequestOutput":
-        """Report a sequence's progress since its previous RequestOutput."""
-        delta_text = seq.take_new_text()
-        ttft = latency = rate = None
-        if seq.first_token_time is not None:
-            ttft = seq.first_token_time - seq.arrival_time
-        if seq.finish_time is not None:
-            latency = seq.finish_time - seq.arrival_time
-            if seq.first_token_time is not None and seq.num_output_tokens > 1:
-                decode_time = seq.finish_time - seq.first_token_time
-                rate = (seq.num_output_tokens - 1) / decode_time if decode_time > 0 else None
-        generated = seq.output_token_ids
-        delta_tokens, seq.num_reported_tokens = generated[seq.num_reported_tokens:], len(generated)
-        return cls(request_id=seq.request_id, prompt=seq.prompt,
-                   prompt_token_ids=seq.prompt_token_ids,
-                   text=seq.text[:seq.num_emitted_chars], token_ids=generated,
-                   delta_text=delta_text, delta_token_ids=delta_tokens,
-                   finished=seq.is_finished, finish_reason=seq.finish_reason,
-                   num_preemptions=seq.num_preemptions, time_to_first_token=ttft,
-                   latency=latency, decode_tokens_per_s=rate)
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop", "eos", "length", "abort", or None while running."""
+        return self._status.value if self.finished else None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first token."""
+        seq = self._seq
+        return None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        """Seconds from arrival to finish."""
+        return self._seq.finish_time - self._seq.arrival_time if self.finished else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first / time after the first."""
+        seq = self._seq
+        if not self.finished or seq.first_token_time is None or self._end <= 1:
+            return None
+        decode_time = seq.finish_time - seq.first_token_time
+        return (self._end - 1) / decode_time if decode_time > 0 else None
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, text={self.text!r}, "
+                f"token_ids={self.token_ids}, finished={self.finished}, "
+                f"finish_reason={self.finish_reason!r})")

@@ -8,6 +8,11 @@ from pathlib import Path
 from .config import ModelConfig
 from .errors import InvalidRequestError, ModelLoadError
 
+try:
+    from tokenizers.decoders import DecodeStream      # tokenizers >= 0.21
+except ImportError:
+    DecodeStream = None
+
 BEGIN_OF_TEXT = "<|begin_of_text|>"
 START_HEADER, END_HEADER, END_OF_TURN = "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
 REPLACEMENT_CHAR = "\ufffd"     # what decoding yields for an incomplete UTF-8 sequence
@@ -105,21 +110,42 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0     # start of the context decoded along with the new tokens
         self.read_offset = 0       # everything before this has been emitted
         self.text = ""             # all text emitted so far
+        # tokenizers >= 0.21 runs this very algorithm in Rust (DecodeStream: the same windows,
+        # the same U+FFFD test), ~5x faster than two decode() calls from Python per token
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if DecodeStream else None
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Feed one token; -> the newly completed text (often "", never a broken character)."""
-        self.ids.append(int(token_id))
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith(REPLACEMENT_CHAR):
+        token_id = int(token_id)
+        self.ids.append(token_id)
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self.tokenizer.backend, token_id)
+            except Exception:      # noqa: BLE001 — Rust errors arrive as bare Exceptions
+                self._stream, piece = None, self._decode_window()   # carry on in Python
+        else:
+            piece = self._decode_window()
+        if not piece:
             return ""
-        piece = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += piece
         return piece
+
+    def _decode_window(self) -> str | None:
+        """The new text if the window since read_offset decodes to whole characters."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith(REPLACEMENT_CHAR):
+            return None
+        return full[len(prefix):]
+
+    def decode_all(self, ids) -> str:
+        """What add() for each id and then flush() emit in all, in one decode call (the pieces
+        concatenate to decode(all ids)). The detokenizer's own state is left alone."""
+        return self._decode(ids)
 
     def flush(self) -> str:
         """At the end of the stream: whatever is still held back (a truly incomplete character

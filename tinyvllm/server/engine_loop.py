@@ -81,7 +81,7 @@ class _Command:
 def _snapshot(out) -> StreamEvent:
     return StreamEvent(delta_text=out.delta_text or "",
                        num_prompt_tokens=len(out.prompt_token_ids),
-                       num_generated_tokens=len(out.token_ids),
+                       num_generated_tokens=out.num_generated_tokens,
                        finished=bool(out.finished),
                        finish_reason=out.finish_reason)
 
