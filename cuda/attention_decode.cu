@@ -26,26 +26,28 @@ namespace {
 constexpr int THREADS = 128;
 constexpr int WARPS = THREADS / 32;
 constexpr int CHUNK = 256;
-constexpr int MAX_GROUP = 8;
 constexpr int MIN_SPLIT_TOKENS = 128;
 constexpr int UNROLL = 4;        // K/V rows each thread loads before using any of them
 
-template <int HEAD_DIM>
+// GROUP (query heads per kv head) is a template parameter: the q and accumulator registers and
+// the shared buffers are sized exactly, which keeps registers low enough for several blocks per
+// SM (a run-time group sized for the largest case halved the occupancy).
+template <int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void decode_attention(
     bf16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_ml,
     int* __restrict__ split_counters, const bf16* __restrict__ q, int q_row_stride, const bf16* __restrict__ k_cache,
     const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ block_table_width,
-    const int* __restrict__ context_lens, int block_size, int num_kv_heads, int group, float scale) {
+    const int* __restrict__ context_lens, int block_size, int num_kv_heads, float scale) {
     constexpr int LANES = HEAD_DIM / 8;
     constexpr int ROWS_PER_WARP = 32 / LANES;
     constexpr int ROWS_PER_PASS = ROWS_PER_WARP * WARPS;
 
-    __shared__ float probs[MAX_GROUP][CHUNK];
-    __shared__ float m_s[MAX_GROUP], l_s[MAX_GROUP], alpha_s[MAX_GROUP];
-    __shared__ float reduce_buf[WARPS][MAX_GROUP][HEAD_DIM];
+    __shared__ float probs[GROUP][CHUNK];
+    __shared__ float m_s[GROUP], l_s[GROUP], alpha_s[GROUP];
+    __shared__ float reduce_buf[WARPS][GROUP][HEAD_DIM];
 
     const int seq = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
-    const int num_q_heads = num_kv_heads * group;
+    const int num_q_heads = num_kv_heads * GROUP;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row_in_pass = warp * ROWS_PER_WARP + lane / LANES;
     const int dim0 = (lane % LANES) * 8;
@@ -68,20 +70,20 @@ __device__ __forceinline__ void decode_attention(
         return slot * kv_row + kv_head * HEAD_DIM + dim0;
     };
 
-    float q_reg[MAX_GROUP][8];
-    float acc[MAX_GROUP][8];
+    float q_reg[GROUP][8];
+    float acc[GROUP][8];
 #pragma unroll
-    for (int g = 0; g < MAX_GROUP; ++g) {
+    for (int g = 0; g < GROUP; ++g) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
-        if (g < group) {
-            load_bf16x8(q + (size_t)seq * q_row_stride + (kv_head * group + g) * HEAD_DIM + dim0,
+        if (g < GROUP) {
+            load_bf16x8(q + (size_t)seq * q_row_stride + (kv_head * GROUP + g) * HEAD_DIM + dim0,
                         q_reg[g]);
 #pragma unroll
             for (int i = 0; i < 8; ++i) q_reg[g][i] *= scale;
         }
     }
-    if (threadIdx.x < MAX_GROUP) {
+    if (threadIdx.x < GROUP) {
         m_s[threadIdx.x] = -CUDART_INF_F;
         l_s[threadIdx.x] = 0.0f;
     }
@@ -105,8 +107,8 @@ __device__ __forceinline__ void decode_attention(
                 float k[8];
                 unpack_bf16x8(k_raw[u], k);
 #pragma unroll
-                for (int g = 0; g < MAX_GROUP; ++g) {
-                    if (g < group) {
+                for (int g = 0; g < GROUP; ++g) {
+                    if (g < GROUP) {
                         float s = 0.0f;
 #pragma unroll
                         for (int i = 0; i < 8; ++i) s += q_reg[g][i] * k[i];
@@ -119,7 +121,7 @@ __device__ __forceinline__ void decode_attention(
         }
         __syncthreads();
         // 2. online softmax update, one warp per head
-        for (int g = warp; g < group; g += WARPS) {
+        for (int g = warp; g < GROUP; g += WARPS) {
             float mx = -CUDART_INF_F;
             for (int r = lane; r < n; r += 32) mx = fmaxf(mx, probs[g][r]);
             const float m_old = m_s[g];
@@ -141,8 +143,8 @@ __device__ __forceinline__ void decode_attention(
         __syncthreads();
         // 3. rescale the accumulators and add p·v
 #pragma unroll
-        for (int g = 0; g < MAX_GROUP; ++g) {
-            if (g < group) {
+        for (int g = 0; g < GROUP; ++g) {
+            if (g < GROUP) {
 #pragma unroll
                 for (int i = 0; i < 8; ++i) acc[g][i] *= alpha_s[g];
             }
@@ -161,8 +163,8 @@ __device__ __forceinline__ void decode_attention(
                 float v[8];
                 unpack_bf16x8(v_raw[u], v);
 #pragma unroll
-                for (int g = 0; g < MAX_GROUP; ++g) {
-                    if (g < group) {
+                for (int g = 0; g < GROUP; ++g) {
+                    if (g < GROUP) {
                         const float p = probs[g][r];
 #pragma unroll
                         for (int i = 0; i < 8; ++i) acc[g][i] += p * v[i];
@@ -175,8 +177,8 @@ __device__ __forceinline__ void decode_attention(
 
     // Sum the accumulators of the rows a warp handled (lanes with equal lane % LANES) ...
 #pragma unroll
-    for (int g = 0; g < MAX_GROUP; ++g) {
-        if (g < group) {
+    for (int g = 0; g < GROUP; ++g) {
+        if (g < GROUP) {
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 float a = acc[g][i];
@@ -188,12 +190,12 @@ __device__ __forceinline__ void decode_attention(
     }
     __syncthreads();
     // ... then across warps, and write out.
-    for (int e = threadIdx.x; e < group * HEAD_DIM; e += THREADS) {
+    for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
         const int g = e / HEAD_DIM, d = e % HEAD_DIM;
         float a = 0.0f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) a += reduce_buf[w][g][d];
-        const int head = kv_head * group + g;
+        const int head = kv_head * GROUP + g;
         if (num_splits == 1) {
             const float l = l_s[g];
             out[((size_t)seq * num_q_heads + head) * HEAD_DIM + d] = __float2bfloat16(l > 0.0f ? a / l : 0.0f);
@@ -219,9 +221,9 @@ __device__ __forceinline__ void decode_attention(
     __threadfence();
     // out = sum_s acc_s * e^(m_s - M) / sum_s l_s * e^(m_s - M), M = max_s m_s.
     // Other blocks' partials are read through L2 (__ldcg): L1 is not coherent across SMs.
-    for (int e = threadIdx.x; e < group * HEAD_DIM; e += THREADS) {
+    for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
         const int g = e / HEAD_DIM, d = e % HEAD_DIM;
-        const int head = kv_head * group + g;
+        const int head = kv_head * GROUP + g;
         const size_t base = ((size_t)seq * num_q_heads + head) * num_splits;
         float m_max = -CUDART_INF_F;
         for (int s = 0; s < num_splits; ++s) m_max = fmaxf(m_max, __ldcg(&partial_ml[2 * (base + s)]));
@@ -240,15 +242,24 @@ __device__ __forceinline__ void decode_attention(
 
 }  // namespace
 
-#define DECODE_ATTENTION_KERNEL(D)                                                               \
-    extern "C" __global__ void __launch_bounds__(THREADS) attention_decode_d##D(                 \
+#define DECODE_ATTENTION_KERNEL(D, G)                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_decode_d##D##_g##G(          \
         bf16* out, float* partial_out, float* partial_ml, int* split_counters, const bf16* q,    \
         int q_row_stride, const bf16* k_cache, const bf16* v_cache, const int* block_tables,     \
         const int* block_table_width, const int* context_lens, int block_size, int num_kv_heads, \
-        int group, float scale) {                                                                \
-        decode_attention<D>(out, partial_out, partial_ml, split_counters, q, q_row_stride,       \
-                            k_cache, v_cache, block_tables, block_table_width, context_lens,     \
-                            block_size, num_kv_heads, group, scale);                             \
+        float scale) {                                                                           \
+        decode_attention<D, G>(out, partial_out, partial_ml, split_counters, q, q_row_stride,    \
+                               k_cache, v_cache, block_tables, block_table_width, context_lens,  \
+                               block_size, num_kv_heads, scale);                                 \
     }
-DECODE_ATTENTION_KERNEL(64)
-DECODE_ATTENTION_KERNEL(128)
+// head_dim x group: Llama 3.2 1B is (64, 4), 3B (128, 3), 3.1 8B (128, 4); the tiny preset (64, 2)
+DECODE_ATTENTION_KERNEL(64, 1)
+DECODE_ATTENTION_KERNEL(64, 2)
+DECODE_ATTENTION_KERNEL(64, 3)
+DECODE_ATTENTION_KERNEL(64, 4)
+DECODE_ATTENTION_KERNEL(64, 8)
+DECODE_ATTENTION_KERNEL(128, 1)
+DECODE_ATTENTION_KERNEL(128, 2)
+DECODE_ATTENTION_KERNEL(128, 3)
+DECODE_ATTENTION_KERNEL(128, 4)
+DECODE_ATTENTION_KERNEL(128, 8)

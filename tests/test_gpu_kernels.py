@@ -133,7 +133,8 @@ def test_attention_prefill(gpu, rng, hq, hkv, d):
         assert rel_err(got[s:e], want[s:e]) < BF16_TOL, f"sequence {i}"
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 64), (8, 8, 64), (24, 8, 128), (4, 2, 64)])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 64), (8, 8, 64), (24, 8, 128), (4, 2, 64), (64, 8, 128),
+                                      (24, 8, 64)])
 @pytest.mark.parametrize("splits", [1, 5, 32])
 def test_attention_decode(gpu, rng, hq, hkv, d, splits):
     """One query per sequence at contexts from 1 to 5,000 tokens, with a grid of 1, 5 or 32
@@ -153,9 +154,9 @@ def test_attention_decode(gpu, rng, hq, hkv, d, splits):
         q, kc, vc, batch.block_tables, width, batch.context_lens))
     for launch in range(2):
         out = DeviceArray.poisoned((S, hq, d), q.dtype)
-        gpu[f"attention_decode_d{d}"]((S, hkv, splits), 128, out, part_out, part_ml, counters, d_q, hq * d,
-                                      d_k, d_v, d_tables, d_width, d_ctx, 16, hkv, hq // hkv,
-                                      1 / math.sqrt(d))
+        gpu[f"attention_decode_d{d}_g{hq // hkv}"]((S, hkv, splits), 128, out, part_out, part_ml, counters,
+                                                  d_q, hq * d, d_k, d_v, d_tables, d_width, d_ctx, 16, hkv,
+                                                  1 / math.sqrt(d))
         _sync()
         got = out.get()
         for i in range(S):

@@ -26,11 +26,12 @@ import os
 from dataclasses import dataclass
 
 from .config import ModelConfig
+from .errors import TinyVLLMError
 from .gpu.arena import MAX_DECODE_SPLITS, Arena
 from .gpu.cublas import Cublas
 from .gpu.device_weights import DeviceWeights
 from .gpu.gemv import Gemv
-from .gpu.kernels import KernelLibrary
+from .gpu.kernels import DECODE_GROUPS, KernelLibrary
 from .gpu.kv_memory import DeviceKVCache
 
 NORM_THREADS = 256
@@ -55,12 +56,14 @@ class StepShape:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: DeviceWeights, arena: Arena,
                  kv_cache: DeviceKVCache, kernels: KernelLibrary, blas: Cublas, num_sms: int):
-        if config.head_dim not in (64, 128):
-            raise NotImplementedError(f"head_dim {config.head_dim}: attention kernels exist for 64 and 128")
+        group = config.num_attention_heads // config.num_key_value_heads
+        if config.head_dim not in (64, 128) or group not in DECODE_GROUPS:
+            raise TinyVLLMError(f"no attention kernels for head_dim {config.head_dim} with {group} query "
+                                f"heads per kv head (built: head_dim 64/128, groups {DECODE_GROUPS})")
         self.cfg, self.w, self.arena, self.kv, self.k, self.blas = config, weights, arena, kv_cache, kernels, blas
         self.gemv = Gemv(kernels, num_sms) if os.environ.get("TINYVLLM_GEMV", "1") != "0" else None
         self.num_sms = num_sms
-        self.group = config.num_attention_heads // config.num_key_value_heads
+        self.group = group
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.qkv_width = config.q_size + 2 * config.kv_size
         v = arena.view
@@ -117,10 +120,10 @@ class LlamaModel:
                 self.group, self.scale)
             return
         splits = self.decode_splits(step.num_seqs)
-        self.k[f"attention_decode_d{D}"](
+        self.k[f"attention_decode_d{D}_g{self.group}"](
             (step.num_seqs, c.num_key_value_heads, splits), 128, self.attn_out, self.partial_out,
             self.partial_ml, self.split_counters, self.qkv, self.qkv_width, *common,
-            self.context_lens, self.kv.block_size, c.num_key_value_heads, self.group, self.scale)
+            self.context_lens, self.kv.block_size, c.num_key_value_heads, self.scale)
 
     def decode_splits(self, num_seqs: int) -> int:
         """The most splits a sequence's context may use: enough blocks to fill the GPU about

@@ -30,12 +30,13 @@ KERNEL_SIGNATURES: dict[str, str] = {
     #   group, scale
     "attention_prefill_d64": "PPiPPPPPPiiif",
     "attention_prefill_d128": "PPiPPPPPPiiif",
-    # cuda/attention_decode.cu: out, partial_out, partial_ml, split_counters, q, q_row_stride,
-    #   k_cache, v_cache, block_tables, block_table_width (device int), context_lens,
-    #   block_size, num_kv_heads, group, scale
-    "attention_decode_d64": "PPPPPiPPPPPiiif",
-    "attention_decode_d128": "PPPPPiPPPPPiiif",
 }
+# cuda/attention_decode.cu, one kernel per (head_dim, GQA group): out, partial_out, partial_ml,
+#   split_counters, q, q_row_stride, k_cache, v_cache, block_tables, block_table_width (device
+#   int), context_lens, block_size, num_kv_heads, scale
+DECODE_GROUPS = (1, 2, 3, 4, 8)
+KERNEL_SIGNATURES.update({f"attention_decode_d{d}_g{g}": "PPPPPiPPPPPiif"
+                          for d in (64, 128) for g in DECODE_GROUPS})
 
 
 def register(signatures: dict[str, str]) -> None:
