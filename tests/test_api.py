@@ -1,0 +1,21 @@
+"""The package's public names resolve to the real classes (imported lazily)."""
+import pytest
+
+import tinyvllm
+
+
+def test_public_api_names():
+    from tinyvllm.config import EngineConfig, ModelConfig
+    from tinyvllm.engine import LLM, LLMEngine
+    from tinyvllm.sampling_params import SamplingParams
+    from tinyvllm.sequence import RequestOutput
+    assert (tinyvllm.LLM, tinyvllm.LLMEngine, tinyvllm.SamplingParams, tinyvllm.RequestOutput,
+            tinyvllm.EngineConfig, tinyvllm.ModelConfig) == (LLM, LLMEngine, SamplingParams,
+                                                              RequestOutput, EngineConfig, ModelConfig)
+    assert set(tinyvllm.__all__) == {"LLM", "LLMEngine", "SamplingParams", "RequestOutput",
+                                     "EngineConfig", "ModelConfig"}
+
+
+def test_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        tinyvllm.Nope  # noqa: B018
