@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..sampling import SamplingBatch
 from .kernels import KernelLibrary, register
 
 SAMPLE_THREADS = 1024
@@ -41,12 +40,3 @@ class Sampler:
         self._kernel((num_seqs,), (SAMPLE_THREADS,), _address(logits), np.int32(vocab_size),
                      _address(temperature), _address(top_k), _address(top_p), _address(seed),
                      _address(step), _address(out), stream=stream)
-
-
-def upload_sampling_batch(batch: SamplingBatch, temperature, top_k, top_p, seed, step,
-                          stream=None) -> None:
-    """Copy a SamplingBatch's host arrays into the five device buffers (async on `stream`)."""
-    import pycuda.driver as drv
-    for host, dev in ((batch.temperature, temperature), (batch.top_k, top_k), (batch.top_p, top_p),
-                      (batch.seed, seed), (batch.step, step)):
-        drv.memcpy_htod_async(_address(dev), np.ascontiguousarray(host), stream)
