@@ -177,24 +177,34 @@ class _EngineStreamingResponse(StreamingResponse):
 
 
 async def _sse_events(stream: RequestStream, ident: R.ResponseIdentity, include_usage: bool):
+    """The response body: every event the stream has pending goes out as one body chunk (SSE
+    allows several `data:` events per chunk), so a stream that fell behind the engine catches up
+    in one write instead of one write per token."""
+    encode = R.StreamEncoder(ident, include_usage)
     if ident.chat:   # OpenAI opens a chat stream with the role and empty content
-        yield R.sse(R.chunk(ident, "", first=True, with_usage_field=include_usage))
+        yield encode.event("", first=True)
     while True:
         try:
-            event = await stream.next_event()
+            events = await stream.next_events()
         except EngineFailure as e:
-            yield R.sse(R.error_body(str(e), "server_error", code=e.code))
-            break
-        if event.delta_text or event.finished:
-            yield R.sse(R.chunk(ident, event.delta_text,
-                                event.finish_reason if event.finished else None,
-                                with_usage_field=include_usage))
-        if event.finished:
-            if include_usage:
-                yield R.sse(R.usage_chunk(ident, event.num_prompt_tokens,
-                                          event.num_generated_tokens))
-            break
-    yield R.SSE_DONE
+            yield R.sse(R.error_body(str(e), "server_error", code=e.code)).encode() + SSE_DONE
+            return
+        parts = []
+        for event in events:
+            if event.finished:
+                parts.append(encode.event(event.delta_text, event.finish_reason))
+                if include_usage:
+                    parts.append(encode.usage(event.num_prompt_tokens, event.num_generated_tokens))
+                parts.append(SSE_DONE)
+                yield b"".join(parts)
+                return
+            if event.delta_text:
+                parts.append(encode.text(event.delta_text))
+        if parts:
+            yield parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+SSE_DONE = R.SSE_DONE.encode()
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -8,7 +8,9 @@ The engine is not thread-safe, and batching only happens if every request goes t
 
 Handlers (on the asyncio event loop) never touch the engine: they append a command under a
 condition variable, which also wakes the thread when it sleeps idle (no busy spin), and read
-`StreamEvent`s from their own asyncio.Queue, fed with loop.call_soon_threadsafe.
+`StreamEvent`s from their RequestStream. The engine thread hands over a whole step at once (one
+loop.call_soon_threadsafe per step, never a wait on the event loop); a handler takes everything
+its stream has pending in one call, so a handler that fell behind catches up in one write.
 
 An exception inside `step()` fails the requests in flight (their handlers answer 500), is logged
 with its traceback, and the loop goes on serving new requests."""
@@ -21,7 +23,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ..errors import InvalidRequestError
 
@@ -37,10 +39,10 @@ class ServerShuttingDown(EngineFailure):
     status, code = 503, "server_shutting_down"
 
 
-@dataclass(frozen=True)
-class StreamEvent:
+class StreamEvent(NamedTuple):
     """A snapshot of one RequestOutput, copied in the engine thread so the handler never reads
-    an object the engine may still be mutating."""
+    an object the engine may still be mutating. (A NamedTuple: immutable and cheap to build,
+    one per request per step.)"""
     delta_text: str
     num_prompt_tokens: int
     num_generated_tokens: int
@@ -51,20 +53,53 @@ class StreamEvent:
 @dataclass
 class RequestStream:
     """The handler's end of one request. `accepted` resolves once add_request has run (or holds
-    its InvalidRequestError); `events` then receives StreamEvents, or an EngineFailure."""
+    its InvalidRequestError); then StreamEvents, or an EngineFailure, arrive in `pending`
+    (appended on the event loop by _put_all, never by the engine thread)."""
     request_id: str
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    pending: collections.deque = field(default_factory=collections.deque)
     finished: bool = False
+    _waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        """Event loop thread only."""
+        self.pending.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        while not self.pending:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
 
     async def next_event(self) -> StreamEvent:
-        item = await self.events.get()
+        """The oldest event not yet read (waits if none); raises an EngineFailure in its turn."""
+        await self._wait()
+        item = self.pending.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
         self.finished = item.finished
         return item
+
+    async def next_events(self) -> list[StreamEvent]:
+        """Every event delivered and not yet read, oldest first (at least one; waits if none).
+        An EngineFailure is raised once the events before it have been returned."""
+        await self._wait()
+        pending = self.pending
+        if isinstance(pending[0], BaseException):
+            self.finished = True
+            raise pending.popleft()
+        events = []
+        while pending and not isinstance(pending[0], BaseException):
+            events.append(pending.popleft())
+        self.finished = events[-1].finished
+        return events
 
 
 @dataclass
@@ -79,11 +114,8 @@ class _Command:
 
 
 def _snapshot(out) -> StreamEvent:
-    return StreamEvent(delta_text=out.delta_text or "",
-                       num_prompt_tokens=len(out.prompt_token_ids),
-                       num_generated_tokens=out.num_generated_tokens,
-                       finished=bool(out.finished),
-                       finish_reason=out.finish_reason)
+    return StreamEvent(out.delta_text or "", len(out.prompt_token_ids), out.num_generated_tokens,
+                       bool(out.finished), out.finish_reason)
 
 
 class EngineLoop:
@@ -267,4 +299,4 @@ class EngineLoop:
 
 def _put_all(batch) -> None:
     for stream, item in batch:
-        stream.events.put_nowait(item)
+        stream.put(item)

@@ -83,3 +83,28 @@ def chunk(ident: ResponseIdentity, text: str, finish_reason: str | None = None,
 def usage_chunk(ident: ResponseIdentity, prompt_tokens: int, completion_tokens: int) -> dict:
     return {"id": ident.id, "object": ident.chunk_object_name, "created": ident.created,
             "model": ident.model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+
+
+class StreamEncoder:
+    """The SSE bytes of one stream, identical to sse(chunk(...)) / sse(usage_chunk(...)), with the
+    common case, a text chunk without a finish reason, built from a template made once per
+    request: json.dumps runs on the text alone, not on a fresh dict per token."""
+
+    def __init__(self, ident: ResponseIdentity, include_usage: bool):
+        self.ident, self.include_usage = ident, include_usage
+        # The text is the last field that can hold a NUL (the fields after it are fixed).
+        head, _, tail = sse(chunk(ident, "\0", with_usage_field=include_usage)).rpartition('"\\u0000"')
+        self._head, self._tail = head.encode(), tail.encode()
+
+    def text(self, text: str) -> bytes:
+        """A chunk carrying `text` (non-empty), not the last one."""
+        return self._head + json.dumps(text, ensure_ascii=False).encode() + self._tail
+
+    def event(self, text: str, finish_reason: str | None = None, first: bool = False) -> bytes:
+        if text and finish_reason is None and not first:
+            return self.text(text)
+        return sse(chunk(self.ident, text, finish_reason, first=first,
+                         with_usage_field=self.include_usage)).encode()
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return sse(usage_chunk(self.ident, prompt_tokens, completion_tokens)).encode()
