@@ -6,24 +6,31 @@ bounded concurrency, then a table of throughput and latency (and the same number
     python benchmarks/load_server.py --num-requests 200 --concurrency 32 --max-tokens 64
 
 Bounded on purpose: it sends exactly --num-requests requests, never more than --concurrency at a
-time, gives up after --timeout seconds, and only talks to 127.0.0.1 / ::1 / localhost (proxies
-from the environment are ignored, so the traffic cannot leave the machine).
+time, gives up after --timeout seconds, and only talks to 127.0.0.1 / ::1 / localhost (it opens
+plain TCP connections itself and reads no proxy settings, so the traffic cannot leave the machine).
 
 Time to first token (TTFT) is measured from sending the request to the first chunk with text;
 inter-token latency (ITL) is the gap between consecutive text chunks (one chunk = one engine
 step for that request). `ignore_eos` is set so every request generates exactly --max-tokens
-tokens and runs are comparable."""
+tokens and runs are comparable.
+
+The client is meant to cost far less than the server it measures (a few µs of CPU per streamed
+event): a minimal HTTP/1.1 client on asyncio protocols (keep-alive connections, chunked transfer
+decoding and SSE splitting done in data_received, no task switch per read), and text chunks
+recognised without json.loads (the usage chunk, errors and anything unexpected still go through
+json.loads). --client-procs N splits the requests and the concurrency over N processes (forked
+after the warm-up) and merges their records, for servers faster than one client core."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import ipaddress
 import json
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-
-import httpx
+from urllib.parse import urlsplit
 
 PROMPTS = [
     "The capital of France is",
@@ -47,8 +54,12 @@ class RequestRecord:
     inter_token_s: list[float] = field(default_factory=list)
 
 
+class ClientError(Exception):
+    """A malformed or cut-off response, or a connection that failed."""
+
+
 def require_loopback(url: str) -> None:
-    host = httpx.URL(url).host
+    host = urlsplit(url).hostname or ""
     if host == "localhost":
         return
     try:
@@ -60,6 +71,428 @@ def require_loopback(url: str) -> None:
              "(127.0.0.1, ::1, localhost) are allowed")
 
 
+class HTTPResponseParser:
+    """Incremental HTTP/1.1 response parser: feed() the bytes as they arrive, get back the body
+    bytes they complete (chunked transfer decoded). Status line and headers first; then a
+    chunked body, a Content-Length body, or (neither) a body that ends when the server closes."""
+
+    HEAD, SIZE, DATA, DATA_END, TRAILER, LENGTH, UNTIL_CLOSE, DONE = range(8)
+
+    def __init__(self, head_only: bool = False):
+        self.buf = b""
+        self.state = self.HEAD
+        self.status: int | None = None
+        self.headers: dict[str, str] = {}
+        self.keep_alive = True
+        self.remaining = 0
+        self.head_only = head_only          # a response to HEAD has no body
+
+    @property
+    def done(self) -> bool:
+        return self.state == self.DONE
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buf = self.buf + data if self.buf else data
+        out: list[bytes] = []
+        pos, n = 0, len(buf)
+        while pos < n:
+            state = self.state
+            if state == self.SIZE:
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    break
+                try:
+                    size = int(buf[pos:end].split(b";", 1)[0], 16)
+                except ValueError:
+                    raise ClientError(f"bad chunk size line {buf[pos:end][:40]!r}") from None
+                pos = end + 2
+                if size:
+                    self.remaining, self.state = size, self.DATA
+                else:
+                    self.state = self.TRAILER
+            elif state == self.DATA:
+                take = min(self.remaining, n - pos)
+                out.append(buf[pos:pos + take])
+                pos += take
+                self.remaining -= take
+                if not self.remaining:
+                    self.state = self.DATA_END
+            elif state == self.DATA_END:
+                if n - pos < 2:
+                    break
+                if buf[pos:pos + 2] != b"\r\n":
+                    raise ClientError("chunk not followed by CRLF")
+                pos += 2
+                self.state = self.SIZE
+            elif state == self.TRAILER:
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    break
+                self.state = self.DONE if end == pos else self.TRAILER   # empty line ends it
+                pos = end + 2
+            elif state == self.LENGTH:
+                take = min(self.remaining, n - pos)
+                out.append(buf[pos:pos + take])
+                pos += take
+                self.remaining -= take
+                if not self.remaining:
+                    self.state = self.DONE
+            elif state == self.UNTIL_CLOSE:
+                out.append(buf[pos:])
+                pos = n
+            elif state == self.HEAD:
+                end = buf.find(b"\r\n\r\n", pos)
+                if end < 0:
+                    break
+                self._parse_head(buf[pos:end])
+                pos = end + 4
+            else:                                   # DONE: nothing may follow (no pipelining)
+                raise ClientError("bytes after the end of the response")
+        self.buf = buf[pos:]
+        return out
+
+    def _parse_head(self, head: bytes) -> None:
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+            raise ClientError(f"bad status line {lines[0][:80]!r}")
+        status = int(parts[1])
+        headers = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if not sep:
+                raise ClientError(f"bad header line {line[:80]!r}")
+            name = name.strip().lower()
+            headers[name] = f"{headers[name]}, {value.strip()}" if name in headers else value.strip()
+        if 100 <= status < 200:                      # interim response (100 Continue): skip it
+            return
+        self.status, self.headers = status, headers
+        connection = headers.get("connection", "").lower()
+        self.keep_alive = ("close" not in connection
+                           and (parts[0] != "HTTP/1.0" or "keep-alive" in connection))
+        if self.head_only or status in (204, 304):
+            self.state = self.DONE
+        elif "chunked" in headers.get("transfer-encoding", "").lower():
+            self.state = self.SIZE
+        elif "content-length" in headers:
+            self.remaining = int(headers["content-length"])
+            self.state = self.LENGTH if self.remaining else self.DONE
+        else:
+            self.state, self.keep_alive = self.UNTIL_CLOSE, False
+
+    def eof(self) -> None:
+        """The server closed the connection: the end of an UNTIL_CLOSE body, else an error."""
+        if self.state == self.UNTIL_CLOSE:
+            self.state = self.DONE
+        elif self.state != self.DONE:
+            raise ClientError("connection closed before the response was complete")
+
+
+class SSEDecoder:
+    """Server-sent events from body bytes: feed() returns the data of every event the bytes
+    complete (an event ends at a blank line; several `data:` lines are joined with newlines;
+    other fields and comments are ignored; LF, CRLF or CR line ends)."""
+
+    def __init__(self):
+        self.pending = b""
+        self.data: list[bytes] = []
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        if self.pending:
+            chunk = self.pending + chunk
+        if b"\r" in chunk:
+            if chunk.endswith(b"\r"):                # maybe half of a CRLF: wait for the rest
+                self.pending = chunk
+                return []
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        lines = chunk.split(b"\n")
+        self.pending = lines.pop()                   # the unfinished line ("" when none)
+        events = []
+        data = self.data
+        for line in lines:
+            if not line:
+                if data:
+                    events.append(data[0] if len(data) == 1 else b"\n".join(data))
+                    data = self.data = []
+            elif line.startswith(b"data:"):
+                data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+        return events
+
+
+# A completions text chunk: "text": "<first char>" (json.dumps spacing, or compact). A quote can
+# only stand unescaped in JSON outside strings, so these patterns never match inside a text.
+_TEXT = re.compile(rb'"text": ?"(.)', re.S)
+_SLOW = re.compile(rb'"error"|"usage": ?\{')
+
+
+def classify_event(payload: bytes):
+    """(has_text, completion_tokens or None, error or None) of one SSE data payload, without
+    json.loads for the common text chunk; usage chunks, errors and other shapes are parsed."""
+    if not _SLOW.search(payload):
+        m = _TEXT.search(payload)
+        if m is not None:
+            return m.group(1) != b'"', None, None
+    chunk = json.loads(payload)
+    if "error" in chunk:
+        err = chunk["error"]
+        return False, None, (err.get("message", "stream error") if isinstance(err, dict)
+                             else str(err))
+    choices = chunk.get("choices")
+    has_text = bool(choices and choices[0].get("text"))
+    usage = chunk.get("usage")
+    return has_text, (usage["completion_tokens"] if usage else None), None
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection; one request at a time. The response is parsed in
+    data_received; SSE data payloads go to `on_event` as they arrive (with a 200 response)."""
+
+    def __init__(self):
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.received = False            # any byte of the current response yet
+        self.parser: HTTPResponseParser | None = None
+        self.sse: SSEDecoder | None = None
+        self.body: list[bytes] = []
+        self.on_event = None
+        self.done: asyncio.Future | None = None
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def start(self, request: bytes, on_event, loop) -> asyncio.Future:
+        self.parser, self.sse, self.body = HTTPResponseParser(), None, []
+        self.on_event, self.received = on_event, False
+        self.done = loop.create_future()
+        self.transport.write(request)
+        return self.done
+
+    def data_received(self, data: bytes):
+        if self.done is None or self.done.done():
+            self.closed = True              # unexpected bytes between responses: drop it
+            self.transport.close()
+            return
+        self.received = True
+        try:
+            pieces = self.parser.feed(data)
+            if self.on_event is not None and self.parser.status == 200:
+                sse = self.sse or SSEDecoder()
+                self.sse = sse
+                on_event = self.on_event
+                for piece in pieces:
+                    for payload in sse.feed(piece):
+                        on_event(payload)
+            else:
+                self.body += pieces
+            if self.parser.done:
+                self.done.set_result(None)
+        except Exception as e:               # noqa: BLE001 (ClientError, ValueError from JSON)
+            self.closed = True
+            self.transport.close()
+            self.done.set_exception(e)
+
+    def connection_lost(self, exc):
+        self.closed = True
+        if self.done is not None and not self.done.done():
+            try:
+                self.parser.eof()
+                self.done.set_result(None)
+            except ClientError as e:
+                self.done.set_exception(ClientError(f"{e}: {exc}") if exc else e)
+
+
+class Client:
+    """A pool of keep-alive connections to one loopback host (callers bound the concurrency)."""
+
+    def __init__(self, url: str, api_key: str | None):
+        u = urlsplit(url)
+        if u.scheme != "http":
+            sys.exit(f"load_server.py: only http:// URLs are supported, not {url!r}")
+        self.host, self.port = u.hostname, u.port or 80
+        self.prefix = u.path.rstrip("/")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.headers = f"Host: {host}:{self.port}\r\n" + (
+            f"Authorization: Bearer {api_key}\r\n" if api_key else "")
+        self.idle: list[_Connection] = []
+
+    def build(self, method: str, path: str, body: bytes | None = None) -> bytes:
+        head = f"{method} {self.prefix}{path} HTTP/1.1\r\n{self.headers}"
+        if body is None:
+            return f"{head}\r\n".encode()
+        return (f"{head}Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                .encode() + body)
+
+    async def request(self, request: bytes, on_event=None) -> tuple[int, dict, bytes]:
+        """Send `request`, wait for the whole response: (status, headers, body). With on_event,
+        a 200 response's SSE data payloads go to on_event as they arrive (the body is empty).
+        A reused connection that fails before answering is retried once on a fresh one."""
+        loop = asyncio.get_running_loop()
+        for attempt in (0, 1):
+            while self.idle and self.idle[-1].closed:
+                self.idle.pop()
+            reused = bool(self.idle)
+            conn = self.idle.pop() if reused else None
+            if conn is None:
+                try:
+                    _, conn = await loop.create_connection(_Connection, self.host, self.port)
+                except OSError as e:
+                    raise ClientError(f"connect to {self.host}:{self.port}: {e}") from e
+            try:
+                await conn.start(request, on_event, loop)
+            except ClientError:
+                if reused and not conn.received and attempt == 0:
+                    continue                      # the server had closed the idle connection
+                raise
+            except BaseException:                 # cancelled (timeout): the connection is dropped
+                conn.closed = True
+                conn.transport.close()
+                raise
+            if conn.parser.keep_alive and not conn.closed:
+                self.idle.append(conn)
+            else:
+                conn.transport.close()
+            return conn.parser.status, conn.parser.headers, b"".join(conn.body)
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        for conn in self.idle:
+            conn.transport.close()
+        self.idle.clear()
+
+
+class _StreamRecorder:
+    """Turns one stream's SSE payloads into a RequestRecord (timestamps taken on arrival)."""
+
+    __slots__ = ("record", "start", "last", "finished", "done_at")
+
+    def __init__(self, record: RequestRecord, start: float):
+        self.record, self.start, self.last = record, start, start
+        self.finished = False            # [DONE] or an error seen: ignore the rest
+        self.done_at: float | None = None
+
+    def __call__(self, payload: bytes) -> None:
+        if self.finished:
+            return
+        if payload == b"[DONE]":
+            self.finished, self.done_at = True, time.perf_counter()
+            return
+        has_text, completion_tokens, error = classify_event(payload)
+        record = self.record
+        if error is not None:
+            record.error, self.finished = error, True
+            return
+        if has_text:
+            now = time.perf_counter()
+            if record.ttft_s is None:
+                record.ttft_s = now - self.start
+            else:
+                record.inter_token_s.append(now - self.last)
+            self.last = now
+        if completion_tokens is not None:
+            record.completion_tokens = completion_tokens
+
+
+async def one_request(client: Client, model: str, prompt: str, args) -> RequestRecord:
+    record = RequestRecord()
+    body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    request = client.build("POST", "/v1/completions", json.dumps(body).encode())
+    start = time.perf_counter()
+    recorder = _StreamRecorder(record, start)
+    try:
+        status, _, text = await client.request(request, recorder)
+        if status != 200:
+            record.error = f"HTTP {status}: {text.decode('utf-8', 'replace')[:200]}"
+            return record
+        if record.error is not None:
+            return record
+        record.latency_s = (recorder.done_at or time.perf_counter()) - start
+        record.ok = True
+    except Exception as e:   # noqa: BLE001  ClientError, JSONDecodeError, a chunk of another shape
+        record.error = f"{type(e).__name__}: {e}"
+    return record
+
+
+async def first_model(client: Client) -> str:
+    try:
+        status, _, body = await client.request(client.build("GET", "/v1/models"))
+    except ClientError as e:
+        sys.exit(f"load_server.py: GET /v1/models: {e}")
+    if status != 200:
+        sys.exit(f"load_server.py: GET /v1/models: HTTP {status}: {body[:200]!r}")
+    return json.loads(body)["data"][0]["id"]
+
+
+async def _measured(args, model: str, first: int, count: int, concurrency: int):
+    client = Client(args.url, args.api_key)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(i: int) -> RequestRecord:
+        async with gate:
+            return await one_request(client, model, PROMPTS[i % len(PROMPTS)], args)
+
+    try:
+        tasks = [asyncio.ensure_future(gated(i)) for i in range(first, first + count)]
+        cpu, start = time.process_time(), time.perf_counter()
+        done, pending = await asyncio.wait(tasks, timeout=args.timeout)
+        end = time.perf_counter()
+        cpu = time.process_time() - cpu
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+        client.close()
+    records = [t.result() for t in tasks if t in done]
+    records += [RequestRecord(error=f"timed out after {args.timeout:.0f}s") for _ in pending]
+    return records, start, end, cpu
+
+
+async def _warm_up(args) -> str:
+    client = Client(args.url, args.api_key)
+    try:
+        model = args.model or await first_model(client)
+        for i in range(args.warmup):         # not measured: first calls may compile / allocate
+            await one_request(client, model, PROMPTS[i % len(PROMPTS)], args)
+    finally:
+        client.close()
+    return model
+
+
+def _child(args, model: str, first: int, count: int, concurrency: int):
+    return asyncio.run(_measured(args, model, first, count, concurrency))
+
+
+async def _run_one_process(args) -> tuple[list[RequestRecord], float, float]:
+    model = await _warm_up(args)
+    records, start, end, cpu = await _measured(args, model, 0, args.num_requests, args.concurrency)
+    return records, end - start, cpu
+
+
+def run_load(args) -> tuple[list[RequestRecord], float, float]:
+    """(records, elapsed seconds, client CPU seconds of the measured part, all processes)."""
+    procs = min(getattr(args, "client_procs", 1), args.num_requests, args.concurrency)
+    if procs <= 1:
+        return asyncio.run(_run_one_process(args))
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    model = asyncio.run(_warm_up(args))
+    # Split requests and concurrency as evenly as possible; the clock (perf_counter, monotonic)
+    # is shared by the processes, so the run lasts from the first start to the last end.
+    shares = []
+    first = 0
+    for p in range(procs):
+        count = args.num_requests // procs + (p < args.num_requests % procs)
+        shares.append((first, count, args.concurrency // procs + (p < args.concurrency % procs)))
+        first += count
+    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("fork")) as pool:
+        results = list(pool.map(_child, *zip(*[(args, model, *s) for s in shares])))
+    records = [r for recs, _, _, _ in results for r in recs]
+    return (records, max(r[2] for r in results) - min(r[1] for r in results),
+            sum(r[3] for r in results))
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Linear-interpolated percentile, q in [0, 100]; None for no data."""
     if not values:
@@ -69,70 +502,6 @@ def percentile(values: list[float], q: float) -> float | None:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args) -> RequestRecord:
-    record = RequestRecord()
-    body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    start = last = time.perf_counter()
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                record.error = f"HTTP {response.status_code}: {response.text[:200]}"
-                return record
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    record.error = chunk["error"].get("message", "stream error")
-                    return record
-                now = time.perf_counter()
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    if record.ttft_s is None:
-                        record.ttft_s = now - start
-                    else:
-                        record.inter_token_s.append(now - last)
-                    last = now
-                if chunk.get("usage"):
-                    record.completion_tokens = chunk["usage"]["completion_tokens"]
-        record.latency_s = time.perf_counter() - start
-        record.ok = True
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        record.error = f"{type(e).__name__}: {e}"
-    return record
-
-
-async def run_load(args) -> tuple[list[RequestRecord], float]:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(args.timeout), trust_env=False) as client:
-        model = args.model or (await client.get("/v1/models")).raise_for_status().json()["data"][0]["id"]
-        for i in range(args.warmup):         # not measured: first calls may compile / allocate
-            await one_request(client, model, PROMPTS[i % len(PROMPTS)], args)
-        gate = asyncio.Semaphore(args.concurrency)
-
-        async def gated(i: int) -> RequestRecord:
-            async with gate:
-                return await one_request(client, model, PROMPTS[i % len(PROMPTS)], args)
-
-        tasks = [asyncio.ensure_future(gated(i)) for i in range(args.num_requests)]
-        start = time.perf_counter()
-        done, pending = await asyncio.wait(tasks, timeout=args.timeout)
-        elapsed = time.perf_counter() - start
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-    records = [t.result() for t in tasks if t in done]
-    records += [RequestRecord(error=f"timed out after {args.timeout:.0f}s") for _ in pending]
-    return records, elapsed
 
 
 def summarize(records: list[RequestRecord], elapsed: float, args) -> dict:
@@ -187,17 +556,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests sent first")
     p.add_argument("--timeout", type=float, default=600.0, help="overall limit in seconds")
     p.add_argument("--out", default=None, help="write the summary as JSON here")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="client processes to split the requests and concurrency over")
     args = p.parse_args(argv)
-    if args.num_requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
-        p.error("--num-requests, --concurrency and --max-tokens must be >= 1")
+    if min(args.num_requests, args.concurrency, args.max_tokens, args.client_procs) < 1:
+        p.error("--num-requests, --concurrency, --max-tokens and --client-procs must be >= 1")
     require_loopback(args.url)
 
-    records, elapsed = asyncio.run(run_load(args))
+    records, elapsed, client_cpu = run_load(args)
     summary = summarize(records, elapsed, args)
     print_table(summary)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"summary": summary, "requests": [asdict(r) for r in records]}, f, indent=1)
+            json.dump({"summary": summary, "requests": [asdict(r) for r in records],
+                       "client": {"procs": args.client_procs, "cpu_s": round(client_cpu, 3)}},
+                      f, indent=1)
         print(f"wrote {args.out}")
     return 0 if summary["failed"] == 0 else 1
 

@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--profile", action="store_true", help="cProfile the event loop and engine threads")
     ap.add_argument("--profile-client", action="store_true", help="cProfile the load client too")
+    ap.add_argument("--client-procs", type=int, default=1, help="load_server.py --client-procs")
     ap.add_argument("--top", type=int, default=25, help="rows of each profile to print")
     ap.add_argument("--out", default=None, help="write the load summary (JSON) here")
     args = ap.parse_args(argv)
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, *profile_client, str(HERE / "load_server.py"), "--url", url,
                "--num-requests", str(args.num_requests), "--concurrency", str(args.concurrency),
                "--max-tokens", str(args.max_tokens), "--timeout", str(args.timeout),
-               "--warmup", "2", "--out", out]
+               "--warmup", "2", "--client-procs", str(args.client_procs), "--out", out]
         children = resource.getrusage(resource.RUSAGE_CHILDREN)
         try:
             proc = subprocess.run(cmd, timeout=args.timeout + 60, capture_output=True, text=True)
@@ -129,10 +130,16 @@ def main(argv=None) -> int:
               else "\n".join(proc.stdout.splitlines()[:12 + 8 + args.top]))
         if proc.returncode != 0:
             print(proc.stderr, file=sys.stderr)
-        summary = json.load(open(out))["summary"] if os.path.exists(out) else {}
+        result = json.load(open(out)) if os.path.exists(out) else {}
+        summary = result.get("summary", {})
+        measured_cpu = result.get("client", {}).get("cpu_s")
 
     print(f"step-ms {args.step_ms}; server CPU s: event loop {loop_timer.cpu:.2f}, "
           f"engine thread {engine_timer.cpu:.2f}; client process {client_cpu:.2f} (run {summary.get('duration_s')} s + warm-up)")
+    events = summary.get("succeeded", 0) * (args.max_tokens + 2)   # text chunks + final + usage
+    if measured_cpu is not None and events:
+        print(f"client CPU in the measured run: {measured_cpu:.2f} s over {args.client_procs} "
+              f"process(es), {measured_cpu / events * 1e6:.1f} µs per SSE event ({events} events)")
     if args.profile:
         for name, timer in (("event loop thread", loop_timer), ("engine thread", engine_timer)):
             s = io.StringIO()

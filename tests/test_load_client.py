@@ -1,0 +1,188 @@
+"""benchmarks/load_server.py's own HTTP/1.1 client: chunked transfer decoding and SSE splitting
+in any byte split, text chunks recognised without json.loads exactly as json.loads would, and
+a whole run against a small loopback server (keep-alive reuse, a cut connection, an error
+event). CPU only, no engine."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import pathlib
+import sys
+import types
+
+import pytest
+
+from tinyvllm.server import responses as R
+
+_path = pathlib.Path(__file__).parent.parent / "benchmarks" / "load_server.py"
+_spec = importlib.util.spec_from_file_location("load_server", _path)
+L = sys.modules["load_server"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(L)
+
+
+def chunked(*pieces: bytes) -> bytes:
+    body = b"".join(b"%x;ext=1\r\n" % len(p) + p + b"\r\n" if i % 2 else b"%X\r\n" % len(p) + p + b"\r\n"
+                    for i, p in enumerate(pieces))
+    return body + b"0\r\nX-Trailer: 1\r\n\r\n"
+
+
+def feed_split(data: bytes, sizes) -> tuple[L.HTTPResponseParser, list[bytes]]:
+    parser, sse, events = L.HTTPResponseParser(), L.SSEDecoder(), []
+    pos, i = 0, 0
+    while pos < len(data):
+        n = sizes[i % len(sizes)]
+        for piece in parser.feed(data[pos:pos + n]):
+            events += sse.feed(piece)
+        pos, i = pos + n, i + 1
+    return parser, events
+
+
+@pytest.mark.parametrize("sizes", [[1], [2, 3], [7], [64], [1 << 20]])
+def test_chunked_sse_any_split(sizes):
+    payloads = [json.dumps({"i": i, "text": "a\nb" * i}).encode() for i in range(20)]
+    sse_bytes = b"".join(b"data: " + p + b"\n\n" for p in payloads) + b"data: [DONE]\n\n"
+    # HTTP chunk boundaries that do not line up with the SSE events
+    cuts = [0, 5, 6, 40, 41, 300, len(sse_bytes)]
+    body = chunked(*[sse_bytes[a:b] for a, b in zip(cuts, cuts[1:]) if b > a])
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    parser, events = feed_split(head + body, sizes)
+    assert parser.done and parser.status == 200 and parser.keep_alive
+    assert events == payloads + [b"[DONE]"]
+
+
+def test_sse_fields_crlf_multiline_and_comments():
+    sse = L.SSEDecoder()
+    raw = b": comment\r\nevent: x\r\ndata:a\r\ndata: b\r\n\r\nid: 3\ndata: c\r\rdata: d\n"
+    events = [e for i in range(len(raw)) for e in sse.feed(raw[i:i + 1])]
+    assert events == [b"a\nb", b"c"]
+    assert sse.feed(b"\n") == [b"d"]
+
+
+def test_content_length_until_close_and_errors():
+    p = L.HTTPResponseParser()
+    assert p.feed(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 404 Not Found\r\nContent-Length: 5\r\n"
+                  b"Connection: close\r\n\r\nab") == [b"ab"]
+    assert not p.done and p.feed(b"cde") == [b"cde"] and p.done
+    assert p.status == 404 and not p.keep_alive
+    p = L.HTTPResponseParser()
+    assert p.feed(b"HTTP/1.0 200 OK\r\n\r\nxyz") == [b"xyz"]
+    p.eof()
+    assert p.done
+    p = L.HTTPResponseParser()
+    p.feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab")
+    with pytest.raises(L.ClientError):
+        p.eof()                                   # cut off mid-chunk
+    with pytest.raises(L.ClientError):
+        L.HTTPResponseParser().feed(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+    with pytest.raises(L.ClientError):
+        L.HTTPResponseParser().feed(b"garbage\r\n\r\n")
+
+
+TEXTS = ["a", " the", '"', '"text": ""', '\\', '\\"', "\n", "é😀", '"usage": {', '"error"', "\0"]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_classify_event_matches_json_loads(include_usage):
+    ident = R.ResponseIdentity("cmpl-1", "tiny", chat=False)
+    enc = R.StreamEncoder(ident, include_usage)
+    cases = [enc.text(t) for t in TEXTS] + [enc.event(t, "length") for t in ["", *TEXTS]]
+    cases += [enc.usage(3, 7), R.sse(R.error_body("boom", "server_error")).encode()]
+    # compact JSON (another server's spacing) and an unexpected shape take the same answers
+    cases += [R.sse(json.dumps(R.chunk(ident, t), separators=(",", ":"))).encode() for t in TEXTS]
+    cases += [b'data: {"choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n']
+    for raw in cases:
+        (payload,) = L.SSEDecoder().feed(raw)
+        chunk = json.loads(payload)
+        expected = (bool(chunk.get("choices") and chunk["choices"][0].get("text")),
+                    chunk["usage"]["completion_tokens"] if chunk.get("usage") else None,
+                    chunk["error"]["message"] if "error" in chunk else None)
+        if expected[2]:
+            expected = (False, None, expected[2])
+        assert L.classify_event(payload) == expected, raw
+
+
+class FakeServer:
+    """A loopback server that answers every request on a connection with a scripted response."""
+
+    def __init__(self, responses):
+        self.responses, self.connections, self.requests = responses, 0, []
+
+    async def handle(self, reader, writer):
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                                   if line.lower().startswith(b"content-length")), b"0"))
+                body = await reader.readexactly(length)
+                self.requests.append((head.split(b" ")[1].decode(), body))
+                response = self.responses(head, body)
+                for part in response if isinstance(response, list) else [response]:
+                    writer.write(part)
+                    await writer.drain()
+                if response is CUT:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+
+CUT = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"6\r\ndata: "]
+
+
+def stream_response(n_tokens: int, error: bool = False) -> list[bytes]:
+    enc = R.StreamEncoder(R.ResponseIdentity("cmpl-1", "tiny", chat=False), True)
+    events = [enc.text(f" t{i}") for i in range(n_tokens - 1)] + [enc.event("!", "length")]
+    events += [enc.usage(5, n_tokens), R.SSE_DONE.encode()]
+    if error:
+        events = events[:2] + [R.sse(R.error_body("engine fell over", "server_error")).encode(),
+                               R.SSE_DONE.encode()]
+    return [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+            *[b"%x\r\n%s\r\n" % (len(e), e) for e in events], b"0\r\n\r\n"]
+
+
+def run_against(responses, **kw):
+    async def go():
+        fake = FakeServer(responses)
+        server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        args = types.SimpleNamespace(url=f"http://127.0.0.1:{port}", api_key="k", model=None,
+                                     num_requests=kw.get("n", 6), concurrency=2, max_tokens=4,
+                                     temperature=0.0, warmup=1, timeout=20.0, client_procs=1)
+        try:
+            records, elapsed, _ = await L._run_one_process(args)
+        finally:
+            server.close()
+        return fake, records, L.summarize(records, elapsed, args)
+    return asyncio.run(go())
+
+
+def test_run_against_a_loopback_server_reuses_connections():
+    def respond(head, body):
+        if head.startswith(b"GET /v1/models"):
+            data = json.dumps({"data": [{"id": "tiny"}]}).encode()
+            return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(data), data)
+        assert b"Authorization: Bearer k" in head and json.loads(body)["model"] == "tiny"
+        return stream_response(4)
+    fake, records, s = run_against(respond)
+    assert all(r.ok and r.completion_tokens == 4 and len(r.inter_token_s) == 3 for r in records)
+    assert s["succeeded"] == 6 and s["output_tokens"] == 24 and not s["errors"]
+    assert fake.connections <= 3                 # warm-up connection + at most 2 in flight
+
+
+def test_run_reports_http_errors_cut_streams_and_error_events():
+    calls = []
+
+    def respond(head, body):
+        calls.append(head)
+        if head.startswith(b"GET"):
+            return b"HTTP/1.1 200 OK\r\ncontent-length: 26\r\n\r\n" + b'{"data": [{"id": "tiny"}]}'
+        k = len(calls)
+        if k % 3 == 0:
+            return b"HTTP/1.1 400 Bad Request\r\ncontent-length: 3\r\n\r\nbad"
+        return CUT if k % 3 == 1 else stream_response(4, error=True)
+    _, records, s = run_against(respond, n=6)
+    assert s["succeeded"] == 0 and s["failed"] == 6
+    errors = " | ".join(s["errors"])
+    assert "HTTP 400: bad" in errors and "engine fell over" in errors and "ClientError" in errors
