@@ -183,10 +183,6 @@ class DeviceView:
 
     __index__ = __int__   # kernels' 'P' arguments and ctypes take the view itself
 
-    def row(self, i: int) -> int:
-        """Pointer to row i (first axis)."""
-        return self.ptr + i * int(np.prod(self.shape[1:])) * ITEMSIZE[self.dtype]
-
 
 class Arena:
     """Allocates the planned layout once: activations + inputs + outputs in one cuMemAlloc, with

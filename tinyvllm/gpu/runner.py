@@ -11,7 +11,7 @@ import numpy as np
 
 from ..batch import ForwardBatch
 from ..config import EngineConfig, ModelConfig
-from ..errors import GPUUnavailableError, TinyVLLMError
+from ..errors import GPUUnavailableError
 from ..model import LlamaModel, StepShape
 from ..sampling import SamplingBatch
 from .arena import CUBLAS_WORKSPACE_BYTES, Arena, ArenaDims, ArenaLayout
@@ -23,19 +23,17 @@ from .sampler import Sampler
 
 
 def _cuda():
+    """pycuda.driver, initialised, or a one-line error saying why the GPU cannot be used.
+    (A missing PyCUDA already fails the import of this module; make_runner reports that.)"""
+    import pycuda.driver as drv
     try:
-        import pycuda.driver as drv
         drv.init()
-        if drv.Device.count() == 0:
-            raise GPUUnavailableError("no CUDA device found; use --device cpu")
-        return drv
-    except ImportError as e:
-        raise GPUUnavailableError(f"PyCUDA is not installed ({e}); `pip install -e .[gpu]` "
-                                  f"or use --device cpu") from None
-    except Exception as e:  # noqa: BLE001 — pycuda raises its own error types here
-        if isinstance(e, TinyVLLMError):
-            raise
+        count = drv.Device.count()
+    except drv.Error as e:
         raise GPUUnavailableError(f"no usable CUDA driver ({e}); use --device cpu") from None
+    if count == 0:
+        raise GPUUnavailableError("no CUDA device found; use --device cpu")
+    return drv
 
 
 class CudaRunner:
@@ -175,15 +173,11 @@ class CudaRunner:
 
     def forward_logits(self, batch: ForwardBatch) -> np.ndarray:
         """Forward only; copies the fp32 logits [S, vocab] back (tests and debugging)."""
-        import pycuda.driver as drv
         self.ctx.push()
         try:
             step = self._stage_inputs(batch, None)
             self.model.forward(step)
-            out = np.empty((step.num_seqs, self.cfg.vocab_size), np.float32)
-            drv.memcpy_dtoh_async(out, int(self.arena.view("logits")), self.stream)
-            self.stream.synchronize()
-            return out
+            return self._copy_logits(step.num_seqs)
         finally:
             self.ctx.pop()
 
@@ -200,14 +194,18 @@ class CudaRunner:
     def read_logits(self, num_seqs: int) -> np.ndarray:
         """The fp32 logits [num_seqs, vocab] of the last step (sampled rows hold the sampler's
         weights instead: it works in place)."""
-        import pycuda.driver as drv
         self.ctx.push()
         try:
-            out = np.empty((num_seqs, self.cfg.vocab_size), np.float32)
-            drv.memcpy_dtoh(out, int(self.arena.view("logits")))
-            return out
+            return self._copy_logits(num_seqs)
         finally:
             self.ctx.pop()
+
+    def _copy_logits(self, num_seqs: int) -> np.ndarray:
+        import pycuda.driver as drv
+        self.stream.synchronize()
+        out = np.empty((num_seqs, self.cfg.vocab_size), np.float32)
+        drv.memcpy_dtoh(out, int(self.arena.view("logits")))
+        return out
 
     def close(self) -> None:
         """Free everything this runner holds on the GPU (graphs, cuBLAS, KV cache, weights,
