@@ -91,6 +91,16 @@ class HTTPResponseParser:
     def done(self) -> bool:
         return self.state == self.DONE
 
+    def _take_body(self, buf: bytes, pos: int, out: list[bytes], then: int) -> int:
+        """Move up to self.remaining body bytes from buf[pos:] to out; when none remain, go to
+        state `then`. Returns the new position."""
+        take = min(self.remaining, len(buf) - pos)
+        out.append(buf[pos:pos + take])
+        self.remaining -= take
+        if not self.remaining:
+            self.state = then
+        return pos + take
+
     def feed(self, data: bytes) -> list[bytes]:
         buf = self.buf + data if self.buf else data
         out: list[bytes] = []
@@ -111,12 +121,7 @@ class HTTPResponseParser:
                 else:
                     self.state = self.TRAILER
             elif state == self.DATA:
-                take = min(self.remaining, n - pos)
-                out.append(buf[pos:pos + take])
-                pos += take
-                self.remaining -= take
-                if not self.remaining:
-                    self.state = self.DATA_END
+                pos = self._take_body(buf, pos, out, then=self.DATA_END)
             elif state == self.DATA_END:
                 if n - pos < 2:
                     break
@@ -131,12 +136,7 @@ class HTTPResponseParser:
                 self.state = self.DONE if end == pos else self.TRAILER   # empty line ends it
                 pos = end + 2
             elif state == self.LENGTH:
-                take = min(self.remaining, n - pos)
-                out.append(buf[pos:pos + take])
-                pos += take
-                self.remaining -= take
-                if not self.remaining:
-                    self.state = self.DONE
+                pos = self._take_body(buf, pos, out, then=self.DONE)
             elif state == self.UNTIL_CLOSE:
                 out.append(buf[pos:])
                 pos = n
