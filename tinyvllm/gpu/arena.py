@@ -117,7 +117,7 @@ class Placement:
         return int(np.prod(self.shape)) * ITEMSIZE[self.dtype]
 
 
-def _round_up(n: int, align: int = ALIGN) -> int:
+def round_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
@@ -128,10 +128,10 @@ def plan_layout(specs: list[BufferSpec], dims: ArenaDims, base: int = 0) -> tupl
     for spec in specs:
         nbytes = int(np.prod(spec.shape(dims))) * ITEMSIZE[spec.dtype]
         group_size[spec.storage] = max(group_size.get(spec.storage, 0), nbytes)
-    group_offset, offset = {}, _round_up(base)
+    group_offset, offset = {}, round_up(base)
     for storage, size in group_size.items():      # dicts keep the table's order
         group_offset[storage] = offset
-        offset = _round_up(offset + size)
+        offset = round_up(offset + size)
     placements = {s.name: Placement(s.name, group_offset[s.storage], s.shape(dims), s.dtype, s.storage)
                   for s in specs}
     return placements, offset

@@ -13,7 +13,7 @@ import ml_dtypes
 
 from ..config import ModelConfig
 from ..reference import rope_inv_freq
-from .arena import ALIGN
+from .arena import round_up
 
 
 @dataclass(frozen=True)
@@ -34,10 +34,6 @@ class DeviceWeights:
     rope_inv_freq: int   # float32 [head_dim / 2]
     layers: tuple[LayerWeights, ...]
     nbytes: int
-
-
-def _padded(nbytes: int) -> int:
-    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
 def device_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -80,7 +76,7 @@ def upload_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> tuple
 
     shapes = device_tensor_shapes(config)
     itemsize = {k: 4 if k == "rope_inv_freq" else 2 for k in shapes}
-    total = sum(_padded(int(np.prod(s)) * itemsize[k]) for k, s in shapes.items())
+    total = sum(round_up(int(np.prod(s)) * itemsize[k]) for k, s in shapes.items())
     allocation = drv.mem_alloc(total)
     ptrs, offset = {}, int(allocation)
     for key, shape in shapes.items():
@@ -90,7 +86,7 @@ def upload_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> tuple
         assert arr.shape == shape, (key, arr.shape, shape)
         drv.memcpy_htod(offset, arr)
         ptrs[key] = offset
-        offset += _padded(arr.nbytes)
+        offset += round_up(arr.nbytes)
     layers = tuple(LayerWeights(**{f: ptrs[f"{n}.{f}"] for f in LayerWeights.__dataclass_fields__})
                    for n in range(config.num_hidden_layers))
     return DeviceWeights(embed=ptrs["embed"], final_norm=ptrs["final_norm"],
