@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tinyvllm.batch import ForwardBatch
+from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.sampling import SamplingBatch
-from tinyvllm.weights import load_weights
+from tinyvllm.engine.batch import SamplingBatch
+from tinyvllm.checkpoint.weights import load_weights
 
 
 def decode_batch(num_seqs: int, context: int, block_size: int, rng) -> ForwardBatch:
@@ -123,8 +123,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--prefill", type=int, nargs=2, default=[16, 512], metavar=("PROMPTS", "LEN"))
     args = ap.parse_args()
-    from tinyvllm.gpu.runner import CudaRunner
-    from tinyvllm.model_writer import write_model
+    from tinyvllm.gpu.cuda_runner import CudaRunner
+    from tinyvllm.checkpoint.model_writer import write_model
     path = Path(f"/tmp/tinyvllm-models/{args.preset}")
     if not (path / "config.json").exists():
         write_model(path, preset=args.preset)

@@ -36,9 +36,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # this checkout's tinyvllm
-from tinyvllm.engine import LLMEngine
-from tinyvllm.runner import ModelRunner
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.engine.model_runner import ModelRunner
+from tinyvllm.engine.sampling_params import SamplingParams
 
 MODEL_DIR = Path("/tmp/tinyvllm-models/tiny")
 PROMPT_TOKEN_ID_LIMIT = 10_000
@@ -75,7 +75,7 @@ class InstantRunner(ModelRunner):
 
 def model_dir() -> Path:
     if not (MODEL_DIR / "config.json").is_file():
-        from tinyvllm.model_writer import write_model
+        from tinyvllm.checkpoint.model_writer import write_model
         write_model(MODEL_DIR, preset="tiny", seed=0)
     return MODEL_DIR
 

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import uvicorn
-    from tinyvllm.engine import LLMEngine
+    from tinyvllm.engine.llm_engine import LLMEngine
     from tinyvllm.server.app import ServerSettings, build_app
     from tinyvllm.server.engine_loop import EngineLoop
 

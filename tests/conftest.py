@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(config, items):
 def tiny_model_dir(tmp_path_factory):
     """A random-weight `tiny` preset model (real Llama 3 tokenizer), written once per session.
     Treat it as read-only: other tests share it."""
-    from tinyvllm.model_writer import write_model
+    from tinyvllm.checkpoint.model_writer import write_model
     return write_model(tmp_path_factory.mktemp("tiny-model"), preset="tiny", seed=0)
 
 

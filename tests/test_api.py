@@ -6,9 +6,10 @@ import tinyvllm
 
 def test_public_api_names():
     from tinyvllm.config import EngineConfig, ModelConfig
-    from tinyvllm.engine import LLM, LLMEngine
-    from tinyvllm.sampling_params import SamplingParams
-    from tinyvllm.sequence import RequestOutput
+    from tinyvllm.engine.llm import LLM
+    from tinyvllm.engine.llm_engine import LLMEngine
+    from tinyvllm.engine.sampling_params import SamplingParams
+    from tinyvllm.engine.outputs import RequestOutput
     assert (tinyvllm.LLM, tinyvllm.LLMEngine, tinyvllm.SamplingParams, tinyvllm.RequestOutput,
             tinyvllm.EngineConfig, tinyvllm.ModelConfig) == (LLM, LLMEngine, SamplingParams,
                                                               RequestOutput, EngineConfig, ModelConfig)

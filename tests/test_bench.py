@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tinyvllm.bench import (WARMUP, WORKLOADS, BenchOptions, WorkloadResult, kv_blocks_needed,
+from tinyvllm.bench.run import (WARMUP, WORKLOADS, BenchOptions, WorkloadResult, kv_blocks_needed,
                             run_bench, select_workloads)
 from tinyvllm.cli import main
 
@@ -154,7 +154,7 @@ def test_compare_hf_on_cpu(tiny_model_dir, tmp_path, capsys):
 
 def test_table_on_the_h200_shows_floor_verdicts_and_hf_ratios():
     """The GPU-only parts of the table, from a report built by hand."""
-    from tinyvllm.bench_report import BenchReport, format_table
+    from tinyvllm.bench.report import BenchReport, format_table
     report = BenchReport(date="d", git_commit="abc", engine_config={},
                          device={"kind": "cuda", "name": "NVIDIA H200", "copy_bandwidth_GBps": 4240.0,
                                  "floor_tok_s": 1715.0},

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyvllm.kv_cache import BlockManager, blocks_for
-from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.sequence import Sequence
+from tinyvllm.engine.block_manager import BlockManager, blocks_for
+from tinyvllm.engine.sampling_params import SamplingParams
+from tinyvllm.engine.sequence import Sequence
 
 
 class NullDetokenizer:

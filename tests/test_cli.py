@@ -31,7 +31,7 @@ def test_stream_is_the_same_text_as_batch_output(tiny_model_dir, capsys):
     assert code == 0
     code, batched, err = generate(capsys, *args)
     assert code == 0 and streamed == batched
-    assert batched.count("--- [") == 2 and "2/2 requests" in err
+    assert batched.count("--- [") == 2 and "2/2 [" in err
 
 
 def test_file_chat_system_and_stop(tiny_model_dir, tmp_path, capsys):

@@ -5,7 +5,7 @@ import pytest
 
 from tinyvllm.config import ModelConfig, RopeScaling
 from tinyvllm.errors import ModelLoadError, TinyVLLMError
-from tinyvllm.model_writer import PRESETS
+from tinyvllm.checkpoint.model_writer import PRESETS
 
 
 def base(**changes):

@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyvllm.engine import LLM, LLMEngine
+from tinyvllm.engine.llm import LLM
+
+from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.errors import InvalidRequestError, TinyVLLMError
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.engine.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyvllm.batch import ForwardBatch
-from tinyvllm.engine import LLMEngine
-from tinyvllm.kv_cache import BlockManager
-from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.sequence import Sequence
+from tinyvllm.engine.batch import ForwardBatch
+from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.sampling_params import SamplingParams
+from tinyvllm.engine.sequence import Sequence
 
 
 def test_decode_batch_from_the_table_matrix_equals_build():

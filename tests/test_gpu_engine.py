@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from tinyvllm.config import ModelConfig
-from tinyvllm.engine import LLM
-from tinyvllm.reference import ReferenceModel
-from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.weights import load_weights
+from tinyvllm.engine.llm import LLM
+from tinyvllm.reference.model import ReferenceModel
+from tinyvllm.engine.sampling_params import SamplingParams
+from tinyvllm.checkpoint.weights import load_weights
 
 pytestmark = pytest.mark.gpu
 NEAR_TIE = 0.25

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tinyvllm import reference as ref
-from tinyvllm.batch import ForwardBatch
+from tinyvllm.engine.batch import ForwardBatch
 
 pytestmark = pytest.mark.gpu
 BF16_TOL = 1e-2
@@ -71,7 +71,7 @@ def test_silu_mul(gpu, rng):
 def test_rope_write_kv(gpu, rng, hq, hkv, d):
     from gpu_helpers import DeviceArray, rel_err, to_bf16
     import dataclasses
-    from tinyvllm.model_writer import preset_config
+    from tinyvllm.checkpoint.model_writer import preset_config
     inv_freq = ref.rope_inv_freq(dataclasses.replace(preset_config("llama-3.2-1b"), head_dim=d))
     T, block_size, num_blocks = 45, 16, 9
     qkv = to_bf16(rng.standard_normal((T, (hq + 2 * hkv) * d)))

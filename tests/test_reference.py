@@ -6,12 +6,13 @@ import math
 import numpy as np
 import pytest
 
-from tinyvllm.batch import ForwardBatch
+from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.config import ModelConfig
-from tinyvllm.model_writer import PRESETS
-from tinyvllm.reference import (ReferenceModel, apply_rope, bf16_round, embedding, paged_attention,
-                                rms_norm, rope_inv_freq, silu_mul, write_kv)
-from tinyvllm.weights import load_weights
+from tinyvllm.checkpoint.model_writer import PRESETS
+from tinyvllm.reference.model import ReferenceModel
+from tinyvllm.reference.kernels import (apply_rope, bf16_round, embedding, paged_attention,
+                                        rms_norm, rope_inv_freq, silu_mul, write_kv)
+from tinyvllm.checkpoint.weights import load_weights
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from tinyvllm.sampling import (SamplingBatch, exp_weights, mass, random_bits24, sample,
-                               sample_row)
+from tinyvllm.engine.batch import SamplingBatch
+from tinyvllm.reference.sampling import exp_weights, mass, random_bits24, sample, sample_row
 
 V = 5000
 

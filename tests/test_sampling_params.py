@@ -6,7 +6,7 @@ import math
 import pytest
 
 from tinyvllm.errors import InvalidRequestError
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.engine.sampling_params import SamplingParams
 
 
 def test_defaults_are_valid_and_vllm_shaped():

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from tinyvllm.config import EngineConfig
-from tinyvllm.kv_cache import BlockManager
-from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.scheduler import Scheduler
-from tinyvllm.sequence import Sequence, SequenceStatus
+from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.sampling_params import SamplingParams
+from tinyvllm.engine.scheduler import Scheduler
+from tinyvllm.engine.sequence import Sequence, SequenceStatus
 
 EOS = 0
 

@@ -19,7 +19,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from tinyvllm.sampling_params import SamplingParams  # noqa: E402
+from tinyvllm.engine.sampling_params import SamplingParams  # noqa: E402
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
@@ -67,7 +67,7 @@ def served(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def offline(tiny_model_dir):
-    from tinyvllm.engine import LLM
+    from tinyvllm.engine.llm import LLM
     return LLM(str(tiny_model_dir), **ENGINE_OPTIONS)
 
 
@@ -116,7 +116,7 @@ def test_completion_matches_offline_with_usage(served, client, offline):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
-    from tinyvllm.tokenizer import Tokenizer
+    from tinyvllm.checkpoint.tokenizer import Tokenizer
     return Tokenizer.from_pretrained(tiny_model_dir)
 
 

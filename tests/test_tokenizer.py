@@ -7,7 +7,7 @@ import pytest
 
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import InvalidRequestError, ModelLoadError
-from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer
+from tinyvllm.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MULTIBYTE = "héllo 🦙🦙 日本語のテキスト café ∑ 👩‍👩‍👧 ok"
 

@@ -11,8 +11,8 @@ import safetensors.numpy
 
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError
-from tinyvllm.model_writer import random_tensor
-from tinyvllm.weights import (BF16, INDEX_FILE, TensorSpec, expected_shapes, load_weights,
+from tinyvllm.checkpoint.model_writer import random_tensor
+from tinyvllm.checkpoint.weights import (BF16, INDEX_FILE, TensorSpec, expected_shapes, load_weights,
                               save_safetensors, save_sharded)
 
 

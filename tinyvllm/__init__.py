@@ -6,16 +6,19 @@ __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig"
 
 def __getattr__(name):
     # The public API, imported on first use so `python -m tinyvllm --help` stays quick.
-    if name in ("LLM", "LLMEngine"):
-        from . import engine
-        return getattr(engine, name)
+    if name == "LLM":
+        from tinyvllm.engine.llm import LLM
+        return LLM
+    if name == "LLMEngine":
+        from tinyvllm.engine.llm_engine import LLMEngine
+        return LLMEngine
     if name == "SamplingParams":
-        from .sampling_params import SamplingParams
+        from tinyvllm.engine.sampling_params import SamplingParams
         return SamplingParams
     if name == "RequestOutput":
-        from .sequence import RequestOutput
+        from tinyvllm.engine.outputs import RequestOutput
         return RequestOutput
     if name in ("EngineConfig", "ModelConfig"):
-        from . import config
+        from tinyvllm import config
         return getattr(config, name)
     raise AttributeError(f"module 'tinyvllm' has no attribute {name!r}")

@@ -8,11 +8,11 @@ import argparse
 import os
 import sys
 
-from .errors import TinyVLLMError
+from tinyvllm.errors import TinyVLLMError
 
 
 def _cmd_make_model(args) -> int:
-    from .model_writer import write_model
+    from tinyvllm.checkpoint.model_writer import write_model
     path = write_model(args.out, preset=args.preset, seed=args.seed)
     print(f"wrote {args.preset} model to {path}")
     return 0
@@ -40,7 +40,7 @@ def engine_options_from_args(args) -> dict:
 
 
 def _cmd_serve(args) -> int:
-    from .server.launch import ServeOptions, run_server
+    from tinyvllm.server.launch import ServeOptions, run_server
     return run_server(ServeOptions(
         model=args.model, host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, engine_options=engine_options_from_args(args),
@@ -64,8 +64,9 @@ def _cmd_generate(args) -> int:
     """Stream one prompt's tokens as they come; for many prompts show a progress bar (or, with
     --stream, stream them one after another in input order) and print each result."""
     import time
-    from .engine import LLMEngine, ProgressBar
-    from .sampling_params import SamplingParams
+    from tqdm import tqdm
+    from tinyvllm.engine.llm_engine import LLMEngine
+    from tinyvllm.engine.sampling_params import SamplingParams
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
                             ignore_eos=args.ignore_eos).validate()
@@ -86,7 +87,7 @@ def _cmd_generate(args) -> int:
     stream, many = args.stream or len(ids) == 1, len(ids) > 1
     header = lambda i: f"--- [{i + 1}/{len(ids)}] {prompts[i][:60]!r}\n" if many else ""
     finals, pending, cursor = {}, {i: [] for i in ids}, 0
-    bar = ProgressBar(len(ids), enabled=many and not stream)
+    bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not many or stream)
     if stream:
         sys.stdout.write(header(0))
     while engine.has_unfinished_requests():
@@ -95,7 +96,7 @@ def _cmd_generate(args) -> int:
                 pending[out.request_id].append(out.delta_text)
             if out.finished:
                 finals[out.request_id] = out
-                bar.advance()
+                bar.update()
         while stream and cursor < len(ids):           # print in input order, as far as done
             sys.stdout.write("".join(pending[ids[cursor]]))
             pending[ids[cursor]].clear()
@@ -104,6 +105,7 @@ def _cmd_generate(args) -> int:
             cursor += 1
             sys.stdout.write("\n" + (header(cursor) if cursor < len(ids) else ""))
         sys.stdout.flush()
+    bar.close()
     elapsed = time.perf_counter() - start
     outputs = [finals[i] for i in ids]
     if not stream:
@@ -120,7 +122,7 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from .bench import BenchOptions, run_bench
+    from tinyvllm.bench.run import BenchOptions, run_bench
     options = engine_options_from_args(args)
     if args.num_kv_blocks is not None:
         options["num_kv_blocks"] = args.num_kv_blocks
@@ -140,7 +142,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .model_writer import PRESETS
+    from tinyvllm.checkpoint.model_writer import PRESETS
     p = _Parser(prog="tinyvllm", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 

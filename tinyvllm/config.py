@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelLoadError
+from tinyvllm.errors import ModelLoadError
 
 # Architectures whose checkpoints have exactly the Llama tensor layout and maths.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)

@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..config import EngineConfig, ModelConfig
+from tinyvllm.config import EngineConfig, ModelConfig
 
 ALIGN = 256                      # bytes; cuBLAS and 16-byte vector loads are happy with this
 CUBLAS_WORKSPACE_BYTES = 32 << 20

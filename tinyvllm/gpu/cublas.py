@@ -12,7 +12,7 @@ import os
 import site
 from pathlib import Path
 
-from ..errors import GPUUnavailableError
+from tinyvllm.errors import GPUUnavailableError
 
 # cublasOperation_t, cudaDataType_t, cublasComputeType_t, cublasGemmAlgo_t (cublas_api.h, library_types.h)
 OP_N, OP_T = 0, 1

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import ml_dtypes
 
-from ..config import ModelConfig
-from ..reference import rope_inv_freq
-from .arena import round_up
+from tinyvllm.config import ModelConfig
+from tinyvllm.reference.kernels import rope_inv_freq
+from tinyvllm.gpu.arena import round_up
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ it (tests and the benchmark's sweep use that).
 """
 from __future__ import annotations
 
-from .kernels import KernelLibrary, register
+from tinyvllm.gpu.kernels import KernelLibrary, register
 
 # cuda/gemv.cu: y, x, w, m, n, k, out_f32, accumulate
 register({"gemv_bf16": "PPPiiiii"})

@@ -13,7 +13,7 @@ from pathlib import Path
 import pycuda.driver as drv
 from pycuda.compiler import SourceModule
 
-CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+CUDA_DIR = Path(__file__).resolve().parent / "cuda"     # package data: ships in the wheel
 
 KERNEL_SIGNATURES: dict[str, str] = {
     # cuda/embedding.cu: out, table, token_ids, num_tokens, hidden, vocab_size

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels import KernelLibrary, register
+from tinyvllm.gpu.kernels import KernelLibrary, register
 
 SAMPLE_THREADS = 1024
 

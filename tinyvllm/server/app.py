@@ -18,10 +18,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import InvalidRequestError
-from . import responses as R
-from .engine_loop import EngineFailure, EngineLoop, RequestStream
-from .protocol import ChatCompletionRequest, CompletionRequest, RequestValueError
+from tinyvllm.errors import InvalidRequestError
+from tinyvllm.server import responses as R
+from tinyvllm.server.engine_loop import EngineFailure, EngineLoop, RequestStream
+from tinyvllm.server.protocol import ChatCompletionRequest, CompletionRequest, RequestValueError
 
 log = logging.getLogger("tinyvllm.server")
 

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
-from ..errors import InvalidRequestError
+from tinyvllm.errors import InvalidRequestError
 
 log = logging.getLogger("tinyvllm.server")
 

@@ -12,7 +12,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
-from ..errors import TinyVLLMError
+from tinyvllm.errors import TinyVLLMError
 
 log = logging.getLogger("tinyvllm.server")
 
@@ -50,9 +50,9 @@ def _require_server_dependencies() -> None:
 def build_server(options: ServeOptions):
     """(app, engine_loop) for `options`; the engine is built (and the model loaded) here."""
     _require_server_dependencies()
-    from ..engine import LLMEngine
-    from .app import ServerSettings, build_app
-    from .engine_loop import EngineLoop
+    from tinyvllm.engine.llm_engine import LLMEngine
+    from tinyvllm.server.app import ServerSettings, build_app
+    from tinyvllm.server.engine_loop import EngineLoop
 
     engine = LLMEngine(options.model, **options.engine_options)
     settings = ServerSettings(model_name=options.served_model_name or options.model,

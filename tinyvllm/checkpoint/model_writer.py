@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig
-from .errors import ModelLoadError, TinyVLLMError
-from .weights import BF16, INDEX_FILE, TensorSpec, expected_shapes, write_checkpoint
+from tinyvllm.config import ModelConfig
+from tinyvllm.errors import ModelLoadError, TinyVLLMError
+from tinyvllm.checkpoint.weights import BF16, INDEX_FILE, TensorSpec, expected_shapes, write_checkpoint
 
 EMBED_GAIN = 2.5
 ATTENTION_SHARPNESS = 3.0

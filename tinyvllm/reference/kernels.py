@@ -14,8 +14,8 @@ import math
 import ml_dtypes
 import numpy as np
 
-from .batch import ForwardBatch
-from .config import ModelConfig
+from tinyvllm.engine.batch import ForwardBatch
+from tinyvllm.config import ModelConfig
 
 
 def bf16_round(x: np.ndarray) -> np.ndarray:
@@ -23,7 +23,7 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def _f32(x) -> np.ndarray:
+def as_f32(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float32)
 
 
@@ -31,14 +31,14 @@ def _f32(x) -> np.ndarray:
 
 def embedding(token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
     """[T] ids, [V, H] table -> [T, H] float32."""
-    return _f32(table[np.asarray(token_ids, np.int64)])
+    return as_f32(table[np.asarray(token_ids, np.int64)])
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * weight over the last axis, in float32."""
-    x = _f32(x)
+    x = as_f32(x)
     mean_square = np.mean(x * x, axis=-1, keepdims=True)
-    return x / np.sqrt(mean_square + np.float32(eps)) * _f32(weight)
+    return x / np.sqrt(mean_square + np.float32(eps)) * as_f32(weight)
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -67,10 +67,10 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
 def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
     """Rotate [T, heads, D] by angle position * inv_freq. HF's "rotate_half" pairing: dimension i
     and i + D/2 form one 2-D pair (not the interleaved 2i, 2i+1 of the original paper)."""
-    x = _f32(x)
+    x = as_f32(x)
     half = x.shape[-1] // 2
     # angles in float64: the oracle should not inherit fp32's error at large positions
-    angle = np.asarray(positions, np.float64)[:, None] * _f32(inv_freq).astype(np.float64)[None, :]
+    angle = np.asarray(positions, np.float64)[:, None] * as_f32(inv_freq).astype(np.float64)[None, :]
     cos = np.cos(angle).astype(np.float32)[:, None, :]   # [T, 1, D/2], broadcast over heads
     sin = np.sin(angle).astype(np.float32)[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
@@ -79,9 +79,9 @@ def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu(gate) * up; sigmoid written with tanh so that large |gate| cannot overflow exp."""
-    gate = _f32(gate)
+    gate = as_f32(gate)
     sigmoid = 0.5 * (1.0 + np.tanh(0.5 * gate))
-    return gate * sigmoid * _f32(up)
+    return gate * sigmoid * as_f32(up)
 
 
 def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -108,20 +108,20 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     """Causal attention of each new token over its own sequence's positions 0..position, reading
     K/V through the block tables. q [T, Hq, D] -> [T, Hq, D] float32. Query head h reads kv head
     h // (Hq / Hkv) (grouped-query attention)."""
-    q = _f32(q)
+    q = as_f32(q)
     out = np.empty_like(q)
     for i in range(batch.num_seqs):
         start, end = int(batch.query_start[i]), int(batch.query_start[i + 1])
         if end == start:
             continue
         ctx = int(batch.context_lens[i])
-        k = _f32(gather_kv(k_cache, batch.block_tables[i], ctx))
-        v = _f32(gather_kv(v_cache, batch.block_tables[i], ctx))
-        out[start:end] = _causal_gqa_attention(q[start:end], k, v, batch.positions[start:end], scale)
+        k = as_f32(gather_kv(k_cache, batch.block_tables[i], ctx))
+        v = as_f32(gather_kv(v_cache, batch.block_tables[i], ctx))
+        out[start:end] = causal_gqa_attention(q[start:end], k, v, batch.positions[start:end], scale)
     return out
 
 
-def _causal_gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
+def causal_gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
                           scale: float) -> np.ndarray:
     """q [n, Hq, D] at `positions`; k, v [ctx, Hkv, D] for positions 0..ctx-1 -> [n, Hq, D].
     Heads are batched as [Hkv, group * n, D] so that the work is a few BLAS matmuls."""
@@ -137,101 +137,3 @@ def _causal_gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions
     probs /= probs.sum(axis=-1, keepdims=True)
     out = probs @ v.transpose(1, 0, 2)                                  # [Hkv, group*n, D]
     return out.reshape(hkv, group, n, d).transpose(2, 0, 1, 3).reshape(n, hq, d)
-
-
-# ---- the whole model ----------------------------------------------------------------------
-
-class ReferenceModel:
-    """Llama forward pass in float32 numpy over a paged KV cache (and a dense twin for tests)."""
-
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], round_bf16: bool = False):
-        self.config = config
-        self.round = bf16_round if round_bf16 else (lambda x: x)
-        self.embed = _f32(weights["model.embed_tokens.weight"])
-        self.lm_head = self.embed if config.tie_word_embeddings else _f32(weights["lm_head.weight"])
-        self.final_norm = _f32(weights["model.norm.weight"])
-        self.layers = [self._layer_weights(weights, f"model.layers.{i}.")
-                       for i in range(config.num_hidden_layers)]
-        self.inv_freq = rope_inv_freq(config)
-        self.scale = 1.0 / math.sqrt(config.head_dim)
-
-    @staticmethod
-    def _layer_weights(w: dict, p: str) -> dict:
-        # q/k/v and gate/up are concatenated so each costs one matmul, as on the GPU
-        return {
-            "input_norm": _f32(w[p + "input_layernorm.weight"]),
-            "qkv": _f32(np.concatenate([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])),
-            "o": _f32(w[p + "self_attn.o_proj.weight"]),
-            "post_norm": _f32(w[p + "post_attention_layernorm.weight"]),
-            "gate_up": _f32(np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
-            "down": _f32(w[p + "mlp.down_proj.weight"]),
-        }
-
-    def new_kv_cache(self, num_blocks: int, block_size: int) -> np.ndarray:
-        c = self.config
-        return np.zeros((c.num_hidden_layers, 2, num_blocks, block_size,
-                         c.num_key_value_heads, c.head_dim), np.float32)
-
-    def forward(self, batch: ForwardBatch, kv_cache: np.ndarray) -> np.ndarray:
-        """Run the batch's new tokens, writing their K/V into kv_cache; -> [S, V] logits of each
-        sequence's last new token."""
-        def attend(layer, q, k, v):
-            k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
-            write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-            return paged_attention(q, k_cache, v_cache, batch, self.scale)
-
-        hidden = self._run_layers(batch.token_ids, batch.positions, attend)
-        return self._logits(hidden[batch.last_token_indices])
-
-    def forward_full(self, token_ids) -> np.ndarray:
-        """Dense recompute of one sequence without any cache: -> [T, V] logits of every token."""
-        token_ids = np.asarray(token_ids, np.int32)
-        positions = np.arange(len(token_ids))
-
-        def attend(layer, q, k, v):
-            return _causal_gqa_attention(q, k, v, positions, self.scale)
-
-        return self._logits(self._run_layers(token_ids, positions, attend))
-
-    def _run_layers(self, token_ids, positions, attend) -> np.ndarray:
-        c, r = self.config, self.round
-        t = len(token_ids)
-        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        hidden = r(embedding(token_ids, self.embed))                    # the residual stream
-        for i, w in enumerate(self.layers):
-            x = r(rms_norm(hidden, w["input_norm"], c.rms_norm_eps))
-            qkv = r(x @ w["qkv"].T)
-            q, k, v = np.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=1)
-            q = r(apply_rope(q.reshape(t, hq, d), positions, self.inv_freq))
-            k = r(apply_rope(k.reshape(t, hkv, d), positions, self.inv_freq))
-            attn = r(attend(i, q, k, v.reshape(t, hkv, d)))
-            hidden = r(hidden + attn.reshape(t, c.q_size) @ w["o"].T)
-            x = r(rms_norm(hidden, w["post_norm"], c.rms_norm_eps))
-            gate, up = np.split(r(x @ w["gate_up"].T), 2, axis=1)
-            hidden = r(hidden + r(silu_mul(gate, up)) @ w["down"].T)
-        return r(rms_norm(hidden, self.final_norm, c.rms_norm_eps))
-
-    def _logits(self, hidden: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(hidden @ self.lm_head.T, dtype=np.float32)
-
-    def greedy_generate(self, prompt_ids, max_new_tokens: int, stop_token_ids=(),
-                        block_size: int = 16) -> list[int]:
-        """Prefill the prompt, then decode one token at a time through the paged cache; argmax
-        sampling. Stops early only at a token in stop_token_ids. -> the new tokens."""
-        prompt = [int(t) for t in prompt_ids]
-        total = len(prompt) + max_new_tokens
-        num_blocks = -(-total // block_size)
-        # a scrambled block table, so that paging bugs cannot hide behind an identity mapping
-        table = list(np.random.default_rng(0).permutation(num_blocks))
-        cache = self.new_kv_cache(num_blocks, block_size)
-        out: list[int] = []
-        new_tokens, context = prompt, len(prompt)
-        for step in range(max_new_tokens):
-            batch = ForwardBatch.build([new_tokens], [context], [table], block_size,
-                                       is_prefill=step == 0)
-            token = int(np.argmax(self.forward(batch, cache)[0]))
-            out.append(token)
-            if token in stop_token_ids:
-                break
-            new_tokens, context = [token], context + 1
-        return out

@@ -28,7 +28,7 @@ from collections import deque
 
 import numpy as np
 
-from .sequence import Sequence
+from tinyvllm.engine.sequence import Sequence
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -21,8 +21,8 @@ from typing import Callable, Iterable
 import ml_dtypes
 import numpy as np
 
-from .config import ModelConfig
-from .errors import ModelLoadError
+from tinyvllm.config import ModelConfig
+from tinyvllm.errors import ModelLoadError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import TinyVLLMError
+from tinyvllm.errors import TinyVLLMError
 
 DEFAULT_MODEL_CACHE = Path("/tmp/tinyvllm-models")
 PROMPT_TOKEN_ID_LIMIT = 10_000        # ids drawn from [0, 10000), as nano-vllm's benchmark does
@@ -130,7 +130,7 @@ def resolve_model(model: str | None, preset: str, cache_dir: Path) -> Path:
     Written to a temporary sibling and renamed, so an interrupted write is never reused."""
     if model:
         return Path(model)
-    from .model_writer import preset_config, write_model
+    from tinyvllm.checkpoint.model_writer import preset_config, write_model
     preset_config(preset)                           # an unknown preset fails before any writing
     final = cache_dir / preset
     if (final / "config.json").is_file():
@@ -150,7 +150,7 @@ def kv_blocks_needed(specs: list[WorkloadSpec], max_num_seqs: int, block_size: i
 
 
 def engine_options(user_options: dict, specs: list[WorkloadSpec]) -> dict:
-    from .config import EngineConfig
+    from tinyvllm.config import EngineConfig
     options = {**ENGINE_DEFAULTS, **user_options}
     if "kv_cache_gb" not in options and "num_kv_blocks" not in options:
         options["num_kv_blocks"] = kv_blocks_needed(
@@ -187,7 +187,7 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 5) -> float:
 def run_tinyvllm(llm, spec: WorkloadSpec, seed: int) -> WorkloadResult:
     """All of a workload's requests through LLM.generate at once; latency-style metrics (TTFT,
     decode rate) from the engine's own per-request timings, medians over the repeats."""
-    from .sampling_params import SamplingParams
+    from tinyvllm.engine.sampling_params import SamplingParams
     requests = spec.requests(seed)
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     walls, ttfts, rates = [], [], []
@@ -257,14 +257,14 @@ class BenchOptions:
 def run_bench(opts: BenchOptions, out=None):
     """Run the workloads with tinyvllm, then (--compare-hf) with HF, print the table, write JSON.
     -> the BenchReport."""
-    from .bench_report import BenchReport, format_table
-    from .config import ModelConfig
+    from tinyvllm.bench.report import BenchReport, format_table
+    from tinyvllm.config import ModelConfig
     out = out or sys.stdout
     specs = select_workloads(opts.workload, opts.num_requests, opts.min_len, opts.max_len)
     options = engine_options(opts.engine_options, specs)
     device = options.get("device", "cuda")
     if opts.compare_hf:
-        from .bench_hf import check_available
+        from tinyvllm.bench.hf import check_available
         if opts.hf_max_seconds <= 0:
             raise TinyVLLMError(f"--hf-max-seconds must be > 0, got {opts.hf_max_seconds:g}")
         check_available()                          # before minutes of tinyvllm runs, not after
@@ -297,7 +297,7 @@ def run_tinyvllm_workloads(model_dir: Path, options: dict, specs: list[WorkloadS
     """-> ({workload: result, "_device": device info}, the engine config used). The engine is
     closed and dropped before returning, so that its GPU memory is free for HF."""
     import gc
-    from .engine import LLM
+    from tinyvllm.engine.llm import LLM
     llm = LLM(model_dir, **options)
     try:
         results = {"_device": device_info(llm.engine.engine_config.device)}
@@ -326,7 +326,7 @@ def progress_line(result: WorkloadResult) -> str:
 def run_hf_workloads(model_dir: Path, device: str, specs: list[WorkloadSpec],
                      opts: BenchOptions) -> tuple[dict, dict]:
     """-> ({workload: result}, what ran them)."""
-    from .bench_hf import HFBench
+    from tinyvllm.bench.hf import HFBench
     hf = HFBench(model_dir, device, opts.hf_max_seconds)
     about = {**hf.versions, "device": device, "max_seconds": opts.hf_max_seconds}
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .errors import InvalidRequestError
+from tinyvllm.errors import InvalidRequestError
 
 
 def _is_int(v) -> bool:

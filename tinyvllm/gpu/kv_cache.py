@@ -6,8 +6,8 @@ Per layer, K and V are each a [num_blocks * block_size, kv_heads, head_dim] arra
 """
 from __future__ import annotations
 
-from ..config import EngineConfig, ModelConfig
-from ..errors import TinyVLLMError
+from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.errors import TinyVLLMError
 
 
 def block_bytes(config: ModelConfig, block_size: int) -> int:

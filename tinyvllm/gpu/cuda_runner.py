@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..batch import ForwardBatch
-from ..config import EngineConfig, ModelConfig
-from ..errors import GPUUnavailableError
-from ..model import LlamaModel, StepShape
-from ..sampling import SamplingBatch
-from .arena import CUBLAS_WORKSPACE_BYTES, Arena, ArenaDims, ArenaLayout
-from .cublas import Cublas
-from .device_weights import upload_weights
-from .kernels import KernelLibrary
-from .kv_memory import DeviceKVCache, num_blocks_to_allocate
-from .sampler import Sampler
+from tinyvllm.engine.batch import ForwardBatch
+from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.errors import GPUUnavailableError
+from tinyvllm.gpu.model import LlamaModel, StepShape
+from tinyvllm.engine.batch import SamplingBatch
+from tinyvllm.gpu.arena import CUBLAS_WORKSPACE_BYTES, Arena, ArenaDims, ArenaLayout
+from tinyvllm.gpu.cublas import Cublas
+from tinyvllm.gpu.device_weights import upload_weights
+from tinyvllm.gpu.kernels import KernelLibrary
+from tinyvllm.gpu.kv_cache import DeviceKVCache, num_blocks_to_allocate
+from tinyvllm.gpu.sampler import Sampler
 
 
 def _cuda():
@@ -157,7 +157,7 @@ class CudaRunner:
     def capture_decode_graphs(self) -> None:
         """Capture one decode step per batch size. Each size runs once eagerly first, so that
         cuBLAS picks and loads its kernels outside the capture."""
-        from .graphs import CudaGraph
+        from tinyvllm.gpu.graphs import CudaGraph
         for size in self.graph_batch_sizes():
             dummy = ForwardBatch.build([[0]] * size, [1] * size, [[0]] * size, self.engine_cfg.block_size,
                                        is_prefill=False)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import importlib.util
 import time
 
-from .bench import BenchRequest, WorkloadResult, WorkloadSpec
-from .errors import TinyVLLMError
+from tinyvllm.bench.run import BenchRequest, WorkloadResult, WorkloadSpec
+from tinyvllm.errors import TinyVLLMError
 
 STATIC_BATCH = 64
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import ModelConfig
-from .errors import InvalidRequestError, ModelLoadError
+from tinyvllm.config import ModelConfig
+from tinyvllm.errors import InvalidRequestError, ModelLoadError
 
 try:
     from tokenizers.decoders import DecodeStream      # tokenizers >= 0.21

@@ -90,3 +90,36 @@ class ForwardBatch:
             block_tables=block_tables,
             is_prefill=False,
         )
+
+
+GREEDY_BELOW = 1e-5                 # SamplingBatch maps temperatures below this to 0 (greedy)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-sequence sampling inputs of one step, in the dtypes the CUDA kernel reads."""
+    temperature: np.ndarray   # float32 [S]; 0 = greedy
+    top_k: np.ndarray         # int32 [S];   <= 0 or >= vocab: off
+    top_p: np.ndarray         # float32 [S]; 1 = off
+    seed: np.ndarray          # uint64 [S]
+    step: np.ndarray          # int32 [S];   tokens this request has generated so far
+
+    @classmethod
+    def build(cls, temperature, top_k, top_p, seed, step) -> "SamplingBatch":
+        t = np.asarray(temperature, np.float32)
+        return cls(temperature=np.where(t < GREEDY_BELOW, np.float32(0), t).astype(np.float32),
+                   top_k=np.asarray(top_k, np.int32), top_p=np.asarray(top_p, np.float32),
+                   seed=np.asarray(seed, np.uint64), step=np.asarray(step, np.int32))
+
+    @classmethod
+    def greedy(cls, num_seqs: int) -> "SamplingBatch":
+        return cls.build([0.0] * num_seqs, [-1] * num_seqs, [1.0] * num_seqs,
+                         [0] * num_seqs, [0] * num_seqs)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.temperature)
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool(np.all(self.temperature <= 0))

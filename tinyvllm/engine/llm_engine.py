@@ -1,4 +1,4 @@
-"""LLMEngine: requests in, one step at a time, RequestOutputs out. LLM: the offline batch API.
+"""LLMEngine: requests in, one step at a time, RequestOutputs out (the offline API is engine/llm.py).
 
     engine = LLMEngine("path/to/model", device="cpu")
     engine.add_request("a", "Hello", SamplingParams(max_tokens=8))
@@ -11,20 +11,20 @@ one last time with finished=True, finish_reason="abort".
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from .config import EngineConfig, ModelConfig
-from .errors import InvalidRequestError, TinyVLLMError
-from .kv_cache import BlockManager, blocks_for
-from .runner import ModelRunner, make_runner
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .sequence import RequestOutput, Sequence
-from .tokenizer import IncrementalDetokenizer, Tokenizer
-from .weights import load_weights
+from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.errors import InvalidRequestError, TinyVLLMError
+from tinyvllm.engine.block_manager import BlockManager, blocks_for
+from tinyvllm.engine.model_runner import ModelRunner, make_runner
+from tinyvllm.engine.sampling_params import SamplingParams
+from tinyvllm.engine.scheduler import Scheduler
+from tinyvllm.engine.outputs import RequestOutput
+from tinyvllm.engine.sequence import Sequence
+from tinyvllm.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
+from tinyvllm.checkpoint.weights import load_weights
 
 
 def make_engine_config(engine_config: EngineConfig | None, options: dict) -> EngineConfig:
@@ -125,84 +125,7 @@ class LLMEngine:
     def _report(self, seq: Sequence) -> RequestOutput:
         if seq.is_finished:
             self._requests.pop(seq.request_id, None)
-        return RequestOutput.of(seq)
+        return RequestOutput(seq)
 
     def close(self) -> None:
         self.runner.close()
-
-
-class ProgressBar:
-    """A one-line progress bar on stderr (no tqdm): `[#####-----] 5/10 requests`."""
-
-    def __init__(self, total: int, enabled: bool = True, stream=None, width: int = 30):
-        self.total, self.done, self.enabled, self.width = total, 0, enabled, width
-        self.stream = stream or sys.stderr
-
-    def advance(self, n: int = 1) -> None:
-        self.done += n
-        if self.enabled:
-            filled = self.width * self.done // max(self.total, 1)
-            self.stream.write(f"\r[{'#' * filled}{'-' * (self.width - filled)}] "
-                              f"{self.done}/{self.total} requests")
-            if self.done >= self.total:
-                self.stream.write("\n")
-            self.stream.flush()
-
-
-class LLM:
-    """Offline generation: LLM(model_dir, **engine_options).generate(prompts, params)."""
-
-    def __init__(self, model_dir: str | Path, **engine_options):
-        self.engine = LLMEngine(model_dir, **engine_options)
-        self._next_id = 0
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
-
-    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False, progress: bool = False) -> list[RequestOutput]:
-        """Run all prompts to completion with continuous batching; -> outputs in input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], (int, np.integer))):
-            prompts = [prompts]
-        if not prompts:
-            raise InvalidRequestError("no prompts given")
-        if isinstance(params, list):
-            if len(params) != len(prompts):
-                raise InvalidRequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        else:
-            params = [params] * len(prompts)
-        ids = self._add_all(prompts, params)
-        results: dict[str, RequestOutput] = {}
-        bar = ProgressBar(len(ids), enabled=use_tqdm or progress)
-        while len(results) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    bar.advance()
-        return [results[i] for i in ids]
-
-    def _add_all(self, prompts, params) -> list[str]:
-        """Add every request, or none: a bad one aborts those already added."""
-        ids: list[str] = []
-        try:
-            for prompt, p in zip(prompts, params):
-                request_id = str(self._next_id)
-                self._next_id += 1
-                self.engine.add_request(request_id, prompt, p)
-                ids.append(request_id)
-        except TinyVLLMError:
-            for request_id in ids:
-                self.engine.abort_request(request_id)
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
-            raise
-        return ids
-
-    def chat(self, messages: list[dict] | list[list[dict]], params=None, **kwargs) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, params, **kwargs)

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .batch import ForwardBatch
-from .config import EngineConfig
-from .kv_cache import BlockManager
-from .sampling import SamplingBatch
-from .sequence import Sequence, SequenceStatus
+from tinyvllm.engine.batch import ForwardBatch
+from tinyvllm.config import EngineConfig
+from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.batch import SamplingBatch
+from tinyvllm.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -25,14 +25,14 @@ import math
 import os
 from dataclasses import dataclass
 
-from .config import ModelConfig
-from .errors import TinyVLLMError
-from .gpu.arena import MAX_DECODE_SPLITS, Arena
-from .gpu.cublas import Cublas
-from .gpu.device_weights import DeviceWeights
-from .gpu.gemv import Gemv
-from .gpu.kernels import DECODE_GROUPS, KernelLibrary
-from .gpu.kv_memory import DeviceKVCache
+from tinyvllm.config import ModelConfig
+from tinyvllm.errors import TinyVLLMError
+from tinyvllm.gpu.arena import MAX_DECODE_SPLITS, Arena
+from tinyvllm.gpu.cublas import Cublas
+from tinyvllm.gpu.device_weights import DeviceWeights
+from tinyvllm.gpu.gemv import Gemv
+from tinyvllm.gpu.kernels import DECODE_GROUPS, KernelLibrary
+from tinyvllm.gpu.kv_cache import DeviceKVCache
 
 NORM_THREADS = 256
 PREFILL_BLOCK_Q = 64        # query rows per block of attention_prefill

@@ -1,0 +1,1 @@
+"""`python -m tinyvllm bench`: workloads, the runs, the HF comparison, the report."""

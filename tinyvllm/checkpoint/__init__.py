@@ -1,0 +1,1 @@
+"""A model directory: weights, tokenizer, chat template; writing and converting models."""

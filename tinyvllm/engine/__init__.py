@@ -1,0 +1,1 @@
+"""The engine: requests, scheduling, KV blocks, sequences and outputs."""

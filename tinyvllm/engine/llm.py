@@ -1,0 +1,72 @@
+"""LLM: the offline batch API over LLMEngine (generate / chat)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from tinyvllm.checkpoint.tokenizer import Tokenizer
+from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.engine.outputs import RequestOutput
+from tinyvllm.engine.sampling_params import SamplingParams
+from tinyvllm.errors import InvalidRequestError, TinyVLLMError
+
+
+class LLM:
+    """Offline generation: LLM(model_dir, **engine_options).generate(prompts, params)."""
+
+    def __init__(self, model_dir: str | Path, **engine_options):
+        self.engine = LLMEngine(model_dir, **engine_options)
+        self._next_id = 0
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run all prompts to completion with continuous batching; -> outputs in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        if not prompts:
+            raise InvalidRequestError("no prompts given")
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise InvalidRequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        else:
+            params = [params] * len(prompts)
+        ids = self._add_all(prompts, params)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm) as bar:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update()
+        return [results[i] for i in ids]
+
+    def _add_all(self, prompts, params) -> list[str]:
+        """Add every request, or none: a bad one aborts those already added."""
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = str(self._next_id)
+                self._next_id += 1
+                self.engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except TinyVLLMError:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        return ids
+
+    def chat(self, messages: list[dict] | list[list[dict]], params=None, **kwargs) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, params, **kwargs)

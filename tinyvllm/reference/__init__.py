@@ -1,0 +1,1 @@
+"""The numpy float32 twins of every GPU kernel, the sampler and the whole model."""

@@ -1,0 +1,107 @@
+"""ReferenceModel: the Llama forward pass in float32 numpy, built from the kernel twins in
+reference/kernels.py, over a paged KV cache (and a dense full recompute for tests)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tinyvllm.config import ModelConfig
+from tinyvllm.engine.batch import ForwardBatch
+from tinyvllm.reference.kernels import (causal_gqa_attention, as_f32, apply_rope, bf16_round, embedding,
+                                        paged_attention, rms_norm, rope_inv_freq, silu_mul, write_kv)
+
+class ReferenceModel:
+    """Llama forward pass in float32 numpy over a paged KV cache (and a dense twin for tests)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], round_bf16: bool = False):
+        self.config = config
+        self.round = bf16_round if round_bf16 else (lambda x: x)
+        self.embed = as_f32(weights["model.embed_tokens.weight"])
+        self.lm_head = self.embed if config.tie_word_embeddings else as_f32(weights["lm_head.weight"])
+        self.final_norm = as_f32(weights["model.norm.weight"])
+        self.layers = [self._layer_weights(weights, f"model.layers.{i}.")
+                       for i in range(config.num_hidden_layers)]
+        self.inv_freq = rope_inv_freq(config)
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    @staticmethod
+    def _layer_weights(w: dict, p: str) -> dict:
+        # q/k/v and gate/up are concatenated so each costs one matmul, as on the GPU
+        return {
+            "input_norm": as_f32(w[p + "input_layernorm.weight"]),
+            "qkv": as_f32(np.concatenate([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])),
+            "o": as_f32(w[p + "self_attn.o_proj.weight"]),
+            "post_norm": as_f32(w[p + "post_attention_layernorm.weight"]),
+            "gate_up": as_f32(np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+            "down": as_f32(w[p + "mlp.down_proj.weight"]),
+        }
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> np.ndarray:
+        c = self.config
+        return np.zeros((c.num_hidden_layers, 2, num_blocks, block_size,
+                         c.num_key_value_heads, c.head_dim), np.float32)
+
+    def forward(self, batch: ForwardBatch, kv_cache: np.ndarray) -> np.ndarray:
+        """Run the batch's new tokens, writing their K/V into kv_cache; -> [S, V] logits of each
+        sequence's last new token."""
+        def attend(layer, q, k, v):
+            k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
+            write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+            return paged_attention(q, k_cache, v_cache, batch, self.scale)
+
+        hidden = self._run_layers(batch.token_ids, batch.positions, attend)
+        return self._logits(hidden[batch.last_token_indices])
+
+    def forward_full(self, token_ids) -> np.ndarray:
+        """Dense recompute of one sequence without any cache: -> [T, V] logits of every token."""
+        token_ids = np.asarray(token_ids, np.int32)
+        positions = np.arange(len(token_ids))
+
+        def attend(layer, q, k, v):
+            return causal_gqa_attention(q, k, v, positions, self.scale)
+
+        return self._logits(self._run_layers(token_ids, positions, attend))
+
+    def _run_layers(self, token_ids, positions, attend) -> np.ndarray:
+        c, r = self.config, self.round
+        t = len(token_ids)
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        hidden = r(embedding(token_ids, self.embed))                    # the residual stream
+        for i, w in enumerate(self.layers):
+            x = r(rms_norm(hidden, w["input_norm"], c.rms_norm_eps))
+            qkv = r(x @ w["qkv"].T)
+            q, k, v = np.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=1)
+            q = r(apply_rope(q.reshape(t, hq, d), positions, self.inv_freq))
+            k = r(apply_rope(k.reshape(t, hkv, d), positions, self.inv_freq))
+            attn = r(attend(i, q, k, v.reshape(t, hkv, d)))
+            hidden = r(hidden + attn.reshape(t, c.q_size) @ w["o"].T)
+            x = r(rms_norm(hidden, w["post_norm"], c.rms_norm_eps))
+            gate, up = np.split(r(x @ w["gate_up"].T), 2, axis=1)
+            hidden = r(hidden + r(silu_mul(gate, up)) @ w["down"].T)
+        return r(rms_norm(hidden, self.final_norm, c.rms_norm_eps))
+
+    def _logits(self, hidden: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(hidden @ self.lm_head.T, dtype=np.float32)
+
+    def greedy_generate(self, prompt_ids, max_new_tokens: int, stop_token_ids=(),
+                        block_size: int = 16) -> list[int]:
+        """Prefill the prompt, then decode one token at a time through the paged cache; argmax
+        sampling. Stops early only at a token in stop_token_ids. -> the new tokens."""
+        prompt = [int(t) for t in prompt_ids]
+        total = len(prompt) + max_new_tokens
+        num_blocks = -(-total // block_size)
+        # a scrambled block table, so that paging bugs cannot hide behind an identity mapping
+        table = list(np.random.default_rng(0).permutation(num_blocks))
+        cache = self.new_kv_cache(num_blocks, block_size)
+        out: list[int] = []
+        new_tokens, context = prompt, len(prompt)
+        for step in range(max_new_tokens):
+            batch = ForwardBatch.build([new_tokens], [context], [table], block_size,
+                                       is_prefill=step == 0)
+            token = int(np.argmax(self.forward(batch, cache)[0]))
+            out.append(token)
+            if token in stop_token_ids:
+                break
+            new_tokens, context = [token], context + 1
+        return out

@@ -1,0 +1,40 @@
+"""NumpyRunner: the CPU backend (device="cpu") of the ModelRunner interface — the reference
+model and the numpy twin of the GPU sampler over a float32 paged KV cache."""
+from __future__ import annotations
+
+import numpy as np
+
+from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
+from tinyvllm.engine.model_runner import ModelRunner
+from tinyvllm.reference.model import ReferenceModel
+from tinyvllm.reference.sampling import sample
+
+NUMPY_KV_CACHE_BYTES = 256 << 20     # default KV cache of the CPU backend (float32)
+
+
+def numpy_kv_blocks(config: ModelConfig, engine_config: EngineConfig) -> int:
+    """Explicit block count, else kv_cache_gb, else enough for max_num_seqs full contexts capped
+    at NUMPY_KV_CACHE_BYTES."""
+    if engine_config.num_kv_blocks is not None:
+        return engine_config.num_kv_blocks
+    block_bytes = engine_config.block_size * config.kv_bytes_per_token * 2   # float32, not bf16
+    if engine_config.kv_cache_gb is not None:
+        return max(1, int(engine_config.kv_cache_gb * 2**30) // block_bytes)
+    wanted = engine_config.max_num_seqs * engine_config.max_blocks_per_seq(config)
+    return max(1, min(wanted, NUMPY_KV_CACHE_BYTES // block_bytes))
+
+
+class NumpyRunner(ModelRunner):
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig):
+        self.model = ReferenceModel(config, weights)
+        self.num_kv_blocks = numpy_kv_blocks(config, engine_config)
+        self.kv_cache = self.model.new_kv_cache(self.num_kv_blocks, engine_config.block_size)
+
+    def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> np.ndarray:
+        return sample(self.model.forward(batch, self.kv_cache), sampling)
+
+    def close(self) -> None:
+        self.kv_cache = None
+
+
