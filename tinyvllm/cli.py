@@ -44,7 +44,7 @@ def _cmd_serve(args) -> int:
     return run_server(ServeOptions(
         model=args.model, host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, engine_options=engine_options_from_args(args),
-        log_level=args.log_level))
+        log_level=args.log_level, chat_template=args.chat_template))
 
 
 def _read_prompts(args) -> list[str]:
@@ -74,9 +74,11 @@ def _cmd_generate(args) -> int:
     options = engine_options_from_args(args)
     options.update({k: v for k, v in (("scheduling", args.scheduling),
                                       ("num_kv_blocks", args.num_kv_blocks)) if v is not None})
-    engine = LLMEngine(args.model, **options)
-    if args.chat or args.system is not None:
-        prompts_in = [engine.tokenizer.chat_prompt(p, system=args.system) for p in prompts]
+    engine = LLMEngine(args.model, chat_template=args.chat_template, **options)
+    if args.chat or args.system is not None or args.chat_template is not None:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        prompts_in = [engine.tokenizer.encode_chat(system + [{"role": "user", "content": p}])
+                      for p in prompts]
     else:
         prompts_in = prompts
     ids = [str(i) for i in range(len(prompts))]
@@ -158,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--file", help="a text file with one prompt per line")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.add_argument("--system", default=None, help="system message (implies --chat)")
+    gen.add_argument("--chat-template", default=None, metavar="FILE",
+                     help="Jinja chat template to use instead of the model's own (implies --chat)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -204,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: $TINYVLLM_API_KEY, which keeps the key out of `ps`)")
     sv.add_argument("--served-model-name", default=None,
                     help="the model id clients send (default: the --model argument)")
+    sv.add_argument("--chat-template", default=None, metavar="FILE",
+                    help="Jinja chat template for /v1/chat/completions instead of the model's own")
     sv.add_argument("--log-level", default="info",
                     choices=["critical", "error", "warning", "info", "debug"])
     add_engine_options(sv)

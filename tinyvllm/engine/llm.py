@@ -65,8 +65,13 @@ class LLM:
             raise
         return ids
 
-    def chat(self, messages: list[dict] | list[list[dict]], params=None, **kwargs) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+    def chat(self, messages: list[dict] | list[list[dict]], params=None, use_tqdm: bool = False, *,
+             chat_template: str | Path | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them, rendered by
+        the model's chat template (or `chat_template`, a file path or template text) and encoded
+        as transformers' apply_chat_template does. chat_template_kwargs: extra template variables."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, params, **kwargs)
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt, chat_template,
+                                              **(chat_template_kwargs or {})) for c in conversations]
+        return self.generate(prompts, params, use_tqdm)
