@@ -165,7 +165,8 @@ def test_bad_messages_are_request_errors(messages, match):
 
 
 def test_raise_exception_is_a_request_error_with_the_templates_message():
-    strict = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start with user') }}{% endif %}ok"
+    strict = ("{% if messages[0]['role'] != 'user' %}"
+              "{{ raise_exception('Conversations must start with user') }}{% endif %}ok")
     assert render(strict, USER) == "ok"
     with pytest.raises(InvalidRequestError, match="refused the conversation: Conversations must start with user"):
         render(strict, [{"role": "assistant", "content": "x"}])

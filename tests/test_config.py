@@ -118,7 +118,8 @@ def test_both_forms_together_must_agree():
     agree = {**LLAMA_3_2_1B_V5, "rope_theta": 500000.0, "rope_scaling": LLAMA_3_2_1B_V4["rope_scaling"],
              "torch_dtype": "bfloat16"}
     assert ModelConfig.from_dict(agree) == ModelConfig.from_dict(LLAMA_3_2_1B_V5)
-    with pytest.raises(ModelLoadError, match=r"conflicting rope_theta values \(rope_parameters: 500000, rope_theta: 10000\)"):
+    with pytest.raises(ModelLoadError,
+                       match=r"conflicting rope_theta values \(rope_parameters: 500000, rope_theta: 10000\)"):
         ModelConfig.from_dict({**LLAMA_3_2_1B_V5, "rope_theta": 10000.0})
     with pytest.raises(ModelLoadError, match="rope_scaling and rope_parameters disagree"):
         ModelConfig.from_dict({**LLAMA_3_2_1B_V5, "rope_scaling": {**LLAMA_3_2_1B_V4["rope_scaling"], "factor": 8.0}})

@@ -365,3 +365,15 @@ def test_cli_serve_answers_and_stops_cleanly_on_ctrl_c(tiny_model_dir):
             raise
     assert proc.returncode == 0, output
     assert "Traceback" not in output, output
+
+
+def test_serve_chat_template_option_reaches_the_tokenizer(tiny_model_dir, tmp_path):
+    from tinyvllm.server.launch import ServeOptions, build_server
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[-1]['content'] }}")
+    _, engine_loop = build_server(ServeOptions(model=str(tiny_model_dir), chat_template=str(template),
+                                               engine_options={"device": "cpu", "num_kv_blocks": 8}))
+    tokenizer = engine_loop.engine.tokenizer
+    assert tokenizer.chat_template.source == str(template)
+    assert tokenizer.encode_chat([{"role": "user", "content": "Hi"}]) == tokenizer.encode("Hi", add_special_tokens=False)
+    engine_loop.engine.close()

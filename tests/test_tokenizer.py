@@ -105,7 +105,8 @@ def test_incremental_detokenizer_never_emits_broken_characters(tok):
 
 
 def test_incremental_detokenizer_with_special_tokens(tok):
-    ids = tok.encode_chat([{"role": "user", "content": "日本 🦙"}]) + tok.encode("ok 🦙", add_special_tokens=False) + [128009]
+    ids = tok.encode_chat([{"role": "user", "content": "日本 🦙"}])
+    ids += tok.encode("ok 🦙", add_special_tokens=False) + [128009]
     for skip in (True, False):
         pieces, tail, _ = stream(tok, ids, skip_special_tokens=skip)
         assert "".join(pieces) + tail == tok.decode(ids, skip_special_tokens=skip)

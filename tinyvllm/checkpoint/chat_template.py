@@ -18,6 +18,10 @@ only if its vocabulary has Llama 3's header tokens; otherwise chat requests are 
 Message content may be a string or a list of OpenAI content parts ({"type": "text", "text"}).
 Templates that treat content as a string get the text parts joined with "\\n", as vLLM does;
 templates that loop over `message['content']` get the parts themselves.
+
+Errors: a syntax error is a ModelLoadError when the template is loaded; raise_exception() and any
+failure while rendering (a missing field used in an expression, a sandbox violation) are one
+InvalidRequestError. As in transformers, a missing variable merely printed renders as "".
 """
 from __future__ import annotations
 
