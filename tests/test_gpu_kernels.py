@@ -1,5 +1,6 @@
-"""Every CUDA kernel and linear() against its numpy twin in tinyvllm/reference.py, on fresh random
-inputs with the outputs poisoned first. Tolerances: bf16 outputs, relative (Frobenius) error
+"""Every CUDA kernel and linear() against its numpy twin in tinyvllm/reference/kernels.py, through
+the same launchers (gpu/ops.py) the model calls, on fresh random inputs with the outputs poisoned
+first. Tolerances: bf16 outputs, relative (Frobenius) error
 <= 1e-2 unless stated; copies must be exact."""
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from tinyvllm import reference as ref
+from tinyvllm.config import rope_inv_freq
+from tinyvllm.reference import kernels as ref
 from tinyvllm.engine.batch import ForwardBatch
 
 pytestmark = pytest.mark.gpu
@@ -16,8 +18,8 @@ BF16_TOL = 1e-2
 
 
 @pytest.fixture(scope="module")
-def gpu(kernel_library):
-    return kernel_library
+def gpu(gpu_ops):
+    return gpu_ops
 
 
 def _sync():
@@ -32,7 +34,7 @@ def test_embedding_gather(gpu, rng, vocab, hidden, tokens):
     ids = rng.integers(0, vocab, tokens).astype(np.int32)
     d_table, d_ids = DeviceArray(table), DeviceArray(ids)   # kept alive until the sync
     out = DeviceArray.poisoned((tokens, hidden), table.dtype)
-    gpu["embedding_gather"](tokens, 128, out, d_table, d_ids, tokens, hidden, vocab)
+    gpu.embedding(out, d_table, d_ids, tokens, hidden, vocab)
     _sync()
     np.testing.assert_array_equal(out.get().astype(np.float32), ref.embedding(ids, table))
 
@@ -49,7 +51,7 @@ def test_rms_norm(gpu, rng, hidden, with_rows):
     out = DeviceArray.poisoned((n, hidden), x.dtype)
     d_rows = DeviceArray(rows) if with_rows else None
     d_x, d_w = DeviceArray(x), DeviceArray(w)
-    gpu["rms_norm"](n, 256, out, d_x, d_w, int(d_rows) if with_rows else 0, n, hidden, 1e-5)
+    gpu.rms_norm(out, d_x, d_w, n, hidden, 1e-5, rows=int(d_rows) if with_rows else 0)
     _sync()
     want = ref.rms_norm(x[rows] if with_rows else x, w, 1e-5)
     assert rel_err(out.get(), want) < BF16_TOL
@@ -61,7 +63,7 @@ def test_silu_mul(gpu, rng):
     gate_up = to_bf16(rng.standard_normal((T, 2 * inter)) * 2)
     out = DeviceArray.poisoned((T, inter), gate_up.dtype)
     d_gate_up = DeviceArray(gate_up)
-    gpu["silu_mul"](8, 256, out, d_gate_up, T, inter)
+    gpu.silu_mul(out, d_gate_up, T, inter)
     _sync()
     want = ref.silu_mul(gate_up[:, :inter], gate_up[:, inter:])
     assert rel_err(out.get(), want) < BF16_TOL
@@ -72,7 +74,7 @@ def test_rope_write_kv(gpu, rng, hq, hkv, d):
     from gpu_helpers import DeviceArray, rel_err, to_bf16
     import dataclasses
     from tinyvllm.checkpoint.model_writer import preset_config
-    inv_freq = ref.rope_inv_freq(dataclasses.replace(preset_config("llama-3.2-1b"), head_dim=d))
+    inv_freq = rope_inv_freq(dataclasses.replace(preset_config("llama-3.2-1b"), head_dim=d))
     T, block_size, num_blocks = 45, 16, 9
     qkv = to_bf16(rng.standard_normal((T, (hq + 2 * hkv) * d)))
     positions = rng.integers(0, 131072, T).astype(np.int32)
@@ -82,7 +84,7 @@ def test_rope_write_kv(gpu, rng, hq, hkv, d):
     k_cache = DeviceArray.poisoned((num_blocks, block_size, hkv, d), qkv.dtype)
     v_cache = DeviceArray.poisoned((num_blocks, block_size, hkv, d), qkv.dtype)
     inputs = [DeviceArray(a) for a in (positions, slots, inv_freq)]
-    gpu["rope_write_kv"](T, 128, d_qkv, k_cache, v_cache, *inputs, T, hq, hkv, d)
+    gpu.rope_write_kv(d_qkv, k_cache, v_cache, *inputs, T, hq, hkv, d)
     _sync()
     q = qkv[:, :hq * d].reshape(T, hq, d)
     k = qkv[:, hq * d:(hq + hkv) * d].reshape(T, hkv, d)
@@ -120,12 +122,12 @@ def test_attention_prefill(gpu, rng, hq, hkv, d):
     cached = [0, 5, 0, 100, 37, 0]
     batch, q, kc, vc, want = _attention_case(rng, q_lens, [a + b for a, b in zip(q_lens, cached)], hq, hkv, d)
     out = DeviceArray.poisoned((batch.num_tokens, hq, d), q.dtype)
-    grid = (math.ceil(max(q_lens) / 64), batch.num_seqs, hq)
     width = np.array([batch.block_tables.shape[1]], np.int32)
     d_q, d_k, d_v, d_tables, d_width, d_qs, d_ctx = (DeviceArray(a) for a in (
         q, kc, vc, batch.block_tables, width, batch.query_start, batch.context_lens))
-    gpu[f"attention_prefill_d{d}"](grid, 64 * (d // 64), out, d_q, hq * d, d_k, d_v, d_tables,
-                                   d_width, d_qs, d_ctx, 16, hkv, hq // hkv, 1 / math.sqrt(d))
+    gpu.attention_prefill(out, d_q, hq * d, d_k, d_v, d_tables, d_width, d_qs, d_ctx,
+                          num_seqs=batch.num_seqs, max_query_len=max(q_lens), num_q_heads=hq,
+                          num_kv_heads=hkv, head_dim=d, block_size=16, scale=1 / math.sqrt(d))
     _sync()
     got = out.get()
     for i in range(batch.num_seqs):
@@ -142,7 +144,7 @@ def test_attention_decode(gpu, rng, hq, hkv, d, splits):
     with several, the last block of each (sequence, kv head) merges them and resets its counter:
     a second launch on the same buffers must give the same result, counters back at zero."""
     from gpu_helpers import DeviceArray, rel_err
-    from tinyvllm.gpu.arena import MAX_DECODE_SPLITS
+    from tinyvllm.gpu.ops import MAX_DECODE_SPLITS
     ctx = [1, 15, 300, 4129, 5000, 257]
     batch, q, kc, vc, want = _attention_case(rng, [1] * len(ctx), ctx, hq, hkv, d)
     S = batch.num_seqs
@@ -154,9 +156,9 @@ def test_attention_decode(gpu, rng, hq, hkv, d, splits):
         q, kc, vc, batch.block_tables, width, batch.context_lens))
     for launch in range(2):
         out = DeviceArray.poisoned((S, hq, d), q.dtype)
-        gpu[f"attention_decode_d{d}_g{hq // hkv}"]((S, hkv, splits), 128, out, part_out, part_ml, counters,
-                                                  d_q, hq * d, d_k, d_v, d_tables, d_width, d_ctx, 16, hkv,
-                                                  1 / math.sqrt(d))
+        gpu.attention_decode(out, part_out, part_ml, counters, d_q, hq * d, d_k, d_v, d_tables, d_width,
+                             d_ctx, num_seqs=S, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                             block_size=16, scale=1 / math.sqrt(d), splits=splits)
         _sync()
         got = out.get()
         for i in range(S):
@@ -167,39 +169,26 @@ def test_attention_decode(gpu, rng, hq, hkv, d, splits):
 @pytest.mark.parametrize("m,n,k", [(1, 3072, 2048), (7, 1000, 264), (33, 130, 72), (300, 2048, 8192)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_linear(gpu, rng, m, n, k, accumulate):
-    """Y (+)= X @ W^T through the one transpose trick, bf16 in, bf16 out, odd shapes."""
-    import pycuda.driver as drv
+    """Y (+)= X @ W^T through linear() as the model calls it (the GEMV at m <= 8, cuBLAS's
+    transpose trick above), bf16 in, bf16 out, odd shapes."""
     from gpu_helpers import DeviceArray, rel_err, to_bf16
-    from tinyvllm.gpu.cublas import Cublas
     x, w = to_bf16(rng.standard_normal((m, k))), to_bf16(rng.standard_normal((n, k)) / math.sqrt(k))
     y0 = to_bf16(rng.standard_normal((m, n)))
     y = DeviceArray(y0) if accumulate else DeviceArray.poisoned((m, n), x.dtype)
-    ws = drv.mem_alloc(1 << 22)
-    blas = Cublas(0, int(ws), 1 << 22)
-    try:
-        d_x, d_w = DeviceArray(x), DeviceArray(w)
-        blas.linear(int(y), int(d_x), int(d_w), m, n, k, accumulate=accumulate)
-        _sync()
-    finally:
-        blas.close()
+    d_x, d_w = DeviceArray(x), DeviceArray(w)
+    gpu.linear(y, d_x, d_w, m, n, k, accumulate=accumulate)
+    _sync()
     want = x.astype(np.float32) @ w.astype(np.float32).T + (y0.astype(np.float32) if accumulate else 0)
     assert rel_err(y.get(), want) < BF16_TOL
 
 
 def test_linear_fp32_out(gpu, rng):
     """The LM head's variant: fp32 logits; tolerance 1e-3 (only the bf16 inputs are rounded)."""
-    import pycuda.driver as drv
     from gpu_helpers import DeviceArray, rel_err, to_bf16
-    from tinyvllm.gpu.cublas import Cublas
     m, n, k = 5, 12345, 256
     x, w = to_bf16(rng.standard_normal((m, k))), to_bf16(rng.standard_normal((n, k)))
     y = DeviceArray.poisoned((m, n), np.float32)
-    ws = drv.mem_alloc(1 << 22)
-    blas = Cublas(0, int(ws), 1 << 22)
-    try:
-        d_x, d_w = DeviceArray(x), DeviceArray(w)
-        blas.linear(int(y), int(d_x), int(d_w), m, n, k, out_dtype="float32")
-        _sync()
-    finally:
-        blas.close()
+    d_x, d_w = DeviceArray(x), DeviceArray(w)
+    gpu.blas.matmul(int(y), int(d_x), int(d_w), m, n, k, out_dtype="float32")   # the LM head's path (n > GEMV_MAX_N)
+    _sync()
     assert rel_err(y.get(), x.astype(np.float32) @ w.astype(np.float32).T) < 1e-3

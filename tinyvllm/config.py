@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from tinyvllm.errors import ModelLoadError
 
 # Architectures whose checkpoints have exactly the Llama tensor layout and maths.
@@ -137,6 +139,30 @@ def _parse_rope_scaling(rs: dict | None, source: str) -> RopeScaling | None:
         )
     except KeyError as e:
         raise ModelLoadError(f"{source}: rope_scaling of type llama3 is missing {e.args[0]!r}") from None
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """[D/2] float32 rotation frequencies, with Llama 3's scaling when the config asks for it.
+
+    Llama 3 stretches the context by slowing the low frequencies only: a pair whose wavelength
+    is longer than the original context / low_freq_factor is divided by `factor`, a pair whose
+    wavelength is shorter than original / high_freq_factor is kept, and the band between them
+    blends the two linearly in (original context / wavelength)."""
+    d = config.head_dim
+    freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = config.rope_scaling
+    if rs is None:
+        return freq.astype(np.float32)
+    original = rs.original_max_position_embeddings
+    wavelen = 2 * math.pi / freq
+    # 0 at the low-frequency edge of the band, 1 at the high-frequency edge
+    blend = (original / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    blend = np.clip(blend, 0.0, 1.0)
+    scaled = (1 - blend) * freq / rs.factor + blend * freq
+    scaled = np.where(wavelen > original / rs.low_freq_factor, freq / rs.factor, scaled)
+    scaled = np.where(wavelen < original / rs.high_freq_factor, freq, scaled)
+    return scaled.astype(np.float32)
+
 
 
 @dataclass(frozen=True)

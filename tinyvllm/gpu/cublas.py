@@ -1,4 +1,5 @@
-"""cuBLAS through ctypes: a handle bound to our stream, and THE one `linear()`.
+"""cuBLAS through ctypes: a handle bound to our stream, and the row-major `matmul()` that
+gpu/ops.py's `linear()` calls for every projection the GEMV does not take.
 
 Only what the engine needs is bound: create/destroy, set stream, set workspace, GemmEx, and the
 status-string lookup so failures carry cuBLAS's own message.
@@ -83,9 +84,9 @@ class Cublas:
             self.lib.cublasDestroy_v2(self.handle)
             self.handle = ctypes.c_void_p()
 
-    def linear(self, y: int, x: int, w: int, m: int, n: int, k: int, *, accumulate: bool = False,
+    def matmul(self, y: int, x: int, w: int, m: int, n: int, k: int, *, accumulate: bool = False,
                out_dtype: str = "bfloat16") -> None:
-        """Y[m, n] (+)= X[m, k] @ W[n, k]^T — every projection in the model goes through here.
+        """Y[m, n] (+)= X[m, k] @ W[n, k]^T with row-major buffers: the transpose trick.
 
         Our buffers are row-major; cuBLAS is column-major. A row-major matrix A[r, c] occupies
         exactly the bytes of the column-major matrix A^T[c, r] (leading dimension c). So:

@@ -6,10 +6,11 @@ import math
 
 import numpy as np
 
-from tinyvllm.config import ModelConfig
+from tinyvllm.checkpoint import weight_names as names
+from tinyvllm.config import ModelConfig, rope_inv_freq
 from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.reference.kernels import (causal_gqa_attention, as_f32, apply_rope, bf16_round, embedding,
-                                        paged_attention, rms_norm, rope_inv_freq, silu_mul, write_kv)
+                                        paged_attention, rms_norm, silu_mul, write_kv)
 
 class ReferenceModel:
     """Llama forward pass in float32 numpy over a paged KV cache (and a dense twin for tests)."""
@@ -17,25 +18,13 @@ class ReferenceModel:
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], round_bf16: bool = False):
         self.config = config
         self.round = bf16_round if round_bf16 else (lambda x: x)
-        self.embed = as_f32(weights["model.embed_tokens.weight"])
-        self.lm_head = self.embed if config.tie_word_embeddings else as_f32(weights["lm_head.weight"])
-        self.final_norm = as_f32(weights["model.norm.weight"])
-        self.layers = [self._layer_weights(weights, f"model.layers.{i}.")
-                       for i in range(config.num_hidden_layers)]
+        self.embed = as_f32(weights[names.EMBED])
+        self.lm_head = as_f32(names.lm_head(weights, config))
+        self.final_norm = as_f32(weights[names.FINAL_NORM])
+        self.layers = [{part: as_f32(names.fused_layer(weights, layer, part)) for part in names.LAYER_PARTS}
+                       for layer in range(config.num_hidden_layers)]
         self.inv_freq = rope_inv_freq(config)
         self.scale = 1.0 / math.sqrt(config.head_dim)
-
-    @staticmethod
-    def _layer_weights(w: dict, p: str) -> dict:
-        # q/k/v and gate/up are concatenated so each costs one matmul, as on the GPU
-        return {
-            "input_norm": as_f32(w[p + "input_layernorm.weight"]),
-            "qkv": as_f32(np.concatenate([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])),
-            "o": as_f32(w[p + "self_attn.o_proj.weight"]),
-            "post_norm": as_f32(w[p + "post_attention_layernorm.weight"]),
-            "gate_up": as_f32(np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
-            "down": as_f32(w[p + "mlp.down_proj.weight"]),
-        }
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> np.ndarray:
         c = self.config

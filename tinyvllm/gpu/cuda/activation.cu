@@ -3,7 +3,9 @@
 // Launch: grid-stride over num_tokens * inter / 8 chunks of 8 values. Requires inter % 8 == 0.
 #include "common.cuh"
 
-extern "C" __global__ void silu_mul(bf16* __restrict__ out, const bf16* __restrict__ gate_up,
+constexpr int THREADS = 256;   // block size (gpu/ops.py launches with it)
+
+extern "C" __global__ void __launch_bounds__(THREADS) silu_mul(bf16* __restrict__ out, const bf16* __restrict__ gate_up,
                                     int num_tokens, int inter) {
     const int chunks_per_row = inter / 8;
     const size_t total = (size_t)num_tokens * chunks_per_row;

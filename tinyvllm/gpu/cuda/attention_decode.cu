@@ -76,12 +76,10 @@ __device__ __forceinline__ void decode_attention(
     for (int g = 0; g < GROUP; ++g) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
-        if (g < GROUP) {
-            load_bf16x8(q + (size_t)seq * q_row_stride + (kv_head * GROUP + g) * HEAD_DIM + dim0,
-                        q_reg[g]);
+        load_bf16x8(q + (size_t)seq * q_row_stride + (kv_head * GROUP + g) * HEAD_DIM + dim0,
+                    q_reg[g]);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) q_reg[g][i] *= scale;
-        }
+        for (int i = 0; i < 8; ++i) q_reg[g][i] *= scale;
     }
     if (threadIdx.x < GROUP) {
         m_s[threadIdx.x] = -CUDART_INF_F;
@@ -108,14 +106,12 @@ __device__ __forceinline__ void decode_attention(
                 unpack_bf16x8(k_raw[u], k);
 #pragma unroll
                 for (int g = 0; g < GROUP; ++g) {
-                    if (g < GROUP) {
-                        float s = 0.0f;
+                    float s = 0.0f;
 #pragma unroll
-                        for (int i = 0; i < 8; ++i) s += q_reg[g][i] * k[i];
+                    for (int i = 0; i < 8; ++i) s += q_reg[g][i] * k[i];
 #pragma unroll
-                        for (int off = LANES / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-                        if (r < n && lane % LANES == 0) probs[g][r] = s;
-                    }
+                    for (int off = LANES / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+                    if (r < n && lane % LANES == 0) probs[g][r] = s;
                 }
             }
         }
@@ -144,10 +140,8 @@ __device__ __forceinline__ void decode_attention(
         // 3. rescale the accumulators and add p·v
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
-            if (g < GROUP) {
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[g][i] *= alpha_s[g];
-            }
+            for (int i = 0; i < 8; ++i) acc[g][i] *= alpha_s[g];
         }
         for (int r0 = 0; r0 < n; r0 += ROWS_PER_PASS * UNROLL) {
             uint4 v_raw[UNROLL];
@@ -164,11 +158,9 @@ __device__ __forceinline__ void decode_attention(
                 unpack_bf16x8(v_raw[u], v);
 #pragma unroll
                 for (int g = 0; g < GROUP; ++g) {
-                    if (g < GROUP) {
-                        const float p = probs[g][r];
+                    const float p = probs[g][r];
 #pragma unroll
-                        for (int i = 0; i < 8; ++i) acc[g][i] += p * v[i];
-                    }
+                    for (int i = 0; i < 8; ++i) acc[g][i] += p * v[i];
                 }
             }
         }
@@ -178,14 +170,12 @@ __device__ __forceinline__ void decode_attention(
     // Sum the accumulators of the rows a warp handled (lanes with equal lane % LANES) ...
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-        if (g < GROUP) {
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                float a = acc[g][i];
+        for (int i = 0; i < 8; ++i) {
+            float a = acc[g][i];
 #pragma unroll
-                for (int off = LANES; off < 32; off <<= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
-                if (lane < LANES) reduce_buf[warp][g][dim0 + i] = a;
-            }
+            for (int off = LANES; off < 32; off <<= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
+            if (lane < LANES) reduce_buf[warp][g][dim0 + i] = a;
         }
     }
     __syncthreads();

@@ -4,7 +4,9 @@
 // Launch: one block per output row, 256 threads, 16-byte loads. Requires hidden % 8 == 0.
 #include "common.cuh"
 
-extern "C" __global__ void rms_norm(bf16* __restrict__ out, const bf16* __restrict__ in,
+constexpr int THREADS = 256;   // block size (gpu/ops.py launches with it)
+
+extern "C" __global__ void __launch_bounds__(THREADS) rms_norm(bf16* __restrict__ out, const bf16* __restrict__ in,
                                     const bf16* __restrict__ weight, const int* __restrict__ rows,
                                     int num_rows, int hidden, float eps) {
     const int r = blockIdx.x;
