@@ -44,13 +44,17 @@ class ReferenceModel:
 
     def forward_full(self, token_ids) -> np.ndarray:
         """Dense recompute of one sequence without any cache: -> [T, V] logits of every token."""
+        return self._logits(self.hidden_full(token_ids))
+
+    def hidden_full(self, token_ids) -> np.ndarray:
+        """forward_full's final-normed hidden states [T, H] (the LM head's input)."""
         token_ids = np.asarray(token_ids, np.int32)
         positions = np.arange(len(token_ids))
 
         def attend(layer, q, k, v):
             return causal_gqa_attention(q, k, v, positions, self.scale)
 
-        return self._logits(self._run_layers(token_ids, positions, attend))
+        return self._run_layers(token_ids, positions, attend)
 
     def _run_layers(self, token_ids, positions, attend) -> np.ndarray:
         c, r = self.config, self.round
