@@ -171,7 +171,7 @@ class GpuOps:
         """Warps per CTA splitting K: double while the grid stays within one full wave
         (num_sms * 32 warps) and every warp keeps at least one full batch of UNROLL steps.
         Llama-3.2-1B on 132 SMs: qkv, o -> 16; down -> 32; gate_up -> 4; lm_head -> 1."""
-        ctas, steps = -(-n // GEMV["ROWS_PER_CTA"]), -(-k // GEMV["STEP_K"])
+        ctas, steps = math.ceil(n / GEMV["ROWS_PER_CTA"]), math.ceil(k / GEMV["STEP_K"])
         kw = 1
         while (kw < GEMV["MAX_K_WARPS"] and ctas * kw * 2 <= self.num_sms * GEMV_WARPS_PER_SM
                and steps >= kw * 2 * GEMV["UNROLL"]):
@@ -187,7 +187,7 @@ class GpuOps:
             if not 1 <= kw <= GEMV["MAX_K_WARPS"]:
                 raise ValueError(f"k_warps must be in 1..{GEMV['MAX_K_WARPS']}, got {kw}")
             rows = GEMV["ROWS_PER_CTA"]
-            shape = ((-(-n // rows), 1, 1), (32 * kw, 1, 1), kw * 8 * rows * 4)
+            shape = ((math.ceil(n / rows), 1, 1), (32 * kw, 1, 1), kw * 8 * rows * 4)
             self._gemv_shapes[(n, k, kw)] = shape
         return shape
 

@@ -75,7 +75,7 @@ def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndar
 def gather_kv(cache: np.ndarray, block_table: np.ndarray, context_len: int) -> np.ndarray:
     """One sequence's first `context_len` positions out of a paged cache -> [context_len, Hkv, D]."""
     block_size = cache.shape[1]
-    blocks = np.asarray(block_table[: -(-context_len // block_size)], np.int64)
+    blocks = np.asarray(block_table[: math.ceil(context_len / block_size)], np.int64)
     return cache[blocks].reshape(-1, *cache.shape[2:])[:context_len]
 
 

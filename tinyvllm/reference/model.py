@@ -83,7 +83,7 @@ class ReferenceModel:
         sampling. Stops early only at a token in stop_token_ids. -> the new tokens."""
         prompt = [int(t) for t in prompt_ids]
         total = len(prompt) + max_new_tokens
-        num_blocks = -(-total // block_size)
+        num_blocks = math.ceil(total / block_size)
         # a scrambled block table, so that paging bugs cannot hide behind an identity mapping
         table = list(np.random.default_rng(0).permutation(num_blocks))
         cache = self.new_kv_cache(num_blocks, block_size)
