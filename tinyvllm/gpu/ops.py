@@ -58,13 +58,16 @@ class GpuOps:
     """The launchers, bound to one kernel library, stream, cuBLAS handle and SM count."""
 
     def __init__(self, library: KernelLibrary, stream=None, blas=None, num_sms: int | None = None,
-                 use_gemv: bool | None = None):
+                 use_gemv: bool | None = None, pdl: bool | None = None):
         if num_sms is None:
             import pycuda.driver as drv
             num_sms = drv.Context.get_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
         self.library, self.stream, self.blas, self.num_sms = library, stream, blas, int(num_sms)
         # TINYVLLM_GEMV=0 sends every projection to cuBLAS (for comparisons)
         self.use_gemv = os.environ.get("TINYVLLM_GEMV", "1") != "0" if use_gemv is None else use_gemv
+        # programmatic dependent launch of our kernels (gpu/kernels.py); TINYVLLM_PDL=0 turns it off
+        self.pdl = os.environ.get("TINYVLLM_PDL", "1") != "0" if pdl is None else pdl
+        self.stream_handle = stream.handle if stream is not None else 0
         self._gemv_shapes: dict[tuple[int, int, int], tuple] = {}
         # observer(op, repeat, details): called before each op with a zero-argument callable
         # that enqueues the same op again; None (the default) costs one attribute test per op
@@ -73,7 +76,7 @@ class GpuOps:
 
     def _launch(self, kernel: str, grid, block, *args, shared_bytes: int = 0) -> None:
         fn, grid, block = self.library.function(kernel), _dim3(grid), _dim3(block)
-        launch = lambda: fn.prepared_async_call(grid, block, self.stream, *args, shared_size=shared_bytes)  # noqa: E731
+        launch = lambda: fn.launch(grid, block, self.stream_handle, args, shared_bytes, self.pdl)  # noqa: E731
         if self.observer is not None and not self._in_linear:
             self.observer(kernel, launch, {"grid": grid, "block": block, "args": args, "shared_bytes": shared_bytes})
         launch()
