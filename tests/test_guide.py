@@ -125,14 +125,14 @@ def _softmax_attention(s, v):
 def test_online_softmax_rescaling_equals_softmax():
     rng = np.random.default_rng(0)
     s, v = rng.standard_normal(1000) * 5, rng.standard_normal((1000, 8))
-    m, l, o = -np.inf, 0.0, np.zeros(8)
+    m, ell, o = -np.inf, 0.0, np.zeros(8)   # ell: the guide's running sum l
     for chunk in range(0, 1000, 64):
         sc, vc = s[chunk:chunk + 64], v[chunk:chunk + 64]
         m_new = max(m, sc.max())
         alpha = np.exp(m - m_new)                     # 0 on the first chunk
         e = np.exp(sc - m_new)
-        l, o, m = alpha * l + e.sum(), alpha * o + e @ vc, m_new
-    np.testing.assert_allclose(o / l, _softmax_attention(s, v), rtol=1e-12)
+        ell, o, m = alpha * ell + e.sum(), alpha * o + e @ vc, m_new
+    np.testing.assert_allclose(o / ell, _softmax_attention(s, v), rtol=1e-12)
 
 
 def test_split_merge_equals_softmax():
@@ -144,5 +144,5 @@ def test_split_merge_equals_softmax():
         e = np.exp(s[split] - m)
         parts.append((m, e.sum(), e @ v[split]))
     big_m = max(p[0] for p in parts)
-    out = sum(np.exp(m - big_m) * o for m, _, o in parts) / sum(np.exp(m - big_m) * l for m, l, _ in parts)
+    out = sum(np.exp(m - big_m) * o for m, _, o in parts) / sum(np.exp(m - big_m) * ell for m, ell, _ in parts)
     np.testing.assert_allclose(out, _softmax_attention(s, v), rtol=1e-12)
