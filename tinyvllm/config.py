@@ -179,6 +179,7 @@ class EngineConfig:
     scheduling: str = "continuous"       # or "static": a fixed batch runs to completion
     device: str = "cuda"                 # or "cpu": the numpy reference backend
     seed: int = 0
+    trace_steps: int = 0                 # print every kernel / cuBLAS call of the first N steps (trace.py)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -193,6 +194,8 @@ class EngineConfig:
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.trace_steps < 0:
+            raise ValueError(f"trace_steps must be >= 0, got {self.trace_steps}")
 
     def context_limit(self, model: ModelConfig) -> int:
         return min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)

@@ -56,15 +56,22 @@ def _param_code(param: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_signatures(filename: str) -> dict[str, str]:
-    """{kernel name or regex pattern: struct codes} of every kernel in one .cu file."""
+def kernel_parameters(filename: str) -> dict[str, tuple[str, ...]]:
+    """{kernel name or regex pattern: its C parameter declarations} of every kernel in one .cu
+    file (`attention_decode_d##D##_g##G` -> the pattern ^attention_decode_d\\w+_g\\w+$)."""
     source = _strip_comments((CUDA_DIR / filename).read_text())
-    sigs = {}
+    kernels = {}
     for name, params in _KERNEL_RE.findall(source):
         if "##" in name:            # a macro-made family: d##D##_g##G -> d\w+_g\w+
             name = "^" + re.sub(r"##\w+?(?:##|$)", r"\\w+", name) + "$"
-        sigs[name] = "".join(_param_code(p) for p in params.split(",") if p.strip())
-    return sigs
+        kernels[name] = tuple(p.strip() for p in params.split(",") if p.strip())
+    return kernels
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_signatures(filename: str) -> dict[str, str]:
+    """{kernel name or regex pattern: struct codes} of every kernel in one .cu file."""
+    return {name: "".join(_param_code(p) for p in params) for name, params in kernel_parameters(filename).items()}
 
 
 @functools.lru_cache(maxsize=None)

@@ -153,7 +153,8 @@ class GpuOps:
             run = lambda: self.blas.matmul(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
         if self.observer is not None:
             self.observer(f"{'gemv' if on_gemv else 'cublas'} {n}x{k}", self._quietly(run),
-                          {"m": m, "n": n, "k": k, "accumulate": accumulate, "out_dtype": out_dtype})
+                          {"m": m, "n": n, "k": k, "accumulate": accumulate, "out_dtype": out_dtype,
+                           "y": y, "x": x, "w": w})
         self._quietly(run)()
 
     def _quietly(self, run):
