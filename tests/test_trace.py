@@ -24,7 +24,7 @@ from tinyvllm.trace import TracingRunner
 
 class _Launches:             # a KernelLibrary whose functions enqueue nothing
     def function(self, name):
-        return type("Fn", (), {"prepared_async_call": lambda *a, **k: None})()
+        return type("Fn", (), {"launch": lambda *a, **k: None})()
 
 
 class _FakeArena:
