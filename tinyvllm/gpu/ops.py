@@ -101,10 +101,13 @@ class GpuOps:
                           block_table_width, query_start, context_lens, *, num_seqs: int,
                           max_query_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                           block_size: int, scale: float) -> None:
-        """Causal attention of each prompt token over its sequence's cached and new K/V. Grid:
-        (query tiles of BLOCK_Q rows, sequences, query heads); HEAD_DIM / 64 threads per row."""
-        grid = (math.ceil(max_query_len / PREFILL["BLOCK_Q"]), num_seqs, num_q_heads)
-        self._launch(f"attention_prefill_d{head_dim}", grid, PREFILL["BLOCK_Q"] * (head_dim // 64),
+        """Causal attention of each prompt token over its sequence's cached and new K/V, on the
+        tensor cores. Grid: (query heads, sequences, query tiles of BLOCK_Q rows), the kernel
+        walking the tiles last-first; THREADS (4 warps x 16 rows) per block, static shared memory."""
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"attention_prefill: block_size must be a power of two, got {block_size}")
+        grid = (num_q_heads, num_seqs, math.ceil(max_query_len / PREFILL["BLOCK_Q"]))
+        self._launch(f"attention_prefill_d{head_dim}", grid, PREFILL["THREADS"],
                      out, q, q_row_stride, k_cache, v_cache, block_tables, block_table_width,
                      query_start, context_lens, block_size, num_kv_heads, num_q_heads // num_kv_heads, scale)
 
