@@ -151,7 +151,7 @@ def _decode_batches(rng, batch: int) -> list[list[int]]:
         return [[int(c) for c in rng.choice(DECODE_CONTEXTS, 7, replace=False)]]
     # a large batch: short random contexts (the launcher then picks one split) with the special
     # ones mixed in, in random order
-    ctx = np.concatenate([rng.integers(1, 300, batch - 6), [1, 16, 17, 129, 257, 1024]])
+    ctx = np.concatenate([rng.integers(1, 160, batch - 6), [1, 16, 17, 129, 257, 1024]])
     return [[int(c) for c in rng.permutation(ctx)]]
 
 
