@@ -292,7 +292,9 @@ __device__ __forceinline__ void decode_attention(
         if (num_splits == 1) {
             out[((size_t)seq * num_q_heads + head) * HEAD_DIM + d] = __float2bfloat16(l > 0.0f ? acc / l : 0.0f);
         } else {
-            const size_t idx = ((size_t)seq * num_q_heads + head) * num_splits + split;
+            // a fixed stride of MAX_SPLITS per (sequence, head): sequences split differently
+            // (their contexts differ) must never share workspace rows
+            const size_t idx = ((size_t)seq * num_q_heads + head) * MAX_SPLITS + split;
             partial_out[idx * HEAD_DIM + d] = acc;
             if (d == 0) {
                 partial_ml[2 * idx] = m;
@@ -316,7 +318,7 @@ __device__ __forceinline__ void decode_attention(
     // head turns the splits' (m, l) into weights (one split per lane) ...
     float* weights = reinterpret_cast<float*>(smem);                  // [GROUP][MAX_SPLITS]
     for (int g = warp; g < GROUP; g += WARPS) {
-        const size_t base = ((size_t)seq * num_q_heads + kv_head * GROUP + g) * num_splits;
+        const size_t base = ((size_t)seq * num_q_heads + kv_head * GROUP + g) * MAX_SPLITS;
         float2 ml = make_float2(-CUDART_INF_F, 0.0f);
         if (lane < num_splits) ml = __ldcg(reinterpret_cast<const float2*>(partial_ml) + base + lane);
         const float m = warp_max(ml.x);
@@ -334,7 +336,7 @@ __device__ __forceinline__ void decode_attention(
     for (int e = threadIdx.x; e < QUADS * SLICES; e += THREADS) {
         const int quad = e % QUADS, slice = e / QUADS;
         const int g = quad / (HEAD_DIM / 4), d4 = quad % (HEAD_DIM / 4);
-        const size_t base = ((size_t)seq * num_q_heads + kv_head * GROUP + g) * num_splits;
+        const size_t base = ((size_t)seq * num_q_heads + kv_head * GROUP + g) * MAX_SPLITS;
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         for (int s0 = slice; s0 < num_splits; s0 += SLICES * MERGE_UNROLL) {
             float4 part[MERGE_UNROLL];
