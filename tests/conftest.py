@@ -39,19 +39,25 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def kernel_library():
-    """GPU tests: the device's primary CUDA context pushed for the module, and every cuda/*.cu
-    kernel compiled (PyCUDA caches the cubins)."""
+def gpu_ops():
+    """GPU tests: the device's primary CUDA context current for the module, every gpu/cuda/*.cu
+    kernel compiled (PyCUDA caches the cubins), and the launchers the model itself calls
+    (gpu/ops.py) on the default stream, with a cuBLAS handle for linear()."""
     import pycuda.driver as drv
+    from tinyvllm.gpu.cublas import Cublas
+    from tinyvllm.gpu.driver import CudaDevice
     from tinyvllm.gpu.kernels import KernelLibrary
-    drv.init()
-    ctx = drv.Device(0).retain_primary_context()
-    ctx.push()
-    try:
-        yield KernelLibrary()
-        drv.Context.synchronize()
-    finally:
-        ctx.pop()
+    from tinyvllm.gpu.ops import GpuOps
+    device = CudaDevice()
+    with device.active():
+        workspace = drv.mem_alloc(1 << 22)
+        blas = Cublas(0, int(workspace), 1 << 22)
+        try:
+            yield GpuOps(KernelLibrary(), stream=None, blas=blas, num_sms=device.num_sms)
+            drv.Context.synchronize()
+        finally:
+            blas.close()
+            workspace.free()
 
 
 @pytest.fixture

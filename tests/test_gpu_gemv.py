@@ -39,9 +39,8 @@ def _cases():
 
 
 @pytest.fixture(scope="module")
-def gpu(kernel_library):
-    from tinyvllm.gpu.gemv import Gemv
-    yield Gemv(kernel_library)
+def gpu(gpu_ops):
+    yield gpu_ops
     _WEIGHTS.clear()
 
 
@@ -81,7 +80,7 @@ def _run(gemv, rng, m, n, k, accumulate, out_dtype, k_warps=None):
         y0 = rng.standard_normal((m, n)).astype(np.float32).astype(dtype)
         buf[1:m + 1] = y0
     d_y = DeviceArray(buf)
-    gemv.linear(d_y.ptr + n * dtype.itemsize, d_x, d_w, m, n, k, accumulate=accumulate,
+    gemv.gemv(d_y.ptr + n * dtype.itemsize, d_x, d_w, m, n, k, accumulate=accumulate,
                 out_dtype=out_dtype, k_warps=k_warps)
     _sync()
     got = d_y.get()
@@ -117,22 +116,22 @@ def test_gemv_split_k(gpu, rng, m, n, k, k_warps):
 def test_gemv_launch_shapes(gpu):
     """The split-K choice stays inside the kernel's limits for every model shape."""
     for n, k in LLAMA_SHAPES + ODD_SHAPES + [LM_HEAD]:
-        grid, block, shared = gpu.launch_shape(n, k)
+        grid, block, shared = gpu.gemv_launch_shape(n, k)
         assert grid[0] * 16 >= n and block[0] % 32 == 0 and 32 <= block[0] <= 1024
         assert shared == block[0] // 32 * 512
         print(f"n={n} k={k}: grid {grid[0]}, {block[0] // 32} warps per CTA")
 
 
 def test_gemv_rejects(gpu):
-    from tinyvllm.gpu.gemv import Gemv
-    assert Gemv.supports(1, 1, 8) and Gemv.supports(8, 128256, 2048)
-    assert not Gemv.supports(9, 16, 16) and not Gemv.supports(0, 16, 16)
-    assert not Gemv.supports(1, 16, 12) and not Gemv.supports(1, 0, 16)
+    supports = gpu.gemv_supports
+    assert supports(1, 1, 8) and supports(8, 128256, 2048)
+    assert not supports(9, 16, 16) and not supports(0, 16, 16)
+    assert not supports(1, 16, 12) and not supports(1, 0, 16)
     with pytest.raises(ValueError, match="unsupported shape"):
-        gpu.linear(0, 0, 0, 9, 16, 16)
+        gpu.gemv(0, 0, 0, 9, 16, 16)
     with pytest.raises(ValueError, match="k % 8"):
-        gpu.linear(0, 0, 0, 1, 16, 12)
+        gpu.gemv(0, 0, 0, 1, 16, 12)
     with pytest.raises(ValueError, match="16-byte aligned"):
-        gpu.linear(0, 8, 0, 1, 16, 16)
+        gpu.gemv(0, 8, 0, 1, 16, 16)
     with pytest.raises(ValueError, match="out_dtype"):
-        gpu.linear(0, 0, 0, 1, 16, 16, out_dtype="float16")
+        gpu.gemv(0, 0, 0, 1, 16, 16, out_dtype="float16")

@@ -1,14 +1,11 @@
-"""GPU sampler (cuda/sampling.cu via tinyvllm.gpu.sampler) against its numpy twin
-(tinyvllm.sampling) on fresh random logits, with the output buffer poisoned first."""
+"""GPU sampler (gpu/cuda/sampling.cu through its launcher, GpuOps.sample) against its numpy
+twin (tinyvllm/reference/sampling.py) on fresh random logits, with the output buffer poisoned first."""
 from __future__ import annotations
-
-import shutil
 
 import numpy as np
 import pytest
 
 from tinyvllm.engine.batch import SamplingBatch
-
 from tinyvllm.reference.sampling import exp_weights, mass, random_bits24, sample
 
 pytestmark = pytest.mark.gpu
@@ -18,19 +15,9 @@ POISON = -7
 
 
 @pytest.fixture(scope="module")
-def gpu(tmp_path_factory):
+def gpu(gpu_ops):
     import pycuda.driver as drv
-    drv.init()
-    ctx = drv.Device(0).retain_primary_context()
-    ctx.push()
-    try:
-        from tinyvllm.gpu.kernels import CUDA_DIR, KernelLibrary
-        from tinyvllm.gpu.sampler import Sampler
-        only_sampling = tmp_path_factory.mktemp("cuda")
-        shutil.copy(CUDA_DIR / "sampling.cu", only_sampling / "sampling.cu")
-        yield drv, Sampler(KernelLibrary(cuda_dir=only_sampling))
-    finally:
-        ctx.pop()
+    return drv, gpu_ops
 
 
 def gpu_sample(gpu, logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
@@ -40,8 +27,8 @@ def gpu_sample(gpu, logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
         ("logits", logits.astype(np.float32)), ("temperature", batch.temperature),
         ("top_k", batch.top_k), ("top_p", batch.top_p), ("seed", batch.seed), ("step", batch.step))}
     out = drv.to_device(np.full(num_seqs + 1, POISON, np.int32))    # one extra: must stay poisoned
-    sampler.sample(dev["logits"], num_seqs, vocab, dev["temperature"], dev["top_k"], dev["top_p"],
-                   dev["seed"], dev["step"], out)
+    sampler.sample(*(int(dev[n]) for n in ("logits",)), num_seqs, vocab,
+                   *(int(dev[n]) for n in ("temperature", "top_k", "top_p", "seed", "step")), int(out))
     drv.Context.synchronize()
     result = drv.from_device(out, (num_seqs + 1,), np.int32)
     assert result[-1] == POISON, "sampler wrote past the last row"
@@ -152,7 +139,8 @@ def test_sampled_frequencies_follow_probabilities(gpu, top_k, top_p, kept):
 @pytest.mark.parametrize("num_seqs,temperature,top_k,top_p", [
     (1, 0.0, -1, 1.0), (1, 0.8, -1, 1.0), (1, 0.8, 50, 0.9), (64, 0.8, 50, 0.9), (256, 0.8, -1, 0.95)])
 def test_sampler_time_report(gpu, num_seqs, temperature, top_k, top_p):
-    """Not a pass/fail check: prints the kernel's time per call (grep '^[sampler-time]')."""
+    """Prints the kernel's time per call (grep '^[sampler-time]') and checks that every timed
+    call produced in-range ids."""
     drv, sampler = gpu
     rng = np.random.default_rng(0)
     logits = (rng.standard_normal((num_seqs, VOCAB)) * 3).astype(np.float32)
@@ -166,9 +154,12 @@ def test_sampler_time_report(gpu, num_seqs, temperature, top_k, top_p):
     for _ in range(5):
         drv.memcpy_htod(dev[0], logits)            # the kernel overwrites sampled rows
         start.record()
-        sampler.sample(dev[0], num_seqs, VOCAB, *dev[1:], out)
+        sampler.sample(int(dev[0]), num_seqs, VOCAB, *map(int, dev[1:]), int(out))
         end.record()
         end.synchronize()
         times.append(end.time_since(start) * 1000)
+        ids = np.empty(num_seqs, np.int32)
+        drv.memcpy_dtoh(ids, out)
+        assert ((0 <= ids) & (ids < VOCAB)).all()
     print(f"[sampler-time] S={num_seqs} T={temperature} top_k={top_k} top_p={top_p}: "
           f"{min(times):.1f} us")

@@ -1,12 +1,10 @@
 """Configuration: what the model is (ModelConfig, read from HF config.json) and how the engine
 runs it (EngineConfig). Both are frozen: nothing changes them after start-up.
 
-config.json comes in two forms. transformers 4.x writes RoPE as top-level `rope_theta` plus an
-optional `rope_scaling` dict and the dtype as `torch_dtype`; transformers 5.x writes one
-`rope_parameters` dict ({"rope_type", "rope_theta", and the scaling fields}) and `dtype`. Both
-are read; a field in both forms must agree. Anything we would have to ignore to load the model
-(an unimplemented rope type, partial rotary, biases, quantized weights) is a ModelLoadError
-naming the field, never a silent default."""
+config.json is read in both its transformers 4 and 5 forms (tinyvllm/hf_config.py). Anything
+we would have to ignore to load the model (an unimplemented rope type, partial rotary, biases,
+quantized weights) and any malformed value is a ModelLoadError naming the field, never a
+silent default."""
 from __future__ import annotations
 
 import json
@@ -14,28 +12,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from tinyvllm.errors import ModelLoadError
+from tinyvllm.hf_config import ConfigFields, RopeScaling, parse_dtype, parse_rope
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling", "EngineConfig", "rope_inv_freq"]
 
 # Architectures whose checkpoints have exactly the Llama tensor layout and maths.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-# transformers' LlamaConfig default (RotaryEmbeddingConfigMixin.default_theta) when a config
-# names no theta in either form; followed so that such a directory loads as it does there.
-DEFAULT_ROPE_THETA = 10000.0
-DTYPES = ("bfloat16", "float16", "float32")      # what weights.py reads (all served as bf16)
-# rope_parameters / rope_scaling keys each rope type may carry ("type" is the pre-4.45 name
-# of "rope_type"); any other key is a feature we do not implement.
-LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-ROPE_KEYS = {"default": {"rope_type", "type", "rope_theta", "partial_rotary_factor"}}
-ROPE_KEYS["llama3"] = ROPE_KEYS["default"] | set(LLAMA3_FIELDS)
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3's frequency-dependent RoPE scaling ("rope_type": "llama3")."""
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -87,7 +72,7 @@ class ModelConfig:
             raise ModelLoadError(
                 f"{source}: unsupported architecture {archs or model_type!r}; "
                 f"tinyvllm serves Llama-architecture models ({', '.join(SUPPORTED_ARCHITECTURES)})")
-        f = _Fields(cfg, source)
+        f = ConfigFields(cfg, source)
         heads, hidden = f.positive_int("num_attention_heads"), f.positive_int("hidden_size")
         kv_heads = f.positive_int("num_key_value_heads", default=heads)
         if "head_dim" not in cfg or cfg["head_dim"] is None:
@@ -114,7 +99,7 @@ class ModelConfig:
         # pretraining_tp > 1 made old transformers split each matmul into slices and sum them:
         # the same maths, so any positive value is served as it is.
         f.positive_int("pretraining_tp", default=1)
-        rope_theta, rope_scaling = _parse_rope(cfg, source)
+        rope_theta, rope_scaling = parse_rope(cfg, source)
         return cls(
             vocab_size=f.positive_int("vocab_size"),
             hidden_size=hidden,
@@ -130,7 +115,7 @@ class ModelConfig:
             tie_word_embeddings=f.get("tie_word_embeddings", bool, False),   # LlamaConfig's default
             bos_token_id=f.token_ids("bos_token_id", allow_list=False),
             eos_token_ids=f.token_ids("eos_token_id", allow_list=True),
-            dtype=_parse_dtype(cfg, source),
+            dtype=parse_dtype(cfg, source),
         )
 
     @classmethod
@@ -148,121 +133,28 @@ class ModelConfig:
         return cls.from_dict(cfg, str(cfg_path))
 
 
-KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """[D/2] float32 rotation frequencies, with Llama 3's scaling when the config asks for it.
 
+    Llama 3 stretches the context by slowing the low frequencies only: a pair whose wavelength
+    is longer than the original context / low_freq_factor is divided by `factor`, a pair whose
+    wavelength is shorter than original / high_freq_factor is kept, and the band between them
+    blends the two linearly in (original context / wavelength)."""
+    d = config.head_dim
+    freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = config.rope_scaling
+    if rs is None:
+        return freq.astype(np.float32)
+    original = rs.original_max_position_embeddings
+    wavelen = 2 * math.pi / freq
+    # 0 at the low-frequency edge of the band, 1 at the high-frequency edge
+    blend = (original / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    blend = np.clip(blend, 0.0, 1.0)
+    scaled = (1 - blend) * freq / rs.factor + blend * freq
+    scaled = np.where(wavelen > original / rs.low_freq_factor, freq / rs.factor, scaled)
+    scaled = np.where(wavelen < original / rs.high_freq_factor, freq, scaled)
+    return scaled.astype(np.float32)
 
-class _Fields:
-    """Typed reads of config.json fields: a wrong type or range is a ModelLoadError naming the
-    field (JSON booleans are not numbers here, though Python's bool is an int)."""
-
-    def __init__(self, cfg: dict, source: str):
-        self.cfg, self.source = cfg, source
-
-    def get(self, key: str, kind, default=..., where: str = ""):
-        value = self.cfg.get(key)
-        if value is None:
-            if default is ...:
-                raise ModelLoadError(f"{self.source}: missing required field {where + key!r}")
-            return default
-        ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
-        if kind is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not ok:
-            raise ModelLoadError(f"{self.source}: field {where + key!r} must be {KIND_NAMES[kind]}, "
-                                 f"got {value!r}")
-        return float(value) if kind is float else value
-
-    def positive_int(self, key: str, default=...) -> int:
-        value = self.get(key, int, default)
-        if value < 1:
-            raise ModelLoadError(f"{self.source}: field {key!r} must be positive, got {value}")
-        return value
-
-    def positive_float(self, key: str, default=..., where: str = "") -> float:
-        value = self.get(key, float, default, where)
-        if value is None:                 # absent, and the caller's default is None
-            return None
-        if not value > 0 or not math.isfinite(value):
-            raise ModelLoadError(f"{self.source}: field {where + key!r} must be a positive number, got {value}")
-        return value
-
-    def token_ids(self, key: str, allow_list: bool):
-        value = self.cfg.get(key)
-        ids = value if allow_list and isinstance(value, list) else [] if value is None else [value]
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise ModelLoadError(f"{self.source}: field {key!r} must be a token id"
-                                 f"{' or a list of them' if allow_list else ''}, got {value!r}")
-        return tuple(ids) if allow_list else (ids[0] if ids else None)
-
-
-def _parse_dtype(cfg: dict, source: str) -> str:
-    given = {k: cfg[k] for k in ("dtype", "torch_dtype") if cfg.get(k) is not None}
-    if len(set(map(str, given.values()))) > 1:
-        raise ModelLoadError(f"{source}: dtype={given['dtype']!r} and torch_dtype="
-                             f"{given['torch_dtype']!r} disagree")
-    dtype = next(iter(given.values()), "bfloat16")
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"{source}: unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
-    return dtype
-
-
-def _parse_rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
-    """(theta, llama3 scaling or None) from either form. transformers 5 lets rope_scaling
-    override rope_parameters; here two forms present at once must say the same thing."""
-    forms = {}
-    for key in ("rope_parameters", "rope_scaling"):
-        value = cfg.get(key)
-        if value is not None and not isinstance(value, dict):
-            raise ModelLoadError(f"{source}: field {key!r} must be an object, got {value!r}")
-        if value:
-            forms[key] = _rope_from_dict(value, key, source)
-    if cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise ModelLoadError(f"{source}: partial_rotary_factor={cfg['partial_rotary_factor']!r} is not "
-                             "supported (RoPE on the whole head only)")
-    top_theta = _Fields(cfg, source).positive_float("rope_theta", None)
-    if len(forms) == 2 and forms["rope_parameters"][1] != forms["rope_scaling"][1]:
-        raise ModelLoadError(f"{source}: rope_scaling and rope_parameters disagree; remove one")
-    thetas = {k: theta for k, (theta, _) in forms.items() if theta is not None}
-    if top_theta is not None:
-        thetas["rope_theta"] = top_theta
-    if len(set(thetas.values())) > 1:
-        raise ModelLoadError(f"{source}: conflicting rope_theta values "
-                             f"({', '.join(f'{k}: {v:g}' for k, v in thetas.items())})")
-    theta = next(iter(thetas.values()), DEFAULT_ROPE_THETA)
-    scaling = next((s for _, s in forms.values()), None)
-    return theta, scaling
-
-
-def _rope_from_dict(params: dict, key: str, source: str) -> tuple[float | None, RopeScaling | None]:
-    kinds = {params[k] for k in ("rope_type", "type") if isinstance(params.get(k), str)}
-    if any(params.get(k) is not None and not isinstance(params[k], str) for k in ("rope_type", "type")):
-        raise ModelLoadError(f"{source}: {key}.rope_type must be a string, got {params.get('rope_type')!r}")
-    if len(kinds) > 1:
-        raise ModelLoadError(f"{source}: {key} has both rope_type and type, and they differ ({kinds})")
-    kind = next(iter(kinds), "default")
-    if kind not in ROPE_KEYS:
-        raise ModelLoadError(f"{source}: unsupported rope type {kind!r} in {key} "
-                             f"(tinyvllm implements: {', '.join(ROPE_KEYS)})")
-    unknown = sorted(set(params) - ROPE_KEYS[kind])
-    if unknown:
-        raise ModelLoadError(f"{source}: {key} field {unknown[0]!r} is not supported for rope type {kind!r}")
-    if params.get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise ModelLoadError(f"{source}: {key}.partial_rotary_factor={params['partial_rotary_factor']!r} "
-                             "is not supported (RoPE on the whole head only)")
-    f = _Fields(params, source)
-    where = f"{key}."
-    theta = f.positive_float("rope_theta", None, where)
-    if kind == "default":
-        return theta, None
-    missing = [name for name in LLAMA3_FIELDS if params.get(name) is None]
-    if missing:
-        raise ModelLoadError(f"{source}: {key} of type llama3 is missing {missing[0]!r}")
-    scaling = RopeScaling(*(f.positive_float(name, where=where) for name in LLAMA3_FIELDS[:3]),
-                          original_max_position_embeddings=f.get(LLAMA3_FIELDS[3], int, where=where))
-    if scaling.high_freq_factor <= scaling.low_freq_factor or scaling.original_max_position_embeddings < 1:
-        raise ModelLoadError(f"{source}: {key} of type llama3 needs high_freq_factor > low_freq_factor "
-                             "and a positive original_max_position_embeddings")
-    return theta, scaling
 
 
 @dataclass(frozen=True)
@@ -279,6 +171,7 @@ class EngineConfig:
     scheduling: str = "continuous"       # or "static": a fixed batch runs to completion
     device: str = "cuda"                 # or "cpu": the numpy reference backend
     seed: int = 0
+    trace_steps: int = 0                 # print every kernel / cuBLAS call of the first N steps (trace.py)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -293,6 +186,8 @@ class EngineConfig:
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.trace_steps < 0:
+            raise ValueError(f"trace_steps must be >= 0, got {self.trace_steps}")
 
     def context_limit(self, model: ModelConfig) -> int:
         return min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)

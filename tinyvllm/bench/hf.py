@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 import time
 
-from tinyvllm.bench.run import BenchRequest, WorkloadResult, WorkloadSpec
+from tinyvllm.bench.workloads import BenchRequest, WorkloadResult, WorkloadSpec
 from tinyvllm.errors import TinyVLLMError
 
 STATIC_BATCH = 64

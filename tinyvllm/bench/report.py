@@ -6,7 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from tinyvllm.bench.run import WORKLOADS, WorkloadResult, WorkloadSpec
+from tinyvllm.bench.workloads import WORKLOADS, WorkloadResult, WorkloadSpec
 
 
 @dataclass

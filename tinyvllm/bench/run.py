@@ -9,7 +9,8 @@ Workloads (random token-id prompts, greedy, ignore_eos, so every request runs to
   throughput  nano-vllm's benchmark: 256 requests, prompt and output lengths uniform in
               [100, 1024], all submitted at once. output tok/s = generated / wall time.
   batch64     64 requests of 128 prompt + 128 new tokens. output tok/s.
-`--compare-hf` runs the same workloads with HF transformers (tinyvllm/bench_hf.py).
+`--compare-hf` runs the same workloads with HF transformers (bench/hf.py); the specs and
+results are bench/workloads.py's.
 """
 from __future__ import annotations
 
@@ -26,102 +27,18 @@ from pathlib import Path
 
 import numpy as np
 
+from tinyvllm.bench.workloads import (WARMUP, WORKLOADS, BenchRequest, WorkloadResult, WorkloadSpec,
+                                      select_workloads, shrink)
+from tinyvllm.bench.hf import HFBench, check_available
+from tinyvllm.bench.report import BenchReport, format_table
+from tinyvllm.checkpoint.model_writer import preset_config, write_model
+from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.engine.llm import LLM
+from tinyvllm.engine.sampling_params import SamplingParams
 from tinyvllm.errors import TinyVLLMError
 
 DEFAULT_MODEL_CACHE = Path("/tmp/tinyvllm-models")
-PROMPT_TOKEN_ID_LIMIT = 10_000        # ids drawn from [0, 10000), as nano-vllm's benchmark does
 ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 16384}
-
-
-@dataclass(frozen=True)
-class WorkloadSpec:
-    name: str
-    num_requests: int
-    prompt_len: tuple[int, int]       # inclusive range; equal ends = a fixed length
-    output_len: tuple[int, int]
-    target_metric: str                # the metric the issue sets a target for ...
-    target: float                     # ... and its value
-    repeats: int = 1                  # runs; the median is reported (the latency run is short)
-
-    @property
-    def max_context(self) -> int:
-        return self.prompt_len[1] + self.output_len[1]
-
-    def requests(self, seed: int) -> list["BenchRequest"]:
-        rng = np.random.default_rng(seed)
-        prompt_lens = rng.integers(self.prompt_len[0], self.prompt_len[1] + 1, self.num_requests)
-        output_lens = rng.integers(self.output_len[0], self.output_len[1] + 1, self.num_requests)
-        return [BenchRequest(rng.integers(0, PROMPT_TOKEN_ID_LIMIT, int(p)).tolist(), int(o))
-                for p, o in zip(prompt_lens, output_lens)]
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    prompt_token_ids: list[int]
-    max_tokens: int
-
-
-WORKLOADS = {
-    "latency": WorkloadSpec("latency", 1, (128, 128), (256, 256), "decode_tok_s", 1300, repeats=3),
-    "batch64": WorkloadSpec("batch64", 64, (128, 128), (128, 128), "output_tok_s", 20000),
-    "throughput": WorkloadSpec("throughput", 256, (100, 1024), (100, 1024), "output_tok_s", 40000),
-}   # in run order: HF's estimate of the throughput run needs its batch64 timing
-# Prefill at batch 1 and a small decode batch, so that compiling, first calls and graph capture
-# are paid before anything is timed.
-WARMUP = [WorkloadSpec("warmup", 1, (128, 128), (16, 16), "", 0),
-          WorkloadSpec("warmup", 8, (32, 32), (8, 8), "", 0)]
-
-
-def select_workloads(name: str, num_requests: int | None = None, min_len: int | None = None,
-                     max_len: int | None = None) -> list[WorkloadSpec]:
-    """The workloads to run, shrunk by the overrides for small (CPU) runs: --num-requests
-    replaces every multi-request count, a fixed length is capped at --max-len, a ragged range
-    becomes [--min-len, --max-len]."""
-    if num_requests is not None and num_requests < 1:
-        raise TinyVLLMError(f"--num-requests must be >= 1, got {num_requests}")
-    if min_len is not None and min_len < 1:
-        raise TinyVLLMError(f"--min-len must be >= 1, got {min_len}")
-    if max_len is not None and max_len < 2:
-        raise TinyVLLMError(f"--max-len must be >= 2 (one token after the first), got {max_len}")
-    if min_len is not None and max_len is not None and min_len > max_len:
-        raise TinyVLLMError(f"--min-len {min_len} is larger than --max-len {max_len}")
-    names = list(WORKLOADS) if name == "all" else [name]
-    return [shrink(WORKLOADS[n], num_requests, min_len, max_len) for n in names]
-
-
-def shrink(spec: WorkloadSpec, num_requests=None, min_len=None, max_len=None) -> WorkloadSpec:
-    def lengths(lo, hi):
-        if lo == hi:
-            return (min(lo, max_len),) * 2 if max_len else (lo, hi)
-        lo, hi = min_len or lo, max_len or hi
-        return min(lo, hi), hi
-    count = num_requests if num_requests and spec.num_requests > 1 else spec.num_requests
-    return dataclasses.replace(spec, num_requests=count, prompt_len=lengths(*spec.prompt_len),
-                               output_len=lengths(*spec.output_len))
-
-
-@dataclass
-class WorkloadResult:
-    backend: str                       # "tinyvllm" or "hf"
-    num_requests: int = 0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    wall_s: float | None = None
-    output_tok_s: float | None = None
-    total_tok_s: float | None = None   # (prompt + generated) / wall
-    decode_tok_s: float | None = None  # batch 1: tokens after the first / time after the first
-    ms_per_token: float | None = None
-    ttft_ms: float | None = None
-    preemptions: int | None = None
-    note: str | None = None            # why a number is missing, or how it was measured
-
-    def finish(self, wall_s: float) -> "WorkloadResult":
-        self.wall_s = wall_s
-        self.output_tok_s = self.output_tokens / wall_s
-        self.total_tok_s = (self.prompt_tokens + self.output_tokens) / wall_s
-        if self.decode_tok_s:
-            self.ms_per_token = 1000.0 / self.decode_tok_s
-        return self
 
 
 # -- the model and the engine ----------------------------------------------------------------
@@ -130,7 +47,6 @@ def resolve_model(model: str | None, preset: str, cache_dir: Path) -> Path:
     Written to a temporary sibling and renamed, so an interrupted write is never reused."""
     if model:
         return Path(model)
-    from tinyvllm.checkpoint.model_writer import preset_config, write_model
     preset_config(preset)                           # an unknown preset fails before any writing
     final = cache_dir / preset
     if (final / "config.json").is_file():
@@ -150,7 +66,6 @@ def kv_blocks_needed(specs: list[WorkloadSpec], max_num_seqs: int, block_size: i
 
 
 def engine_options(user_options: dict, specs: list[WorkloadSpec]) -> dict:
-    from tinyvllm.config import EngineConfig
     options = {**ENGINE_DEFAULTS, **user_options}
     if "kv_cache_gb" not in options and "num_kv_blocks" not in options:
         options["num_kv_blocks"] = kv_blocks_needed(
@@ -187,7 +102,6 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 5) -> float:
 def run_tinyvllm(llm, spec: WorkloadSpec, seed: int) -> WorkloadResult:
     """All of a workload's requests through LLM.generate at once; latency-style metrics (TTFT,
     decode rate) from the engine's own per-request timings, medians over the repeats."""
-    from tinyvllm.engine.sampling_params import SamplingParams
     requests = spec.requests(seed)
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     walls, ttfts, rates = [], [], []
@@ -257,14 +171,11 @@ class BenchOptions:
 def run_bench(opts: BenchOptions, out=None):
     """Run the workloads with tinyvllm, then (--compare-hf) with HF, print the table, write JSON.
     -> the BenchReport."""
-    from tinyvllm.bench.report import BenchReport, format_table
-    from tinyvllm.config import ModelConfig
     out = out or sys.stdout
     specs = select_workloads(opts.workload, opts.num_requests, opts.min_len, opts.max_len)
     options = engine_options(opts.engine_options, specs)
     device = options.get("device", "cuda")
     if opts.compare_hf:
-        from tinyvllm.bench.hf import check_available
         if opts.hf_max_seconds <= 0:
             raise TinyVLLMError(f"--hf-max-seconds must be > 0, got {opts.hf_max_seconds:g}")
         check_available()                          # before minutes of tinyvllm runs, not after
@@ -297,7 +208,6 @@ def run_tinyvllm_workloads(model_dir: Path, options: dict, specs: list[WorkloadS
     """-> ({workload: result, "_device": device info}, the engine config used). The engine is
     closed and dropped before returning, so that its GPU memory is free for HF."""
     import gc
-    from tinyvllm.engine.llm import LLM
     llm = LLM(model_dir, **options)
     try:
         results = {"_device": device_info(llm.engine.engine_config.device)}
@@ -326,7 +236,6 @@ def progress_line(result: WorkloadResult) -> str:
 def run_hf_workloads(model_dir: Path, device: str, specs: list[WorkloadSpec],
                      opts: BenchOptions) -> tuple[dict, dict]:
     """-> ({workload: result}, what ran them)."""
-    from tinyvllm.bench.hf import HFBench
     hf = HFBench(model_dir, device, opts.hf_max_seconds)
     about = {**hf.versions, "device": device, "max_seconds": opts.hf_max_seconds}
     try:

@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 import ml_dtypes
 import numpy as np
 
+from tinyvllm.checkpoint.weight_names import expected_shapes
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError
 
@@ -36,29 +37,6 @@ DTYPES: dict[str, np.dtype] = {
 DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama checkpoint must hold, by its Hugging Face name, with its shape."""
-    h, v, i = config.hidden_size, config.vocab_size, config.intermediate_size
-    shapes = {"model.embed_tokens.weight": (v, h)}
-    for layer in range(config.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (config.q_size, h),
-            p + "self_attn.k_proj.weight": (config.kv_size, h),
-            p + "self_attn.v_proj.weight": (config.kv_size, h),
-            p + "self_attn.o_proj.weight": (h, config.q_size),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        })
-    shapes["model.norm.weight"] = (h,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    return shapes
 
 
 # ---- reading ------------------------------------------------------------------------------

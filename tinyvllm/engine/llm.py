@@ -16,7 +16,12 @@ from tinyvllm.errors import InvalidRequestError, TinyVLLMError
 class LLM:
     """Offline generation: LLM(model_dir, **engine_options).generate(prompts, params)."""
 
-    def __init__(self, model_dir: str | Path, **engine_options):
+    def __init__(self, model_dir: str | Path, *, trace: bool | int = False, **engine_options):
+        """trace=True prints every kernel launch and cuBLAS call of the first TRACE_STEPS steps
+        (an int: of that many steps) to stderr; the same as engine option trace_steps."""
+        if trace:
+            from tinyvllm.trace import TRACE_STEPS
+            engine_options.setdefault("trace_steps", TRACE_STEPS if trace is True else int(trace))
         self.engine = LLMEngine(model_dir, **engine_options)
         self._next_id = 0
 

@@ -51,6 +51,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(model_dir, self.model_config, chat_template)
         self.runner = runner or make_runner(self.model_config, load_weights(model_dir, self.model_config),
                                             self.engine_config)
+        if self.engine_config.trace_steps:       # eager, printed steps first (tinyvllm/trace.py)
+            from tinyvllm.trace import TracingRunner
+            self.runner = TracingRunner(self.runner, self.model_config, self.engine_config)
         self.context_limit = self.engine_config.context_limit(self.model_config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.engine_config.block_size)
         self.scheduler = Scheduler(self.engine_config, self.block_manager, self.context_limit,

@@ -26,10 +26,10 @@ from typing import Callable
 import numpy as np
 
 from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.gpu.ops import MAX_DECODE_SPLITS
 
 ALIGN = 256                      # bytes; cuBLAS and 16-byte vector loads are happy with this
 CUBLAS_WORKSPACE_BYTES = 32 << 20
-MAX_DECODE_SPLITS = 32           # flash-decoding splits per sequence (see cuda/attention_decode.cu)
 
 
 @dataclass(frozen=True)
@@ -206,6 +206,9 @@ class Arena:
         self.host_outputs_bytes = drv.pagelocked_empty(layout.output_bytes, np.uint8)
         self._host = {p.name: _host_view(self.host_inputs_bytes, p) for p in layout.inputs.values()}
         self._host.update({p.name: _host_view(self.host_outputs_bytes, p) for p in layout.outputs.values()})
+
+    def free(self) -> None:
+        self._allocation.free()
 
     def view(self, name: str) -> DeviceView:
         return self._views[name]

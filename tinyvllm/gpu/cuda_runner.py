@@ -8,67 +8,46 @@ one host-to-device copy, the forward pass, sampling, and one copy of S token ids
 from __future__ import annotations
 
 import numpy as np
+import pycuda.driver as drv     # a missing PyCUDA fails this import: make_runner says so in one line
 
 from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.errors import GPUUnavailableError
 from tinyvllm.gpu.model import LlamaModel, StepShape
 from tinyvllm.engine.batch import SamplingBatch
 from tinyvllm.gpu.arena import CUBLAS_WORKSPACE_BYTES, Arena, ArenaDims, ArenaLayout
 from tinyvllm.gpu.cublas import Cublas
 from tinyvllm.gpu.device_weights import upload_weights
+from tinyvllm.gpu.driver import CudaDevice
+from tinyvllm.gpu.graphs import CudaGraph
 from tinyvllm.gpu.kernels import KernelLibrary
 from tinyvllm.gpu.kv_cache import DeviceKVCache, num_blocks_to_allocate
-from tinyvllm.gpu.sampler import Sampler
-
-
-def _cuda():
-    """pycuda.driver, initialised, or a one-line error saying why the GPU cannot be used.
-    (A missing PyCUDA already fails the import of this module; make_runner reports that.)"""
-    import pycuda.driver as drv
-    try:
-        drv.init()
-        count = drv.Device.count()
-    except drv.Error as e:
-        raise GPUUnavailableError(f"no usable CUDA driver ({e}); use --device cpu") from None
-    if count == 0:
-        raise GPUUnavailableError("no CUDA device found; use --device cpu")
-    return drv
+from tinyvllm.gpu.ops import GpuOps
 
 
 class CudaRunner:
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig):
-        drv = _cuda()
         self.cfg, self.engine_cfg = config, engine_config
-        device = drv.Device(0)
-        self.device_name = device.name()
-        # The primary context can be pushed from whichever thread drives the engine (the
-        # server runs it on a background thread).
-        self.ctx = device.retain_primary_context()
-        self.ctx.push()
-        try:
+        self.device = CudaDevice()
+        self.device_name = self.device.name
+        with self.device.active():
             self.stream = drv.Stream()
-            self.kernels = KernelLibrary(self.stream)
+            self.kernels = KernelLibrary()
             self.dims = ArenaDims.from_configs(config, engine_config)
             self.arena = Arena(ArenaLayout.plan(self.dims))
-            self.weights, self._weights_allocation = upload_weights(config, weights)
+            self.weights = upload_weights(config, weights)
             self.blas = Cublas(self.stream.handle, int(self.arena.view("cublas_workspace")),
                                CUBLAS_WORKSPACE_BYTES)
-            free, total = drv.mem_get_info()
+            free, total = self.device.memory_info()
             self.num_kv_blocks = num_blocks_to_allocate(config, engine_config, free, total)
             self.kv_cache = DeviceKVCache(config, self.num_kv_blocks, engine_config.block_size)
-            num_sms = device.get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
-            self.model = LlamaModel(config, self.weights, self.arena, self.kv_cache, self.kernels,
-                                    self.blas, num_sms)
-            self.sampler = Sampler(self.kernels)
+            self.ops = GpuOps(self.kernels, self.stream, self.blas, self.device.num_sms)
+            self.model = LlamaModel(config, self.weights, self.arena, self.kv_cache, self.ops)
             self._block_tables_offset = self.arena.layout.inputs["block_tables"].offset
             self._block_tables_flat = self.arena.host_inputs_bytes[self._block_tables_offset:].view(np.int32)
-            self.graphs: dict[int, object] = {}
+            self.graphs: dict[int, CudaGraph] = {}
             self._graph_sizes: list[int] = []
             if not engine_config.enforce_eager:
                 self.capture_decode_graphs()
-        finally:
-            self.ctx.pop()
 
     # -- one step ----------------------------------------------------------------------------
     def _stage_inputs(self, batch: ForwardBatch, sampling: SamplingBatch | None, rows: int | None = None) -> StepShape:
@@ -119,15 +98,14 @@ class CudaRunner:
         """The device work of one step, as captured into a decode graph."""
         self.model.forward(step)
         v = self.arena.view
-        self.sampler.sample(v("logits"), step.num_seqs, self.cfg.vocab_size, v("temperature"),
-                            v("top_k"), v("top_p"), v("seeds"), v("steps"), v("sampled_ids"))
+        self.ops.sample(v("logits"), step.num_seqs, self.cfg.vocab_size, v("temperature"), v("top_k"),
+                        v("top_p"), v("seeds"), v("steps"), v("sampled_ids"))
 
     def execute(self, batch: ForwardBatch, sampling: SamplingBatch, replay: bool = True) -> np.ndarray:
         """Forward + sample; returns the int32 [S] next token of each sequence. Decode steps
         replay the smallest captured graph that holds the batch; replay=False runs the very
         same (padded) launches eagerly instead, which is how tests check the graphs."""
-        self.ctx.push()
-        try:
+        with self.device.active():
             S = batch.num_seqs
             graph_size = None if batch.is_prefill else self._graph_size_for(S)
             step = self._stage_inputs(batch, sampling, rows=graph_size)
@@ -138,8 +116,6 @@ class CudaRunner:
             self.arena.download_outputs(S * 4, self.stream)
             self.stream.synchronize()
             return self.arena.host("sampled_ids")[:S].copy()
-        finally:
-            self.ctx.pop()
 
     # -- CUDA graphs for decode ------------------------------------------------------------------
     def graph_batch_sizes(self) -> list[int]:
@@ -157,7 +133,6 @@ class CudaRunner:
     def capture_decode_graphs(self) -> None:
         """Capture one decode step per batch size. Each size runs once eagerly first, so that
         cuBLAS picks and loads its kernels outside the capture."""
-        from tinyvllm.gpu.graphs import CudaGraph
         for size in self.graph_batch_sizes():
             dummy = ForwardBatch.build([[0]] * size, [1] * size, [[0]] * size, self.engine_cfg.block_size,
                                        is_prefill=False)
@@ -173,13 +148,10 @@ class CudaRunner:
 
     def forward_logits(self, batch: ForwardBatch) -> np.ndarray:
         """Forward only; copies the fp32 logits [S, vocab] back (tests and debugging)."""
-        self.ctx.push()
-        try:
+        with self.device.active():
             step = self._stage_inputs(batch, None)
             self.model.forward(step)
             return self._copy_logits(step.num_seqs)
-        finally:
-            self.ctx.pop()
 
     def memory_report(self) -> str:
         """Everything this runner holds on the GPU: weights, the arena's memory map, the KV cache."""
@@ -194,14 +166,10 @@ class CudaRunner:
     def read_logits(self, num_seqs: int) -> np.ndarray:
         """The fp32 logits [num_seqs, vocab] of the last step (sampled rows hold the sampler's
         weights instead: it works in place)."""
-        self.ctx.push()
-        try:
+        with self.device.active():
             return self._copy_logits(num_seqs)
-        finally:
-            self.ctx.pop()
 
     def _copy_logits(self, num_seqs: int) -> np.ndarray:
-        import pycuda.driver as drv
         self.stream.synchronize()
         out = np.empty((num_seqs, self.cfg.vocab_size), np.float32)
         drv.memcpy_dtoh(out, int(self.arena.view("logits")))
@@ -212,15 +180,12 @@ class CudaRunner:
         arena), so another user of the device — say a baseline in the same process — gets it."""
         if getattr(self, "blas", None) is None:
             return
-        self.ctx.push()
-        try:
+        with self.device.active():
             for graph in self.graphs.values():
                 graph.close()
             self.graphs, self._graph_sizes = {}, []
             self.blas.close()
             self.blas = None
             self.stream.synchronize()
-            for allocation in (self.kv_cache._allocation, self._weights_allocation, self.arena._allocation):
-                allocation.free()
-        finally:
-            self.ctx.pop()
+            for owner in (self.kv_cache, self.weights, self.arena):
+                owner.free()

@@ -1,18 +1,18 @@
 """Weights on the GPU: uploaded once, into one allocation, in the layout the forward pass wants.
 
-Two fusions happen here, at load: q/k/v projections are concatenated along the output dimension
-into one [q + 2kv, hidden] matrix, and gate/up into one [2 * inter, hidden] matrix, so each layer
-runs two GEMMs where HF runs five. Tied checkpoints point the LM head at the embedding table.
+The per-layer matrices are the fused ones of checkpoint/weight_names.py (q/k/v and gate/up
+concatenated: two projections per layer where HF runs five). Tied checkpoints point the LM head
+at the embedding table instead of uploading it twice.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import ml_dtypes
 
-from tinyvllm.config import ModelConfig
-from tinyvllm.reference.kernels import rope_inv_freq
+from tinyvllm.checkpoint import weight_names as names
+from tinyvllm.config import ModelConfig, rope_inv_freq
 from tinyvllm.gpu.arena import round_up
 
 
@@ -34,6 +34,10 @@ class DeviceWeights:
     rope_inv_freq: int   # float32 [head_dim / 2]
     layers: tuple[LayerWeights, ...]
     nbytes: int
+    allocation: object = field(repr=False, compare=False)   # the one device allocation behind them
+
+    def free(self) -> None:
+        self.allocation.free()
 
 
 def device_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -50,38 +54,39 @@ def device_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def device_tensor_itemsize(key: str) -> int:
+    return 4 if key == "rope_inv_freq" else 2          # float32 frequencies, bf16 everything else
+
+
+def device_weight_bytes(config: ModelConfig) -> int:
+    """The size of the one weights allocation: every tensor, each start ALIGN-aligned."""
+    return sum(round_up(int(np.prod(s)) * device_tensor_itemsize(k)) for k, s in device_tensor_shapes(config).items())
+
+
 def _host_tensor(key: str, config: ModelConfig, w: dict[str, np.ndarray]) -> np.ndarray:
-    """The host array for one device tensor; fused matrices are concatenated here, one at a
-    time, so at most one layer's worth of extra host memory exists."""
+    """The host array for one device tensor (a device_tensor_shapes key)."""
     if key == "rope_inv_freq":
         return rope_inv_freq(config)             # float32: angles need the precision
-    if key in ("embed", "final_norm", "lm_head"):
-        name = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
-                "lm_head": "lm_head.weight"}[key]
-        return w[name]
+    if key in ("embed", "final_norm"):
+        return w[names.EMBED if key == "embed" else names.FINAL_NORM]
+    if key == "lm_head":
+        return names.lm_head(w, config)
     layer, part = key.split(".")
-    p = f"model.layers.{layer}."
-    if part == "qkv":
-        return np.concatenate([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], axis=0)
-    if part == "gate_up":
-        return np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], axis=0)
-    return w[p + {"input_norm": "input_layernorm.weight", "o": "self_attn.o_proj.weight",
-                  "post_norm": "post_attention_layernorm.weight", "down": "mlp.down_proj.weight"}[part]]
+    return names.fused_layer(w, int(layer), part)
 
 
-def upload_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> tuple[DeviceWeights, object]:
-    """Copy the model to the GPU in one allocation. Returns the pointers and the allocation
-    object that owns the memory (keep it alive as long as the pointers are used)."""
+def upload_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> DeviceWeights:
+    """Copy the model to the GPU in one allocation; DeviceWeights holds the pointers and owns
+    the allocation (free() releases it)."""
     import pycuda.driver as drv
 
     shapes = device_tensor_shapes(config)
-    itemsize = {k: 4 if k == "rope_inv_freq" else 2 for k in shapes}
-    total = sum(round_up(int(np.prod(s)) * itemsize[k]) for k, s in shapes.items())
+    total = device_weight_bytes(config)
     allocation = drv.mem_alloc(total)
     ptrs, offset = {}, int(allocation)
     for key, shape in shapes.items():
         arr = _host_tensor(key, config, weights)
-        dtype = np.float32 if itemsize[key] == 4 else ml_dtypes.bfloat16
+        dtype = np.float32 if device_tensor_itemsize(key) == 4 else ml_dtypes.bfloat16
         arr = np.ascontiguousarray(arr, dtype=dtype)
         assert arr.shape == shape, (key, arr.shape, shape)
         drv.memcpy_htod(offset, arr)
@@ -91,4 +96,5 @@ def upload_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> tuple
                    for n in range(config.num_hidden_layers))
     return DeviceWeights(embed=ptrs["embed"], final_norm=ptrs["final_norm"],
                          lm_head=ptrs.get("lm_head", ptrs["embed"]),
-                         rope_inv_freq=ptrs["rope_inv_freq"], layers=layers, nbytes=total), allocation
+                         rope_inv_freq=ptrs["rope_inv_freq"], layers=layers, nbytes=total,
+                         allocation=allocation)

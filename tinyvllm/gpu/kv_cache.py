@@ -44,6 +44,9 @@ class DeviceKVCache:
         self._allocation = drv.mem_alloc(self.nbytes)
         self.base = int(self._allocation)
 
+    def free(self) -> None:
+        self._allocation.free()
+
     def k(self, layer: int) -> int:
         return self.base + layer * self.layer_stride
 

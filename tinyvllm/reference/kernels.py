@@ -15,7 +15,6 @@ import ml_dtypes
 import numpy as np
 
 from tinyvllm.engine.batch import ForwardBatch
-from tinyvllm.config import ModelConfig
 
 
 def bf16_round(x: np.ndarray) -> np.ndarray:
@@ -34,34 +33,16 @@ def embedding(token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
     return as_f32(table[np.asarray(token_ids, np.int64)])
 
 
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Y[m, n] = X[m, k] @ W[n, k]^T, W as HF stores it [out, in] (gpu/ops.py's linear())."""
+    return as_f32(x) @ as_f32(w).T
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * weight over the last axis, in float32."""
     x = as_f32(x)
     mean_square = np.mean(x * x, axis=-1, keepdims=True)
     return x / np.sqrt(mean_square + np.float32(eps)) * as_f32(weight)
-
-
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """[D/2] float32 rotation frequencies, with Llama 3's scaling when the config asks for it.
-
-    Llama 3 stretches the context by slowing the low frequencies only: a pair whose wavelength
-    is longer than the original context / low_freq_factor is divided by `factor`, a pair whose
-    wavelength is shorter than original / high_freq_factor is kept, and the band between them
-    blends the two linearly in (original context / wavelength)."""
-    d = config.head_dim
-    freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    rs = config.rope_scaling
-    if rs is None:
-        return freq.astype(np.float32)
-    original = rs.original_max_position_embeddings
-    wavelen = 2 * math.pi / freq
-    # 0 at the low-frequency edge of the band, 1 at the high-frequency edge
-    blend = (original / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
-    blend = np.clip(blend, 0.0, 1.0)
-    scaled = (1 - blend) * freq / rs.factor + blend * freq
-    scaled = np.where(wavelen > original / rs.low_freq_factor, freq / rs.factor, scaled)
-    scaled = np.where(wavelen < original / rs.high_freq_factor, freq, scaled)
-    return scaled.astype(np.float32)
 
 
 def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
@@ -99,7 +80,7 @@ def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndar
 def gather_kv(cache: np.ndarray, block_table: np.ndarray, context_len: int) -> np.ndarray:
     """One sequence's first `context_len` positions out of a paged cache -> [context_len, Hkv, D]."""
     block_size = cache.shape[1]
-    blocks = np.asarray(block_table[: -(-context_len // block_size)], np.int64)
+    blocks = np.asarray(block_table[: math.ceil(context_len / block_size)], np.int64)
     return cache[blocks].reshape(-1, *cache.shape[2:])[:context_len]
 
 

@@ -6,10 +6,12 @@ import math
 
 import numpy as np
 
-from tinyvllm.config import ModelConfig
+from tinyvllm.checkpoint import weight_names as names
+from tinyvllm.config import ModelConfig, rope_inv_freq
 from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.reference.kernels import (causal_gqa_attention, as_f32, apply_rope, bf16_round, embedding,
-                                        paged_attention, rms_norm, rope_inv_freq, silu_mul, write_kv)
+                                        linear, paged_attention, rms_norm, silu_mul, write_kv)
+
 
 class ReferenceModel:
     """Llama forward pass in float32 numpy over a paged KV cache (and a dense twin for tests)."""
@@ -17,25 +19,22 @@ class ReferenceModel:
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], round_bf16: bool = False):
         self.config = config
         self.round = bf16_round if round_bf16 else (lambda x: x)
-        self.embed = as_f32(weights["model.embed_tokens.weight"])
-        self.lm_head = self.embed if config.tie_word_embeddings else as_f32(weights["lm_head.weight"])
-        self.final_norm = as_f32(weights["model.norm.weight"])
-        self.layers = [self._layer_weights(weights, f"model.layers.{i}.")
-                       for i in range(config.num_hidden_layers)]
+        self.embed = as_f32(weights[names.EMBED])
+        self.lm_head = as_f32(names.lm_head(weights, config))
+        self.final_norm = as_f32(weights[names.FINAL_NORM])
+        self.layers = [{part: as_f32(names.fused_layer(weights, layer, part)) for part in names.LAYER_PARTS}
+                       for layer in range(config.num_hidden_layers)]
         self.inv_freq = rope_inv_freq(config)
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        # observer(twin_name, args, out): told of every twin call after it returns (tinyvllm/trace.py
+        # prints them); None (the default) costs one attribute test per call
+        self.observer = None
 
-    @staticmethod
-    def _layer_weights(w: dict, p: str) -> dict:
-        # q/k/v and gate/up are concatenated so each costs one matmul, as on the GPU
-        return {
-            "input_norm": as_f32(w[p + "input_layernorm.weight"]),
-            "qkv": as_f32(np.concatenate([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])),
-            "o": as_f32(w[p + "self_attn.o_proj.weight"]),
-            "post_norm": as_f32(w[p + "post_attention_layernorm.weight"]),
-            "gate_up": as_f32(np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
-            "down": as_f32(w[p + "mlp.down_proj.weight"]),
-        }
+    def _twin(self, name: str, fn, *args):
+        out = fn(*args)
+        if self.observer is not None:
+            self.observer(name, args, out)
+        return out
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> np.ndarray:
         c = self.config
@@ -47,42 +46,46 @@ class ReferenceModel:
         sequence's last new token."""
         def attend(layer, q, k, v):
             k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
-            write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-            return paged_attention(q, k_cache, v_cache, batch, self.scale)
+            self._twin("write_kv", write_kv, k_cache, v_cache, k, v, batch.slot_mapping)
+            return self._twin("paged_attention", paged_attention, q, k_cache, v_cache, batch, self.scale)
 
         hidden = self._run_layers(batch.token_ids, batch.positions, attend)
         return self._logits(hidden[batch.last_token_indices])
 
     def forward_full(self, token_ids) -> np.ndarray:
         """Dense recompute of one sequence without any cache: -> [T, V] logits of every token."""
+        return self._logits(self.hidden_full(token_ids))
+
+    def hidden_full(self, token_ids) -> np.ndarray:
+        """forward_full's final-normed hidden states [T, H] (the LM head's input)."""
         token_ids = np.asarray(token_ids, np.int32)
         positions = np.arange(len(token_ids))
 
         def attend(layer, q, k, v):
             return causal_gqa_attention(q, k, v, positions, self.scale)
 
-        return self._logits(self._run_layers(token_ids, positions, attend))
+        return self._run_layers(token_ids, positions, attend)
 
     def _run_layers(self, token_ids, positions, attend) -> np.ndarray:
-        c, r = self.config, self.round
+        c, r, op = self.config, self.round, self._twin
         t = len(token_ids)
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        hidden = r(embedding(token_ids, self.embed))                    # the residual stream
+        hidden = r(op("embedding", embedding, token_ids, self.embed))        # the residual stream
         for i, w in enumerate(self.layers):
-            x = r(rms_norm(hidden, w["input_norm"], c.rms_norm_eps))
-            qkv = r(x @ w["qkv"].T)
+            x = r(op("rms_norm", rms_norm, hidden, w["input_norm"], c.rms_norm_eps))
+            qkv = r(op("linear", linear, x, w["qkv"]))
             q, k, v = np.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=1)
-            q = r(apply_rope(q.reshape(t, hq, d), positions, self.inv_freq))
-            k = r(apply_rope(k.reshape(t, hkv, d), positions, self.inv_freq))
+            q = r(op("apply_rope", apply_rope, q.reshape(t, hq, d), positions, self.inv_freq))
+            k = r(op("apply_rope", apply_rope, k.reshape(t, hkv, d), positions, self.inv_freq))
             attn = r(attend(i, q, k, v.reshape(t, hkv, d)))
-            hidden = r(hidden + attn.reshape(t, c.q_size) @ w["o"].T)
-            x = r(rms_norm(hidden, w["post_norm"], c.rms_norm_eps))
-            gate, up = np.split(r(x @ w["gate_up"].T), 2, axis=1)
-            hidden = r(hidden + r(silu_mul(gate, up)) @ w["down"].T)
-        return r(rms_norm(hidden, self.final_norm, c.rms_norm_eps))
+            hidden = r(hidden + op("linear", linear, attn.reshape(t, c.q_size), w["o"]))
+            x = r(op("rms_norm", rms_norm, hidden, w["post_norm"], c.rms_norm_eps))
+            gate, up = np.split(r(op("linear", linear, x, w["gate_up"])), 2, axis=1)
+            hidden = r(hidden + op("linear", linear, r(op("silu_mul", silu_mul, gate, up)), w["down"]))
+        return r(op("rms_norm", rms_norm, hidden, self.final_norm, c.rms_norm_eps))
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(hidden @ self.lm_head.T, dtype=np.float32)
+        return np.ascontiguousarray(self._twin("linear", linear, hidden, self.lm_head), dtype=np.float32)
 
     def greedy_generate(self, prompt_ids, max_new_tokens: int, stop_token_ids=(),
                         block_size: int = 16) -> list[int]:
@@ -90,7 +93,7 @@ class ReferenceModel:
         sampling. Stops early only at a token in stop_token_ids. -> the new tokens."""
         prompt = [int(t) for t in prompt_ids]
         total = len(prompt) + max_new_tokens
-        num_blocks = -(-total // block_size)
+        num_blocks = math.ceil(total / block_size)
         # a scrambled block table, so that paging bugs cannot hide behind an identity mapping
         table = list(np.random.default_rng(0).permutation(num_blocks))
         cache = self.new_kv_cache(num_blocks, block_size)

@@ -26,7 +26,7 @@
 //   grid.x  = ceil(n / 16): a CTA owns the 16 outputs n0 .. n0 + 15 of every x row (one mma tile).
 //   block.x = 32 * kw, kw in 1..32 warps that split K (split-K inside the CTA). The K range is
 //             cut into 32-wide steps; warp w walks steps [w*S/kw, (w+1)*S/kw), S = ceil(k/32),
-//             kUnroll = 4 steps (8 16-byte W loads per lane) in flight at a time.
+//             UNROLL = 4 steps (8 16-byte W loads per lane) in flight at a time.
 //   shared  = kw * 512 bytes: each warp's 8 x 16 fp32 partial tile; after one __syncthreads the
 //             first 16*m threads sum the kw partials of one output each and write it.
 // Registers: 8 W uint4 + 4 X uint4 in flight + 4 accumulators; __launch_bounds__(1024) caps the
@@ -43,17 +43,17 @@
 // PDL-ready: the kernel executes griddepcontrol.wait after issuing its first W loads and before
 // it touches X or Y. That is a no-op for an ordinary launch; under programmatic dependent launch
 // the weight stream starts while the previous kernel (which produces X) is still finishing.
-// (It never calls griddepcontrol.launch_dependents: a dependent starts when this grid is done.)
+// It calls allow_consumer() first thing, so the next kernel can be resident before this one ends.
 // -DGEMV_L2_PREFETCH=1 adds the .L2::256B prefetch hint to the W loads (benchmarks/gemv_bench.py
 // compares both; the default build has no hint).
 #include "common.cuh"
 
 namespace {
 
-constexpr int kRowsPerCta = 16;   // W rows (outputs n) per CTA: the M of one m16n8k16 tile
-constexpr int kStepK = 32;        // k per warp step: 4 lanes x 8 bf16 per W row
-constexpr int kUnroll = 4;        // steps in flight per warp: 8 x 16-byte W loads per lane
-constexpr int kMaxWarps = 32;
+constexpr int ROWS_PER_CTA = 16;   // W rows (outputs n) per CTA: the M of one m16n8k16 tile
+constexpr int STEP_K = 32;        // k per warp step: 4 lanes x 8 bf16 per W row
+constexpr int UNROLL = 4;        // steps in flight per warp: 8 x 16-byte W loads per lane
+constexpr int MAX_K_WARPS = 32;
 
 #ifndef GEMV_L2_PREFETCH
 #define GEMV_L2_PREFETCH 0
@@ -82,12 +82,6 @@ __device__ __forceinline__ uint4 load_cached(const bf16* p) {
     return v;
 }
 
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // c += A * B, A = {a0, a1, a2, a3} (16 x 16 bf16), B = {b0, b1} (16 x 8 bf16), c: 16 x 8 fp32.
 __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                          uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -101,14 +95,15 @@ __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, u
 
 // y: [m, n] bf16 (out_f32 = 0) or fp32 (out_f32 = 1), row stride n; x: [m, k] bf16; w: [n, k] bf16.
 // accumulate = 1: y += x @ w^T (fp32 sum of the old value and the product, rounded once).
-extern "C" __global__ void __launch_bounds__(kMaxWarps * 32)
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_bf16(void* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
           int m, int n, int k, int out_f32, int accumulate) {
     extern __shared__ float partial[];   // [warps][8 rows of x][16 columns of the CTA]
+    allow_consumer();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * kRowsPerCta;
-    const int steps = (k + kStepK - 1) / kStepK;
+    const int n0 = blockIdx.x * ROWS_PER_CTA;
+    const int steps = (k + STEP_K - 1) / STEP_K;
     // k < 2^26 (checked in Python), so steps * warps < 2^26 fits an int.
     const int s_begin = warp * steps / warps, s_end = (warp + 1) * steps / warps;
 
@@ -120,47 +115,47 @@ gemv_bf16(void* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
     const bf16* xr = x + (size_t)(x_ok ? g : 0) * k + 8 * t;
 
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s0 = s_begin; s0 < s_end; s0 += kUnroll) {
-        uint4 wv0[kUnroll], wv1[kUnroll], xv[kUnroll];
+    for (int s0 = s_begin; s0 < s_end; s0 += UNROLL) {
+        uint4 wv0[UNROLL], wv1[UNROLL], xv[UNROLL];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int kk = (s0 + u) * kStepK;
+        for (int u = 0; u < UNROLL; ++u) {
+            const int kk = (s0 + u) * STEP_K;
             const bool in = s0 + u < s_end && kk + 8 * t < k;
             wv0[u] = wv1[u] = make_uint4(0u, 0u, 0u, 0u);
             if (in && w_ok0) wv0[u] = load_stream(w0 + kk);
             if (in && w_ok1) wv1[u] = load_stream(w1 + kk);
         }
-        if (s0 == s_begin) grid_dependency_wait();   // X is the previous kernel's output
+        if (s0 == s_begin) wait_for_producer();   // X is the previous kernel's output
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-            const int kk = (s0 + u) * kStepK;
+        for (int u = 0; u < UNROLL; ++u) {
+            const int kk = (s0 + u) * STEP_K;
             const bool in = s0 + u < s_end && kk + 8 * t < k;
             xv[u] = make_uint4(0u, 0u, 0u, 0u);
             if (in && x_ok) xv[u] = load_cached(xr + kk);
         }
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             mma_bf16(acc, wv0[u].x, wv1[u].x, wv0[u].y, wv1[u].y, xv[u].x, xv[u].y);
             mma_bf16(acc, wv0[u].z, wv1[u].z, wv0[u].w, wv1[u].w, xv[u].z, xv[u].w);
         }
     }
-    grid_dependency_wait();   // warps without steps: Y is read/written below
+    wait_for_producer();   // warps without steps: Y is read/written below
 
     // Lane (g, t) holds Y[2t][n0+g], Y[2t+1][n0+g], Y[2t][n0+8+g], Y[2t+1][n0+8+g] (this warp's
     // share of K); partial[warp][row][column] with row = x row, column = n - n0.
-    float* mine = partial + warp * (8 * kRowsPerCta) + 2 * t * kRowsPerCta + g;
+    float* mine = partial + warp * (8 * ROWS_PER_CTA) + 2 * t * ROWS_PER_CTA + g;
     mine[0] = acc[0];
-    mine[kRowsPerCta] = acc[1];
+    mine[ROWS_PER_CTA] = acc[1];
     mine[8] = acc[2];
-    mine[kRowsPerCta + 8] = acc[3];
+    mine[ROWS_PER_CTA + 8] = acc[3];
     __syncthreads();
 
     const int rows = m < 8 ? m : 8;   // m <= 8 is checked in Python; never read past the tile
-    for (int i = threadIdx.x; i < rows * kRowsPerCta; i += blockDim.x) {
-        const int row = i / kRowsPerCta, col = n0 + i % kRowsPerCta;
+    for (int i = threadIdx.x; i < rows * ROWS_PER_CTA; i += blockDim.x) {
+        const int row = i / ROWS_PER_CTA, col = n0 + i % ROWS_PER_CTA;
         if (col >= n) continue;
         float sum = 0.f;
-        for (int v = 0; v < warps; ++v) sum += partial[v * (8 * kRowsPerCta) + i];
+        for (int v = 0; v < warps; ++v) sum += partial[v * (8 * ROWS_PER_CTA) + i];
         const size_t at = (size_t)row * n + col;
         if (out_f32) {
             float* yf = static_cast<float*>(y);

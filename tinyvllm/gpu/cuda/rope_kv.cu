@@ -6,11 +6,15 @@
 // Launch: one block per token, threads over (head, pair) and then over the v row.
 #include "common.cuh"
 
-extern "C" __global__ void rope_write_kv(bf16* __restrict__ qkv, bf16* __restrict__ k_cache,
+constexpr int THREADS = 256;   // block size (gpu/ops.py launches with it)
+
+extern "C" __global__ void __launch_bounds__(THREADS) rope_write_kv(bf16* __restrict__ qkv, bf16* __restrict__ k_cache,
                                          bf16* __restrict__ v_cache, const int* __restrict__ positions,
                                          const int* __restrict__ slot_mapping,
                                          const float* __restrict__ inv_freq, int num_tokens,
                                          int num_q_heads, int num_kv_heads, int head_dim) {
+    wait_for_producer();
+    allow_consumer();
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
     const int half = head_dim / 2;

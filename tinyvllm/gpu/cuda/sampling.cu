@@ -1,5 +1,5 @@
 // Sampling: one thread block per sequence turns a row of fp32 logits into one token id.
-// The algorithm is defined in tinyvllm/sampling.py (module docstring); this file is its CUDA
+// The algorithm is defined in tinyvllm/reference/sampling.py (module docstring); this file is its CUDA
 // twin, written op for op so that both pick the same token.
 //
 // Launch: grid = (num_seqs), block = (SAMPLE_THREADS = 1024), no dynamic shared memory.
@@ -12,12 +12,12 @@
 //      the one thread whose chunk holds the draw walks it.
 // No sort, no atomics on floats: all sums are of uint64 masses, so the result does not depend
 // on the order of additions and the kernel is deterministic.
-#include <stdint.h>
+#include "common.cuh"
 
-#define SAMPLE_THREADS 1024
-#define NUM_WARPS (SAMPLE_THREADS / 32)
-#define FULL_MASK 0xffffffffu
-#define MASS_SCALE 1099511627776.0f   // 2^40
+constexpr int SAMPLE_THREADS = 1024;
+constexpr int NUM_WARPS = SAMPLE_THREADS / 32;
+constexpr unsigned FULL_MASK = 0xffffffffu;
+constexpr float MASS_SCALE = 1099511627776.0f;   // 2^40
 
 typedef unsigned long long u64;
 
@@ -191,6 +191,8 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
               const int* __restrict__ step,           // [num_seqs]; tokens generated so far
               int* __restrict__ out)                  // [num_seqs] sampled token ids
 {
+    wait_for_producer();   // the logits are the LM head's output
+    allow_consumer();
     __shared__ Scratch s;
     const int row = blockIdx.x;
     float* x = logits + (size_t)row * vocab;

@@ -1,0 +1,39 @@
+"""The kernel facts Python reads from the .cu sources (gpu/kernels.py), checked without a GPU:
+every kernel's signature parses, the launch constants the launchers use exist, and every kernel
+in gpu/cuda/ has a launcher in gpu/ops.py."""
+from __future__ import annotations
+
+import inspect
+import re
+
+from tinyvllm.gpu import ops
+from tinyvllm.gpu.kernels import CUDA_DIR, kernel_constants, kernel_signatures
+
+
+def test_signatures_match_the_c_parameter_lists():
+    assert kernel_signatures("rmsnorm.cu") == {"rms_norm": "PPPPiif"}
+    assert kernel_signatures("sampling.cu") == {"sample_tokens": "PiPPPPPP"}    # comments inside the list
+    (pattern, sig), = kernel_signatures("attention_decode.cu").items()          # a macro-made family
+    assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiif"
+
+
+def test_constants_are_read_with_their_dependencies():
+    decode = kernel_constants("attention_decode.cu")
+    assert decode["WARPS"] == decode["THREADS"] // 32
+    prefill = kernel_constants("attention_prefill.cu")     # 16 query rows (one mma M) per warp
+    assert prefill["THREADS"] == 32 * prefill["WARPS"] and prefill["BLOCK_Q"] == 16 * prefill["WARPS"]
+    assert kernel_constants("sampling.cu")["NUM_WARPS"] == kernel_constants("sampling.cu")["SAMPLE_THREADS"] // 32
+    for table, names in ((ops.EMBEDDING, ["THREADS"]), (ops.RMS_NORM, ["THREADS"]), (ops.ROPE, ["THREADS"]),
+                         (ops.SILU, ["THREADS"]), (ops.PREFILL, ["BLOCK_Q", "THREADS"]), (ops.DECODE, ["THREADS"]),
+                         (ops.GEMV, ["ROWS_PER_CTA", "STEP_K", "UNROLL", "MAX_K_WARPS"]),
+                         (ops.SAMPLING, ["SAMPLE_THREADS"])):
+        for name in names:
+            assert isinstance(table[name], int) and table[name] > 0, name
+
+
+def test_every_kernel_has_a_launcher():
+    launcher_source = inspect.getsource(ops.GpuOps)
+    for path in sorted(CUDA_DIR.glob("*.cu")):
+        for name in kernel_signatures(path.name):
+            stem = name.strip("^$").split("_d\\w+")[0]       # attention_decode_d\w+_g\w+ -> attention_decode
+            assert f'"{stem}' in launcher_source, f"{path.name}: kernel {name} has no launcher in gpu/ops.py"

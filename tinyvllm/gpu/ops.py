@@ -1,0 +1,223 @@
+"""One typed launcher per CUDA kernel: what the model, the GPU tests and the benchmarks call.
+
+Each launcher owns its kernel's launch geometry, computed from the constants its .cu file
+defines (read by gpu/kernels.py, never copied), and passes the arguments in the kernel's own
+order; the argument types come from the kernel's C signature. Every launch goes through
+`GpuOps._launch` and every projection through `linear()`: an `observer` set on GpuOps sees each
+op once, in order, with a callable that repeats it (benchmarks/decode_profile.py times ops so).
+
+    kernel (gpu/cuda/)                 launcher              numpy twin (tinyvllm/reference/)    GPU test (tests/)
+    embedding.cu      embedding_gather embedding()           kernels.embedding                  test_gpu_kernels::test_embedding_gather
+    rmsnorm.cu        rms_norm         rms_norm()            kernels.rms_norm                   test_gpu_kernels::test_rms_norm
+    rope_kv.cu        rope_write_kv    rope_write_kv()       kernels.apply_rope + write_kv      test_gpu_kernels::test_rope_write_kv
+    attention_prefill attention_prefill_d{64,128}  attention_prefill()  kernels.paged_attention  test_gpu_kernels::test_attention_prefill
+    attention_decode  attention_decode_d{64,128}_g{G}  attention_decode()  kernels.paged_attention  test_gpu_kernels::test_attention_decode
+    activation.cu     silu_mul         silu_mul()            kernels.silu_mul                   test_gpu_kernels::test_silu_mul
+    gemv.cu           gemv_bf16        gemv() (via linear()) X @ W^T in numpy                   test_gpu_gemv
+    sampling.cu       sample_tokens    sample()              sampling.sample                    test_gpu_sampling
+    (cuBLAS)          cublasGemmEx     linear()              X @ W^T in numpy                   test_gpu_kernels::test_linear
+
+`linear()` is THE projection: Y[m, n] (+)= X[m, k] @ W[n, k]^T, on our GEMV for decode batches of
+at most GEMV_MAX_ROWS rows (cuBLAS reads small matrices at 1.7-2.5 TB/s at M <= 8; the GEMV
+streams them at 3.5+), else on cuBLAS (gpu/cublas.py has the row-major/column-major derivation).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+from tinyvllm.gpu.kernels import KernelLibrary, kernel_constants
+
+EMBEDDING = kernel_constants("embedding.cu")
+RMS_NORM = kernel_constants("rmsnorm.cu")
+ROPE = kernel_constants("rope_kv.cu")
+SILU = kernel_constants("activation.cu")
+PREFILL = kernel_constants("attention_prefill.cu")
+DECODE = kernel_constants("attention_decode.cu")
+GEMV = kernel_constants("gemv.cu")
+SAMPLING = kernel_constants("sampling.cu")
+
+DECODE_HEAD_DIMS, DECODE_GROUPS = (64, 128), (1, 2, 3, 4, 8)   # instantiated in attention_decode.cu
+PREFILL_HEAD_DIMS = (64, 128)                                  # instantiated in attention_prefill.cu
+MAX_DECODE_SPLITS = DECODE["MAX_SPLITS"]   # flash-decoding splits per sequence; the arena sizes its workspace by it
+GEMV_MAX_ROWS = 8            # the GEMV's m limit (x rows held in one m16n8k16 tile's n = 8)
+GEMV_MAX_K = 1 << 26         # its int step arithmetic (steps * warps) stays below 2^31
+GEMV_WARPS_PER_SM = 32       # residency at its 64 registers per thread
+# cuBLAS streams the 525 MB LM head at 4.1 TB/s, our GEMV at 3.8 (benchmarks/gemv_bench.py,
+# H200, 2026-12-02): the GEMV serves the per-layer projections only.
+GEMV_MAX_N = 32768
+OUT_DTYPES = {"bfloat16": 0, "float32": 1}
+
+
+def _dim3(d) -> tuple[int, int, int]:
+    d = (d,) if isinstance(d, int) else tuple(int(x) for x in d)
+    return d + (1,) * (3 - len(d))
+
+
+class GpuOps:
+    """The launchers, bound to one kernel library, stream, cuBLAS handle and SM count."""
+
+    def __init__(self, library: KernelLibrary, stream=None, blas=None, num_sms: int | None = None,
+                 use_gemv: bool | None = None, pdl: bool | None = None):
+        if num_sms is None:
+            import pycuda.driver as drv
+            num_sms = drv.Context.get_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
+        self.library, self.stream, self.blas, self.num_sms = library, stream, blas, int(num_sms)
+        # TINYVLLM_GEMV=0 sends every projection to cuBLAS (for comparisons)
+        self.use_gemv = os.environ.get("TINYVLLM_GEMV", "1") != "0" if use_gemv is None else use_gemv
+        # programmatic dependent launch of our kernels (gpu/kernels.py); TINYVLLM_PDL=0 turns it off
+        self.pdl = os.environ.get("TINYVLLM_PDL", "1") != "0" if pdl is None else pdl
+        self.stream_handle = stream.handle if stream is not None else 0
+        self._gemv_shapes: dict[tuple[int, int, int], tuple] = {}
+        # observer(op, repeat, details): called before each op with a zero-argument callable
+        # that enqueues the same op again; None (the default) costs one attribute test per op
+        self.observer = None
+        self._in_linear = False
+
+    def _launch(self, kernel: str, grid, block, *args, shared_bytes: int = 0) -> None:
+        fn, grid, block = self.library.function(kernel), _dim3(grid), _dim3(block)
+        if shared_bytes > fn.max_dynamic_shared_bytes:
+            # once per kernel and size, outside any capture (each graph's launches run eagerly first)
+            fn.set_max_dynamic_shared_bytes(shared_bytes)
+        launch = lambda: fn.launch(grid, block, self.stream_handle, args, shared_bytes, self.pdl)  # noqa: E731
+        if self.observer is not None and not self._in_linear:
+            self.observer(kernel, launch, {"grid": grid, "block": block, "args": args, "shared_bytes": shared_bytes})
+        launch()
+
+    # -- one launcher per kernel, in the order the model calls them ------------------------------
+    def embedding(self, out, table, token_ids, num_tokens: int, hidden: int, vocab_size: int) -> None:
+        """out[t] = table[token_ids[t]] (bf16 rows; an id outside the vocab gives a zero row)."""
+        self._launch("embedding_gather", num_tokens, EMBEDDING["THREADS"], out, table, token_ids,
+                     num_tokens, hidden, vocab_size)
+
+    def rms_norm(self, out, x, weight, num_rows: int, hidden: int, eps: float, rows=0) -> None:
+        """out[r] = RMSNorm(x[rows[r] if rows else r]) * weight; one block per output row."""
+        self._launch("rms_norm", num_rows, RMS_NORM["THREADS"], out, x, weight, rows, num_rows, hidden, eps)
+
+    def rope_write_kv(self, qkv, k_cache, v_cache, positions, slot_mapping, inv_freq, num_tokens: int,
+                      num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        """Rotate q and k in the fused qkv rows; write k and v to the paged cache at slot_mapping."""
+        self._launch("rope_write_kv", num_tokens, ROPE["THREADS"], qkv, k_cache, v_cache, positions,
+                     slot_mapping, inv_freq, num_tokens, num_q_heads, num_kv_heads, head_dim)
+
+    def attention_prefill(self, out, q, q_row_stride: int, k_cache, v_cache, block_tables,
+                          block_table_width, query_start, context_lens, *, num_seqs: int,
+                          max_query_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                          block_size: int, scale: float) -> None:
+        """Causal attention of each prompt token over its sequence's cached and new K/V, on the
+        tensor cores. Grid: (query heads, sequences, query tiles of BLOCK_Q rows), the kernel
+        walking the tiles last-first; THREADS (4 warps x 16 rows) per block, static shared memory."""
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"attention_prefill: block_size must be a power of two, got {block_size}")
+        grid = (num_q_heads, num_seqs, math.ceil(max_query_len / PREFILL["BLOCK_Q"]))
+        self._launch(f"attention_prefill_d{head_dim}", grid, PREFILL["THREADS"],
+                     out, q, q_row_stride, k_cache, v_cache, block_tables, block_table_width,
+                     query_start, context_lens, block_size, num_kv_heads, num_q_heads // num_kv_heads, scale)
+
+    def decode_splits(self, num_seqs: int, num_kv_heads: int) -> int:
+        """The most context splits a sequence may use: enough blocks to fill the GPU about twice.
+        It depends on the batch size only, so eager steps and graph replays run identical
+        launches (bit-identical results); the kernel itself uses fewer for short contexts
+        (one per MIN_SPLIT_TOKENS)."""
+        return max(1, min(math.ceil(2 * self.num_sms / (num_seqs * num_kv_heads)), MAX_DECODE_SPLITS))
+
+    def attention_decode(self, out, partial_out, partial_ml, split_counters, q, q_row_stride: int,
+                         k_cache, v_cache, block_tables, block_table_width, context_lens, *,
+                         num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                         block_size: int, scale: float, splits: int | None = None) -> None:
+        """One query token per sequence over its paged context, split over the context; the last
+        split to finish merges. Grid: (sequences x kv heads, 1, splits); one block per GQA group,
+        SMEM_BYTES_PER_DIM x head_dim bytes of dynamic shared memory (its cp.async rings)."""
+        splits = splits or self.decode_splits(num_seqs, num_kv_heads)
+        if not 1 <= splits <= MAX_DECODE_SPLITS:
+            raise ValueError(f"attention_decode: splits must be in 1..{MAX_DECODE_SPLITS}, got {splits}")
+        self._launch(f"attention_decode_d{head_dim}_g{num_q_heads // num_kv_heads}",
+                     (num_seqs * num_kv_heads, 1, splits), DECODE["THREADS"], out, partial_out, partial_ml,
+                     split_counters, q, q_row_stride, k_cache, v_cache, block_tables, block_table_width,
+                     context_lens, block_size, num_kv_heads, scale,
+                     shared_bytes=DECODE["SMEM_BYTES_PER_DIM"] * head_dim)
+
+    def silu_mul(self, out, gate_up, num_tokens: int, inter: int) -> None:
+        """out = silu(gate) * up over the fused gate_up rows; grid-stride, at most 4 waves."""
+        threads = SILU["THREADS"]
+        grid = min(num_tokens * inter // 8 // threads + 1, 4 * self.num_sms)
+        self._launch("silu_mul", grid, threads, out, gate_up, num_tokens, inter)
+
+    def sample(self, logits, num_seqs: int, vocab_size: int, temperature, top_k, top_p, seeds, steps,
+               out) -> None:
+        """One token id per row of fp32 logits (reference/sampling.py defines the algorithm).
+        Non-greedy rows' logits are overwritten with their sampling weights."""
+        if num_seqs:
+            self._launch("sample_tokens", num_seqs, SAMPLING["SAMPLE_THREADS"], logits, vocab_size,
+                         temperature, top_k, top_p, seeds, steps, out)
+
+    # -- projections -------------------------------------------------------------------------------
+    def linear(self, y, x, w, m: int, n: int, k: int, *, accumulate: bool = False,
+               out_dtype: str = "bfloat16") -> None:
+        """Y[m, n] (+)= X[m, k] @ W[n, k]^T, row-major, W as HF stores it [out, in]; accumulate
+        adds to Y (beta = 1: the fused residual add). The GEMV for small decode batches, else cuBLAS."""
+        on_gemv = self.use_gemv and n <= GEMV_MAX_N and self.gemv_supports(m, n, k)
+        if on_gemv:
+            run = lambda: self.gemv(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
+        else:
+            run = lambda: self.blas.matmul(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
+        if self.observer is not None:
+            self.observer(f"{'gemv' if on_gemv else 'cublas'} {n}x{k}", self._quietly(run),
+                          {"m": m, "n": n, "k": k, "accumulate": accumulate, "out_dtype": out_dtype,
+                           "y": y, "x": x, "w": w})
+        self._quietly(run)()
+
+    def _quietly(self, run):
+        """`run` with the observer told nothing of the kernels inside it (linear is one op)."""
+        def quiet():
+            self._in_linear = True
+            try:
+                run()
+            finally:
+                self._in_linear = False
+        return quiet
+
+    @staticmethod
+    def gemv_supports(m: int, n: int, k: int) -> bool:
+        return 1 <= m <= GEMV_MAX_ROWS and n >= 1 and 8 <= k < GEMV_MAX_K and k % 8 == 0
+
+    def gemv_k_warps(self, n: int, k: int) -> int:
+        """Warps per CTA splitting K: double while the grid stays within one full wave
+        (num_sms * 32 warps) and every warp keeps at least one full batch of UNROLL steps.
+        Llama-3.2-1B on 132 SMs: qkv, o -> 16; down -> 32; gate_up -> 4; lm_head -> 1."""
+        ctas, steps = math.ceil(n / GEMV["ROWS_PER_CTA"]), math.ceil(k / GEMV["STEP_K"])
+        kw = 1
+        while (kw < GEMV["MAX_K_WARPS"] and ctas * kw * 2 <= self.num_sms * GEMV_WARPS_PER_SM
+               and steps >= kw * 2 * GEMV["UNROLL"]):
+            kw *= 2
+        return kw
+
+    def gemv_launch_shape(self, n: int, k: int, k_warps: int | None = None) -> tuple:
+        """(grid, block, shared_bytes) for an [n, k] weight: one CTA per ROWS_PER_CTA outputs,
+        k_warps warps splitting K; cached, so a call costs a dict lookup."""
+        kw = k_warps or self.gemv_k_warps(n, k)
+        shape = self._gemv_shapes.get((n, k, kw))
+        if shape is None:
+            if not 1 <= kw <= GEMV["MAX_K_WARPS"]:
+                raise ValueError(f"k_warps must be in 1..{GEMV['MAX_K_WARPS']}, got {kw}")
+            rows = GEMV["ROWS_PER_CTA"]
+            shape = ((math.ceil(n / rows), 1, 1), (32 * kw, 1, 1), kw * 8 * rows * 4)
+            self._gemv_shapes[(n, k, kw)] = shape
+        return shape
+
+    def gemv(self, y, x, w, m: int, n: int, k: int, *, accumulate: bool = False,
+             out_dtype: str = "bfloat16", k_warps: int | None = None) -> None:
+        """linear()'s small-batch path: the same arguments and meaning as Cublas.matmul, for
+        1 <= m <= 8 and k % 8 == 0 with x and w 16-byte aligned. Streams W once with 16-byte
+        loads, maths on the tensor cores (gemv.cu's header has the layout)."""
+        if not self.gemv_supports(m, n, k):
+            raise ValueError(f"gemv: unsupported shape m={m}, n={n}, k={k} (needs 1 <= m <= {GEMV_MAX_ROWS}, "
+                             f"n >= 1, k % 8 == 0, 8 <= k < {GEMV_MAX_K}); use cuBLAS")
+        if out_dtype not in OUT_DTYPES:
+            raise ValueError(f"gemv: out_dtype must be one of {sorted(OUT_DTYPES)}, got {out_dtype!r}")
+        x_ptr, w_ptr = int(x), int(w)
+        if (x_ptr | w_ptr) & 15:
+            raise ValueError(f"gemv: x and w must be 16-byte aligned (x={x_ptr:#x}, w={w_ptr:#x})")
+        grid, block, shared = self.gemv_launch_shape(n, k, k_warps)
+        self._launch("gemv_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, OUT_DTYPES[out_dtype],
+                     int(accumulate), shared_bytes=shared)
