@@ -81,8 +81,11 @@ def build_tokenizer(meta: dict, source: str):
         if len(parts) != 2:
             raise ModelLoadError(f"{source}: malformed merge {m!r} in tokenizer.ggml.merges")
         pairs.append((parts[0], parts[1]))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, dropout=None, fuse_unk=False,
-                               continuing_subword_prefix="", end_of_word_suffix=""))
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, dropout=None, fuse_unk=False,
+                                   continuing_subword_prefix="", end_of_word_suffix=""))
+    except Exception as e:  # noqa: BLE001 — the Rust side raises a bare Exception
+        raise ModelLoadError(f"{source}: inconsistent vocabulary and merges ({e})") from None
     prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", False))
     split = PRE_TOKENIZERS[pre]
     if split is None:

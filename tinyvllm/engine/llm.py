@@ -14,9 +14,10 @@ from tinyvllm.errors import InvalidRequestError, TinyVLLMError
 
 
 class LLM:
-    """Offline generation: LLM(model_dir, **engine_options).generate(prompts, params)."""
+    """Offline generation: LLM(model_dir, **engine_options).generate(prompts, params).
+    LLM() with no model_dir runs the default model (SmolLM2-135M-Instruct)."""
 
-    def __init__(self, model_dir: str | Path, **engine_options):
+    def __init__(self, model_dir: str | Path | None = None, **engine_options):
         self.engine = LLMEngine(model_dir, **engine_options)
         self._next_id = 0
 
