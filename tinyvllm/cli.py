@@ -20,6 +20,7 @@ def _cmd_make_model(args) -> int:
 
 def _cmd_convert_gguf(args) -> int:
     import time
+
     from tinyvllm.checkpoint.gguf import convert_gguf
     start = time.perf_counter()
     path = convert_gguf(args.gguf, args.out)

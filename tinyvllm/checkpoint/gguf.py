@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from tinyvllm.checkpoint.weight_names import EMBED, FINAL_NORM, LM_HEAD, expected_shapes, layer_prefix
-from tinyvllm.checkpoint.weights import BF16, TensorSpec, write_safetensors, SINGLE_FILE
+from tinyvllm.checkpoint.weights import BF16, SINGLE_FILE, TensorSpec, write_safetensors
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError
 
