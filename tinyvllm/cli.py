@@ -18,6 +18,16 @@ def _cmd_make_model(args) -> int:
     return 0
 
 
+def _cmd_convert_gguf(args) -> int:
+    import time
+
+    from tinyvllm.checkpoint.gguf import convert_gguf
+    start = time.perf_counter()
+    path = convert_gguf(args.gguf, args.out)
+    print(f"converted {args.gguf} to {path} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 # EngineConfig fields settable from the command line; unset flags keep EngineConfig's defaults.
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine options")
@@ -156,18 +166,26 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tinyvllm.checkpoint.model_writer import PRESETS
+    from tinyvllm.checkpoint.default_model import DEFAULT_MODEL
+    from tinyvllm.checkpoint.model_writer import PRESET_NAMES
+    default_help = f"Hugging Face model directory (default: {DEFAULT_MODEL}, converted once)"
     p = _Parser(prog="tinyvllm", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    mm = sub.add_parser("make-model", help="write a random-weight Llama model in HF layout")
+    mm = sub.add_parser("make-model", help="write a random-weight Llama model in HF layout "
+                                           f"(or, --preset {DEFAULT_MODEL}, the real default model)")
     mm.add_argument("out", help="output directory")
-    mm.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    mm.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
     mm.add_argument("--seed", type=int, default=0)
     mm.set_defaults(func=_cmd_make_model)
 
+    cg = sub.add_parser("convert-gguf", help="convert a Llama GGUF file into a Hugging Face directory")
+    cg.add_argument("gguf", metavar="FILE.gguf")
+    cg.add_argument("out", metavar="OUT_DIR")
+    cg.set_defaults(func=_cmd_convert_gguf)
+
     gen = sub.add_parser("generate", help="generate text offline (continuous batching)")
-    gen.add_argument("--model", required=True, help="Hugging Face model directory")
+    gen.add_argument("--model", default=None, help=default_help)
     gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts (or use --file)")
     gen.add_argument("--file", help="a text file with one prompt per line")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
@@ -204,8 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="latency / batch64 / throughput benchmark (table + JSON)")
     which = bench.add_mutually_exclusive_group()
     which.add_argument("--model", default=None, help="model directory (default: --preset's)")
-    which.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.2-1b",
-                       help="random-weight model, written once under --model-cache")
+    which.add_argument("--preset", choices=PRESET_NAMES, default="llama-3.2-1b",
+                       help="random-weight model, written once under --model-cache; "
+                            f"{DEFAULT_MODEL}: the real default model")
     bench.add_argument("--model-cache", default="/tmp/tinyvllm-models", help="where presets go")
     bench.add_argument("--workload", choices=["latency", "throughput", "batch64", "all"], default="all")
     bench.add_argument("--json", default=None, metavar="OUT.json", help="write every number here")
@@ -224,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_cmd_bench)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs tinyvllm[server])")
-    sv.add_argument("--model", required=True, help="Hugging Face model directory")
+    sv.add_argument("--model", default=None, help=default_help)
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=os.environ.get("TINYVLLM_API_KEY"),

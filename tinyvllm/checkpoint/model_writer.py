@@ -27,6 +27,7 @@ import numpy as np
 from tinyvllm.checkpoint.chat_template import LLAMA32_INSTRUCT_FILE
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError, TinyVLLMError
+from tinyvllm.checkpoint.default_model import DEFAULT_MODEL, default_gguf_path
 from tinyvllm.checkpoint.weight_names import expected_shapes
 from tinyvllm.checkpoint.weights import BF16, INDEX_FILE, TensorSpec, write_checkpoint
 
@@ -71,6 +72,10 @@ PRESETS: dict[str, dict] = {
                             num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                             tie_word_embeddings=False, rope_factor=8.0),
 }
+
+
+# every name make-model --preset takes: the random-weight presets and the real default model
+PRESET_NAMES = (*sorted(PRESETS), DEFAULT_MODEL)
 
 
 def preset_config(preset: str) -> ModelConfig:
@@ -138,7 +143,11 @@ def write_tokenizer_files(out: Path, vocab_size: int, tokenizer_dir: Path | None
 
 def write_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0,
                 max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """Write a random-weight model of the preset's shape, loadable by tinyvllm and by HF."""
+    """Write a random-weight model of the preset's shape, loadable by tinyvllm and by HF; the
+    DEFAULT_MODEL preset is the real SmolLM2-135M-Instruct instead, converted from its GGUF."""
+    if preset == DEFAULT_MODEL:
+        from tinyvllm.checkpoint.gguf import convert_gguf
+        return convert_gguf(default_gguf_path(), out_dir)
     config = preset_config(preset)
     tokenizer_dir = tokenizer_source_dir()     # fail before writing gigabytes
     out = Path(out_dir)

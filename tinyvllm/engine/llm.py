@@ -14,11 +14,13 @@ from tinyvllm.errors import InvalidRequestError, TinyVLLMError
 
 
 class LLM:
-    """Offline generation: LLM(model_dir, **engine_options).generate(prompts, params)."""
+    """Offline generation: LLM(model_dir, **engine_options).generate(prompts, params).
+    LLM() with no model_dir runs the default model (SmolLM2-135M-Instruct)."""
 
-    def __init__(self, model_dir: str | Path, *, trace: bool | int = False, **engine_options):
-        """trace=True prints every kernel launch and cuBLAS call of the first TRACE_STEPS steps
-        (an int: of that many steps) to stderr; the same as engine option trace_steps."""
+    def __init__(self, model_dir: str | Path | None = None, *, trace: bool | int = False, **engine_options):
+        """model_dir None: the default model (checkpoint/default_model.py). trace=True prints
+        every kernel launch and cuBLAS call of the first TRACE_STEPS steps (an int: of that many
+        steps) to stderr; the same as engine option trace_steps."""
         if trace:
             from tinyvllm.trace import TRACE_STEPS
             engine_options.setdefault("trace_steps", TRACE_STEPS if trace is True else int(trace))

@@ -23,6 +23,7 @@ from tinyvllm.engine.sampling_params import SamplingParams
 from tinyvllm.engine.scheduler import Scheduler
 from tinyvllm.engine.outputs import RequestOutput
 from tinyvllm.engine.sequence import Sequence
+from tinyvllm.checkpoint.default_model import resolve_model_dir
 from tinyvllm.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyvllm.checkpoint.weights import load_weights
 
@@ -40,13 +41,15 @@ def make_engine_config(engine_config: EngineConfig | None, options: dict) -> Eng
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None, *,
+    def __init__(self, model_dir: str | Path | None = None, engine_config: EngineConfig | None = None, *,
                  runner: ModelRunner | None = None, chat_template: str | Path | None = None,
                  **engine_options):
-        """runner: a ready ModelRunner to use instead of loading the weights into a new one
-        (benchmarks and tests drive the real engine with a fake model this way).
-        chat_template: a template file or text replacing the model directory's own."""
+        """model_dir None: the default model (checkpoint/default_model.py). runner: a ready
+        ModelRunner to use instead of loading the weights into a new one (benchmarks and tests
+        drive the real engine with a fake model this way). chat_template: a template file or
+        text replacing the model directory's own."""
         self.engine_config = make_engine_config(engine_config, engine_options)
+        model_dir = resolve_model_dir(model_dir)
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir, self.model_config, chat_template)
         self.runner = runner or make_runner(self.model_config, load_weights(model_dir, self.model_config),
