@@ -3,11 +3,13 @@
 Every step is either ONE prefill batch or ONE decode step (never mixed), prefill first:
   prefill   admit waiting sequences in arrival order while they fit the token budget
             (max_num_batched_tokens), the sequence budget (max_num_seqs) and the free KV blocks.
+            A sequence whose prompt starts with cached blocks computes only the rest.
             A prompt longer than the whole token budget is prefilled in chunks, alone.
   decode    one new token for every running sequence, oldest first. When a sequence needs a
             block and none is free, the most recently admitted running sequence is preempted:
             its blocks are freed and it goes back to the FRONT of the waiting queue, to be
-            recomputed (prompt + generated tokens) by a later prefill. Sampling is counter based
+            recomputed (prompt + generated tokens) by a later prefill, from its blocks that
+            the prefix cache still holds (block_manager.py). Sampling is counter based
             (see sampling.py), so a preempted request still produces exactly the same tokens.
 Static scheduling (the comparison mode) admits a batch only when nothing is running, so each
 batch runs to completion before the next starts.
@@ -94,10 +96,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            remaining = seq.num_tokens - seq.num_cached_tokens
-            if (remaining > budget and seqs) or not self.block_manager.can_allocate(seq):
+            cached = self.block_manager.cached_prefix(seq)          # its prefix-cache hit, if new
+            remaining = seq.num_tokens - seq.num_cached_tokens - len(cached) * self.block_manager.block_size
+            if (remaining > budget and seqs) or not self.block_manager.can_allocate(seq, cached):
                 break
-            self.block_manager.allocate(seq)
+            self.block_manager.allocate(seq, cached)               # starts it after the cached tokens
             seq.num_scheduled_tokens = min(remaining, budget)
             budget -= seq.num_scheduled_tokens
             seqs.append(seq)
@@ -152,6 +155,9 @@ class Scheduler:
                 self.running.remove(seq)
                 self.block_manager.free(seq)
             updated.append(seq)
+        if batch.is_prefill:                  # publish the prompt blocks just computed
+            for seq in batch.seqs:
+                self.block_manager.publish(seq)
         return updated
 
     def _append_token(self, seq: Sequence, token: int) -> None:
