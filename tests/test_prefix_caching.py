@@ -208,6 +208,24 @@ def test_scheduler_outputs_are_exact_and_prefill_computes_less(num_blocks):
     assert (bm.num_evictions > 0) == (num_blocks < 400)
 
 
+def test_a_burst_sharing_a_prefix_computes_it_once():
+    """Requests that arrive together: the first computes the shared blocks, the rest wait one
+    step (not computing them too) and then take them from the cache."""
+    sched, bm, runner = setup(64, max_num_seqs=8, max_num_batched_tokens=200)
+    system = list(range(100, 120))                          # 5 full blocks
+    seqs = [make_seq(i, system + [500 + i, 600 + i], max_tokens=3) for i in range(5)]
+    unrelated = make_seq("other", [900, 901, 902, 903, 904], max_tokens=3)
+    for seq in [*seqs, unrelated]:
+        sched.add(seq)
+    while sched.has_unfinished():
+        step(sched, runner)
+    prefills = [(n, t) for is_prefill, n, t in runner.batches if is_prefill]
+    assert prefills == [(1, 22), (5, 4 * 2 + 5)]
+    assert [s.num_prefix_cached_tokens for s in seqs] == [0, 20, 20, 20, 20]
+    for seq in [*seqs, unrelated]:
+        assert seq.output_token_ids == alone(seq.prompt_token_ids, 3)
+
+
 def test_decode_blocks_are_published_so_a_follow_up_turn_hits_them():
     sched, bm, runner = setup(64)
     first = make_seq("turn1", range(1, 7), max_tokens=12)   # 6 + 12 tokens: 4 full blocks

@@ -182,13 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV cache size in blocks")
     gen.set_defaults(func=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="latency / batch64 / throughput benchmark (table + JSON)")
+    bench = sub.add_parser("bench", help="latency / batch64 / throughput / prefix benchmark (table + JSON)")
     which = bench.add_mutually_exclusive_group()
     which.add_argument("--model", default=None, help="model directory (default: --preset's)")
     which.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.2-1b",
                        help="random-weight model, written once under --model-cache")
     bench.add_argument("--model-cache", default="/tmp/tinyvllm-models", help="where presets go")
-    bench.add_argument("--workload", choices=["latency", "throughput", "batch64", "all"], default="all")
+    bench.add_argument("--workload", choices=["latency", "throughput", "batch64", "prefix", "all"], default="all")
     bench.add_argument("--json", default=None, metavar="OUT.json", help="write every number here")
     bench.add_argument("--compare-hf", action="store_true",
                        help="run the same workloads with HF transformers (needs torch, transformers)")

@@ -118,6 +118,13 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
+    def uncached_block_hashes(self, seq: Sequence, cached: list[int]) -> list[bytes]:
+        """The hashes of the full blocks a sequence without blocks would compute after its
+        `cached` ones (those its admission would publish); [] when it has blocks or caching is off."""
+        if not self.enable_caching or seq.block_table:
+            return []
+        return seq.block_hashes[len(cached):(seq.num_tokens - 1) // self.block_size]
+
     def publish(self, seq: Sequence) -> None:
         """Publish the sequence's full blocks whose K/V are computed (after each prefill step, when
         decode moves into a new block, and when the sequence lets its blocks go). A block whose
