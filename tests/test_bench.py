@@ -128,7 +128,8 @@ def test_shrunk_workloads_keep_their_shape():
     assert (batch64.num_requests, batch64.prompt_len) == (4, (12, 12))
     assert throughput.prompt_len == throughput.output_len == (4, 12)
     assert latency != WORKLOADS["latency"]
-    assert (prefix.num_requests, prefix.shared_prefix, prefix.prompt_len, prefix.output_len) == (4, 12, (4, 12), (12, 12))
+    assert (prefix.num_requests, prefix.shared_prefix, prefix.prompt_len, prefix.output_len) == \
+        (4, 12, (4, 12), (12, 12))
 
 
 def test_result_rates():
