@@ -27,6 +27,7 @@ class ServeOptions:
     engine_options: dict = field(default_factory=dict)   # EngineConfig fields
     log_level: str = "info"
     graceful_shutdown_s: float = 5.0
+    chat_template: str | None = None           # a template file instead of the model's own
 
 
 def is_loopback(host: str) -> bool:
@@ -54,7 +55,7 @@ def build_server(options: ServeOptions):
     from tinyvllm.server.app import ServerSettings, build_app
     from tinyvllm.server.engine_loop import EngineLoop
 
-    engine = LLMEngine(options.model, **options.engine_options)
+    engine = LLMEngine(options.model, chat_template=options.chat_template, **options.engine_options)
     settings = ServerSettings(model_name=options.served_model_name or options.model,
                               api_key=options.api_key)
     engine_loop = EngineLoop(engine)
