@@ -19,13 +19,21 @@ event): a minimal HTTP/1.1 client on asyncio protocols (keep-alive connections, 
 decoding and SSE splitting done in data_received, no task switch per read), and text chunks
 recognised without json.loads (the usage chunk, errors and anything unexpected still go through
 json.loads). --client-procs N splits the requests and the concurrency over N processes (forked
-after the warm-up) and merges their records, for servers faster than one client core."""
+after the warm-up) and merges their records, for servers faster than one client core.
+
+--shared-prefix-tokens N: chat-like traffic for the prefix cache. Every prompt is then token ids
+(ids in [1000, 10000), ordinary tokens of any vocabulary that large): one N-token "system
+prompt" shared by all requests, then --unique-tokens ids of the request's own. The warm-up
+sends the plain text prompts, so the measured run starts with nothing cached. The share of
+prompt tokens the server served from its cache is read from each stream's usage chunk
+(usage.prompt_tokens_details.cached_tokens, as OpenAI and vLLM report it) when it has one."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import ipaddress
 import json
+import random
 import re
 import sys
 import time
@@ -51,6 +59,8 @@ class RequestRecord:
     ttft_s: float | None = None
     latency_s: float | None = None
     completion_tokens: int = 0
+    prompt_tokens: int | None = None         # from the usage chunk
+    cached_tokens: int | None = None         # usage.prompt_tokens_details.cached_tokens, if sent
     inter_token_s: list[float] = field(default_factory=list)
 
 
@@ -388,11 +398,24 @@ class _StreamRecorder:
             else:
                 record.inter_token_s.append(now - self.last)
             self.last = now
-        if completion_tokens is not None:
+        if completion_tokens is not None:        # the usage chunk (once per stream): the rest of it
             record.completion_tokens = completion_tokens
+            usage = json.loads(payload)["usage"]
+            record.prompt_tokens = usage.get("prompt_tokens")
+            record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
-async def one_request(client: Client, model: str, prompt: str, args) -> RequestRecord:
+def make_prompts(args, first: int, count: int) -> list[str | list[int]]:
+    """The prompts of requests first .. first + count - 1 (made before the clock starts)."""
+    n = getattr(args, "shared_prefix_tokens", 0)
+    if not n:
+        return [PROMPTS[i % len(PROMPTS)] for i in range(first, first + count)]
+    system = random.Random(-1).choices(range(1000, 10000), k=n)
+    return [system + random.Random(i).choices(range(1000, 10000), k=args.unique_tokens)
+            for i in range(first, first + count)]
+
+
+async def one_request(client: Client, model: str, prompt: str | list[int], args) -> RequestRecord:
     record = RequestRecord()
     body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens,
             "temperature": args.temperature, "ignore_eos": True, "stream": True,
@@ -427,10 +450,11 @@ async def first_model(client: Client) -> str:
 async def _measured(args, model: str, first: int, count: int, concurrency: int):
     client = Client(args.url, args.api_key)
     gate = asyncio.Semaphore(concurrency)
+    prompts = make_prompts(args, first, count)
 
     async def gated(i: int) -> RequestRecord:
         async with gate:
-            return await one_request(client, model, PROMPTS[i % len(PROMPTS)], args)
+            return await one_request(client, model, prompts[i - first], args)
 
     try:
         tasks = [asyncio.ensure_future(gated(i)) for i in range(first, first + count)]
@@ -511,6 +535,8 @@ def summarize(records: list[RequestRecord], elapsed: float, args) -> dict:
     latency = [r.latency_s for r in ok]
     tokens = sum(r.completion_tokens for r in ok)
     errors = sorted({r.error for r in records if r.error})
+    reported = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
+    prompt_tokens = sum(r.prompt_tokens for r in reported)
     ms = lambda v: None if v is None else round(v * 1000, 2)  # noqa: E731
     return {
         "url": args.url, "num_requests": len(records), "concurrency": args.concurrency,
@@ -522,6 +548,10 @@ def summarize(records: list[RequestRecord], elapsed: float, args) -> dict:
         "ttft_ms": {"p50": ms(percentile(ttft, 50)), "p99": ms(percentile(ttft, 99))},
         "itl_ms": {"p50": ms(percentile(itl, 50)), "p99": ms(percentile(itl, 99))},
         "latency_ms": {"p50": ms(percentile(latency, 50)), "p99": ms(percentile(latency, 99))},
+        "shared_prefix_tokens": getattr(args, "shared_prefix_tokens", 0),
+        # over the requests whose usage reported cached tokens (None: the server reported none)
+        "prefix_cache_hit_rate": (round(sum(r.cached_tokens for r in reported) / prompt_tokens, 4)
+                                  if reported else None),
         "errors": errors[:10],
     }
 
@@ -537,6 +567,9 @@ def print_table(s: dict) -> None:
         ("ITL p50 / p99 (ms)", f"{s['itl_ms']['p50']} / {s['itl_ms']['p99']}"),
         ("latency p50 / p99 (ms)", f"{s['latency_ms']['p50']} / {s['latency_ms']['p99']}"),
     ]
+    if s["shared_prefix_tokens"]:
+        rate = s["prefix_cache_hit_rate"]
+        rows.append(("prompt tokens from cache", "not in the server's usage" if rate is None else f"{rate:.1%}"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -558,9 +591,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the summary as JSON here")
     p.add_argument("--client-procs", type=int, default=1,
                    help="client processes to split the requests and concurrency over")
+    p.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="N",
+                   help="token-id prompts that all start with the same N tokens (prefix caching)")
+    p.add_argument("--unique-tokens", type=int, default=64,
+                   help="with --shared-prefix-tokens: each request's own tokens after it")
     args = p.parse_args(argv)
-    if min(args.num_requests, args.concurrency, args.max_tokens, args.client_procs) < 1:
-        p.error("--num-requests, --concurrency, --max-tokens and --client-procs must be >= 1")
+    if min(args.num_requests, args.concurrency, args.max_tokens, args.client_procs, args.unique_tokens) < 1:
+        p.error("--num-requests, --concurrency, --max-tokens, --client-procs and --unique-tokens "
+                "must be >= 1")
+    if args.shared_prefix_tokens < 0:
+        p.error("--shared-prefix-tokens must be >= 0")
     require_loopback(args.url)
 
     records, elapsed, client_cpu = run_load(args)

@@ -14,7 +14,8 @@ from tinyvllm.cli import main
 SMALL = ["--device", "cpu", "--num-requests", "4", "--min-len", "4", "--max-len", "12"]
 RESULT_KEYS = {"backend", "num_requests", "prompt_tokens", "output_tokens", "wall_s",
                "output_tok_s", "total_tok_s", "decode_tok_s", "ms_per_token", "ttft_ms",
-               "preemptions", "note"}
+               "preemptions", "note", "ttft_p99_ms", "prefix_cache_hit_rate", "cache_off",
+               "outputs_identical"}
 
 
 def test_cli_bench_writes_json_and_prints_the_table(tiny_model_dir, tmp_path, capsys):
@@ -28,7 +29,7 @@ def test_cli_bench_writes_json_and_prints_the_table(tiny_model_dir, tmp_path, ca
     assert report["model"]["weight_bytes"] == 2 * report["model"]["num_parameters"] > 0
     assert report["engine_config"]["max_num_seqs"] == 256
     assert report["engine_config"]["max_num_batched_tokens"] == 16384
-    assert list(report["workloads"]) == ["latency", "batch64", "throughput"]
+    assert list(report["workloads"]) == ["latency", "batch64", "throughput", "prefix"]
     for name, entry in report["workloads"].items():
         ours = entry["tinyvllm"]
         assert entry["hf"] is None and entry["standard"] is False
@@ -44,10 +45,32 @@ def test_cli_bench_writes_json_and_prints_the_table(tiny_model_dir, tmp_path, ca
     # every request ran to its own max_tokens (ignore_eos): outputs are within [4, 12] each
     throughput = report["workloads"]["throughput"]["tinyvllm"]
     assert 4 * 4 <= throughput["output_tokens"] <= 4 * 12
+    # prefix: a 12-token system prompt (capped by --max-len) + 4..12 own tokens, 12 new tokens,
+    # run with the cache on and (nested) off; the shared blocks are computed once
+    prefix = report["workloads"]["prefix"]["tinyvllm"]
+    off = prefix["cache_off"]
+    assert 4 * (12 + 4) <= prefix["prompt_tokens"] == off["prompt_tokens"] <= 4 * (12 + 12)
+    assert prefix["output_tokens"] == off["output_tokens"] == 4 * 12
+    assert prefix["outputs_identical"] is True and off["cache_off"] is None
+    assert 0 < prefix["ttft_ms"] <= prefix["ttft_p99_ms"] and 0 < off["ttft_ms"] <= off["ttft_p99_ms"]
+    # the 12 shared tokens fill no 16-token block: nothing to hit (see the block_size 4 test below)
+    assert prefix["prefix_cache_hit_rate"] == 0.0 and off["prefix_cache_hit_rate"] is None
     for needle in ("workload", "decode tok/s (batch 1)", "fraction of the floor", "throughput",
-                   "output tok/s", ">= 40,000", ">= 20,000", ">= 1,300", f"wrote {out_json}"):
+                   "output tok/s", ">= 40,000", ">= 20,000", ">= 1,300", f"wrote {out_json}",
+                   "TTFT p99 ms, cache off", "prefix cache hit rate", "greedy outputs, cache on = off | yes"):
         assert needle in out
     assert "HF" not in out                   # no HF columns without --compare-hf
+
+
+def test_prefix_workload_computes_the_system_prompt_once(tiny_model_dir, capsys):
+    """4-token blocks: the 12-token system prompt is 3 full blocks. The first request computes
+    them (the others wait a step rather than compute them too), the other three hit all 3."""
+    report = run_bench(BenchOptions(model=str(tiny_model_dir), workload="prefix", num_requests=4,
+                                    min_len=4, max_len=12, engine_options={"device": "cpu", "block_size": 4}))
+    prefix = report.workloads["prefix"]["tinyvllm"]
+    assert prefix["prefix_cache_hit_rate"] == pytest.approx(3 * 12 / prefix["prompt_tokens"])
+    assert prefix["outputs_identical"] is True and prefix["preemptions"] == prefix["cache_off"]["preemptions"] == 0
+    assert "prefix cache hit rate" in capsys.readouterr().out
 
 
 def test_one_workload_only(tiny_model_dir, capsys):
@@ -73,7 +96,7 @@ def test_preset_model_is_written_once_into_the_cache(tmp_path, capsys):
 
 
 def test_default_workloads_are_the_issues():
-    latency, batch64, throughput = select_workloads("all")
+    latency, batch64, throughput, prefix = select_workloads("all")
     assert (latency.num_requests, latency.prompt_len, latency.output_len) == (1, (128, 128), (256, 256))
     assert (batch64.num_requests, batch64.prompt_len, batch64.output_len) == (64, (128, 128), (128, 128))
     assert throughput.num_requests == 256
@@ -84,6 +107,11 @@ def test_default_workloads_are_the_issues():
     assert requests == throughput.requests(seed=0)          # seeded: the same every run
     assert all(100 <= len(r.prompt_token_ids) <= 1024 and 100 <= r.max_tokens <= 1024 for r in requests)
     assert len({r.max_tokens for r in requests}) > 100       # ragged, not one length
+    requests = prefix.requests(seed=0)
+    system = requests[0].prompt_token_ids[:1024]
+    assert len(requests) == 256 and all(r.prompt_token_ids[:1024] == system and r.max_tokens == 128
+                                        and 1024 + 64 <= len(r.prompt_token_ids) <= 1024 + 256 for r in requests)
+    assert len({tuple(r.prompt_token_ids[1024:1040]) for r in requests}) == 256     # own parts differ
 
 
 def test_kv_cache_is_sized_for_the_worst_case_of_the_workloads():
@@ -95,11 +123,13 @@ def test_kv_cache_is_sized_for_the_worst_case_of_the_workloads():
 
 
 def test_shrunk_workloads_keep_their_shape():
-    latency, batch64, throughput = select_workloads("all", num_requests=4, min_len=4, max_len=12)
+    latency, batch64, throughput, prefix = select_workloads("all", num_requests=4, min_len=4, max_len=12)
     assert (latency.num_requests, latency.prompt_len, latency.output_len) == (1, (12, 12), (12, 12))
     assert (batch64.num_requests, batch64.prompt_len) == (4, (12, 12))
     assert throughput.prompt_len == throughput.output_len == (4, 12)
     assert latency != WORKLOADS["latency"]
+    assert (prefix.num_requests, prefix.shared_prefix, prefix.prompt_len, prefix.output_len) == \
+        (4, 12, (4, 12), (12, 12))
 
 
 def test_result_rates():
@@ -159,7 +189,7 @@ def test_table_on_the_h200_shows_floor_verdicts_and_hf_ratios():
                          device={"kind": "cuda", "name": "NVIDIA H200", "copy_bandwidth_GBps": 4240.0,
                                  "floor_tok_s": 1715.0},
                          model={"path": "/m", "num_parameters": 1_235_814_400, "weight_bytes": 2_471_628_800})
-    latency, batch64, throughput = select_workloads("all")
+    latency, batch64, throughput, prefix = select_workloads("all")
     report.add(latency, WorkloadResult("tinyvllm", 1, 128, 256, decode_tok_s=1372.0).finish(0.3),
                WorkloadResult("hf", 1, 128, 256, decode_tok_s=13.72).finish(20.0))
     report.add(batch64, WorkloadResult("tinyvllm", 64, 8192, 8192).finish(0.5), None)
@@ -174,3 +204,20 @@ def test_table_on_the_h200_shows_floor_verdicts_and_hf_ratios():
     assert ">= 40,000 (NOT met)" in table and "skipped" in table
     assert "HF throughput: skipped: estimated 300 s" in table
     json.loads(report.to_json())
+
+
+def test_prefix_table_shows_cache_on_against_off():
+    from tinyvllm.bench.report import BenchReport, format_table
+    report = BenchReport(date="d", git_commit="abc", engine_config={}, device={"kind": "cuda", "name": "H200",
+                         "copy_bandwidth_GBps": None}, model={"path": "/m", "num_parameters": 1, "weight_bytes": 2})
+    (prefix,) = select_workloads("prefix")
+    off = WorkloadResult("tinyvllm", 256, 300_000, 32768, ttft_ms=900.0, ttft_p99_ms=1800.0).finish(8.0)
+    on = WorkloadResult("tinyvllm", 256, 300_000, 32768, ttft_ms=150.0, ttft_p99_ms=360.0,
+                        prefix_cache_hit_rate=0.85, cache_off=off, outputs_identical=True).finish(2.0)
+    report.add(prefix, on, None)
+    table = format_table(report)
+    for needle in ("output tok/s                   | 16,384", "output tok/s, cache off        | 4,096 (cache: 4.00x)",
+                   "TTFT p50 ms, cache off         | 900.0 (cache: 6.00x)", "TTFT p99 ms                    | 360.0",
+                   "prefix cache hit rate          | 85.0%", "greedy outputs, cache on = off | yes"):
+        assert needle in table, needle
+    assert json.loads(report.to_json())["workloads"]["prefix"]["tinyvllm"]["cache_off"]["ttft_ms"] == 900.0

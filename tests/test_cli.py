@@ -101,3 +101,29 @@ def test_real_process_prints_no_traceback(tmp_path):
                             timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith("tinyvllm: error:")
+
+
+@pytest.mark.parametrize("command", [["generate", "--model", "m", "x"], ["serve", "--model", "m"], ["bench"]])
+def test_prefix_caching_flag_on_every_engine_command(command):
+    from tinyvllm.cli import build_parser, engine_options_from_args
+    parse = lambda *flags: engine_options_from_args(build_parser().parse_args([*command, *flags]))  # noqa: E731
+    assert "enable_prefix_caching" not in parse()             # EngineConfig's default (on) applies
+    assert parse("--no-enable-prefix-caching")["enable_prefix_caching"] is False
+    assert parse("--enable-prefix-caching")["enable_prefix_caching"] is True
+
+
+def test_generate_reports_prefix_cache_hits(tiny_model_dir, capsys):
+    """Two identical prompts given together: the second waits a step and takes the first's full
+    16-token blocks from the cache (all but the one holding its last token)."""
+    from tinyvllm.checkpoint.tokenizer import Tokenizer
+    from tinyvllm.config import ModelConfig
+    prompt = " ".join(["one two three four five six seven eight nine ten"] * 4)
+    n = len(Tokenizer.from_pretrained(tiny_model_dir, ModelConfig.from_pretrained(tiny_model_dir))
+            .encode(prompt))
+    code, _, err = generate(capsys, "--model", str(tiny_model_dir), *CPU, "--max-tokens", "2",
+                            "--temperature", "0", prompt, prompt)
+    hits = (n - 1) // 16 * 16
+    assert code == 0 and hits >= 32 and f"prefix cache hits {hits}/{2 * n} tokens" in err
+    code, _, err = generate(capsys, "--model", str(tiny_model_dir), *CPU, "--max-tokens", "2",
+                            "--temperature", "0", "--no-enable-prefix-caching", prompt, prompt)
+    assert code == 0 and "prefix cache" not in err

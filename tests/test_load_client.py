@@ -149,7 +149,8 @@ def run_against(responses, **kw):
         port = server.sockets[0].getsockname()[1]
         args = types.SimpleNamespace(url=f"http://127.0.0.1:{port}", api_key="k", model=None,
                                      num_requests=kw.get("n", 6), concurrency=2, max_tokens=4,
-                                     temperature=0.0, warmup=1, timeout=20.0, client_procs=1)
+                                     temperature=0.0, warmup=1, timeout=20.0, client_procs=1,
+                                     shared_prefix_tokens=kw.get("shared", 0), unique_tokens=5)
         try:
             records, elapsed, _ = await L._run_one_process(args)
         finally:
@@ -186,3 +187,29 @@ def test_run_reports_http_errors_cut_streams_and_error_events():
     assert s["succeeded"] == 0 and s["failed"] == 6
     errors = " | ".join(s["errors"])
     assert "HTTP 400: bad" in errors and "engine fell over" in errors and "ClientError" in errors
+
+
+def test_shared_prefix_mode_sends_token_prompts_and_reads_the_cached_share():
+    """--shared-prefix-tokens: every measured prompt starts with the same ids and differs after;
+    the warm-up stays text; the cached share comes from usage.prompt_tokens_details."""
+    ident = R.ResponseIdentity("cmpl-1", "tiny", chat=False)
+
+    def respond(head, body):
+        if head.startswith(b"GET"):
+            return b"HTTP/1.1 200 OK\r\ncontent-length: 26\r\n\r\n" + b'{"data": [{"id": "tiny"}]}'
+        prompt = json.loads(body)["prompt"]
+        cached = 8 if isinstance(prompt, list) else 0
+        usage = {**R.usage_chunk(ident, 13, 2),
+                 "usage": {**R.usage(13, 2), "prompt_tokens_details": {"cached_tokens": cached}}}
+        enc = R.StreamEncoder(ident, True)
+        events = [enc.text("a"), enc.event("b", "length"), R.sse(usage).encode(), R.SSE_DONE.encode()]
+        return [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
+                *[b"%x\r\n%s\r\n" % (len(e), e) for e in events], b"0\r\n\r\n"]
+    fake, records, s = run_against(respond, n=4, shared=8)
+    prompts = [json.loads(body)["prompt"] for path, body in fake.requests if path == "/v1/completions"]
+    warm, measured = prompts[0], prompts[1:]
+    assert isinstance(warm, str) and len(measured) == 4
+    assert all(len(p) == 8 + 5 and p[:8] == measured[0][:8] for p in measured)
+    assert len({tuple(p[8:]) for p in measured}) == 4
+    assert all(r.ok and r.prompt_tokens == 13 and r.cached_tokens == 8 for r in records)
+    assert s["shared_prefix_tokens"] == 8 and s["prefix_cache_hit_rate"] == round(8 / 13, 4)

@@ -41,11 +41,13 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-gb", type=float, default=None,
                    help="KV cache size (default: a fraction of free GPU memory)")
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV blocks of prompt prefixes computed before (default: on)")
 
 
 def engine_options_from_args(args) -> dict:
     names = ("device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_gb",
-             "enforce_eager")
+             "enforce_eager", "enable_prefix_caching")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
@@ -131,9 +133,16 @@ def _cmd_generate(args) -> int:
     print(f"{len(outputs)} requests, {sum(o.num_prompt_tokens for o in outputs)} prompt tokens, "
           f"{generated} generated tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s), "
           f"mean TTFT {1000 * sum(ttfts) / max(len(ttfts), 1):.1f} ms, "
-          f"{engine.num_preemptions} preemptions", file=sys.stderr)
+          f"{engine.num_preemptions} preemptions{_prefix_cache_summary(engine)}", file=sys.stderr)
     engine.close()
     return 0
+
+
+def _prefix_cache_summary(engine) -> str:
+    if not engine.engine_config.enable_prefix_caching:
+        return ""
+    stats = engine.prefix_cache_stats
+    return f", prefix cache hits {stats.hits}/{stats.queries} tokens ({stats.hit_rate:.0%})"
 
 
 def _cmd_inspect(args) -> int:
@@ -219,14 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
     ins.set_defaults(func=_cmd_inspect)
 
-    bench = sub.add_parser("bench", help="latency / batch64 / throughput benchmark (table + JSON)")
+    bench = sub.add_parser("bench", help="latency / batch64 / throughput / prefix benchmark (table + JSON)")
     which = bench.add_mutually_exclusive_group()
     which.add_argument("--model", default=None, help="model directory (default: --preset's)")
     which.add_argument("--preset", choices=PRESET_NAMES, default="llama-3.2-1b",
                        help="random-weight model, written once under --model-cache; "
                             f"{DEFAULT_MODEL}: the real default model")
     bench.add_argument("--model-cache", default="/tmp/tinyvllm-models", help="where presets go")
-    bench.add_argument("--workload", choices=["latency", "throughput", "batch64", "all"], default="all")
+    bench.add_argument("--workload", choices=["latency", "throughput", "batch64", "prefix", "all"], default="all")
     bench.add_argument("--json", default=None, metavar="OUT.json", help="write every number here")
     bench.add_argument("--compare-hf", action="store_true",
                        help="run the same workloads with HF transformers (needs torch, transformers)")

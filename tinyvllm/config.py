@@ -168,6 +168,7 @@ class EngineConfig:
     kv_cache_gb: float | None = None     # ... unless an explicit size is given
     num_kv_blocks: int | None = None     # exact block count (tests, numpy backend)
     enforce_eager: bool = False          # no CUDA graphs
+    enable_prefix_caching: bool = True   # reuse the KV blocks of prompt prefixes computed before
     scheduling: str = "continuous"       # or "static": a fixed batch runs to completion
     device: str = "cuda"                 # or "cpu": the numpy reference backend
     seed: int = 0

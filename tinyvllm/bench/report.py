@@ -45,6 +45,7 @@ TABLE_ROWS = [
     ("throughput", "total_tok_s", "total tok/s", "rate"),
     ("throughput", "wall_s", "wall s", "{:.2f}"),
     ("throughput", "preemptions", "preemptions", "{:d}"),
+    ("prefix", "output_tok_s", "output tok/s", "rate"),          # then prefix_rows: on vs off
 ]
 
 
@@ -67,7 +68,26 @@ def table_rows(report: BenchReport) -> list[tuple[str, ...]]:
         rows.append((workload, label, show(value, fmt), target, hf_cell, ratio))
         if (workload, key) == ("latency", "decode_tok_s"):
             rows += floor_rows(report)
+        if (workload, key) == ("prefix", "output_tok_s"):
+            rows += prefix_rows(ours)
     return rows
+
+
+def prefix_rows(on: dict) -> list[tuple[str, ...]]:
+    """The prefix workload's cache-on numbers beside its cache-off ones, with the gain."""
+    off = on["cache_off"] or {}
+
+    def row(label, key, fmt, higher_is_better):
+        a, b = on.get(key), off.get(key)
+        gain = (a / b if higher_is_better else b / a) if a and b else None
+        return [("prefix", label, show(a, fmt), "", "", ""),
+                ("prefix", f"{label}, cache off", show(b, fmt) + (f" (cache: {gain:.2f}x)" if gain else ""),
+                 "", "", "")]
+    identical = {True: "yes", False: "NO", None: "n/a"}[on["outputs_identical"]]
+    return [*row("output tok/s", "output_tok_s", "rate", True)[1:],
+            *row("TTFT p50 ms", "ttft_ms", "{:.1f}", False), *row("TTFT p99 ms", "ttft_p99_ms", "{:.1f}", False),
+            ("prefix", "prefix cache hit rate", show(on["prefix_cache_hit_rate"], "{:.1%}"), "", "", ""),
+            ("prefix", "greedy outputs, cache on = off", identical, "", "", "")]
 
 
 def floor_rows(report: BenchReport) -> list[tuple[str, ...]]:

@@ -9,6 +9,10 @@ Workloads (random token-id prompts, greedy, ignore_eos, so every request runs to
   throughput  nano-vllm's benchmark: 256 requests, prompt and output lengths uniform in
               [100, 1024], all submitted at once. output tok/s = generated / wall time.
   batch64     64 requests of 128 prompt + 128 new tokens. output tok/s.
+  prefix      256 requests: one shared 1,024-token system prompt + 64-256 tokens each, 128 new
+              tokens, all at once; run on two engines, the prefix cache on and off (the rest of
+              the options the same): TTFT p50/p99, output tok/s, hit rate, and whether the greedy
+              outputs are identical. Every other run starts from an empty prefix cache.
 `--compare-hf` runs the same workloads with HF transformers (bench/hf.py); the specs and
 results are bench/workloads.py's.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import math
 import platform
 import statistics
@@ -103,13 +108,22 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 5) -> float:
 
 
 def run_tinyvllm(llm, spec: WorkloadSpec, seed: int) -> WorkloadResult:
+    return run_tinyvllm_outputs(llm, spec, seed)[0]
+
+
+def run_tinyvllm_outputs(llm, spec: WorkloadSpec, seed: int) -> tuple[WorkloadResult, list]:
     """All of a workload's requests through LLM.generate at once; latency-style metrics (TTFT,
-    decode rate) from the engine's own per-request timings, medians over the repeats."""
+    decode rate) from the engine's own per-request timings, medians over the repeats. Each
+    repeat starts from an empty prefix cache: no run hits the blocks of the one before.
+    -> (the result, the last repeat's RequestOutputs)."""
     requests = spec.requests(seed)
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     walls, ttfts, rates = [], [], []
-    preemptions_before = llm.engine.num_preemptions
+    engine = llm.engine
+    preemptions_before, stats = engine.num_preemptions, engine.prefix_cache_stats
     for _ in range(spec.repeats):
+        engine.reset_prefix_cache()
+        queries_before, hits_before = stats.queries, stats.hits
         start = time.perf_counter()
         outputs = llm.generate([r.prompt_token_ids for r in requests], params)
         walls.append(time.perf_counter() - start)
@@ -119,11 +133,15 @@ def run_tinyvllm(llm, spec: WorkloadSpec, seed: int) -> WorkloadResult:
         "tinyvllm", num_requests=len(requests),
         prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
         output_tokens=sum(len(o.token_ids) for o in outputs),
-        preemptions=(llm.engine.num_preemptions - preemptions_before) // spec.repeats)
+        preemptions=(engine.num_preemptions - preemptions_before) // spec.repeats)
     if spec.num_requests == 1:
         result.ttft_ms = 1000 * statistics.median(ttfts)
         result.decode_tok_s = statistics.median(rates) if rates else None
-    return result.finish(statistics.median(walls))
+    if spec.shared_prefix:
+        result.ttft_ms, result.ttft_p99_ms = (1000 * float(np.percentile(ttfts, q)) for q in (50, 99))
+        queries = stats.queries - queries_before
+        result.prefix_cache_hit_rate = (stats.hits - hits_before) / queries if queries else 0.0
+    return result.finish(statistics.median(walls)), outputs
 
 
 def warm_up(llm, seed: int, max_len: int | None) -> None:
@@ -210,22 +228,47 @@ def run_tinyvllm_workloads(model_dir: Path, options: dict, specs: list[WorkloadS
                            opts: BenchOptions) -> tuple[dict, dict]:
     """-> ({workload: result, "_device": device info}, the engine config used). The engine is
     closed and dropped before returning, so that its GPU memory is free for HF."""
-    import gc
     llm = LLM(model_dir, **options)
+    outputs = {}
     try:
         results = {"_device": device_info(llm.engine.engine_config.device)}
         engine_config = dataclasses.asdict(llm.engine.engine_config)
         engine_config["num_kv_blocks"] = llm.engine.block_manager.num_blocks
+        caching = llm.engine.engine_config.enable_prefix_caching
         warm_up(llm, opts.seed, opts.max_len)
         for spec in specs:
             print(f"tinyvllm: {spec.name} ...", file=sys.stderr, end=" ", flush=True)
-            results[spec.name] = run_tinyvllm(llm, spec, opts.seed)
+            results[spec.name], outputs[spec.name] = run_tinyvllm_outputs(llm, spec, opts.seed)
             print(progress_line(results[spec.name]), file=sys.stderr)
     finally:
         llm.engine.close()
         del llm
         gc.collect()                   # the runner's device allocations go with their objects
+    for spec in (s for s in specs if s.shared_prefix):
+        results[spec.name] = compare_prefix_cache(model_dir, options, spec, opts, caching,
+                                                  results[spec.name], outputs[spec.name])
     return results, engine_config
+
+
+def compare_prefix_cache(model_dir: Path, options: dict, spec: WorkloadSpec, opts: BenchOptions,
+                         caching: bool, result: WorkloadResult, outputs: list) -> WorkloadResult:
+    """Run `spec` again on an engine with the prefix cache the other way round. -> the cache-on
+    result, the cache-off one nested in it, and whether the greedy outputs are identical."""
+    llm = LLM(model_dir, **{**options, "enable_prefix_caching": not caching})
+    try:
+        warm_up(llm, opts.seed, opts.max_len)
+        label = "off" if caching else "on"
+        print(f"tinyvllm: {spec.name} (prefix cache {label}) ...", file=sys.stderr, end=" ", flush=True)
+        other, other_outputs = run_tinyvllm_outputs(llm, spec, opts.seed)
+        print(progress_line(other), file=sys.stderr)
+    finally:
+        llm.engine.close()
+        del llm
+        gc.collect()
+    on, off = (result, other) if caching else (other, result)
+    on.cache_off, off.prefix_cache_hit_rate = off, None
+    on.outputs_identical = [o.token_ids for o in outputs] == [o.token_ids for o in other_outputs]
+    return on
 
 
 def progress_line(result: WorkloadResult) -> str:

@@ -22,16 +22,18 @@ class WorkloadSpec:
     target_metric: str                # the metric the issue sets a target for ...
     target: float                     # ... and its value
     repeats: int = 1                  # runs; the median is reported (the latency run is short)
+    shared_prefix: int = 0            # tokens of one system prompt before every prompt_len ones
 
     @property
     def max_context(self) -> int:
-        return self.prompt_len[1] + self.output_len[1]
+        return self.shared_prefix + self.prompt_len[1] + self.output_len[1]
 
     def requests(self, seed: int) -> list["BenchRequest"]:
         rng = np.random.default_rng(seed)
         prompt_lens = rng.integers(self.prompt_len[0], self.prompt_len[1] + 1, self.num_requests)
         output_lens = rng.integers(self.output_len[0], self.output_len[1] + 1, self.num_requests)
-        return [BenchRequest(rng.integers(0, PROMPT_TOKEN_ID_LIMIT, int(p)).tolist(), int(o))
+        system = rng.integers(0, PROMPT_TOKEN_ID_LIMIT, self.shared_prefix).tolist()
+        return [BenchRequest(system + rng.integers(0, PROMPT_TOKEN_ID_LIMIT, int(p)).tolist(), int(o))
                 for p, o in zip(prompt_lens, output_lens)]
 
 
@@ -45,6 +47,9 @@ WORKLOADS = {
     "latency": WorkloadSpec("latency", 1, (128, 128), (256, 256), "decode_tok_s", 1300, repeats=3),
     "batch64": WorkloadSpec("batch64", 64, (128, 128), (128, 128), "output_tok_s", 20000),
     "throughput": WorkloadSpec("throughput", 256, (100, 1024), (100, 1024), "output_tok_s", 40000),
+    # chat-like traffic: one 1,024-token system prompt, then 64-256 tokens of each request's own;
+    # run with the prefix cache on and off (bench/run.py), no target beyond the gain
+    "prefix": WorkloadSpec("prefix", 256, (64, 256), (128, 128), "", 0, shared_prefix=1024),
 }   # in run order: HF's estimate of the throughput run needs its batch64 timing
 # Prefill at batch 1 and a small decode batch, so that compiling, first calls and graph capture
 # are paid before anything is timed.
@@ -76,8 +81,9 @@ def shrink(spec: WorkloadSpec, num_requests=None, min_len=None, max_len=None) ->
         lo, hi = min_len or lo, max_len or hi
         return min(lo, hi), hi
     count = num_requests if num_requests and spec.num_requests > 1 else spec.num_requests
+    shared = min(spec.shared_prefix, max_len) if max_len else spec.shared_prefix
     return dataclasses.replace(spec, num_requests=count, prompt_len=lengths(*spec.prompt_len),
-                               output_len=lengths(*spec.output_len))
+                               output_len=lengths(*spec.output_len), shared_prefix=shared)
 
 
 @dataclass
@@ -94,6 +100,11 @@ class WorkloadResult:
     ttft_ms: float | None = None
     preemptions: int | None = None
     note: str | None = None            # why a number is missing, or how it was measured
+    # the prefix workload: ttft_ms is the median, and the same run with the cache off is nested
+    ttft_p99_ms: float | None = None
+    prefix_cache_hit_rate: float | None = None    # hit tokens / queried tokens
+    cache_off: WorkloadResult | None = None
+    outputs_identical: bool | None = None         # greedy outputs equal with the cache on and off
 
     def finish(self, wall_s: float) -> "WorkloadResult":
         self.wall_s = wall_s

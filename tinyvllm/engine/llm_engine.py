@@ -17,7 +17,7 @@ import numpy as np
 
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.errors import InvalidRequestError, TinyVLLMError
-from tinyvllm.engine.block_manager import BlockManager, blocks_for
+from tinyvllm.engine.block_manager import BlockManager, PrefixCacheStats, blocks_for
 from tinyvllm.engine.model_runner import ModelRunner, make_runner
 from tinyvllm.engine.sampling_params import SamplingParams
 from tinyvllm.engine.scheduler import Scheduler
@@ -58,7 +58,8 @@ class LLMEngine:
             from tinyvllm.trace import TracingRunner
             self.runner = TracingRunner(self.runner, self.model_config, self.engine_config)
         self.context_limit = self.engine_config.context_limit(self.model_config)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.engine_config.block_size)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.engine_config.block_size,
+                                          self.engine_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.engine_config, self.block_manager, self.context_limit,
                                    self.tokenizer.eos_token_ids)
         self._seed_rng = np.random.default_rng(self.engine_config.seed)   # seeds for unseeded requests
@@ -120,6 +121,15 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Cumulative prefix-cache queries and hits, in tokens (and admissions: .requests)."""
+        return self.block_manager.prefix_cache_stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; only while no request runs. -> whether it was done."""
+        return self.block_manager.reset_prefix_cache()
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

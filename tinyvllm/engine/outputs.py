@@ -12,7 +12,7 @@ class RequestOutput:
     had got, and the token lists, text and timings are worked out when first read. Every field
     reads as a snapshot of the moment it was reported."""
 
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "finished", "num_preemptions",
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "finished", "num_preemptions", "num_cached_tokens",
                  "_seq", "_status", "_start", "_end", "_text", "_delta_text", "_token_ids")
 
     def __init__(self, seq: Sequence):
@@ -23,6 +23,7 @@ class RequestOutput:
         self._seq, self._status = seq, seq.status
         self.finished = seq.status.is_finished
         self.num_preemptions = seq.num_preemptions
+        self.num_cached_tokens = seq.num_prefix_cached_tokens    # prompt tokens served by the prefix cache
         self._start, self._end = seq.num_reported_tokens, len(seq.token_ids) - seq.num_prompt_tokens
         seq.num_reported_tokens = self._end
         self._token_ids = None

@@ -3,11 +3,15 @@
 Every step is either ONE prefill batch or ONE decode step (never mixed), prefill first:
   prefill   admit waiting sequences in arrival order while they fit the token budget
             (max_num_batched_tokens), the sequence budget (max_num_seqs) and the free KV blocks.
+            A sequence whose prompt starts with cached blocks computes only the rest; one whose
+            next blocks an earlier sequence of the batch is computing waits for the next step,
+            when they are cached (a prefix shared by a burst of requests is computed once).
             A prompt longer than the whole token budget is prefilled in chunks, alone.
   decode    one new token for every running sequence, oldest first. When a sequence needs a
             block and none is free, the most recently admitted running sequence is preempted:
             its blocks are freed and it goes back to the FRONT of the waiting queue, to be
-            recomputed (prompt + generated tokens) by a later prefill. Sampling is counter based
+            recomputed (prompt + generated tokens) by a later prefill, from its blocks that
+            the prefix cache still holds (block_manager.py). Sampling is counter based
             (see sampling.py), so a preempted request still produces exactly the same tokens.
 Static scheduling (the comparison mode) admits a batch only when nothing is running, so each
 batch runs to completion before the next starts.
@@ -92,12 +96,18 @@ class Scheduler:
             return None
         seqs: list[Sequence] = []
         budget = self.config.max_num_batched_tokens
+        in_flight: set[bytes] = set()        # hashes of the full blocks this batch computes
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            remaining = seq.num_tokens - seq.num_cached_tokens
-            if (remaining > budget and seqs) or not self.block_manager.can_allocate(seq):
+            cached = self.block_manager.cached_prefix(seq)          # its prefix-cache hit, if new
+            uncached = self.block_manager.uncached_block_hashes(seq, cached)
+            if uncached and uncached[0] in in_flight:
+                break       # an earlier sequence computes its next blocks now: cached next step
+            remaining = seq.num_tokens - seq.num_cached_tokens - len(cached) * self.block_manager.block_size
+            if (remaining > budget and seqs) or not self.block_manager.can_allocate(seq, cached):
                 break
-            self.block_manager.allocate(seq)
+            self.block_manager.allocate(seq, cached)               # starts it after the cached tokens
+            in_flight.update(uncached)
             seq.num_scheduled_tokens = min(remaining, budget)
             budget -= seq.num_scheduled_tokens
             seqs.append(seq)
@@ -152,6 +162,9 @@ class Scheduler:
                 self.running.remove(seq)
                 self.block_manager.free(seq)
             updated.append(seq)
+        if batch.is_prefill:                  # publish the prompt blocks just computed
+            for seq in batch.seqs:
+                self.block_manager.publish(seq)
         return updated
 
     def _append_token(self, seq: Sequence, token: int) -> None:

@@ -41,6 +41,9 @@ class Sequence:
         self.block_table_row: int | None = None     # its copy's row in BlockManager.tables
         self.num_cached_tokens = 0                  # tokens whose K/V are in the cache
         self.num_scheduled_tokens = 0               # tokens fed to the model in this step
+        self.block_hashes: list[bytes] = []         # chain hashes of its full blocks (prefix cache)
+        self.num_published_blocks = 0               # of its blocks, those the cache has seen
+        self.num_prefix_cached_tokens = 0           # prompt tokens the prefix cache served at admission
         self.num_preemptions = 0
         self.detokenizer = detokenizer
         self.text = ""                              # generated text, stop string cut off
