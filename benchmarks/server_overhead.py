@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     engine_loop = EngineLoop(engine)
     engine_timer, loop_timer = ThreadTimer(), ThreadTimer()
     engine_loop._thread._target = engine_timer.wrap(engine_loop._thread._target, args.profile)
-    app = build_app(engine_loop, ServerSettings(model_name="tiny"))
+    app = build_app(engine_loop, ServerSettings(model_names=("tiny",)))
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -22,6 +22,9 @@ def test_single_prompt_streams_and_summarises(tiny_model_dir, capsys):
                               "--temperature", "0", "--ignore-eos", "Hello world")
     assert code == 0 and out.strip() and "---" not in out
     assert "1 requests" in err and "6 generated tokens" in err and "tok/s" in err and "TTFT" in err
+    # the engine's log goes to stderr, INFO by default; stdout holds the text alone
+    assert "parameters, engine ready in" in err and "maximum concurrency" in err
+    assert "INFO" not in out and "[tinyvllm" not in out
 
 
 def test_stream_is_the_same_text_as_batch_output(tiny_model_dir, capsys):
@@ -68,7 +71,9 @@ def test_errors_are_one_line_with_exit_2(tiny_model_dir, capsys, args, message):
             pass
     code, out, err = generate(capsys, *args)
     assert code == 2 and message in err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    # one line, after the engine's INFO lines when it got as far as loading the model
+    errors = [line for line in err.strip().splitlines() if not line.startswith("INFO ")]
+    assert len(errors) == 1 and "Traceback" not in err
 
 
 @pytest.mark.parametrize("args", [["--top-k", "abc", "x"], ["x"], ["--bogus"]])

@@ -5,9 +5,11 @@ and exit status 2, never a traceback."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
+from tinyvllm import __version__
 from tinyvllm.errors import TinyVLLMError
 
 
@@ -29,22 +31,63 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context limit (default: the model's max_position_embeddings)")
     g.add_argument("--kv-cache-gb", type=float, default=None,
-                   help="KV cache size (default: a fraction of free GPU memory)")
+                   help="KV cache size (default: --gpu-memory-utilization of the GPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of the GPU's memory the engine may use, weights and KV cache "
+                        "together (default 0.9)")
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
 
 
 def engine_options_from_args(args) -> dict:
     names = ("device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_gb",
-             "enforce_eager")
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+             "gpu_memory_utilization", "enforce_eager")
+    options = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    if options.get("device") == "cpu" and "gpu_memory_utilization" in options:
+        raise TinyVLLMError("--gpu-memory-utilization sizes the GPU's KV cache; the cpu backend's "
+                            "is set with --kv-cache-gb or --num-kv-blocks")
+    return options
 
 
 def _cmd_serve(args) -> int:
     from tinyvllm.server.launch import ServeOptions, run_server
+    if args.model and args.model_tag and args.model != args.model_tag:
+        raise TinyVLLMError(f"two models given ({args.model_tag} and --model {args.model}); "
+                            "give one")
+    model = args.model_tag or args.model
+    if not model:
+        raise TinyVLLMError("no model given: python -m tinyvllm serve MODEL_DIR")
+    options = engine_options_from_args(args)
+    if args.generation_config is not None:
+        options["generation_config"] = args.generation_config
     return run_server(ServeOptions(
-        model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-        served_model_name=args.served_model_name, engine_options=engine_options_from_args(args),
-        log_level=args.log_level))
+        model=model, host=args.host, port=args.port, api_key=args.api_key,
+        served_model_names=tuple(args.served_model_name or ()), engine_options=options,
+        log_level=args.log_level, uvicorn_log_level=args.uvicorn_log_level,
+        allowed_origins=_json_or_values("--allowed-origins", args.allowed_origins, ()),
+        allowed_methods=_json_or_values("--allowed-methods", args.allowed_methods, ("*",)),
+        allowed_headers=_json_or_values("--allowed-headers", args.allowed_headers, ("*",)),
+        allow_credentials=args.allow_credentials, chat_template=args.chat_template,
+        dtype=args.dtype, log_requests=not args.disable_log_requests))
+
+
+def _json_or_values(flag: str, values: list[str] | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    """A list flag given as a JSON list (vLLM's form: --allowed-origins '["https://a"]'), or
+    repeated (--allowed-origins https://a --allowed-origins https://b), or both."""
+    if not values:
+        return default
+    out: list[str] = []
+    for value in values:
+        if value.lstrip().startswith("["):
+            try:
+                items = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise TinyVLLMError(f"{flag}: invalid JSON list {value!r} ({e})") from None
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise TinyVLLMError(f"{flag}: expected a JSON list of strings, got {value!r}")
+            out += items
+        else:
+            out.append(value)
+    return tuple(out)
 
 
 def _read_prompts(args) -> list[str]:
@@ -144,6 +187,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from tinyvllm.checkpoint.model_writer import PRESETS
     p = _Parser(prog="tinyvllm", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"tinyvllm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     mm = sub.add_parser("make-model", help="write a random-weight Llama model in HF layout")
@@ -196,16 +240,40 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_cmd_bench)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs tinyvllm[server])")
-    sv.add_argument("--model", required=True, help="Hugging Face model directory")
+    sv.add_argument("model_tag", nargs="?", metavar="MODEL", help="Hugging Face model directory")
+    sv.add_argument("--model", default=None, help="the same, as an option")
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=os.environ.get("TINYVLLM_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1 routes "
                          "(default: $TINYVLLM_API_KEY, which keeps the key out of `ps`)")
-    sv.add_argument("--served-model-name", default=None,
-                    help="the model id clients send (default: the --model argument)")
-    sv.add_argument("--log-level", default="info",
-                    choices=["critical", "error", "warning", "info", "debug"])
+    sv.add_argument("--served-model-name", action="extend", nargs="+", default=None, metavar="NAME",
+                    help="the model id(s) clients may send; the first is the default and the "
+                         "one responses and metrics report (default: the model argument)")
+    sv.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
+                    help="CORS: browser origins allowed to call the API, as a JSON list or "
+                         "repeated; '*' allows any (default: none, no CORS headers)")
+    sv.add_argument("--allowed-methods", action="append", default=None, metavar="METHOD",
+                    help="CORS methods (JSON list or repeated; default: all)")
+    sv.add_argument("--allowed-headers", action="append", default=None, metavar="HEADER",
+                    help="CORS request headers (JSON list or repeated; default: all)")
+    sv.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    sv.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                    help="a Jinja2 chat template (a file, or the template itself) instead of the "
+                         "tokenizer's")
+    sv.add_argument("--dtype", default="auto",
+                    help="auto; the one type each backend computes in: bfloat16 (cuda), float32 (cpu)")
+    sv.add_argument("--generation-config", default=None, metavar="auto|vllm|DIR",
+                    help="sampling defaults: auto (the model's generation_config.json), vllm "
+                         "(none), or a directory holding a generation_config.json")
+    sv.add_argument("--log-level", default=os.environ.get("TINYVLLM_LOGGING_LEVEL", "info").lower(),
+                    choices=["critical", "error", "warning", "info", "debug"],
+                    help="tinyvllm's log (default: $TINYVLLM_LOGGING_LEVEL or info)")
+    sv.add_argument("--uvicorn-log-level", default="info",
+                    choices=["critical", "error", "warning", "info", "debug", "trace"],
+                    help="uvicorn's log, with its access lines (default: info)")
+    sv.add_argument("--disable-log-requests", action="store_true",
+                    help="do not log each request (its prompt and sampling parameters)")
     add_engine_options(sv)
     sv.set_defaults(func=_cmd_serve)
     return p
@@ -217,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:        # --help, or an argument error already printed in one line
         return e.code if isinstance(e.code, int) else 2
     try:
+        from tinyvllm.logs import setup_logging
+        setup_logging()            # INFO on stderr: stdout keeps only what a command prints
         return args.func(args)
     except TinyVLLMError as e:
         print(f"tinyvllm: error: {e}", file=sys.stderr)

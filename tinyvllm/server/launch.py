@@ -1,20 +1,26 @@
-"""Build the engine and the app, then run uvicorn until Ctrl-C.
+"""Build the engine and the app, then run uvicorn until Ctrl-C or SIGTERM.
 
-Shutdown on the first Ctrl-C: uvicorn stops accepting connections; running requests get
+Shutdown, the same on the first Ctrl-C and on SIGTERM (what `docker stop`, systemd and
+Kubernetes send): uvicorn stops accepting connections; running requests get
 `graceful_shutdown_s` to finish; then the engine loop stops and aborts the rest, so their
 streams end with an error event and [DONE] (and waiting non-streamed requests get a 503)
-rather than being cut mid-chunk. A second Ctrl-C quits at once."""
+rather than being cut mid-chunk; "server stopped" is logged and the exit status is 0. A second
+Ctrl-C quits at once."""
 from __future__ import annotations
 
 import ipaddress
 import logging
-import sys
+import signal
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tinyvllm.errors import TinyVLLMError
 
 log = logging.getLogger("tinyvllm.server")
+
+# --dtype values and the backend that computes in that type
+DTYPES = {"cuda": ("auto", "bfloat16"), "cpu": ("auto", "float32")}
 
 
 @dataclass(frozen=True)
@@ -23,10 +29,22 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    served_model_name: str | None = None       # default: the --model argument, as vLLM does
+    served_model_names: tuple[str, ...] = ()   # default: the model argument, as vLLM does
     engine_options: dict = field(default_factory=dict)   # EngineConfig fields
-    log_level: str = "info"
+    log_level: str = "info"                    # tinyvllm's own loggers
+    uvicorn_log_level: str = "info"
     graceful_shutdown_s: float = 5.0
+    allowed_origins: tuple[str, ...] = ()      # CORS, off unless given
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    chat_template: str | None = None           # a file, or the template itself
+    dtype: str = "auto"
+    log_requests: bool = True
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.served_model_names or (self.model,)
 
 
 def is_loopback(host: str) -> bool:
@@ -41,10 +59,42 @@ def is_loopback(host: str) -> bool:
 def _require_server_dependencies() -> None:
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise TinyVLLMError(f"the server needs FastAPI and uvicorn ({e}); "
+        raise TinyVLLMError(f"the server needs FastAPI, uvicorn and prometheus_client ({e}); "
                             "install them with: pip install 'tinyvllm[server]'") from None
+
+
+def check_dtype(dtype: str, device: str) -> None:
+    """tinyvllm computes in one type per backend: bf16 weights and activations on the GPU, the
+    float32 reference on the CPU. --dtype may only name it."""
+    if device in DTYPES and dtype not in DTYPES[device]:
+        raise TinyVLLMError(f"--dtype {dtype} is not supported on --device {device}; use "
+                            f"{' or '.join(DTYPES[device])} (tinyvllm computes in "
+                            f"{DTYPES[device][1]} there)")
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: the template itself (it has {% ... %} or {{ ... }}), else a file."""
+    if value is None or "{" in value:
+        return value
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except OSError as e:
+        raise TinyVLLMError(f"--chat-template {value}: cannot read it ({e.strerror}), and it is "
+                            "not a template either (no {% ... %} or {{ ... }})") from None
+
+
+def _check_chat_template(tokenizer, template: str) -> None:
+    from tinyvllm.server.app import chat_prompt_ids
+    try:
+        chat_prompt_ids(tokenizer, [{"role": "user", "content": "hi"}], template)
+    except TypeError:
+        raise TinyVLLMError("--chat-template: this tokenizer cannot render a custom chat "
+                            "template") from None
+    except TinyVLLMError as e:
+        raise TinyVLLMError(f"--chat-template: {e}") from None
 
 
 def build_server(options: ServeOptions):
@@ -54,43 +104,67 @@ def build_server(options: ServeOptions):
     from tinyvllm.server.app import ServerSettings, build_app
     from tinyvllm.server.engine_loop import EngineLoop
 
+    check_dtype(options.dtype, options.engine_options.get("device", "cuda"))
+    chat_template = read_chat_template(options.chat_template)
     engine = LLMEngine(options.model, **options.engine_options)
-    settings = ServerSettings(model_name=options.served_model_name or options.model,
-                              api_key=options.api_key)
+    if chat_template is not None:
+        _check_chat_template(engine.tokenizer, chat_template)
+    settings = ServerSettings(
+        model_names=options.model_names, api_key=options.api_key, model_path=options.model,
+        allowed_origins=options.allowed_origins, allowed_methods=options.allowed_methods,
+        allowed_headers=options.allowed_headers, allow_credentials=options.allow_credentials,
+        chat_template=chat_template, log_requests=options.log_requests)
     engine_loop = EngineLoop(engine)
     return build_app(engine_loop, settings), engine_loop
+
+
+class _Terminated(Exception):
+    """SIGTERM, once uvicorn has shut down gracefully: what KeyboardInterrupt is to Ctrl-C."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated
 
 
 def run_server(options: ServeOptions) -> int:
     _require_server_dependencies()
     import uvicorn
 
+    from tinyvllm.logs import setup_logging
+
     class DrainingServer(uvicorn.Server):
         """On the first exit signal, stop the engine loop after the grace period."""
 
         def handle_exit(self, sig, frame):
             if not self.should_exit:
-                log.info("shutting down: %.0fs for running requests to finish",
-                         options.graceful_shutdown_s)
+                log.info("shutting down (%s): %.0fs for running requests to finish",
+                         signal.Signals(sig).name, options.graceful_shutdown_s)
                 timer = threading.Timer(options.graceful_shutdown_s, engine_loop.stop)
                 timer.daemon = True
                 timer.start()
             super().handle_exit(sig, frame)
 
-    logging.basicConfig(level=options.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(options.log_level)
     if not is_loopback(options.host) and not options.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use "
                     "the model", options.host)
     app, engine_loop = build_server(options)
-    log.info("serving %r on http://%s:%d/v1", options.served_model_name or options.model,
+    log.info("serving %s on http://%s:%d/v1", ", ".join(repr(n) for n in options.model_names),
              options.host, options.port)
     # uvicorn's own timeout is only a backstop: by then our streams have ended themselves.
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
+    config = uvicorn.Config(app, host=options.host, port=options.port,
+                            log_level=options.uvicorn_log_level,
                             timeout_graceful_shutdown=options.graceful_shutdown_s + 5)
+    # uvicorn handles SIGTERM like Ctrl-C, then re-raises it under the handler it found at start:
+    # with the default one the process would die of the signal instead of exiting 0.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         DrainingServer(config).run()
-    except KeyboardInterrupt:   # uvicorn re-raises the Ctrl-C it handled, once it has shut down
+    except (KeyboardInterrupt, _Terminated):   # re-raised by uvicorn once it has shut down
         pass
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     log.info("server stopped")
     return 0
