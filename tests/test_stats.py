@@ -49,7 +49,7 @@ def test_step_stats_add_up_to_the_requests(tiny_model_dir):
     assert steps[-1].num_running == steps[-1].num_waiting == 0 and steps[-1].kv_cache_usage == 0
     # "c" (1 token) finishes in the prefill step; "a" and "b" decode together
     assert max(s.num_running for s in steps) == 2 and max(s.kv_cache_usage for s in steps) > 0
-    assert engine.stats._last_token == {} and engine.stats._scheduled_at == {}   # nothing kept
+    assert engine.stats._preempted == {} and engine.stats._scheduled_at == {}   # nothing kept
 
 
 def test_preemptions_aborts_and_waiting_are_counted(tiny_model_dir):
@@ -70,6 +70,49 @@ def test_preemptions_aborts_and_waiting_are_counted(tiny_model_dir):
     assert finished == {"length", "abort"}
     abort = next(f for s in steps for f in s.finished if f.finish_reason == "abort")
     assert abort.num_generation_tokens == 0 and abort.prefill_time == 0 == abort.inference_time
+
+
+def test_inter_token_gaps_match_a_per_token_oracle(tiny_model_dir):
+    """Every generated token but a request's first has exactly one gap, measured from the step
+    that produced the request's previous token, through preemptions (recomputed prompts),
+    chunked prefill, aborts, one-token requests and requests arriving mid-run."""
+    engine = LLMEngine(tiny_model_dir, device="cpu", max_model_len=128, num_kv_blocks=6,
+                       max_num_seqs=4, max_num_batched_tokens=24)
+    engine.enable_stats()
+    previous_step, oracle, steps = {}, [], []       # request -> index of its last token's step
+
+    def add(rid, prompt_len, max_tokens):
+        engine.add_request(rid, [1] + [200 + len(rid)] * (prompt_len - 1),
+                           SamplingParams(max_tokens=max_tokens, **GREEDY))
+
+    for i in range(4):
+        add(f"r{i}", 14, 20)
+    add("long", 40, 6)                 # prefilled in two chunks
+    add("one", 5, 1)
+    while engine.has_unfinished_requests():
+        index = len(steps)
+        if index == 3:
+            add("late", 10, 8)
+        if index == 6:
+            engine.abort_request("r1")
+        before = {rid: len(seq.token_ids) for rid, seq in engine._requests.items()}
+        for out in engine.step():
+            new = out.num_generated_tokens - (before.get(out.request_id, 0) - out.num_prompt_tokens)
+            if new > 0 and out.request_id in previous_step:
+                oracle.append((previous_step[out.request_id], index))
+            if new > 0:
+                previous_step[out.request_id] = index
+        steps.append(engine.last_step_stats)
+    assert engine.num_preemptions >= 1
+    times = {s.time: i for i, s in enumerate(steps)}
+    measured = []
+    for i, s in enumerate(steps):
+        for gap, count in s.inter_token_latencies:
+            previous = min(times, key=lambda t: abs(t - (s.time - gap)))   # float rounding
+            assert abs(previous - (s.time - gap)) < 1e-6
+            measured += [(times[previous], i)] * count
+    assert sorted(measured) == sorted(oracle)
+    assert sum(s.num_preemptions for s in steps) == engine.num_preemptions
 
 
 def test_no_stats_unless_enabled(tiny_model_dir):

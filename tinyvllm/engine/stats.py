@@ -5,10 +5,10 @@ the periodic stats line in the log.
     engine.step()                   # ... then engine.last_step_stats is that step's StepStats
 
 StatsCollector runs on the engine thread and only counts: per step it reads the scheduler's
-queue lengths and the free-block count, and walks the sequences the step reported (which the
-step has just walked anyway) to find first tokens, inter-token gaps and finishes. Inter-token
-gaps come grouped: every sequence of a decode step got its token at the same moment, so they
-share a few distinct gaps, reported as (gap, count) pairs instead of one float per token.
+queue lengths and the free-block count, and notes first tokens, inter-token gaps and finishes.
+Inter-token gaps come grouped: the sequences of a decode step got their previous token in one
+of a few earlier steps, so they share a few distinct gaps, reported as (gap, count) pairs
+instead of one float per token (see StatsCollector).
 Everything else (cumulative counters, histograms, throughput) is left to the consumers, which
 run off the engine thread: server/metrics.py and StatsLogger below.
 
@@ -18,17 +18,22 @@ prefix-cache counters stay 0."""
 from __future__ import annotations
 
 import logging
+import operator
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
+
+from tinyvllm.engine.sequence import SequenceStatus
 
 log = logging.getLogger("tinyvllm.engine")
+
+_is_finished = operator.attrgetter("status.is_finished")
+RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
 
 # vLLM reports three finish reasons; tinyvllm's "eos" is vLLM's "stop".
 FINISH_REASONS = {"stop": "stop", "eos": "stop", "length": "length", "abort": "abort"}
 
 
-@dataclass(frozen=True, slots=True)
-class FinishedRequestStats:
+class FinishedRequestStats(NamedTuple):
     """One finished request's timings (seconds) and sizes, as vLLM's FinishedRequestStats."""
     finish_reason: str                # "stop", "length" or "abort"
     num_prompt_tokens: int
@@ -47,8 +52,8 @@ class FinishedRequestStats:
         return self.decode_time / n if n > 0 else None
 
 
-@dataclass(frozen=True, slots=True)
-class StepStats:
+class StepStats(NamedTuple):
+    """(A NamedTuple, like a frozen dataclass but built in a fraction of the time: one per step.)"""
     time: float                       # time.perf_counter() at the end of the step
     num_running: int                  # sequences decoding
     num_waiting: int                  # queued, or preempted and waiting to be recomputed
@@ -65,13 +70,26 @@ class StepStats:
 
 
 class StatsCollector:
-    """Builds the StepStats of each step. Engine thread only."""
+    """Builds the StepStats of each step. Engine thread only.
+
+    No Python loop over a decode batch: every running sequence got its previous token at the
+    end of the previous decode step, or of the prefill step since then that admitted it (or
+    recomputed it after a preemption), and gets exactly one token now. So the gaps of a decode
+    step are one count per such step: the admitted cohorts are counted (they are short lists),
+    the rest of the batch came from the previous decode step. The sequences of a batch are
+    walked only when some of them finished or were preempted, and a prefill step's (a short
+    list) always: first tokens, and recomputations, whose gap includes their wait."""
 
     def __init__(self, scheduler, block_manager):
         self._scheduler, self._blocks = scheduler, block_manager
-        self._last_token: dict = {}        # sequence -> (time of its latest token, len(token_ids))
         self._scheduled_at: dict = {}      # sequence -> when it was first scheduled
+        self._preempted: dict = {}         # preempted sequence -> when it got its latest token
+        self._decoded: list = []           # the previous decode batch ...
+        self._decoded_at: float | None = None          # ... and when it ended
+        self._admitted: list[tuple[float, list]] = []  # (prefill end, sequences) since then
         self._num_preemptions = scheduler.num_preemptions
+        self._batch = None
+        self._cohorts: list[tuple[float, int]] = []    # this decode step's (previous token, count)
         self._scheduled_tokens = 0
         self._prefix_queries = self._prefix_hits = 0
 
@@ -81,11 +99,15 @@ class StatsCollector:
         self._prefix_hits += hits
 
     def step_started(self, batch) -> None:
-        """After scheduling, before the model runs (while num_scheduled_tokens is still set)."""
+        """After scheduling, before the model runs (while the batch's state is as scheduled)."""
+        self._batch = batch
+        if self._scheduler.num_preemptions != self._num_preemptions:
+            self._note_preempted()
         if batch is None:
             self._scheduled_tokens = 0
         elif not batch.is_prefill:
             self._scheduled_tokens = len(batch.seqs)
+            self._cohorts = [(t, sum(s.status is RUNNING for s in seqs)) for t, seqs in self._admitted]
         else:
             now, tokens = time.perf_counter(), 0
             for seq in batch.seqs:
@@ -93,50 +115,65 @@ class StatsCollector:
                 tokens += seq.num_scheduled_tokens
             self._scheduled_tokens = tokens
 
+    def _note_preempted(self) -> None:
+        """The sequences the scheduler just sent back to the queue, with their last token's time."""
+        for t, seqs in [(self._decoded_at, self._decoded), *self._admitted]:
+            for seq in seqs:
+                if seq.status is WAITING and seq not in self._preempted:
+                    self._preempted[seq] = t
+
     def step_finished(self, reported) -> StepStats:
         """`reported`: the sequences this step reported (a new token, or finished)."""
         now = time.perf_counter()
-        last_token, gaps = self._last_token, {}
-        ttfts, finished = [], []
-        prompt_tokens = generated = 0
-        for seq in reported:
-            n = len(seq.token_ids)
-            previous = last_token.get(seq)
-            if previous is None:                       # nothing generated before this step
-                new = n - seq.num_prompt_tokens
-                if new > 0:
+        batch = self._batch
+        ttfts, gaps, prompt_tokens, generated = [], [], 0, 0
+        if batch is not None and not batch.is_prefill:
+            generated = len(batch.seqs)
+            from_admitted = sum(k for _, k in self._cohorts)
+            if self._decoded_at is not None and generated > from_admitted:
+                gaps.append((now - self._decoded_at, generated - from_admitted))
+            gaps += [(now - t, k) for t, k in self._cohorts if k]
+            self._decoded, self._decoded_at, self._admitted = batch.seqs, now, []
+            something_finished = len(reported) > generated or len(self._scheduler.running) < generated
+        elif batch is not None:
+            in_batch, admitted = set(batch.seqs), []
+            for seq in reported:
+                if seq not in in_batch:          # (a prompt chunk is reported once it is done)
+                    continue
+                generated += 1
+                previous = self._preempted.pop(seq, None)
+                if previous is not None:         # recomputed after a preemption
+                    gaps.append((now - previous, 1))
+                elif seq.num_tokens - seq.num_prompt_tokens == 1:     # its first token
                     ttfts.append(seq.first_token_time - seq.arrival_time)
                     prompt_tokens += seq.num_prompt_tokens
-            else:
-                when, before = previous
-                new = n - before
-                if new > 0:
-                    gaps[when] = gaps.get(when, 0) + new
-            generated += new
-            if seq.status.is_finished:
-                last_token.pop(seq, None)
-                finished.append(self._finished(seq, n, now))
-            else:
-                last_token[seq] = (now, n)
-        preemptions = self._scheduler.num_preemptions
-        blocks = self._blocks
+                if not seq.status.is_finished:
+                    admitted.append(seq)
+            self._admitted.append((now, admitted))
+            something_finished = True
+        else:
+            something_finished = bool(reported)
+        finished = ([self._finished(seq, now) for seq in filter(_is_finished, reported)]
+                    if something_finished else [])
+        preemptions, blocks = self._scheduler.num_preemptions, self._blocks
         stats = StepStats(
             now, len(self._scheduler.running), len(self._scheduler.waiting),
             1.0 - blocks.num_free_blocks / blocks.num_blocks, prompt_tokens, generated,
             self._scheduled_tokens, preemptions - self._num_preemptions, self._prefix_queries,
-            self._prefix_hits, tuple(ttfts), tuple((now - t, k) for t, k in gaps.items()),
-            tuple(finished))
+            self._prefix_hits, tuple(ttfts), tuple(gaps), tuple(finished))
         self._num_preemptions = preemptions
         self._prefix_queries = self._prefix_hits = 0
+        self._batch, self._cohorts = None, []
         return stats
 
-    def _finished(self, seq, num_tokens: int, now: float) -> FinishedRequestStats:
+    def _finished(self, seq, now: float) -> FinishedRequestStats:
+        self._preempted.pop(seq, None)
         end = seq.finish_time or now
         scheduled = self._scheduled_at.pop(seq, None)   # None: aborted before it ever ran
         first = seq.first_token_time
         return FinishedRequestStats(
             FINISH_REASONS.get(seq.finish_reason, seq.finish_reason), seq.num_prompt_tokens,
-            num_tokens - seq.num_prompt_tokens, seq.params.max_tokens,
+            len(seq.token_ids) - seq.num_prompt_tokens, seq.params.max_tokens,
             e2e_latency=end - seq.arrival_time,
             queued_time=(end if scheduled is None else scheduled) - seq.arrival_time,
             prefill_time=0.0 if first is None or scheduled is None else first - scheduled,
