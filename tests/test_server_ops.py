@@ -167,6 +167,18 @@ def test_gauges_while_a_request_runs_and_an_abort_is_counted(served):
         before['tinyvllm:request_success_total{finished_reason="abort"}'] + 1
 
 
+def test_disable_log_stats_collects_nothing(tiny_model_dir):
+    from tinyvllm.server.launch import ServeOptions, build_server
+    app, engine_loop = build_server(ServeOptions(model=str(tiny_model_dir), engine_options=ENGINE_OPTIONS,
+                                                 log_stats=False))
+    with LiveServer(app) as live:
+        r = httpx.post(live.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+        r = httpx.get(live.url + "/metrics")
+        assert r.status_code == 404 and "--disable-log-stats" in r.json()["error"]["message"]
+    assert engine_loop.engine.stats is None and engine_loop.engine.last_step_stats is None
+
+
 # ---- /tokenize, /detokenize, /version, /ping ----------------------------------------------------
 
 def test_tokenize_detokenize_round_trip(served, tokenizer):
@@ -206,6 +218,7 @@ def test_tokenize_chat_matches_the_chat_completion_prompt(served, client, tokeni
     ("/tokenize", {"prompt": 5}, 400),
     ("/tokenize", b'{"prompt": ', 400),
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, 400),
     ("/detokenize", {"tokens": [1, 10**9]}, 400),
     ("/detokenize", {"tokens": "abc"}, 400),
 ])

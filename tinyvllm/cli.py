@@ -67,7 +67,8 @@ def _cmd_serve(args) -> int:
         allowed_methods=_json_or_values("--allowed-methods", args.allowed_methods, ("*",)),
         allowed_headers=_json_or_values("--allowed-headers", args.allowed_headers, ("*",)),
         allow_credentials=args.allow_credentials, chat_template=args.chat_template,
-        dtype=args.dtype, log_requests=not args.disable_log_requests))
+        dtype=args.dtype, log_requests=not args.disable_log_requests,
+        log_stats=not args.disable_log_stats))
 
 
 def _json_or_values(flag: str, values: list[str] | None, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -274,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="uvicorn's log, with its access lines (default: info)")
     sv.add_argument("--disable-log-requests", action="store_true",
                     help="do not log each request (its prompt and sampling parameters)")
+    sv.add_argument("--disable-log-stats", action="store_true",
+                    help="collect no engine statistics: no /metrics, no periodic stats line")
     add_engine_options(sv)
     sv.set_defaults(func=_cmd_serve)
     return p

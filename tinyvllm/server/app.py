@@ -44,6 +44,7 @@ class ServerSettings:
     allow_credentials: bool = False
     chat_template: str | None = None        # instead of the tokenizer's own
     log_requests: bool = True               # one INFO line per request
+    log_stats: bool = True                  # StepStats -> /metrics and the 5 s log line
     stats_log_interval_s: float = 5.0
 
 
@@ -60,8 +61,9 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
     context_limit = engine.engine_config.context_limit(engine.model_config)
     metrics = EngineMetrics(settings.model_names[0], context_limit, cache_info(engine))
     stats_logger = StatsLogger(settings.stats_log_interval_s)
-    engine_loop.add_stats_listener(metrics.record)
-    engine_loop.add_stats_listener(stats_logger.record)
+    if settings.log_stats:
+        engine_loop.add_stats_listener(metrics.record)
+        engine_loop.add_stats_listener(stats_logger.record)
 
     async def fold_stats():
         while True:
@@ -75,11 +77,12 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine_loop.start()
-        ticker = asyncio.ensure_future(fold_stats())
+        ticker = asyncio.ensure_future(fold_stats()) if settings.log_stats else None
         try:
             yield
         finally:
-            ticker.cancel()
+            if ticker is not None:
+                ticker.cancel()
             engine_loop.stop()
 
     app = FastAPI(title="tinyvllm", lifespan=lifespan)
@@ -129,7 +132,8 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
         return {"status": "ok"}
 
     app.add_api_route("/health", health, methods=["GET"])
-    add_utility_routes(app, engine_loop, metrics, check_model, prompt_ids_of_chat, health)
+    add_utility_routes(app, engine_loop, metrics if settings.log_stats else None, check_model,
+                       prompt_ids_of_chat, health)
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def list_models():

@@ -41,6 +41,7 @@ class ServeOptions:
     chat_template: str | None = None           # a file, or the template itself
     dtype: str = "auto"
     log_requests: bool = True
+    log_stats: bool = True                     # /metrics and the periodic stats line
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -113,7 +114,8 @@ def build_server(options: ServeOptions):
         model_names=options.model_names, api_key=options.api_key, model_path=options.model,
         allowed_origins=options.allowed_origins, allowed_methods=options.allowed_methods,
         allowed_headers=options.allowed_headers, allow_credentials=options.allow_credentials,
-        chat_template=chat_template, log_requests=options.log_requests)
+        chat_template=chat_template, log_requests=options.log_requests,
+        log_stats=options.log_stats)
     engine_loop = EngineLoop(engine)
     return build_app(engine_loop, settings), engine_loop
 
@@ -148,20 +150,24 @@ def run_server(options: ServeOptions) -> int:
     if not is_loopback(options.host) and not options.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use "
                     "the model", options.host)
-    app, engine_loop = build_server(options)
-    log.info("serving %s on http://%s:%d/v1", ", ".join(repr(n) for n in options.model_names),
-             options.host, options.port)
-    # uvicorn's own timeout is only a backstop: by then our streams have ended themselves.
-    config = uvicorn.Config(app, host=options.host, port=options.port,
-                            log_level=options.uvicorn_log_level,
-                            timeout_graceful_shutdown=options.graceful_shutdown_s + 5)
     # uvicorn handles SIGTERM like Ctrl-C, then re-raises it under the handler it found at start:
-    # with the default one the process would die of the signal instead of exiting 0.
+    # with the default one the process would die of the signal instead of exiting 0. (Ours also
+    # covers the model load: SIGTERM then stops the start-up, with status 0 too.)
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
-        DrainingServer(config).run()
-    except (KeyboardInterrupt, _Terminated):   # re-raised by uvicorn once it has shut down
+        app, engine_loop = build_server(options)
+        log.info("serving %s on http://%s:%d/v1", ", ".join(repr(n) for n in options.model_names),
+                 options.host, options.port)
+        # uvicorn's own timeout is only a backstop: by then our streams have ended themselves.
+        config = uvicorn.Config(app, host=options.host, port=options.port,
+                                log_level=options.uvicorn_log_level,
+                                timeout_graceful_shutdown=options.graceful_shutdown_s + 5)
+        try:
+            DrainingServer(config).run()
+        except KeyboardInterrupt:   # re-raised by uvicorn once it has shut down
+            pass
+    except _Terminated:
         pass
     finally:
         if main_thread:

@@ -6,7 +6,7 @@
                         "tokens", "token_strs"}; messages go through the same chat template
                         (and the same tokenization) as /v1/chat/completions
     POST /detokenize    {"tokens": [int, ...]} -> {"prompt": str}
-    GET  /metrics       Prometheus text (server/metrics.py)
+    GET  /metrics       Prometheus text (server/metrics.py); 404 with --disable-log-stats
 
 As in vLLM, only /v1 routes need the API key."""
 from __future__ import annotations
@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyvllm import __version__
 from tinyvllm.server.protocol import ChatMessage, RequestValueError
@@ -39,6 +40,19 @@ class TokenizeChatRequest(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False         # the template writes its own BOS
+    # accepted only when absent or empty: the server's template is the one chat completions use
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict] = None
+    tools: Optional[list] = None
+
+    def refuse_unsupported(self) -> None:
+        for name, why in (("continue_final_message", "is not supported"),
+                          ("chat_template", "per request is not supported: start the server "
+                                            "with --chat-template"),
+                          ("chat_template_kwargs", "are not supported"),
+                          ("tools", "are not supported")):
+            if getattr(self, name):
+                raise RequestValueError(f"{name} {why}", name)
 
 
 class DetokenizeRequest(BaseModel):
@@ -78,6 +92,8 @@ def add_utility_routes(app: FastAPI, engine_loop, metrics, check_model, chat_pro
 
     @app.get("/metrics")
     async def prometheus_metrics():
+        if metrics is None:
+            raise StarletteHTTPException(404, "metrics are off: the server runs with --disable-log-stats")
         engine_loop.drain_stats()          # everything the engine has done up to now
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -88,9 +104,7 @@ def add_utility_routes(app: FastAPI, engine_loop, metrics, check_model, chat_pro
         body = await _parse(request, TokenizeChatRequest if chat else TokenizeCompletionRequest, raw)
         check_model(body.model)
         if chat:
-            if body.continue_final_message:
-                raise RequestValueError("continue_final_message is not supported",
-                                        "continue_final_message")
+            body.refuse_unsupported()
             ids = chat_prompt_ids([m.as_template_message() for m in body.messages],
                                   add_generation_prompt=body.add_generation_prompt,
                                   add_special_tokens=body.add_special_tokens)
