@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--client-procs", type=int, default=1, help="load_server.py --client-procs")
     ap.add_argument("--top", type=int, default=25, help="rows of each profile to print")
     ap.add_argument("--out", default=None, help="write the load summary (JSON) here")
+    ap.add_argument("--no-stats", action="store_true",
+                    help="as serve --disable-log-stats: no StepStats, no /metrics (the A/B baseline)")
     ap.add_argument("--scrape-s", type=float, default=0.0,
                     help="GET /metrics this often during the run, as Prometheus would (0: never)")
     args = ap.parse_args(argv)
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
     engine_loop = EngineLoop(engine)
     engine_timer, loop_timer = ThreadTimer(), ThreadTimer()
     engine_loop._thread._target = engine_timer.wrap(engine_loop._thread._target, args.profile)
-    app = build_app(engine_loop, ServerSettings(model_names=("tiny",)))
+    app = build_app(engine_loop, ServerSettings(model_names=("tiny",), log_stats=not args.no_stats))
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

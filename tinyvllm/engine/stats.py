@@ -149,7 +149,8 @@ class StatsCollector:
                     prompt_tokens += seq.num_prompt_tokens
                 if not seq.status.is_finished:
                     admitted.append(seq)
-            self._admitted.append((now, admitted))
+            if admitted:
+                self._admitted.append((now, admitted))
             something_finished = True
         else:
             something_finished = bool(reported)

@@ -88,14 +88,16 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 def _check_chat_template(tokenizer, template: str) -> None:
+    """Render a one-message conversation once, so a template that cannot work fails at start."""
+    import inspect
+
     from tinyvllm.server.app import chat_prompt_ids
+    if "chat_template" not in inspect.signature(tokenizer.apply_chat_template).parameters:
+        raise TinyVLLMError("--chat-template: this tokenizer renders only its own chat template")
     try:
         chat_prompt_ids(tokenizer, [{"role": "user", "content": "hi"}], template)
-    except TypeError:
-        raise TinyVLLMError("--chat-template: this tokenizer cannot render a custom chat "
-                            "template") from None
-    except TinyVLLMError as e:
-        raise TinyVLLMError(f"--chat-template: {e}") from None
+    except Exception as e:       # noqa: BLE001 — whatever the template engine raises
+        raise TinyVLLMError(f"--chat-template: cannot render a test conversation ({e})") from None
 
 
 def build_server(options: ServeOptions):
