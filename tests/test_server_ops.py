@@ -203,13 +203,15 @@ def test_tokenize_chat_matches_the_chat_completion_prompt(served, client, tokeni
     r = httpx.post(served.url + "/tokenize", json={"messages": messages})
     assert r.status_code == 200, r.text
     tokens = r.json()["tokens"]
-    assert tokens == tokenizer.encode(tokenizer.apply_chat_template(messages), add_bos=False)
+    assert tokens == tokenizer.encode_chat(messages)
     out = client.chat.completions.create(model=NAMES[0], messages=messages, max_tokens=1)
     assert out.usage.prompt_tokens == r.json()["count"]
     no_prompt = httpx.post(served.url + "/tokenize",
                            json={"messages": messages, "add_generation_prompt": False}).json()
-    assert no_prompt["tokens"] == tokenizer.encode(
-        tokenizer.apply_chat_template(messages, add_generation_prompt=False), add_bos=False)
+    assert no_prompt["tokens"] == tokenizer.encode_chat(messages, add_generation_prompt=False)
+    with_bos = httpx.post(served.url + "/tokenize",
+                          json={"messages": messages, "add_special_tokens": True}).json()
+    assert with_bos["tokens"] == tokenizer.encode(tokenizer.apply_chat_template(messages))
 
 
 @pytest.mark.parametrize("path,body,status", [
@@ -325,7 +327,7 @@ def test_version_flag(capsys):
     (["{model}", "--dtype", "float16"], "--dtype float16 is not supported on --device cpu"),
     (["{model}", "--allowed-origins", '["http://a"'], "--allowed-origins: invalid JSON list"),
     (["{model}", "--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization sizes the GPU"),
-    (["{model}", "--chat-template", "/no/such/template.jinja"], "--chat-template"),
+    (["{model}", "--chat-template", "/no/such/template.jinja"], "cannot read chat template file"),
 ])
 def test_serve_argument_errors_are_one_line(tiny_model_dir, capsys, args, message):
     args = [a.replace("{model}", str(tiny_model_dir)) for a in args]

@@ -1,4 +1,4 @@
-"""`python -m tinyvllm <command>`: make-model, generate, bench, serve.
+"""`python -m tinyvllm <command>`: make-model, generate, inspect, bench, serve.
 
 Each command lives in its own function; user errors (TinyVLLMError) become one line on stderr
 and exit status 2, never a traceback."""
@@ -118,9 +118,14 @@ def _cmd_generate(args) -> int:
     options = engine_options_from_args(args)
     options.update({k: v for k, v in (("scheduling", args.scheduling),
                                       ("num_kv_blocks", args.num_kv_blocks)) if v is not None})
-    engine = LLMEngine(args.model, **options)
-    if args.chat or args.system is not None:
-        prompts_in = [engine.tokenizer.chat_prompt(p, system=args.system) for p in prompts]
+    if args.trace or args.trace_steps is not None:
+        from tinyvllm.trace import TRACE_STEPS
+        options["trace_steps"] = TRACE_STEPS if args.trace_steps is None else args.trace_steps
+    engine = LLMEngine(args.model, chat_template=args.chat_template, **options)
+    if args.chat or args.system is not None or args.chat_template is not None:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        prompts_in = [engine.tokenizer.encode_chat(system + [{"role": "user", "content": p}])
+                      for p in prompts]
     else:
         prompts_in = prompts
     ids = [str(i) for i in range(len(prompts))]
@@ -165,6 +170,15 @@ def _cmd_generate(args) -> int:
     return 0
 
 
+def _cmd_inspect(args) -> int:
+    from tinyvllm.engine.llm_engine import make_engine_config
+    from tinyvllm.model_report import inspect_report
+    names = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size")
+    config = make_engine_config(None, {n: getattr(args, n) for n in names if getattr(args, n) is not None})
+    print(inspect_report(args.model, config))
+    return 0
+
+
 def _cmd_bench(args) -> int:
     from tinyvllm.bench.run import BenchOptions, run_bench
     options = engine_options_from_args(args)
@@ -203,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--file", help="a text file with one prompt per line")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.add_argument("--system", default=None, help="system message (implies --chat)")
+    gen.add_argument("--chat-template", default=None, metavar="FILE",
+                     help="Jinja chat template to use instead of the model's own (implies --chat)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -216,7 +232,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(gen)
     gen.add_argument("--scheduling", choices=["continuous", "static"], default=None)
     gen.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV cache size in blocks")
+    gen.add_argument("--trace", action="store_true",
+                     help="print every kernel launch and cuBLAS call of the first steps to stderr")
+    gen.add_argument("--trace-steps", type=int, default=None, metavar="N",
+                     help="steps to trace (implies --trace; default 2: the prefill and one decode)")
     gen.set_defaults(func=_cmd_generate)
+
+    ins = sub.add_parser("inspect", help="config, tensors, weight / KV / arena memory of a model (no GPU)")
+    ins.add_argument("--model", required=True, help="Hugging Face model directory")
+    ins.add_argument("--max-model-len", type=int, default=None, help="context limit to size the KV cache for")
+    ins.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (arena plan)")
+    ins.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (arena plan)")
+    ins.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block")
+    ins.set_defaults(func=_cmd_inspect)
 
     bench = sub.add_parser("bench", help="latency / batch64 / throughput benchmark (table + JSON)")
     which = bench.add_mutually_exclusive_group()

@@ -46,15 +46,20 @@ def make_engine_config(engine_config: EngineConfig | None, options: dict) -> Eng
 
 class LLMEngine:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None, *,
-                 runner: ModelRunner | None = None, **engine_options):
+                 runner: ModelRunner | None = None, chat_template: str | Path | None = None,
+                 **engine_options):
         """runner: a ready ModelRunner to use instead of loading the weights into a new one
-        (benchmarks and tests drive the real engine with a fake model this way)."""
+        (benchmarks and tests drive the real engine with a fake model this way).
+        chat_template: a template file or text replacing the model directory's own."""
         start = time.perf_counter()
         self.engine_config = make_engine_config(engine_config, engine_options)
         self.model_config = ModelConfig.from_pretrained(model_dir)
-        self.tokenizer = Tokenizer.from_pretrained(model_dir, self.model_config)
+        self.tokenizer = Tokenizer.from_pretrained(model_dir, self.model_config, chat_template)
         self.runner = runner or make_runner(self.model_config, load_weights(model_dir, self.model_config),
                                             self.engine_config)
+        if self.engine_config.trace_steps:       # eager, printed steps first (tinyvllm/trace.py)
+            from tinyvllm.trace import TracingRunner
+            self.runner = TracingRunner(self.runner, self.model_config, self.engine_config)
         self.context_limit = self.engine_config.context_limit(self.model_config)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.engine_config.block_size)
         self.scheduler = Scheduler(self.engine_config, self.block_manager, self.context_limit,
@@ -107,7 +112,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
-            return prompt, self.tokenizer.encode(prompt, add_bos=True)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple, np.ndarray)):
             ids = [int(t) for t in prompt] if all(
                 isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt) else None

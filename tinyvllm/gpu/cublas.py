@@ -21,6 +21,9 @@ CUDA_R_32F, CUDA_R_16BF = 0, 14
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
 DTYPE_CODES = {"bfloat16": CUDA_R_16BF, "float32": CUDA_R_32F}
+# cublasGemmEx's parameters after the handle, in its order (cublas_api.h); alpha/beta as floats
+GEMM_EX_PARAMS = ("transa", "transb", "m", "n", "k", "alpha", "A", "Atype", "lda", "B", "Btype", "ldb",
+                  "beta", "C", "Ctype", "ldc", "computeType", "algo")
 
 
 class CublasError(RuntimeError):
@@ -73,6 +76,9 @@ class Cublas:
         self._check(lib.cublasSetWorkspace_v2(self.handle, vp(workspace_ptr), workspace_bytes),
                     "cublasSetWorkspace")
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        # observer(arguments): told the exact GemmEx arguments of each call (tinyvllm/trace.py),
+        # a dict keyed by GEMM_EX_PARAMS; None (the default) costs one attribute test per call
+        self.observer = None
 
     def _check(self, status: int, what: str) -> None:
         if status != 0:
@@ -104,10 +110,14 @@ class Cublas:
         down_proj. X and W are bf16; Y is bf16 or fp32 (the LM head writes fp32 logits); the
         accumulation is fp32 (CUBLAS_COMPUTE_32F).
         """
-        beta = self._one if accumulate else self._zero
+        args = (OP_T, OP_N, n, m, k, 1.0, int(w), CUDA_R_16BF, k, int(x), CUDA_R_16BF, k,
+                1.0 if accumulate else 0.0, int(y), DTYPE_CODES[out_dtype], n,
+                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        if self.observer is not None:
+            self.observer(dict(zip(GEMM_EX_PARAMS, args)))
+        ta, tb, m_, n_, k_, _, a, a_type, lda, b, b_type, ldb, beta, c, c_type, ldc, compute, algo = args
         self._check(self.lib.cublasGemmEx(
-            self.handle, OP_T, OP_N, n, m, k, ctypes.byref(self._one),
-            ctypes.c_void_p(int(w)), CUDA_R_16BF, k,
-            ctypes.c_void_p(int(x)), CUDA_R_16BF, k, ctypes.byref(beta),
-            ctypes.c_void_p(int(y)), DTYPE_CODES[out_dtype], n,
-            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmEx")
+            self.handle, ta, tb, m_, n_, k_, ctypes.byref(self._one),
+            ctypes.c_void_p(a), a_type, lda, ctypes.c_void_p(b), b_type, ldb,
+            ctypes.byref(self._one if beta else self._zero),
+            ctypes.c_void_p(c), c_type, ldc, compute, algo), "cublasGemmEx")

@@ -54,6 +54,15 @@ def device_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def device_tensor_itemsize(key: str) -> int:
+    return 4 if key == "rope_inv_freq" else 2          # float32 frequencies, bf16 everything else
+
+
+def device_weight_bytes(config: ModelConfig) -> int:
+    """The size of the one weights allocation: every tensor, each start ALIGN-aligned."""
+    return sum(round_up(int(np.prod(s)) * device_tensor_itemsize(k)) for k, s in device_tensor_shapes(config).items())
+
+
 def _host_tensor(key: str, config: ModelConfig, w: dict[str, np.ndarray]) -> np.ndarray:
     """The host array for one device tensor (a device_tensor_shapes key)."""
     if key == "rope_inv_freq":
@@ -72,13 +81,12 @@ def upload_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> Devic
     import pycuda.driver as drv
 
     shapes = device_tensor_shapes(config)
-    itemsize = {k: 4 if k == "rope_inv_freq" else 2 for k in shapes}
-    total = sum(round_up(int(np.prod(s)) * itemsize[k]) for k, s in shapes.items())
+    total = device_weight_bytes(config)
     allocation = drv.mem_alloc(total)
     ptrs, offset = {}, int(allocation)
     for key, shape in shapes.items():
         arr = _host_tensor(key, config, weights)
-        dtype = np.float32 if itemsize[key] == 4 else ml_dtypes.bfloat16
+        dtype = np.float32 if device_tensor_itemsize(key) == 4 else ml_dtypes.bfloat16
         arr = np.ascontiguousarray(arr, dtype=dtype)
         assert arr.shape == shape, (key, arr.shape, shape)
         drv.memcpy_htod(offset, arr)

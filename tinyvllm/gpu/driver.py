@@ -1,5 +1,7 @@
 """The CUDA device as the engine uses it: PyCUDA's driver, initialised once, and the device's
-primary context made current for a block of work.
+primary context made current for a block of work; and the few driver-API calls PyCUDA does not
+wrap, bound here once over ctypes: module loading and cuLaunchKernelEx (for programmatic
+dependent launch, see gpu/kernels.py) and the graph calls of gpu/graphs.py.
 
 The primary context can be made current from whichever thread drives the engine (the server
 runs it on a background thread), so every entry point into the GPU backend wraps its work in
@@ -7,6 +9,8 @@ runs it on a background thread), so every entry point into the GPU backend wraps
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 from contextlib import contextmanager
 
 from tinyvllm.errors import GPUUnavailableError
@@ -42,3 +46,50 @@ class CudaDevice:
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of device memory."""
         return self.drv.mem_get_info()
+
+
+class CudaDriverError(RuntimeError):
+    pass
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute (cuda.h): an id, padding to 8 bytes, a 64-byte value union."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h)."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+@functools.lru_cache(maxsize=1)
+def libcuda() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    vp, pvp, i32 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int
+    lib.cuModuleLoadData.argtypes = [pvp, ctypes.c_char_p]
+    lib.cuModuleGetFunction.argtypes = [pvp, vp, ctypes.c_char_p]
+    lib.cuModuleUnload.argtypes = [vp]
+    lib.cuFuncSetAttribute.argtypes = [vp, i32, i32]
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), vp, pvp, pvp]
+    lib.cuStreamBeginCapture_v2.argtypes = [vp, i32]
+    lib.cuStreamEndCapture.argtypes = [vp, pvp]
+    lib.cuGraphInstantiateWithFlags.argtypes = [pvp, vp, ctypes.c_ulonglong]
+    lib.cuGraphLaunch.argtypes = [vp, vp]
+    lib.cuGraphExecDestroy.argtypes = [vp]
+    lib.cuGraphDestroy.argtypes = [vp]
+    lib.cuGetErrorString.argtypes = [i32, ctypes.POINTER(ctypes.c_char_p)]
+    return lib
+
+
+def check(status: int, what: str) -> None:
+    """Raise CudaDriverError with the driver's own message for a failed CUresult."""
+    if status != 0:
+        msg = ctypes.c_char_p()
+        libcuda().cuGetErrorString(status, ctypes.byref(msg))
+        raise CudaDriverError(f"{what} failed: {(msg.value or b'?').decode()} (CUresult {status})")

@@ -2,8 +2,8 @@
 
 A decode step is ~150 launches; from Python each costs ~8 µs, so an eager step is host-bound.
 Captured once into a graph and replayed, the same launches cost ~1 µs each on the GPU and one
-cuGraphLaunch on the host. PyCUDA has no graph API, so the five driver calls we need are bound
-here; capture works on a PyCUDA stream's handle, and captures PyCUDA kernel launches and cuBLAS
+cuGraphLaunch on the host. PyCUDA has no graph API, so the driver calls we need are bound over
+ctypes (gpu/driver.py); capture works on a PyCUDA stream's handle, and captures PyCUDA kernel launches and cuBLAS
 calls alike (cuBLAS needs a fixed workspace for that: see Cublas).
 
 Everything a captured step reads must sit at fixed addresses (the arena) and every kernel
@@ -15,37 +15,9 @@ from __future__ import annotations
 import ctypes
 from contextlib import contextmanager
 
+from tinyvllm.gpu.driver import check, libcuda
+
 CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1   # only this thread's CUDA calls join the capture
-
-
-class CudaDriverError(RuntimeError):
-    pass
-
-
-class _Driver:
-    _lib = None
-
-    @classmethod
-    def lib(cls) -> ctypes.CDLL:
-        if cls._lib is None:
-            lib = ctypes.CDLL("libcuda.so.1")
-            vp, pvp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
-            lib.cuStreamBeginCapture_v2.argtypes = [vp, ctypes.c_int]
-            lib.cuStreamEndCapture.argtypes = [vp, pvp]
-            lib.cuGraphInstantiateWithFlags.argtypes = [pvp, vp, ctypes.c_ulonglong]
-            lib.cuGraphLaunch.argtypes = [vp, vp]
-            lib.cuGraphExecDestroy.argtypes = [vp]
-            lib.cuGraphDestroy.argtypes = [vp]
-            lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-            cls._lib = lib
-        return cls._lib
-
-    @classmethod
-    def check(cls, status: int, what: str) -> None:
-        if status != 0:
-            msg = ctypes.c_char_p()
-            cls.lib().cuGetErrorString(status, ctypes.byref(msg))
-            raise CudaDriverError(f"{what} failed: {(msg.value or b'?').decode()} (CUresult {status})")
 
 
 class CudaGraph:
@@ -60,7 +32,7 @@ class CudaGraph:
     def capture(cls, stream):
         """`with CudaGraph.capture(stream) as graph: <enqueue work on stream>` — the work is
         recorded, not run; the graph is instantiated on exit."""
-        lib, check = _Driver.lib(), _Driver.check
+        lib = libcuda()
         graph = cls()
         handle = ctypes.c_void_p(stream.handle)
         check(lib.cuStreamBeginCapture_v2(handle, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
@@ -74,10 +46,10 @@ class CudaGraph:
               "cuGraphInstantiate")
 
     def launch(self, stream) -> None:
-        _Driver.check(_Driver.lib().cuGraphLaunch(self._exec, ctypes.c_void_p(stream.handle)), "cuGraphLaunch")
+        check(libcuda().cuGraphLaunch(self._exec, ctypes.c_void_p(stream.handle)), "cuGraphLaunch")
 
     def close(self) -> None:
-        lib = _Driver.lib()
+        lib = libcuda()
         if self._exec:
             lib.cuGraphExecDestroy(self._exec)
             self._exec = ctypes.c_void_p()

@@ -33,6 +33,11 @@ def embedding(token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
     return as_f32(table[np.asarray(token_ids, np.int64)])
 
 
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Y[m, n] = X[m, k] @ W[n, k]^T, W as HF stores it [out, in] (gpu/ops.py's linear())."""
+    return as_f32(x) @ as_f32(w).T
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * weight over the last axis, in float32."""
     x = as_f32(x)

@@ -10,7 +10,8 @@ from tinyvllm.checkpoint import weight_names as names
 from tinyvllm.config import ModelConfig, rope_inv_freq
 from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.reference.kernels import (causal_gqa_attention, as_f32, apply_rope, bf16_round, embedding,
-                                        paged_attention, rms_norm, silu_mul, write_kv)
+                                        linear, paged_attention, rms_norm, silu_mul, write_kv)
+
 
 class ReferenceModel:
     """Llama forward pass in float32 numpy over a paged KV cache (and a dense twin for tests)."""
@@ -25,6 +26,15 @@ class ReferenceModel:
                        for layer in range(config.num_hidden_layers)]
         self.inv_freq = rope_inv_freq(config)
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        # observer(twin_name, args, out): told of every twin call after it returns (tinyvllm/trace.py
+        # prints them); None (the default) costs one attribute test per call
+        self.observer = None
+
+    def _twin(self, name: str, fn, *args):
+        out = fn(*args)
+        if self.observer is not None:
+            self.observer(name, args, out)
+        return out
 
     def new_kv_cache(self, num_blocks: int, block_size: int) -> np.ndarray:
         c = self.config
@@ -36,8 +46,8 @@ class ReferenceModel:
         sequence's last new token."""
         def attend(layer, q, k, v):
             k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
-            write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-            return paged_attention(q, k_cache, v_cache, batch, self.scale)
+            self._twin("write_kv", write_kv, k_cache, v_cache, k, v, batch.slot_mapping)
+            return self._twin("paged_attention", paged_attention, q, k_cache, v_cache, batch, self.scale)
 
         hidden = self._run_layers(batch.token_ids, batch.positions, attend)
         return self._logits(hidden[batch.last_token_indices])
@@ -57,25 +67,25 @@ class ReferenceModel:
         return self._run_layers(token_ids, positions, attend)
 
     def _run_layers(self, token_ids, positions, attend) -> np.ndarray:
-        c, r = self.config, self.round
+        c, r, op = self.config, self.round, self._twin
         t = len(token_ids)
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        hidden = r(embedding(token_ids, self.embed))                    # the residual stream
+        hidden = r(op("embedding", embedding, token_ids, self.embed))        # the residual stream
         for i, w in enumerate(self.layers):
-            x = r(rms_norm(hidden, w["input_norm"], c.rms_norm_eps))
-            qkv = r(x @ w["qkv"].T)
+            x = r(op("rms_norm", rms_norm, hidden, w["input_norm"], c.rms_norm_eps))
+            qkv = r(op("linear", linear, x, w["qkv"]))
             q, k, v = np.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=1)
-            q = r(apply_rope(q.reshape(t, hq, d), positions, self.inv_freq))
-            k = r(apply_rope(k.reshape(t, hkv, d), positions, self.inv_freq))
+            q = r(op("apply_rope", apply_rope, q.reshape(t, hq, d), positions, self.inv_freq))
+            k = r(op("apply_rope", apply_rope, k.reshape(t, hkv, d), positions, self.inv_freq))
             attn = r(attend(i, q, k, v.reshape(t, hkv, d)))
-            hidden = r(hidden + attn.reshape(t, c.q_size) @ w["o"].T)
-            x = r(rms_norm(hidden, w["post_norm"], c.rms_norm_eps))
-            gate, up = np.split(r(x @ w["gate_up"].T), 2, axis=1)
-            hidden = r(hidden + r(silu_mul(gate, up)) @ w["down"].T)
-        return r(rms_norm(hidden, self.final_norm, c.rms_norm_eps))
+            hidden = r(hidden + op("linear", linear, attn.reshape(t, c.q_size), w["o"]))
+            x = r(op("rms_norm", rms_norm, hidden, w["post_norm"], c.rms_norm_eps))
+            gate, up = np.split(r(op("linear", linear, x, w["gate_up"])), 2, axis=1)
+            hidden = r(hidden + op("linear", linear, r(op("silu_mul", silu_mul, gate, up)), w["down"]))
+        return r(op("rms_norm", rms_norm, hidden, self.final_norm, c.rms_norm_eps))
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(hidden @ self.lm_head.T, dtype=np.float32)
+        return np.ascontiguousarray(self._twin("linear", linear, hidden, self.lm_head), dtype=np.float32)
 
     def greedy_generate(self, prompt_ids, max_new_tokens: int, stop_token_ids=(),
                         block_size: int = 16) -> list[int]:

@@ -42,7 +42,6 @@ class ServerSettings:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
-    chat_template: str | None = None        # instead of the tokenizer's own
     log_requests: bool = True               # one INFO line per request
     log_stats: bool = True                  # StepStats -> /metrics and the 5 s log line
     stats_log_interval_s: float = 5.0
@@ -115,9 +114,8 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
         return name
 
     def prompt_ids_of_chat(messages, add_generation_prompt: bool = True,
-                           add_special_tokens: bool = True) -> list[int]:
-        return chat_prompt_ids(engine.tokenizer, messages, settings.chat_template,
-                               add_generation_prompt, add_special_tokens)
+                           add_special_tokens: bool = False) -> list[int]:
+        return chat_prompt_ids(engine.tokenizer, messages, add_generation_prompt, add_special_tokens)
 
     def log_request(request_id: str, prompts: list, params) -> None:
         if settings.log_requests and log.isEnabledFor(logging.INFO):
@@ -180,16 +178,17 @@ def cache_info(engine) -> dict[str, str]:
             "gpu_memory_utilization": str(config.gpu_memory_utilization)}
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict[str, str]], chat_template: str | None = None,
-                    add_generation_prompt: bool = True, add_special_tokens: bool = True) -> list[int]:
-    """The conversation through the chat template -> token ids, by default ending with the
-    assistant header so the model answers (the one place the server renders a conversation).
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+    """The model's chat template (or --chat-template's) -> token ids, by default ending with the
+    assistant header so the model answers: the one place the server renders a conversation.
     Tokenized here rather than in the engine because the default max_tokens of a chat request
-    (the rest of the context) depends on the prompt's length. A template that starts with
-    <|begin_of_text|> has its BOS already: encode() adds one only when the text has none."""
-    kwargs = {} if chat_template is None else {"chat_template": chat_template}
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-    return tokenizer.encode(text, add_bos=add_special_tokens)
+    (the rest of the context) depends on the prompt's length. The template writes its own
+    BOS; add_special_tokens (a /tokenize option) adds the tokenizer's on top, as vLLM does."""
+    if not add_special_tokens:
+        return tokenizer.encode_chat(messages, add_generation_prompt)
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt),
+                            add_special_tokens=True)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -13,7 +13,6 @@ import logging
 import signal
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tinyvllm.errors import TinyVLLMError
 
@@ -38,7 +37,7 @@ class ServeOptions:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
-    chat_template: str | None = None           # a file, or the template itself
+    chat_template: str | None = None           # a file, or the template itself (the tokenizer's)
     dtype: str = "auto"
     log_requests: bool = True
     log_stats: bool = True                     # /metrics and the periodic stats line
@@ -76,30 +75,6 @@ def check_dtype(dtype: str, device: str) -> None:
                             f"{DTYPES[device][1]} there)")
 
 
-def read_chat_template(value: str | None) -> str | None:
-    """--chat-template: the template itself (it has {% ... %} or {{ ... }}), else a file."""
-    if value is None or "{" in value:
-        return value
-    try:
-        return Path(value).read_text(encoding="utf-8")
-    except OSError as e:
-        raise TinyVLLMError(f"--chat-template {value}: cannot read it ({e.strerror}), and it is "
-                            "not a template either (no {% ... %} or {{ ... }})") from None
-
-
-def _check_chat_template(tokenizer, template: str) -> None:
-    """Render a one-message conversation once, so a template that cannot work fails at start."""
-    import inspect
-
-    from tinyvllm.server.app import chat_prompt_ids
-    if "chat_template" not in inspect.signature(tokenizer.apply_chat_template).parameters:
-        raise TinyVLLMError("--chat-template: this tokenizer renders only its own chat template")
-    try:
-        chat_prompt_ids(tokenizer, [{"role": "user", "content": "hi"}], template)
-    except Exception as e:       # noqa: BLE001 — whatever the template engine raises
-        raise TinyVLLMError(f"--chat-template: cannot render a test conversation ({e})") from None
-
-
 def build_server(options: ServeOptions):
     """(app, engine_loop) for `options`; the engine is built (and the model loaded) here."""
     _require_server_dependencies()
@@ -108,15 +83,12 @@ def build_server(options: ServeOptions):
     from tinyvllm.server.engine_loop import EngineLoop
 
     check_dtype(options.dtype, options.engine_options.get("device", "cuda"))
-    chat_template = read_chat_template(options.chat_template)
-    engine = LLMEngine(options.model, **options.engine_options)
-    if chat_template is not None:
-        _check_chat_template(engine.tokenizer, chat_template)
+    engine = LLMEngine(options.model, chat_template=options.chat_template, **options.engine_options)
     settings = ServerSettings(
         model_names=options.model_names, api_key=options.api_key, model_path=options.model,
         allowed_origins=options.allowed_origins, allowed_methods=options.allowed_methods,
         allowed_headers=options.allowed_headers, allow_credentials=options.allow_credentials,
-        chat_template=chat_template, log_requests=options.log_requests,
+        log_requests=options.log_requests,
         log_stats=options.log_stats)
     engine_loop = EngineLoop(engine)
     return build_app(engine_loop, settings), engine_loop

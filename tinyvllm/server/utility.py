@@ -109,7 +109,7 @@ def add_utility_routes(app: FastAPI, engine_loop, metrics, check_model, chat_pro
                                   add_generation_prompt=body.add_generation_prompt,
                                   add_special_tokens=body.add_special_tokens)
         else:
-            ids = tokenizer.encode(body.prompt, add_bos=body.add_special_tokens)
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         strs = [tokenizer.backend.id_to_token(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": context_limit, "tokens": ids, "token_strs": strs}
 

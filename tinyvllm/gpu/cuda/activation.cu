@@ -1,12 +1,15 @@
 // SwiGLU activation: out[t, i] = silu(gate[t, i]) * up[t, i], where the fused gate_up projection
 // row holds gate in columns [0, inter) and up in [inter, 2 * inter).
 // Launch: grid-stride over num_tokens * inter / 8 chunks of 8 values. Requires inter % 8 == 0.
+// gate_up is the previous kernel's output: no __restrict__ (no .nc loads above the PDL wait).
 #include "common.cuh"
 
 constexpr int THREADS = 256;   // block size (gpu/ops.py launches with it)
 
-extern "C" __global__ void __launch_bounds__(THREADS) silu_mul(bf16* __restrict__ out, const bf16* __restrict__ gate_up,
+extern "C" __global__ void __launch_bounds__(THREADS) silu_mul(bf16* __restrict__ out, const bf16* gate_up,
                                     int num_tokens, int inter) {
+    wait_for_producer();
+    allow_consumer();
     const int chunks_per_row = inter / 8;
     const size_t total = (size_t)num_tokens * chunks_per_row;
     for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < total;

@@ -5,6 +5,17 @@
 
 typedef __nv_bfloat16 bf16;
 
+// Programmatic dependent launch (PDL, gpu/kernels.py). Launched with the programmatic-stream-
+// serialization attribute, a kernel may start while the kernel before it in the stream is still
+// running. wait_for_producer() blocks until that kernel has finished and its writes are visible:
+// every kernel calls it before reading anything an earlier kernel wrote (and before writing
+// anything an earlier kernel may still read). allow_consumer() lets the next kernel start
+// launching once every block of this one has called it (or exited). Both are no-ops in an
+// ordinary launch. A kernel file that uses wait_for_producer() is what marks its kernels as
+// safe to launch with the attribute.
+__device__ __forceinline__ void wait_for_producer() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void allow_consumer() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+
 // Eight bf16 values: the unit of one 16-byte load or store.
 struct alignas(16) bf16x8 {
     __nv_bfloat162 pair[4];

@@ -8,6 +8,8 @@ constexpr int THREADS = 128;   // block size (gpu/ops.py launches with it)
 extern "C" __global__ void __launch_bounds__(THREADS) embedding_gather(bf16* __restrict__ out, const bf16* __restrict__ table,
                                             const int* __restrict__ token_ids, int num_tokens,
                                             int hidden, int vocab_size) {
+    wait_for_producer();
+    allow_consumer();
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
     const int id = token_ids[t];

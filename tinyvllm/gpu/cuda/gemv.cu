@@ -43,7 +43,7 @@
 // PDL-ready: the kernel executes griddepcontrol.wait after issuing its first W loads and before
 // it touches X or Y. That is a no-op for an ordinary launch; under programmatic dependent launch
 // the weight stream starts while the previous kernel (which produces X) is still finishing.
-// (It never calls griddepcontrol.launch_dependents: a dependent starts when this grid is done.)
+// It calls allow_consumer() first thing, so the next kernel can be resident before this one ends.
 // -DGEMV_L2_PREFETCH=1 adds the .L2::256B prefetch hint to the W loads (benchmarks/gemv_bench.py
 // compares both; the default build has no hint).
 #include "common.cuh"
@@ -82,12 +82,6 @@ __device__ __forceinline__ uint4 load_cached(const bf16* p) {
     return v;
 }
 
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // c += A * B, A = {a0, a1, a2, a3} (16 x 16 bf16), B = {b0, b1} (16 x 8 bf16), c: 16 x 8 fp32.
 __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                          uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -105,6 +99,7 @@ extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_bf16(void* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
           int m, int n, int k, int out_f32, int accumulate) {
     extern __shared__ float partial[];   // [warps][8 rows of x][16 columns of the CTA]
+    allow_consumer();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * ROWS_PER_CTA;
@@ -130,7 +125,7 @@ gemv_bf16(void* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
             if (in && w_ok0) wv0[u] = load_stream(w0 + kk);
             if (in && w_ok1) wv1[u] = load_stream(w1 + kk);
         }
-        if (s0 == s_begin) grid_dependency_wait();   // X is the previous kernel's output
+        if (s0 == s_begin) wait_for_producer();   // X is the previous kernel's output
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int kk = (s0 + u) * STEP_K;
@@ -144,7 +139,7 @@ gemv_bf16(void* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
             mma_bf16(acc, wv0[u].z, wv1[u].z, wv0[u].w, wv1[u].w, xv[u].z, xv[u].w);
         }
     }
-    grid_dependency_wait();   // warps without steps: Y is read/written below
+    wait_for_producer();   // warps without steps: Y is read/written below
 
     // Lane (g, t) holds Y[2t][n0+g], Y[2t+1][n0+g], Y[2t][n0+8+g], Y[2t+1][n0+8+g] (this warp's
     // share of K); partial[warp][row][column] with row = x row, column = n - n0.

@@ -1,14 +1,18 @@
 // RMSNorm: out[r] = in[src(r)] / sqrt(mean(in[src(r)]^2) + eps) * weight, fp32 math, bf16 storage.
 // `rows` (may be null) maps output row r to input row src(r): the final norm reads only each
 // sequence's last token, so the LM head never sees the other prompt rows.
-// Launch: one block per output row, 256 threads, 16-byte loads. Requires hidden % 8 == 0.
+// Launch: one block per output row, THREADS threads, 16-byte loads. Requires hidden % 8 == 0.
+// `in` is the previous kernel's output: no __restrict__, so its loads are never the read-only
+// (.nc) kind that ptxas may move above wait_for_producer() (see common.cuh).
 #include "common.cuh"
 
 constexpr int THREADS = 256;   // block size (gpu/ops.py launches with it)
 
-extern "C" __global__ void __launch_bounds__(THREADS) rms_norm(bf16* __restrict__ out, const bf16* __restrict__ in,
+extern "C" __global__ void __launch_bounds__(THREADS) rms_norm(bf16* __restrict__ out, const bf16* in,
                                     const bf16* __restrict__ weight, const int* __restrict__ rows,
                                     int num_rows, int hidden, float eps) {
+    wait_for_producer();
+    allow_consumer();
     const int r = blockIdx.x;
     if (r >= num_rows) return;
     const bf16* x = in + (size_t)(rows ? rows[r] : r) * hidden;

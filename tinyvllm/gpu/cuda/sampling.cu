@@ -191,6 +191,8 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
               const int* __restrict__ step,           // [num_seqs]; tokens generated so far
               int* __restrict__ out)                  // [num_seqs] sampled token ids
 {
+    wait_for_producer();   // the logits are the LM head's output
+    allow_consumer();
     __shared__ Scratch s;
     const int row = blockIdx.x;
     float* x = logits + (size_t)row * vocab;

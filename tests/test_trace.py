@@ -1,0 +1,146 @@
+"""Trace mode and `inspect`, on the CPU. The GPU trace's formatting is driven through the real
+LlamaModel.forward, GpuOps launchers and Cublas.matmul, with the device replaced by address
+arithmetic: nothing is launched, every argument the kernels would get is printed."""
+from __future__ import annotations
+
+import ctypes
+import io
+import re
+import subprocess
+import sys
+
+import numpy as np
+
+from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
+from tinyvllm.gpu.arena import ArenaDims, ArenaLayout, DeviceView
+from tinyvllm.gpu.cublas import Cublas
+from tinyvllm.gpu.device_weights import DeviceWeights, LayerWeights, device_tensor_shapes, device_weight_bytes
+from tinyvllm.gpu.arena import round_up
+from tinyvllm.gpu.model import LlamaModel, StepShape
+from tinyvllm.gpu.ops import GpuOps
+from tinyvllm.trace import TracingRunner
+
+
+class _Launches:             # a KernelLibrary whose functions enqueue nothing
+    def function(self, name):
+        return type("Fn", (), {"launch": lambda *a, **k: None, "max_dynamic_shared_bytes": 1 << 20})()
+
+
+class _FakeArena:
+    def __init__(self, layout: ArenaLayout, base: int):
+        self.layout, self.inputs_ptr = layout, base + layout.activation_bytes
+        self._views = {}
+        for start, ps in ((base, layout.activations), (self.inputs_ptr, layout.inputs),
+                          (self.inputs_ptr + layout.input_bytes, layout.outputs)):
+            self._views.update({p.name: DeviceView(p.name, start + p.offset, p.shape, p.dtype) for p in ps.values()})
+
+    def view(self, name):
+        return self._views[name]
+
+
+class _FakeKV:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, base: int):
+        self.num_blocks, self.block_size, self.base = num_blocks, block_size, base
+        self.layer_stride = num_blocks * block_size * config.kv_bytes_per_token // config.num_hidden_layers
+
+    def k(self, layer):
+        return self.base + layer * self.layer_stride
+
+    def v(self, layer):
+        return self.k(layer) + self.layer_stride // 2
+
+
+class _FakeCudaRunner:
+    """CudaRunner's shape (arena, weights, kv_cache, ops, blas, graphs) without a device."""
+
+    def __init__(self, config: ModelConfig, engine: EngineConfig):
+        self.cfg, self.num_kv_blocks = config, 64
+        self.arena = _FakeArena(ArenaLayout.plan(ArenaDims.from_configs(config, engine)), 0x7F0000000000)
+        ptrs, offset = {}, 0x7E0000000000
+        for key, shape in device_tensor_shapes(config).items():
+            ptrs[key] = offset
+            offset += round_up(int(np.prod(shape)) * (4 if key == "rope_inv_freq" else 2))
+        layers = tuple(LayerWeights(**{f: ptrs[f"{n}.{f}"] for f in LayerWeights.__dataclass_fields__})
+                       for n in range(config.num_hidden_layers))
+        self.weights = DeviceWeights(ptrs["embed"], ptrs["final_norm"], ptrs.get("lm_head", ptrs["embed"]),
+                                     ptrs["rope_inv_freq"], layers, device_weight_bytes(config), 0x7E0000000000)
+        self.kv_cache = _FakeKV(config, self.num_kv_blocks, engine.block_size, 0x7D0000000000)
+        self.blas = object.__new__(Cublas)          # the real matmul, a GemmEx that does nothing
+        self.blas.observer, self.blas.handle = None, ctypes.c_void_p()
+        self.blas._one, self.blas._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.blas.lib = type("Lib", (), {"cublasGemmEx": staticmethod(lambda *a: 0)})()
+        self.ops = GpuOps(_Launches(), blas=self.blas, num_sms=132)
+        self.model = LlamaModel(config, self.weights, self.arena, self.kv_cache, self.ops)
+        self.graphs, self.replays = {1: None, 2: None}, []
+
+    def memory_report(self):
+        return "fake device\narena:\n" + self.arena.layout.memory_map()
+
+    def execute(self, batch, sampling, replay=True):
+        self.replays.append(replay)
+        self.model.forward(StepShape(batch.num_tokens, batch.num_seqs, batch.is_prefill,
+                                     int(np.diff(batch.query_start).max())))
+        v = self.arena.view
+        self.ops.sample(v("logits"), batch.num_seqs, self.cfg.vocab_size, v("temperature"), v("top_k"),
+                        v("top_p"), v("seeds"), v("steps"), v("sampled_ids"))
+        return np.zeros(batch.num_seqs, np.int32)
+
+
+def test_gpu_trace_names_every_argument(tiny_model_dir):
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, trace_steps=2)
+    out = io.StringIO()
+    fake = _FakeCudaRunner(config, engine)
+    runner = TracingRunner(fake, config, engine, out=out)
+    prompt = ForwardBatch.build([list(range(1, 12))], [11], [[5]], 16, is_prefill=True)   # 11 rows: cuBLAS
+    runner.execute(prompt, SamplingBatch.greedy(1))
+    runner.execute(ForwardBatch.build([[7]], [12], [[5]], 16, is_prefill=False), SamplingBatch.greedy(1))
+    runner.execute(ForwardBatch.build([[8]], [13], [[5]], 16, is_prefill=False), SamplingBatch.greedy(1))
+    text = out.getvalue()
+    assert fake.replays == [False, False, True], "traced steps run eagerly, later ones replay graphs"
+    steps = text.split("=== step ")[1:]
+    assert len(steps) == 2, "only trace_steps steps are traced"
+    prefill, decode = steps
+    q = config.q_size + 2 * config.kv_size
+    # prefill: the qkv projection on cuBLAS with the transposed-roles arguments of Cublas.matmul
+    assert f"Y[11, {q}] = X[11, {config.hidden_size}] @ W[{q}, {config.hidden_size}]^T" in prefill
+    assert (f"cublasGemmEx(transa=CUBLAS_OP_T, transb=CUBLAS_OP_N, m={q}, n=11, k={config.hidden_size}, alpha=1.0, "
+            f"A=layers[0].qkv CUDA_R_16BF lda={config.hidden_size}, B=normed CUDA_R_16BF ldb={config.hidden_size}, "
+            f"beta=0.0, C=qkv CUDA_R_16BF ldc={q}") in prefill
+    assert "beta=1.0, C=hidden" in prefill                       # o and down add into the residual
+    assert re.search(r"attention_prefill_d64 .*\n(?:.*\n)*?\s+k_cache\s+W?R?\s+kv\.k\(0\)", prefill)
+    # kernel arguments by their C names, pointers resolved with read/write marks
+    assert re.search(r"weight\s+R\s+layers\[0\]\.input_norm bfloat16 \(256,\) @weights\+", prefill)
+    assert re.search(r"out\s+W\s+normed bfloat16", prefill)
+    assert re.search(r"rows\s+W?R?\s+NULL", prefill)
+    assert "-- layer 1 --" in prefill and "final norm + LM head" in prefill
+    # decode: GEMV for the layer projections, split attention, the graph note, the sampler
+    assert "linear -> gemv:" in decode and "kernel gemv_bf16" in decode
+    assert "attention_decode_d64_g2" in decode and "sample_tokens" in decode
+    assert "replays the CUDA graph captured for 1 sequences" in decode
+    assert "=== trace ends after 2 steps" in text
+    assert "0x7" not in text, "every pointer resolves to a name"
+
+
+def test_cpu_trace_and_inspect_commands(tiny_model_dir):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "tinyvllm", *a], capture_output=True, text=True,  # noqa: E731
+                                    timeout=300)
+    r = run("generate", "--model", str(tiny_model_dir), "--device", "cpu", "--trace-steps", "1",
+            "--max-tokens", "2", "--temperature", "0", "Hello")
+    assert r.returncode == 0, r.stderr
+    for twin in ("embedding", "rms_norm", "linear", "apply_rope", "write_kv", "paged_attention", "silu_mul"):
+        assert f"] {twin}(" in r.stderr
+    assert "kv.k(0)" in r.stderr and "layers[1].down" in r.stderr and "=== step 2" not in r.stderr
+    r = run("inspect", "--model", str(tiny_model_dir), "--max-model-len", "512", "--max-num-seqs", "8")
+    assert r.returncode == 0, r.stderr
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    assert f"parameters: {config.num_parameters:,}" in r.stdout
+    assert "model.layers.1.mlp.down_proj.weight" in r.stdout and "block_tables" in r.stdout
+    assert f"one sequence at the context limit 512: {512 * config.kv_bytes_per_token:,} bytes" in r.stdout
+
+
+def test_trace_steps_must_be_non_negative():
+    import pytest
+    with pytest.raises(ValueError, match="trace_steps"):
+        EngineConfig(trace_steps=-1)
