@@ -17,6 +17,11 @@ def generate(capsys, *args):
     return code, out, err
 
 
+def error_lines(err: str) -> list[str]:
+    """stderr without the engine's INFO lines (logged when it got as far as loading the model)."""
+    return [line for line in err.strip().splitlines() if not line.startswith("INFO ")]
+
+
 def test_single_prompt_streams_and_summarises(tiny_model_dir, capsys):
     code, out, err = generate(capsys, "--model", str(tiny_model_dir), *CPU, "--max-tokens", "6",
                               "--temperature", "0", "--ignore-eos", "Hello world")
@@ -57,7 +62,7 @@ def test_chat_template_file(tiny_model_dir, tmp_path, capsys):
     assert code == 0 and f"1 requests, {len(expected)} prompt tokens" in err
     template.write_text("{% if messages %}{{ raise_exception('only for tools') }}{% endif %}")
     code, _, err = generate(capsys, "--model", str(tiny_model_dir), *CPU, "--chat-template", str(template), "Hi")
-    assert code == 2 and err.strip().count("\n") == 0 and "only for tools" in err
+    assert code == 2 and len(error_lines(err)) == 1 and "only for tools" in err
     template.write_text("{% for m in messages %}")
     code, _, err = generate(capsys, "--model", str(tiny_model_dir), *CPU, "--chat-template", str(template), "Hi")
     assert code == 2 and "chat template syntax error" in err
@@ -87,9 +92,7 @@ def test_errors_are_one_line_with_exit_2(tiny_model_dir, capsys, args, message):
             pass
     code, out, err = generate(capsys, *args)
     assert code == 2 and message in err
-    # one line, after the engine's INFO lines when it got as far as loading the model
-    errors = [line for line in err.strip().splitlines() if not line.startswith("INFO ")]
-    assert len(errors) == 1 and "Traceback" not in err
+    assert len(error_lines(err)) == 1 and "Traceback" not in err
 
 
 @pytest.mark.parametrize("args", [["--top-k", "abc", "x"], ["x"], ["--bogus"]])
