@@ -109,3 +109,11 @@ def test_real_process_prints_no_traceback(tmp_path):
                             timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith("tinyvllm: error:")
+
+
+def test_cli_logging_is_undone_when_main_returns(capsys):
+    import logging
+    logger = logging.getLogger("tinyvllm")
+    before = logger.level, logger.propagate, list(logger.handlers)
+    assert main(["generate", "--model", "/no/such/model", "hi"]) == 2
+    assert (logger.level, logger.propagate, list(logger.handlers)) == before   # caplog still works

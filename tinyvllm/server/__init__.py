@@ -9,5 +9,6 @@
     utility.py        /ping, /version, /tokenize, /detokenize, /metrics
     metrics.py        the Prometheus metrics, folded from the engine's StepStats
     launch.py         build the engine + app and run uvicorn; Ctrl-C / SIGTERM shutdown
+    serve_cli.py      the `serve` command's arguments -> ServeOptions
 
 Needs the `server` extra: pip install 'tinyvllm[server]'."""

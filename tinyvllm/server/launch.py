@@ -104,9 +104,13 @@ def _raise_terminated(signum, frame):
 
 def run_server(options: ServeOptions) -> int:
     _require_server_dependencies()
-    import uvicorn
+    from tinyvllm.logs import stderr_logging
+    with stderr_logging(options.log_level):
+        return _serve_until_stopped(options)
 
-    from tinyvllm.logs import setup_logging
+
+def _serve_until_stopped(options: ServeOptions) -> int:
+    import uvicorn
 
     class DrainingServer(uvicorn.Server):
         """On the first exit signal, stop the engine loop after the grace period."""
@@ -120,7 +124,6 @@ def run_server(options: ServeOptions) -> int:
                 timer.start()
             super().handle_exit(sig, frame)
 
-    setup_logging(options.log_level)
     if not is_loopback(options.host) and not options.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use "
                     "the model", options.host)
