@@ -8,6 +8,7 @@ postprocessing, detokenizing, RequestOutputs, and what the consumer reads from t
 
     python benchmarks/engine_overhead.py                       # every workload, both consumers
     python benchmarks/engine_overhead.py --workload batch256 --consumer stream --profile
+    python benchmarks/engine_overhead.py --stats      # with the server's per-step StepStats on
 
 Workloads (prompt ids < 10,000 as in `tinyvllm bench`, greedy, ignore_eos):
   latency     1 request, 128-token prompt, 256 output tokens
@@ -89,10 +90,12 @@ def requests(name: str, seed: int, scale: float) -> list[tuple[list[int], int]]:
             for p, o in zip(prompt_lens, output_lens)]
 
 
-def new_engine(max_num_seqs: int = 256) -> tuple[LLMEngine, InstantRunner]:
+def new_engine(max_num_seqs: int = 256, stats: bool = False) -> tuple[LLMEngine, InstantRunner]:
     runner = InstantRunner()
     engine = LLMEngine(model_dir(), runner=runner, device="cpu", max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=16384)
+    if stats:
+        engine.enable_stats()
     return engine, runner
 
 
@@ -158,6 +161,8 @@ def main(argv=None) -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="multiply output lengths by this")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="cProfile each run; print the top 20")
+    ap.add_argument("--stats", action="store_true",
+                    help="engine.enable_stats(): the StepStats the server collects every step")
     args = ap.parse_args(argv)
 
     engine, runner = new_engine()
@@ -165,7 +170,7 @@ def main(argv=None) -> None:
     rows = []
     for name in args.workload:
         for consumer in args.consumer:
-            engine, runner = new_engine()
+            engine, runner = new_engine(stats=args.stats)
             gc.collect()          # start each run without the previous runs' garbage
             profiler = cProfile.Profile() if args.profile else None
             result = run(engine, runner, requests(name, args.seed, args.scale), consumer, profiler)

@@ -3,7 +3,7 @@
 # fails, the rest runs with TINYVLLM_GEMV=0 so their results still mean something), then every
 # other GPU test, then the benchmarks. Logs go to $OUT (or ./gpu-pass-logs).
 #   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [bench] [bench-hf] [server-load]
-# (server-load needs the server extra: fastapi, uvicorn, pydantic)
+# (server-load needs the server extra: fastapi, uvicorn, pydantic, prometheus_client)
 set -u
 OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"
 steps=${*:-tests gemv-bench profile}
@@ -35,22 +35,62 @@ for step in $steps; do
       timeout 400 python3 -m tinyvllm bench --compare-hf --hf-max-seconds 120 --json "$OUT/bench-hf.json" > "$OUT/bench-hf.log" 2>&1
       log "bench --compare-hf rc=$?"; tail -20 "$OUT/bench-hf.log" | tee -a "$OUT/summary.log" ;;
     server-load)
+      # The same load twice: with --disable-log-stats (no engine statistics at all), then with
+      # metrics on and /metrics scraped every second during the run and once after. Output tok/s
+      # of the two runs should agree within noise; the scrapes show the counters moving.
       model=/tmp/tinyvllm-models/llama-3.2-1b
       [ -f $model/config.json ] || python3 -m tinyvllm make-model $model --preset llama-3.2-1b > /dev/null
-      python3 -m tinyvllm serve --model $model --served-model-name llama --kv-cache-gb 8 --port 8123 \
-        > "$OUT/serve.log" 2>&1 &
-      pid=$!
-      python3 -c "
+      for tag in nostats metrics; do
+        flags=; [ $tag = nostats ] && flags=--disable-log-stats
+        python3 -m tinyvllm serve $model --served-model-name llama --kv-cache-gb 8 --port 8123 \
+          $flags > "$OUT/serve-$tag.log" 2>&1 &
+        pid=$!
+        python3 -c "
 import time, urllib.request
 for _ in range(180):
     try:
         urllib.request.urlopen('http://127.0.0.1:8123/health', timeout=1); break
     except Exception:
         time.sleep(1)"
-      timeout 160 python3 benchmarks/load_server.py --url http://127.0.0.1:8123 --num-requests 256 \
-        --concurrency 64 --max-tokens 128 --timeout 150 --out "$OUT/load.json" > "$OUT/load.log" 2>&1
-      log "server load rc=$?"; tail -15 "$OUT/load.log" | tee -a "$OUT/summary.log"
-      kill -INT $pid; wait $pid ;;
+        scraper=
+        if [ $tag = metrics ]; then
+          python3 -c "
+import time, urllib.request
+keys = ('num_requests_running', 'num_requests_waiting', 'kv_cache_usage_perc', 'generation_tokens_total',
+        'time_to_first_token_seconds_count')
+with open('$OUT/metrics-during.tsv', 'w') as tsv, open('$OUT/metrics-during.prom', 'w') as prom:
+    tsv.write('\t'.join(('t_s',) + keys) + '\n')
+    start = time.time()
+    while True:
+        try:
+            text = urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=5).read().decode()
+        except Exception:
+            break
+        lines = [l for l in text.splitlines() if l.startswith('tinyvllm:') and '_bucket' not in l]
+        prom.write(f'# scrape at {time.time() - start:.1f} s\n' + '\n'.join(lines) + '\n')
+        value = {l.split('{')[0].removeprefix('tinyvllm:'): l.rsplit(' ', 1)[1] for l in lines}
+        tsv.write('\t'.join([f'{time.time() - start:.1f}'] + [value.get(k, '-') for k in keys]) + '\n')
+        tsv.flush()
+        time.sleep(1)" &
+          scraper=$!
+        fi
+        timeout 160 python3 benchmarks/load_server.py --url http://127.0.0.1:8123 --num-requests 256 \
+          --concurrency 64 --max-tokens 128 --timeout 150 --out "$OUT/load-$tag.json" > "$OUT/load-$tag.log" 2>&1
+        log "server load ($tag) rc=$?"; tail -15 "$OUT/load-$tag.log" | tee -a "$OUT/summary.log"
+        if [ $tag = metrics ]; then
+          kill $scraper 2>/dev/null
+          python3 -c "
+import urllib.request
+print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read().decode(), end='')" \
+            > "$OUT/metrics-after.prom"
+          log "metrics after the run; during it, one scrape a second (metrics-during.tsv / .prom):"
+          grep -E "^tinyvllm:(generation_tokens_total|prompt_tokens_total|num_preemptions_total|request_success_total|time_to_first_token_seconds_(count|sum)|inter_token_latency_seconds_(count|sum)|e2e_request_latency_seconds_(count|sum)|kv_cache_usage_perc|num_requests_running)" \
+            "$OUT/metrics-after.prom" | tee -a "$OUT/summary.log"
+          column -t "$OUT/metrics-during.tsv" 2>/dev/null | tail -20 | tee -a "$OUT/summary.log"
+        fi
+        kill -TERM $pid; wait $pid
+        log "serve ($tag) exit status after SIGTERM: $? (0 expected); $(grep -c 'Avg prompt throughput' "$OUT/serve-$tag.log") stats lines"
+      done ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -9,6 +9,7 @@ what the server can deliver when the model costs nothing.
 
     python benchmarks/server_overhead.py                         # 256 x 128 tokens, 64 streams
     python benchmarks/server_overhead.py --step-ms 2 --profile   # cProfile both server threads
+    python benchmarks/server_overhead.py --scrape-s 1            # and GET /metrics every second
 
 Bounded: loopback only, a fixed number of requests, --timeout seconds. Also printed: CPU
 seconds of the event-loop thread and of the engine thread over the run (where the time goes)."""
@@ -22,11 +23,13 @@ import os
 import pstats
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -83,9 +86,14 @@ def main(argv=None) -> int:
     ap.add_argument("--client-procs", type=int, default=1, help="load_server.py --client-procs")
     ap.add_argument("--top", type=int, default=25, help="rows of each profile to print")
     ap.add_argument("--out", default=None, help="write the load summary (JSON) here")
+    ap.add_argument("--no-stats", action="store_true",
+                    help="as serve --disable-log-stats: no StepStats, no /metrics (the A/B baseline)")
+    ap.add_argument("--scrape-s", type=float, default=0.0,
+                    help="GET /metrics this often during the run, as Prometheus would (0: never)")
     args = ap.parse_args(argv)
 
     import uvicorn
+
     from tinyvllm.engine.llm_engine import LLMEngine
     from tinyvllm.server.app import ServerSettings, build_app
     from tinyvllm.server.engine_loop import EngineLoop
@@ -95,7 +103,7 @@ def main(argv=None) -> int:
     engine_loop = EngineLoop(engine)
     engine_timer, loop_timer = ThreadTimer(), ThreadTimer()
     engine_loop._thread._target = engine_timer.wrap(engine_loop._thread._target, args.profile)
-    app = build_app(engine_loop, ServerSettings(model_name="tiny"))
+    app = build_app(engine_loop, ServerSettings(model_names=("tiny",), log_stats=not args.no_stats))
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -111,6 +119,16 @@ def main(argv=None) -> int:
             sys.exit("server did not start")
         time.sleep(0.01)
 
+    scrapes, stop_scraping = [], threading.Event()
+
+    def scrape():
+        while not stop_scraping.wait(args.scrape_s):
+            start = time.perf_counter()
+            body = urllib.request.urlopen(url + "/metrics", timeout=10).read()
+            scrapes.append((time.perf_counter() - start, len(body)))
+
+    if args.scrape_s > 0:
+        threading.Thread(target=scrape, daemon=True).start()
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or os.path.join(tmp, "load.json")
         profile_client = ["-m", "cProfile", "-s", "tottime"] if args.profile_client else []
@@ -122,6 +140,7 @@ def main(argv=None) -> int:
         try:
             proc = subprocess.run(cmd, timeout=args.timeout + 60, capture_output=True, text=True)
         finally:
+            stop_scraping.set()
             server.should_exit = True
             thread.join(30)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -140,6 +159,9 @@ def main(argv=None) -> int:
     if measured_cpu is not None and events:
         print(f"client CPU in the measured run: {measured_cpu:.2f} s over {args.client_procs} "
               f"process(es), {measured_cpu / events * 1e6:.1f} µs per SSE event ({events} events)")
+    if scrapes:
+        print(f"{len(scrapes)} scrapes of /metrics, {statistics.mean(s for s, _ in scrapes) * 1e3:.1f} ms "
+              f"each on average, {scrapes[-1][1]:,} bytes")
     if args.profile:
         for name, timer in (("event loop thread", loop_timer), ("engine thread", engine_timer)):
             s = io.StringIO()

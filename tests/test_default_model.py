@@ -168,15 +168,15 @@ def test_make_model_preset_bench_preset_and_serve_name_use_the_default(tmp_path,
     from tinyvllm.bench.run import resolve_model
     from tinyvllm.checkpoint import model_writer
     from tinyvllm.cli import main
-    from tinyvllm.server.launch import ServeOptions, served_name
+    from tinyvllm.server.launch import ServeOptions
     monkeypatch.setattr(model_writer, "default_gguf_path", dm.default_gguf_path)   # the fake
     assert main(["make-model", str(tmp_path / "out"), "--preset", dm.DEFAULT_MODEL]) == 0
     assert (tmp_path / "out" / "model.safetensors").is_file() and len(fake_source) == 1
     monkeypatch.setenv("TINYVLLM_HOME", str(tmp_path / "home"))
     assert resolve_model(None, dm.DEFAULT_MODEL, tmp_path / "bench-cache") == \
         tmp_path / "home" / "models" / dm.DEFAULT_MODEL
-    assert served_name(ServeOptions()) == dm.DEFAULT_MODEL
-    assert served_name(ServeOptions(model="/m", served_model_name="x")) == "x"
+    assert ServeOptions().model_names == (dm.DEFAULT_MODEL,)
+    assert ServeOptions(model="/m", served_model_names=("x", "y")).model_names == ("x", "y")
 
 
 def test_generate_without_the_package_is_one_clear_line(tmp_path, monkeypatch, capsys):

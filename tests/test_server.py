@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
@@ -57,7 +58,7 @@ class LiveServer:
 def served(tiny_model_dir):
     from tinyvllm.server.launch import ServeOptions, build_server
     app, engine_loop = build_server(ServeOptions(model=str(tiny_model_dir), api_key=API_KEY,
-                                                 served_model_name=MODEL_NAME,
+                                                 served_model_names=(MODEL_NAME,),
                                                  engine_options=ENGINE_OPTIONS))
     with LiveServer(app) as live:
         live.engine_loop = engine_loop
@@ -246,6 +247,14 @@ def test_bad_values_through_the_openai_client_then_server_still_serves(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x")
     assert client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2).choices[0].text is not None
+
+
+def test_no_cors_unless_asked_for(served):
+    r = httpx.options(served.url + "/v1/completions", headers={
+        "Origin": "http://a.example", "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    r = httpx.get(served.url + "/health", headers={"Origin": "http://a.example"})
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
 
 def test_api_key_is_enforced(served):

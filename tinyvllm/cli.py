@@ -5,9 +5,9 @@ and exit status 2, never a traceback."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from tinyvllm import __version__
 from tinyvllm.errors import TinyVLLMError
 
 
@@ -39,7 +39,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context limit (default: the model's max_position_embeddings)")
     g.add_argument("--kv-cache-gb", type=float, default=None,
-                   help="KV cache size (default: a fraction of free GPU memory)")
+                   help="KV cache size (default: --gpu-memory-utilization of the GPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of the GPU's memory the engine may use, weights and KV cache "
+                        "together (default 0.9)")
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV blocks of prompt prefixes computed before (default: on)")
@@ -47,16 +50,12 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
 
 def engine_options_from_args(args) -> dict:
     names = ("device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_gb",
-             "enforce_eager", "enable_prefix_caching")
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-
-
-def _cmd_serve(args) -> int:
-    from tinyvllm.server.launch import ServeOptions, run_server
-    return run_server(ServeOptions(
-        model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-        served_model_name=args.served_model_name, engine_options=engine_options_from_args(args),
-        log_level=args.log_level, chat_template=args.chat_template))
+             "gpu_memory_utilization", "enforce_eager", "enable_prefix_caching")
+    options = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    if options.get("device") == "cpu" and "gpu_memory_utilization" in options:
+        raise TinyVLLMError("--gpu-memory-utilization sizes the GPU's KV cache; the cpu backend's "
+                            "is set with --kv-cache-gb or --num-kv-blocks")
+    return options
 
 
 def _read_prompts(args) -> list[str]:
@@ -179,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tinyvllm.checkpoint.model_writer import PRESET_NAMES
     default_help = f"Hugging Face model directory (default: {DEFAULT_MODEL}, converted once)"
     p = _Parser(prog="tinyvllm", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"tinyvllm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     mm = sub.add_parser("make-model", help="write a random-weight Llama model in HF layout "
@@ -251,21 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="exact KV cache size in blocks (default: enough for the workloads)")
     bench.set_defaults(func=_cmd_bench)
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs tinyvllm[server])")
-    sv.add_argument("--model", default=None, help=default_help)
-    sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", default=os.environ.get("TINYVLLM_API_KEY"),
-                    help="require 'Authorization: Bearer KEY' on /v1 routes "
-                         "(default: $TINYVLLM_API_KEY, which keeps the key out of `ps`)")
-    sv.add_argument("--served-model-name", default=None,
-                    help="the model id clients send (default: the --model argument)")
-    sv.add_argument("--chat-template", default=None, metavar="FILE",
-                    help="Jinja chat template for /v1/chat/completions instead of the model's own")
-    sv.add_argument("--log-level", default="info",
-                    choices=["critical", "error", "warning", "info", "debug"])
-    add_engine_options(sv)
-    sv.set_defaults(func=_cmd_serve)
+    from tinyvllm.server.serve_cli import add_serve_command
+    add_serve_command(sub, add_engine_options, engine_options_from_args)
     return p
 
 
@@ -274,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:        # --help, or an argument error already printed in one line
         return e.code if isinstance(e.code, int) else 2
+    from tinyvllm.logs import stderr_logging
     try:
-        return args.func(args)
+        with stderr_logging():     # INFO on stderr: stdout keeps only what a command prints
+            return args.func(args)
     except TinyVLLMError as e:
         print(f"tinyvllm: error: {e}", file=sys.stderr)
         return 2

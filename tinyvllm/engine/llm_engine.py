@@ -11,6 +11,8 @@ one last time with finished=True, finish_reason="abort".
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +26,11 @@ from tinyvllm.engine.scheduler import Scheduler
 from tinyvllm.engine.outputs import RequestOutput
 from tinyvllm.engine.sequence import Sequence
 from tinyvllm.checkpoint.default_model import resolve_model_dir
+from tinyvllm.engine.stats import StatsCollector, StepStats
 from tinyvllm.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyvllm.checkpoint.weights import load_weights
+
+log = logging.getLogger("tinyvllm.engine")
 
 
 def make_engine_config(engine_config: EngineConfig | None, options: dict) -> EngineConfig:
@@ -48,6 +53,7 @@ class LLMEngine:
         ModelRunner to use instead of loading the weights into a new one (benchmarks and tests
         drive the real engine with a fake model this way). chat_template: a template file or
         text replacing the model directory's own."""
+        start = time.perf_counter()
         self.engine_config = make_engine_config(engine_config, engine_options)
         model_dir = resolve_model_dir(model_dir)
         self.model_config = ModelConfig.from_pretrained(model_dir)
@@ -64,6 +70,25 @@ class LLMEngine:
                                    self.tokenizer.eos_token_ids)
         self._seed_rng = np.random.default_rng(self.engine_config.seed)   # seeds for unseeded requests
         self._requests: dict[str, Sequence] = {}                          # unfinished, by id
+        self.stats: StatsCollector | None = None       # enable_stats() turns it on
+        self.last_step_stats: StepStats | None = None
+        self._log_ready(model_dir, time.perf_counter() - start)
+
+    def _log_ready(self, model_dir, seconds: float) -> None:
+        kv_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        log.info("%s: %s parameters, engine ready in %.2f s", model_dir,
+                 f"{self.model_config.num_parameters:,}", seconds)
+        # vLLM's two lines: the KV cache in tokens, and how many full-context requests fit
+        log.info("KV cache: %s blocks of %d tokens = %s tokens; maximum concurrency for %s "
+                 "tokens per request: %.2fx", f"{self.block_manager.num_blocks:,}",
+                 self.block_manager.block_size, f"{kv_tokens:,}", f"{self.context_limit:,}",
+                 kv_tokens / self.context_limit)
+
+    def enable_stats(self) -> None:
+        """Make step() leave a StepStats in last_step_stats (engine/stats.py; the server's
+        /metrics and stats log line read them)."""
+        if self.stats is None:
+            self.stats = StatsCollector(self.scheduler, self.block_manager)
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -136,9 +161,16 @@ class LLMEngine:
         """One scheduler step: a prefill batch or a decode step. -> one RequestOutput per
         request that got a new token or finished."""
         batch = self.scheduler.schedule()
+        stats = self.stats
+        if stats is not None:
+            stats.step_started(batch)
         tokens = batch and self.runner.execute(batch.forward_batch(self.engine_config.block_size),
                                                batch.sampling_batch())
-        return [self._report(seq) for seq in self.scheduler.postprocess(batch, tokens)]
+        reported = self.scheduler.postprocess(batch, tokens)
+        outputs = [self._report(seq) for seq in reported]
+        if stats is not None:
+            self.last_step_stats = stats.step_finished(reported)
+        return outputs
 
     def _report(self, seq: Sequence) -> RequestOutput:
         if seq.is_finished:

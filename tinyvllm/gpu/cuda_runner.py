@@ -7,6 +7,9 @@ one host-to-device copy, the forward pass, sampling, and one copy of S token ids
 """
 from __future__ import annotations
 
+import logging
+import time
+
 import numpy as np
 import pycuda.driver as drv     # a missing PyCUDA fails this import: make_runner says so in one line
 
@@ -22,6 +25,9 @@ from tinyvllm.gpu.graphs import CudaGraph
 from tinyvllm.gpu.kernels import KernelLibrary
 from tinyvllm.gpu.kv_cache import DeviceKVCache, num_blocks_to_allocate
 from tinyvllm.gpu.ops import GpuOps
+
+log = logging.getLogger("tinyvllm.gpu")
+GiB = 2**30
 
 
 class CudaRunner:
@@ -40,6 +46,11 @@ class CudaRunner:
             free, total = self.device.memory_info()
             self.num_kv_blocks = num_blocks_to_allocate(config, engine_config, free, total)
             self.kv_cache = DeviceKVCache(config, self.num_kv_blocks, engine_config.block_size)
+            log.info("%s: weights %.2f GiB, arena %.2f GiB, KV cache %.2f GiB (%s blocks; "
+                     "gpu_memory_utilization %.2f of %.1f GiB)", self.device_name,
+                     self.weights.nbytes / GiB, self.arena.layout.total_bytes / GiB,
+                     self.kv_cache.nbytes / GiB, f"{self.num_kv_blocks:,}",
+                     engine_config.gpu_memory_utilization, total / GiB)
             self.ops = GpuOps(self.kernels, self.stream, self.blas, self.device.num_sms)
             self.model = LlamaModel(config, self.weights, self.arena, self.kv_cache, self.ops)
             self._block_tables_offset = self.arena.layout.inputs["block_tables"].offset
@@ -133,6 +144,7 @@ class CudaRunner:
     def capture_decode_graphs(self) -> None:
         """Capture one decode step per batch size. Each size runs once eagerly first, so that
         cuBLAS picks and loads its kernels outside the capture."""
+        start, free_before = time.perf_counter(), self.device.memory_info()[0]
         for size in self.graph_batch_sizes():
             dummy = ForwardBatch.build([[0]] * size, [1] * size, [[0]] * size, self.engine_cfg.block_size,
                                        is_prefill=False)
@@ -145,6 +157,9 @@ class CudaRunner:
             self.graphs[size] = graph
         self.stream.synchronize()
         self._graph_sizes = sorted(self.graphs)
+        log.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, taking %.2f GiB",
+                 len(self.graphs), self._graph_sizes[0], self._graph_sizes[-1],
+                 time.perf_counter() - start, (free_before - self.device.memory_info()[0]) / GiB)
 
     def forward_logits(self, batch: ForwardBatch) -> np.ndarray:
         """Forward only; copies the fp32 logits [S, vocab] back (tests and debugging)."""

@@ -2,6 +2,8 @@
 model and the numpy twin of the GPU sampler over a float32 paged KV cache."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from tinyvllm.config import EngineConfig, ModelConfig
@@ -11,6 +13,7 @@ from tinyvllm.reference.model import ReferenceModel
 from tinyvllm.reference.sampling import sample
 
 NUMPY_KV_CACHE_BYTES = 256 << 20     # default KV cache of the CPU backend (float32)
+log = logging.getLogger("tinyvllm.reference")
 
 
 def numpy_kv_blocks(config: ModelConfig, engine_config: EngineConfig) -> int:
@@ -30,6 +33,9 @@ class NumpyRunner(ModelRunner):
         self.model = ReferenceModel(config, weights)
         self.num_kv_blocks = numpy_kv_blocks(config, engine_config)
         self.kv_cache = self.model.new_kv_cache(self.num_kv_blocks, engine_config.block_size)
+        log.info("numpy backend (float32): weights %.1f MiB, KV cache %.1f MiB (%s blocks)",
+                 4 * config.num_parameters / 2**20, self.kv_cache.nbytes / 2**20,
+                 f"{self.num_kv_blocks:,}")
 
     def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> np.ndarray:
         return sample(self.model.forward(batch, self.kv_cache), sampling)

@@ -1,7 +1,7 @@
-"""The FastAPI app: routes, API-key check, OpenAI-style errors, SSE streaming.
+"""The FastAPI app: routes, API-key check, CORS, OpenAI-style errors; serving.py streams.
 
-Handlers only translate: request body -> (prompt, SamplingParams) -> EngineLoop.submit -> events
--> OpenAI JSON. Every failure a client can cause is a 400 with an OpenAI error body, raised before
+Handlers only translate: request body -> (prompt(s), SamplingParams) -> EngineLoop -> events ->
+OpenAI JSON. Every failure a client can cause is a 400 with an OpenAI error body, raised before
 the response starts (so a streaming client gets a real status code, not an error mid-stream)."""
 from __future__ import annotations
 
@@ -15,21 +15,36 @@ from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tinyvllm.engine.stats import StatsLogger
 from tinyvllm.errors import InvalidRequestError
 from tinyvllm.server import responses as R
-from tinyvllm.server.engine_loop import EngineFailure, EngineLoop, RequestStream
+from tinyvllm.server.engine_loop import EngineFailure, EngineLoop
+from tinyvllm.server.metrics import EngineMetrics
 from tinyvllm.server.protocol import ChatCompletionRequest, CompletionRequest, RequestValueError
+from tinyvllm.server.serving import serve
+from tinyvllm.server.utility import add_utility_routes
 
 log = logging.getLogger("tinyvllm.server")
+STATS_DRAIN_S = 1.0           # how often the event loop folds the engine's StepStats in
+MAX_LOGGED_PROMPT_CHARS = 200
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    model_name: str                 # what /v1/models lists and requests must name
+    model_names: tuple[str, ...]    # what /v1/models lists and requests may name; [0] is the default
     api_key: str | None = None      # when set, every /v1 route needs "Authorization: Bearer KEY"
+    model_path: str | None = None   # /v1/models "root"
+    allowed_origins: tuple[str, ...] = ()   # CORS; none: no CORS headers, preflights get 405
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    log_requests: bool = True               # one INFO line per request
+    log_stats: bool = True                  # StepStats -> /metrics and the 5 s log line
+    stats_log_interval_s: float = 5.0
 
 
 class APIError(Exception):
@@ -41,20 +56,41 @@ class APIError(Exception):
 
 def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
     """The engine loop starts with the app and stops (aborting what is in flight) with it."""
+    engine = engine_loop.engine
+    context_limit = engine.engine_config.context_limit(engine.model_config)
+    metrics = EngineMetrics(settings.model_names[0], context_limit, cache_info(engine))
+    stats_logger = StatsLogger(settings.stats_log_interval_s)
+    if settings.log_stats:
+        engine_loop.add_stats_listener(metrics.record)
+        engine_loop.add_stats_listener(stats_logger.record)
+
+    async def fold_stats():
+        while True:
+            await asyncio.sleep(STATS_DRAIN_S)
+            try:
+                engine_loop.drain_stats()
+                stats_logger.maybe_log()
+            except Exception:   # a bug here must not end the stats for good
+                log.exception("stats update failed")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine_loop.start()
+        ticker = asyncio.ensure_future(fold_stats()) if settings.log_stats else None
         try:
             yield
         finally:
+            if ticker is not None:
+                ticker.cancel()
             engine_loop.stop()
 
     app = FastAPI(title="tinyvllm", lifespan=lifespan)
-    app.state.engine_loop = engine_loop
-    app.state.settings = settings
-    engine = engine_loop.engine
-    context_limit = engine.engine_config.context_limit(engine.model_config)
+    app.state.engine_loop, app.state.settings, app.state.metrics = engine_loop, settings, metrics
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=list(settings.allowed_methods),
+                           allow_headers=list(settings.allowed_headers),
+                           allow_credentials=settings.allow_credentials)
     _install_error_handlers(app)
 
     def require_api_key(request: Request) -> None:
@@ -67,143 +103,92 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                            "invalid_request_error", code="invalid_api_key")
 
-    def check_model(name: str) -> None:
-        if name != settings.model_name:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves "
-                           f"`{settings.model_name}`", "invalid_request_error",
-                           code="model_not_found", param="model")
+    def check_model(name: str | None) -> str:
+        """The model name to answer with: the one asked for, or by default the first."""
+        if name is None:
+            return settings.model_names[0]
+        if name not in settings.model_names:
+            served = ", ".join(f"`{n}`" for n in settings.model_names)
+            raise APIError(404, f"The model `{name}` does not exist; this server serves {served}",
+                           "invalid_request_error", code="model_not_found", param="model")
+        return name
 
-    @app.get("/health")
+    def prompt_ids_of_chat(messages, add_generation_prompt: bool = True,
+                           add_special_tokens: bool = False) -> list[int]:
+        return chat_prompt_ids(engine.tokenizer, messages, add_generation_prompt, add_special_tokens)
+
+    def log_request(request_id: str, prompts: list, params) -> None:
+        if settings.log_requests and log.isEnabledFor(logging.INFO):
+            shown = [p[:MAX_LOGGED_PROMPT_CHARS] if isinstance(p, str) else f"<{len(p)} token ids>"
+                     for p in prompts]
+            log.info("Received request %s: prompt: %r, params: %s", request_id,
+                     shown[0] if len(shown) == 1 else shown, params)
+
     async def health():
         if not engine_loop.healthy:
             raise APIError(503, "engine loop is not healthy", "server_error")
         return {"status": "ok"}
 
+    app.add_api_route("/health", health, methods=["GET"])
+    add_utility_routes(app, engine_loop, metrics if settings.log_stats else None, check_model,
+                       prompt_ids_of_chat, health)
+
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def list_models():
         return {"object": "list", "data": [{
-            "id": settings.model_name, "object": "model", "created": 0, "owned_by": "tinyvllm",
-            "max_model_len": context_limit}]}
+            "id": name, "object": "model", "created": 0, "owned_by": "tinyvllm",
+            "root": settings.model_path or name, "parent": None, "max_model_len": context_limit}
+            for name in settings.model_names]}
 
     @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
-        prompt = body.single_prompt()
-        if isinstance(prompt, list):
-            vocab = engine.model_config.vocab_size
-            if any(not 0 <= t < vocab for t in prompt):
+        model = check_model(body.model)
+        prompts = body.prompts()
+        vocab = engine.model_config.vocab_size
+        for prompt in prompts:
+            if isinstance(prompt, list) and any(not 0 <= t < vocab for t in prompt):
                 raise RequestValueError(f"prompt token ids must be in [0, {vocab})", "prompt")
         params = body.sampling_params(default_max_tokens=16)  # OpenAI's default for completions
-        ident = R.ResponseIdentity(f"cmpl-{uuid.uuid4().hex}", settings.model_name, chat=False)
-        return await _serve(engine_loop, request, ident, prompt, params, body)
+        ident = R.ResponseIdentity(f"cmpl-{uuid.uuid4().hex}", model, chat=False)
+        log_request(ident.id, prompts, params)
+        return await serve(engine_loop, request, ident, prompts, params, bool(body.stream),
+                           body.wants_usage_chunk)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(body.model)
-        prompt_ids = chat_prompt_ids(engine.tokenizer, body.template_messages())
+        model = check_model(body.model)
+        prompt_ids = prompt_ids_of_chat(body.template_messages())
         room = context_limit - len(prompt_ids)
         if room < 1:
             raise RequestValueError(f"the conversation is {len(prompt_ids)} tokens; this model's "
                                     f"context is {context_limit}", "messages")
         params = body.sampling_params(default_max_tokens=room)  # as vLLM: fill the context
-        ident = R.ResponseIdentity(f"chatcmpl-{uuid.uuid4().hex}", settings.model_name, chat=True)
-        return await _serve(engine_loop, request, ident, prompt_ids, params, body)
+        ident = R.ResponseIdentity(f"chatcmpl-{uuid.uuid4().hex}", model, chat=True)
+        log_request(ident.id, [prompt_ids], params)
+        return await serve(engine_loop, request, ident, [prompt_ids], params, bool(body.stream),
+                           body.wants_usage_chunk)
 
     return app
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The model's chat template -> token ids, ending with the assistant header so the model
-    answers. Tokenized here rather than in the engine because the default max_tokens of a chat
-    request (the rest of the context) depends on the prompt's length."""
-    return tokenizer.encode_chat(messages)
+def cache_info(engine) -> dict[str, str]:
+    """The labels of tinyvllm:cache_config_info (vLLM's names)."""
+    config = engine.engine_config
+    return {"block_size": str(config.block_size), "num_gpu_blocks": str(engine.block_manager.num_blocks),
+            "gpu_memory_utilization": str(config.gpu_memory_utilization)}
 
 
-async def _serve(engine_loop: EngineLoop, request: Request, ident: R.ResponseIdentity,
-                 prompt, params, body):
-    stream = await engine_loop.submit(ident.id, prompt, params)   # 400 here if the engine refuses
-    if body.stream:
-        return _EngineStreamingResponse(engine_loop, stream,
-                                        _sse_events(stream, ident, body.wants_usage_chunk))
-    collect = asyncio.ensure_future(_collect(stream))
-    disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({collect, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnect.cancel()
-        if not collect.done():          # the client left (or we were cancelled): free its blocks
-            collect.cancel()
-            engine_loop.abort(ident.id)
-    if not collect.done() or collect.cancelled():
-        return JSONResponse(R.error_body("client disconnected"), status_code=499)
-    text, last = collect.result()      # re-raises EngineFailure -> 500
-    return R.full_response(ident, text, last.finish_reason, last.num_prompt_tokens,
-                           last.num_generated_tokens)
-
-
-async def _collect(stream: RequestStream):
-    parts = []
-    while True:
-        event = await stream.next_event()
-        parts.append(event.delta_text)
-        if event.finished:
-            return "".join(parts), event
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    # The body has been read, so the next ASGI message can only be http.disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-class _EngineStreamingResponse(StreamingResponse):
-    """A text/event-stream response that aborts its request however the response ends early:
-    client disconnect (Starlette cancels the send loop), a send error, or server shutdown.
-    This lives here rather than in the generator's `finally` because a generator that never
-    started (client gone before the first chunk) never runs its `finally`."""
-
-    def __init__(self, engine_loop: EngineLoop, stream: RequestStream, events):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.engine_loop, self.stream = engine_loop, stream
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            if not self.stream.finished:
-                self.engine_loop.abort(self.stream.request_id)
-
-
-async def _sse_events(stream: RequestStream, ident: R.ResponseIdentity, include_usage: bool):
-    """The response body: every event the stream has pending goes out as one body chunk (SSE
-    allows several `data:` events per chunk), so a stream that fell behind the engine catches up
-    in one write instead of one write per token."""
-    encode = R.StreamEncoder(ident, include_usage)
-    if ident.chat:   # OpenAI opens a chat stream with the role and empty content
-        yield encode.event("", first=True)
-    while True:
-        try:
-            events = await stream.next_events()
-        except EngineFailure as e:
-            yield R.sse(R.error_body(str(e), "server_error", code=e.code)).encode() + SSE_DONE
-            return
-        parts = []
-        for event in events:
-            if event.finished:
-                parts.append(encode.event(event.delta_text, event.finish_reason))
-                if include_usage:
-                    parts.append(encode.usage(event.num_prompt_tokens, event.num_generated_tokens))
-                parts.append(SSE_DONE)
-                yield b"".join(parts)
-                return
-            if event.delta_text:
-                parts.append(encode.text(event.delta_text))
-        if parts:
-            yield parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-SSE_DONE = R.SSE_DONE.encode()
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+    """The model's chat template (or --chat-template's) -> token ids, by default ending with the
+    assistant header so the model answers: the one place the server renders a conversation.
+    Tokenized here rather than in the engine because the default max_tokens of a chat request
+    (the rest of the context) depends on the prompt's length. The template writes its own
+    BOS; add_special_tokens (a /tokenize option) adds the tokenizer's on top, as vLLM does."""
+    if not add_special_tokens:
+        return tokenizer.encode_chat(messages, add_generation_prompt)
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt),
+                            add_special_tokens=True)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

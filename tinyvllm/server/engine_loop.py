@@ -13,7 +13,11 @@ loop.call_soon_threadsafe per step, never a wait on the event loop); a handler t
 its stream has pending in one call, so a handler that fell behind catches up in one write.
 
 An exception inside `step()` fails the requests in flight (their handlers answer 500), is logged
-with its traceback, and the loop goes on serving new requests."""
+with its traceback, and the loop goes on serving new requests.
+
+Statistics: the engine thread appends each step's StepStats (engine/stats.py) to a queue, and
+nothing more; drain_stats(), on the event loop, hands them to the listeners (the Prometheus
+metrics, the periodic stats line)."""
 from __future__ import annotations
 
 import asyncio
@@ -22,84 +26,13 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from tinyvllm.errors import InvalidRequestError
+from tinyvllm.server.request_stream import EngineFailure, RequestStream, ServerShuttingDown, StreamEvent
 
 log = logging.getLogger("tinyvllm.server")
-
-
-class EngineFailure(RuntimeError):
-    """The engine raised while serving this request (a bug, not the client's fault: HTTP 500)."""
-    status, code = 500, "engine_error"
-
-
-class ServerShuttingDown(EngineFailure):
-    status, code = 503, "server_shutting_down"
-
-
-class StreamEvent(NamedTuple):
-    """A snapshot of one RequestOutput, copied in the engine thread so the handler never reads
-    an object the engine may still be mutating. (A NamedTuple: immutable and cheap to build,
-    one per request per step.)"""
-    delta_text: str
-    num_prompt_tokens: int
-    num_generated_tokens: int
-    finished: bool
-    finish_reason: str | None
-
-
-@dataclass
-class RequestStream:
-    """The handler's end of one request. `accepted` resolves once add_request has run (or holds
-    its InvalidRequestError); then StreamEvents, or an EngineFailure, arrive in `pending`
-    (appended on the event loop by _put_all, never by the engine thread)."""
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    accepted: asyncio.Future
-    pending: collections.deque = field(default_factory=collections.deque)
-    finished: bool = False
-    _waiter: asyncio.Future | None = None
-
-    def put(self, item) -> None:
-        """Event loop thread only."""
-        self.pending.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def _wait(self) -> None:
-        while not self.pending:
-            self._waiter = self.loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-
-    async def next_event(self) -> StreamEvent:
-        """The oldest event not yet read (waits if none); raises an EngineFailure in its turn."""
-        await self._wait()
-        item = self.pending.popleft()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
-
-    async def next_events(self) -> list[StreamEvent]:
-        """Every event delivered and not yet read, oldest first (at least one; waits if none).
-        An EngineFailure is raised once the events before it have been returned."""
-        await self._wait()
-        pending = self.pending
-        if isinstance(pending[0], BaseException):
-            self.finished = True
-            raise pending.popleft()
-        events = []
-        while pending and not isinstance(pending[0], BaseException):
-            events.append(pending.popleft())
-        self.finished = events[-1].finished
-        return events
 
 
 @dataclass
@@ -121,6 +54,8 @@ def _snapshot(out) -> StreamEvent:
 class EngineLoop:
     def __init__(self, engine):
         self.engine = engine
+        self.stats_listeners: tuple[Callable[[Any], None], ...] = ()
+        self._stats: collections.deque = collections.deque()   # StepStats not yet drained
         self._commands: collections.deque[_Command] = collections.deque()
         self._wakeup = threading.Condition()
         self._streams: dict[str, RequestStream] = {}   # live requests; engine thread only
@@ -160,15 +95,34 @@ class EngineLoop:
 
     async def submit(self, request_id: str, prompt, params) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Raises InvalidRequestError."""
+        return (await self.submit_all([(request_id, prompt)], params))[0]
+
+    async def submit_all(self, requests: list[tuple[str, Any]], params) -> list[RequestStream]:
+        """Queue (request_id, prompt) pairs together, so that they share the engine's next step;
+        returns once the engine accepted all. If it refuses one (its InvalidRequestError is
+        raised) or the caller is cancelled, none of them runs."""
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop, accepted=loop.create_future())
-        self._push(_Command("add", request_id, prompt, params, stream=stream))
+        streams = [RequestStream(rid, loop, accepted=loop.create_future()) for rid, _ in requests]
+        with self._wakeup:
+            stopping = self._stopping
+            if not stopping:
+                self._commands.extend(_Command("add", s.request_id, prompt, params, stream=s)
+                                      for s, (_, prompt) in zip(streams, requests))
+                self._wakeup.notify()
+        if stopping:
+            raise ServerShuttingDown("the server is shutting down")
         try:
-            await stream.accepted
-        except asyncio.CancelledError:   # client went away before the engine saw the request
-            self.abort(request_id)
+            outcomes = await asyncio.gather(*(s.accepted for s in streams), return_exceptions=True)
+        except asyncio.CancelledError:   # client went away before the engine saw the requests
+            for s in streams:
+                self.abort(s.request_id)
             raise
-        return stream
+        failed = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if failed is not None:
+            for s in streams:
+                self.abort(s.request_id)
+            raise failed
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks. Safe to call for finished or unknown ids."""
@@ -181,6 +135,22 @@ class EngineLoop:
         self._push(_Command("call", fn=fn, result=result))
         return result
 
+    def add_stats_listener(self, listener: Callable[[Any], None]) -> None:
+        """Have drain_stats() hand every step's StepStats to listener. Before start()."""
+        self.engine.enable_stats()
+        self.stats_listeners += (listener,)
+
+    def drain_stats(self) -> int:
+        """Hand every StepStats queued so far to the listeners, oldest first (one thread at a
+        time: the event loop). -> how many."""
+        n, queue, listeners = 0, self._stats, self.stats_listeners
+        while queue:
+            stats = queue.popleft()
+            for listener in listeners:
+                listener(stats)
+            n += 1
+        return n
+
     def _push(self, command: _Command) -> None:
         with self._wakeup:
             if not self._stopping:
@@ -188,11 +158,8 @@ class EngineLoop:
                 self._wakeup.notify()
                 return
         # The loop has stopped or is stopping: nobody will apply this command, so answer it now.
-        gone = ServerShuttingDown("the server is shutting down")
-        if command.kind == "add":
-            self._resolve(command.stream, error=gone)
-        elif command.kind == "call":
-            command.result.set_exception(gone)
+        if command.kind == "call":
+            command.result.set_exception(ServerShuttingDown("the server is shutting down"))
 
     # ---- the engine thread -------------------------------------------------------------------
 
@@ -250,6 +217,8 @@ class EngineLoop:
             time.sleep(min(5.0, 0.01 * 2 ** self.consecutive_failures))
             return
         self.consecutive_failures = 0
+        if self.stats_listeners:     # before delivery: a client that saw its answer finds it counted
+            self._stats.append(self.engine.last_step_stats)
         deliveries = []
         for out in outputs:
             stream = self._streams.get(out.request_id)

@@ -1,20 +1,25 @@
-"""Build the engine and the app, then run uvicorn until Ctrl-C.
+"""Build the engine and the app, then run uvicorn until Ctrl-C or SIGTERM.
 
-Shutdown on the first Ctrl-C: uvicorn stops accepting connections; running requests get
+Shutdown, the same on the first Ctrl-C and on SIGTERM (what `docker stop`, systemd and
+Kubernetes send): uvicorn stops accepting connections; running requests get
 `graceful_shutdown_s` to finish; then the engine loop stops and aborts the rest, so their
 streams end with an error event and [DONE] (and waiting non-streamed requests get a 503)
-rather than being cut mid-chunk. A second Ctrl-C quits at once."""
+rather than being cut mid-chunk; "server stopped" is logged and the exit status is 0. A second
+Ctrl-C quits at once."""
 from __future__ import annotations
 
 import ipaddress
 import logging
-import sys
+import signal
 import threading
 from dataclasses import dataclass, field
 
 from tinyvllm.errors import TinyVLLMError
 
 log = logging.getLogger("tinyvllm.server")
+
+# --dtype values and the backend that computes in that type
+DTYPES = {"cuda": ("auto", "bfloat16"), "cpu": ("auto", "float32")}
 
 
 @dataclass(frozen=True)
@@ -23,16 +28,24 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    served_model_name: str | None = None       # default: the --model argument, as vLLM does
+    served_model_names: tuple[str, ...] = ()   # default: the model argument, as vLLM does
     engine_options: dict = field(default_factory=dict)   # EngineConfig fields
-    log_level: str = "info"
+    log_level: str = "info"                    # tinyvllm's own loggers
+    uvicorn_log_level: str = "info"
     graceful_shutdown_s: float = 5.0
-    chat_template: str | None = None           # a template file instead of the model's own
+    allowed_origins: tuple[str, ...] = ()      # CORS, off unless given
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    chat_template: str | None = None           # a file, or the template itself (the tokenizer's)
+    dtype: str = "auto"
+    log_requests: bool = True
+    log_stats: bool = True                     # /metrics and the periodic stats line
 
-
-def served_name(options: ServeOptions) -> str:
-    from tinyvllm.checkpoint.default_model import DEFAULT_MODEL
-    return options.served_model_name or options.model or DEFAULT_MODEL
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        from tinyvllm.checkpoint.default_model import DEFAULT_MODEL
+        return self.served_model_names or (self.model or DEFAULT_MODEL,)
 
 
 def is_loopback(host: str) -> bool:
@@ -47,10 +60,20 @@ def is_loopback(host: str) -> bool:
 def _require_server_dependencies() -> None:
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise TinyVLLMError(f"the server needs FastAPI and uvicorn ({e}); "
+        raise TinyVLLMError(f"the server needs FastAPI, uvicorn and prometheus_client ({e}); "
                             "install them with: pip install 'tinyvllm[server]'") from None
+
+
+def check_dtype(dtype: str, device: str) -> None:
+    """tinyvllm computes in one type per backend: bf16 weights and activations on the GPU, the
+    float32 reference on the CPU. --dtype may only name it."""
+    if device in DTYPES and dtype not in DTYPES[device]:
+        raise TinyVLLMError(f"--dtype {dtype} is not supported on --device {device}; use "
+                            f"{' or '.join(DTYPES[device])} (tinyvllm computes in "
+                            f"{DTYPES[device][1]} there)")
 
 
 def build_server(options: ServeOptions):
@@ -60,15 +83,34 @@ def build_server(options: ServeOptions):
     from tinyvllm.server.app import ServerSettings, build_app
     from tinyvllm.server.engine_loop import EngineLoop
 
+    check_dtype(options.dtype, options.engine_options.get("device", "cuda"))
     engine = LLMEngine(options.model, chat_template=options.chat_template, **options.engine_options)
-    settings = ServerSettings(model_name=served_name(options),
-                              api_key=options.api_key)
+    settings = ServerSettings(
+        model_names=options.model_names, api_key=options.api_key, model_path=options.model,
+        allowed_origins=options.allowed_origins, allowed_methods=options.allowed_methods,
+        allowed_headers=options.allowed_headers, allow_credentials=options.allow_credentials,
+        log_requests=options.log_requests,
+        log_stats=options.log_stats)
     engine_loop = EngineLoop(engine)
     return build_app(engine_loop, settings), engine_loop
 
 
+class _Terminated(Exception):
+    """SIGTERM, once uvicorn has shut down gracefully: what KeyboardInterrupt is to Ctrl-C."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated
+
+
 def run_server(options: ServeOptions) -> int:
     _require_server_dependencies()
+    from tinyvllm.logs import stderr_logging
+    with stderr_logging(options.log_level):
+        return _serve_until_stopped(options)
+
+
+def _serve_until_stopped(options: ServeOptions) -> int:
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -76,27 +118,37 @@ def run_server(options: ServeOptions) -> int:
 
         def handle_exit(self, sig, frame):
             if not self.should_exit:
-                log.info("shutting down: %.0fs for running requests to finish",
-                         options.graceful_shutdown_s)
+                log.info("shutting down (%s): %.0fs for running requests to finish",
+                         signal.Signals(sig).name, options.graceful_shutdown_s)
                 timer = threading.Timer(options.graceful_shutdown_s, engine_loop.stop)
                 timer.daemon = True
                 timer.start()
             super().handle_exit(sig, frame)
 
-    logging.basicConfig(level=options.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not is_loopback(options.host) and not options.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use "
                     "the model", options.host)
-    app, engine_loop = build_server(options)
-    log.info("serving %r on http://%s:%d/v1", served_name(options),
-             options.host, options.port)
-    # uvicorn's own timeout is only a backstop: by then our streams have ended themselves.
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,
-                            timeout_graceful_shutdown=options.graceful_shutdown_s + 5)
+    # uvicorn handles SIGTERM like Ctrl-C, then re-raises it under the handler it found at start:
+    # with the default one the process would die of the signal instead of exiting 0. (Ours also
+    # covers the model load: SIGTERM then stops the start-up, with status 0 too.)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
-        DrainingServer(config).run()
-    except KeyboardInterrupt:   # uvicorn re-raises the Ctrl-C it handled, once it has shut down
+        app, engine_loop = build_server(options)
+        log.info("serving %s on http://%s:%d/v1", ", ".join(repr(n) for n in options.model_names),
+                 options.host, options.port)
+        # uvicorn's own timeout is only a backstop: by then our streams have ended themselves.
+        config = uvicorn.Config(app, host=options.host, port=options.port,
+                                log_level=options.uvicorn_log_level,
+                                timeout_graceful_shutdown=options.graceful_shutdown_s + 5)
+        try:
+            DrainingServer(config).run()
+        except KeyboardInterrupt:   # re-raised by uvicorn once it has shut down
+            pass
+    except _Terminated:
         pass
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     log.info("server stopped")
     return 0

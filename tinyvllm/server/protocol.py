@@ -34,7 +34,7 @@ class _SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    model: str
+    model: Optional[str] = None                  # None: the server's first served model name
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
@@ -94,23 +94,21 @@ UNSUPPORTED_WHEN = (
 
 
 class CompletionRequest(_SamplingFields):
-    # OpenAI also allows a batch (list of prompts); a one-element batch is unwrapped below.
+    # a string, token ids, or a batch of either (one choice per prompt, in order)
     prompt: Union[str, list[int], list[str], list[list[int]]]
     best_of: Optional[int] = None
     echo: Optional[bool] = None
     suffix: Optional[str] = None
     logprobs: Optional[int] = None
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise RequestValueError("batched prompts are not supported; send one prompt "
-                                        "per request (they are batched on the server)", "prompt")
-            p = p[0]
-        if len(p) == 0:
-            raise RequestValueError("prompt is empty", "prompt")
-        return p
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        for i, one in enumerate(batch):
+            if len(one) == 0:
+                raise RequestValueError("prompt is empty" if len(batch) == 1
+                                        else f"prompt {i} of the batch is empty", "prompt")
+        return batch
 
 
 class TextPart(BaseModel):

@@ -51,12 +51,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def full_response(ident: ResponseIdentity, text: str, finish_reason: str | None,
-                  prompt_tokens: int, completion_tokens: int) -> dict:
+                  prompt_tokens: int, completion_tokens: int, index: int = 0) -> dict:
     if ident.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+        choice = {"index": index, "message": {"role": "assistant", "content": text},
                   "logprobs": None, "finish_reason": openai_finish_reason(finish_reason)}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None,
+        choice = {"index": index, "text": text, "logprobs": None,
                   "finish_reason": openai_finish_reason(finish_reason)}
     return {"id": ident.id, "object": ident.object_name, "created": ident.created,
             "model": ident.model, "choices": [choice],
@@ -64,14 +64,14 @@ def full_response(ident: ResponseIdentity, text: str, finish_reason: str | None,
 
 
 def chunk(ident: ResponseIdentity, text: str, finish_reason: str | None = None,
-          first: bool = False, with_usage_field: bool = False) -> dict:
+          first: bool = False, with_usage_field: bool = False, index: int = 0) -> dict:
     """One streamed choice. The first chat chunk carries the assistant role, as OpenAI's does."""
     if ident.chat:
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None,
+        choice = {"index": index, "delta": delta, "logprobs": None,
                   "finish_reason": openai_finish_reason(finish_reason)}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None,
+        choice = {"index": index, "text": text, "logprobs": None,
                   "finish_reason": openai_finish_reason(finish_reason)}
     body = {"id": ident.id, "object": ident.chunk_object_name, "created": ident.created,
             "model": ident.model, "choices": [choice]}
@@ -90,10 +90,11 @@ class StreamEncoder:
     common case, a text chunk without a finish reason, built from a template made once per
     request: json.dumps runs on the text alone, not on a fresh dict per token."""
 
-    def __init__(self, ident: ResponseIdentity, include_usage: bool):
-        self.ident, self.include_usage = ident, include_usage
+    def __init__(self, ident: ResponseIdentity, include_usage: bool, index: int = 0):
+        self.ident, self.include_usage, self.index = ident, include_usage, index
         # The text is the last field that can hold a NUL (the fields after it are fixed).
-        head, _, tail = sse(chunk(ident, "\0", with_usage_field=include_usage)).rpartition('"\\u0000"')
+        head, _, tail = sse(chunk(ident, "\0", with_usage_field=include_usage,
+                                  index=index)).rpartition('"\\u0000"')
         self._head, self._tail = head.encode(), tail.encode()
 
     def text(self, text: str) -> bytes:
@@ -104,7 +105,7 @@ class StreamEncoder:
         if text and finish_reason is None and not first:
             return self.text(text)
         return sse(chunk(self.ident, text, finish_reason, first=first,
-                         with_usage_field=self.include_usage)).encode()
+                         with_usage_field=self.include_usage, index=self.index)).encode()
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         return sse(usage_chunk(self.ident, prompt_tokens, completion_tokens)).encode()
