@@ -8,7 +8,7 @@ import pytest
 
 from tinyvllm.cli import main
 
-CPU = ["--device", "cpu", "--num-kv-blocks", "64"]
+CPU = ["--device", "cpu", "--num-kv-blocks", "64", "--max-model-len", "1024"]
 
 
 def generate(capsys, *args):

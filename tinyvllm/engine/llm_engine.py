@@ -7,24 +7,37 @@
 
 Aborted requests: abort_request() frees the blocks at once; the next step() reports the request
 one last time with finished=True, finish_reason="abort".
+
+Failures inside step() (docs/engine.md, "Failures"):
+  one request's fault  building a step's batch rows raised for it (a value the arrays cannot
+                       hold), or the model gave it non-finite logits (the sampler's id -1): that
+                       request alone finishes with finish_reason "error" and RequestOutput.error
+                       saying why; the rest of the step runs without it.
+  nobody's fault       anything else raised by the scheduler, the runner (a CUDA error: the
+                       context and the KV cache are gone) or the bookkeeping after it: the engine
+                       is dead. This step() and every later call raise EngineDeadError; the
+                       requests in flight are lost; the process should exit and be restarted.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import numpy as np
 
-from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.errors import InvalidRequestError, TinyVLLMError
+from tinyvllm.config import AUTO, EngineConfig, ModelConfig
+from tinyvllm.errors import EngineDeadError, InvalidRequestError, ModelLoadError, TinyVLLMError
 from tinyvllm.engine.block_manager import BlockManager, blocks_for
 from tinyvllm.engine.model_runner import ModelRunner, make_runner
 from tinyvllm.engine.sampling_params import SamplingParams
-from tinyvllm.engine.scheduler import Scheduler
+from tinyvllm.engine.scheduler import ScheduledBatch, Scheduler
 from tinyvllm.engine.outputs import RequestOutput
-from tinyvllm.engine.sequence import Sequence
+from tinyvllm.engine.sequence import Sequence, SequenceStatus
 from tinyvllm.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyvllm.checkpoint.weights import load_weights
+
+log = logging.getLogger("tinyvllm")
 
 
 def make_engine_config(engine_config: EngineConfig | None, options: dict) -> EngineConfig:
@@ -39,6 +52,26 @@ def make_engine_config(engine_config: EngineConfig | None, options: dict) -> Eng
         raise TinyVLLMError(f"invalid engine option: {e}") from None
 
 
+def fit_context_to_cache(engine_config: EngineConfig, model_config: ModelConfig,
+                         num_kv_blocks: int) -> EngineConfig:
+    """The engine config with a context limit the KV cache can hold one whole sequence of.
+    A cache too small for max_model_len is refused (a server would advertise a context it
+    cannot serve), unless max_model_len="auto" asked for the limit to be lowered to fit."""
+    limit = engine_config.context_limit(model_config)
+    holds = num_kv_blocks * engine_config.block_size
+    if holds >= limit:
+        return engine_config
+    if engine_config.max_model_len == AUTO:
+        log.warning("max_model_len lowered from %d to %d: the KV cache (%d blocks of %d tokens) "
+                    "holds no more", limit, holds, num_kv_blocks, engine_config.block_size)
+        return dataclasses.replace(engine_config, max_model_len=holds)
+    raise TinyVLLMError(
+        f"the KV cache holds {holds} tokens ({num_kv_blocks} blocks of {engine_config.block_size}), "
+        f"less than one sequence of max_model_len={limit}: give it more memory (--kv-cache-gb, "
+        "--num-kv-blocks, --gpu-memory-utilization), lower --max-model-len, or pass "
+        "--max-model-len auto to fit the context to the cache")
+
+
 class LLMEngine:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None, *,
                  runner: ModelRunner | None = None, **engine_options):
@@ -47,12 +80,23 @@ class LLMEngine:
         self.engine_config = make_engine_config(engine_config, engine_options)
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir, self.model_config)
+        if self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ModelLoadError(
+                f"{model_dir}: tokenizer.json has {self.tokenizer.vocab_size} tokens but config.json's "
+                f"vocab_size is {self.model_config.vocab_size}: the model has no embedding for the rest")
         self.runner = runner or make_runner(self.model_config, load_weights(model_dir, self.model_config),
                                             self.engine_config)
+        try:
+            self.engine_config = fit_context_to_cache(self.engine_config, self.model_config,
+                                                      self.runner.num_kv_blocks)
+        except TinyVLLMError:
+            self.runner.close()          # give the device memory back before the error leaves
+            raise
         if self.engine_config.trace_steps:       # eager, printed steps first (tinyvllm/trace.py)
             from tinyvllm.trace import TracingRunner
             self.runner = TracingRunner(self.runner, self.model_config, self.engine_config)
         self.context_limit = self.engine_config.context_limit(self.model_config)
+        self.dead: str | None = None     # why the engine died (see the module docstring)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.engine_config.block_size)
         self.scheduler = Scheduler(self.engine_config, self.block_manager, self.context_limit,
                                    self.tokenizer.eos_token_ids)
@@ -64,6 +108,8 @@ class LLMEngine:
                     *, arrival_time: float | None = None) -> None:
         """Queue a request. Anything wrong with it raises InvalidRequestError before the engine
         changes at all."""
+        if self.dead:
+            raise EngineDeadError(f"the engine is dead ({self.dead}); restart it")
         params = (params or SamplingParams()).validate()
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -119,11 +165,61 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step: a prefill batch or a decode step. -> one RequestOutput per
-        request that got a new token or finished."""
-        batch = self.scheduler.schedule()
-        tokens = batch and self.runner.execute(batch.forward_batch(self.engine_config.block_size),
-                                               batch.sampling_batch())
-        return [self._report(seq) for seq in self.scheduler.postprocess(batch, tokens)]
+        request that got a new token or finished. Raises EngineDeadError (see the module
+        docstring) when the step failed for no one request's fault."""
+        if self.dead:
+            raise EngineDeadError(f"the engine is dead ({self.dead}); restart it")
+        try:
+            batch = self.scheduler.schedule()
+            inputs, batch = self._batch_inputs(batch) if batch else (None, None)
+            tokens = self.runner.execute(*inputs) if batch else None
+            if tokens is not None:
+                self._fail_non_finite(batch, tokens)
+            return [self._report(seq) for seq in self.scheduler.postprocess(batch, tokens)]
+        except Exception as e:
+            self.dead = f"{type(e).__name__}: {e}"
+            log.error("engine dead: step() failed for no single request's fault", exc_info=True)
+            raise EngineDeadError(f"the engine is dead: {self.dead}") from e
+
+    def _batch_inputs(self, batch: ScheduledBatch):
+        """(ForwardBatch, SamplingBatch) of the step, and the batch they are for. A failure is
+        pinned on the requests whose rows fail to build on their own; they are failed and the
+        batch is rebuilt without them. A failure no row reproduces alone is re-raised."""
+        while True:
+            try:
+                return (batch.forward_batch(self.engine_config.block_size), batch.sampling_batch()), batch
+            except Exception as e:
+                culprits = {seq: why for seq in batch.seqs if (why := self._row_failure(batch, seq))}
+                if not culprits:
+                    raise
+                for seq, why in culprits.items():
+                    self._fail(seq, f"this request's batch row could not be built: {why}")
+                batch = ScheduledBatch([s for s in batch.seqs if s not in culprits],
+                                       batch.is_prefill, batch.block_manager)
+                if not batch.seqs:
+                    return None, None
+                log.warning("step rebuilt without %d request(s) after %s: %s",
+                            len(culprits), type(e).__name__, e)
+
+    def _row_failure(self, batch: ScheduledBatch, seq: Sequence) -> str | None:
+        alone = ScheduledBatch([seq], batch.is_prefill, batch.block_manager)
+        try:
+            alone.forward_batch(self.engine_config.block_size)
+            alone.sampling_batch()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def _fail_non_finite(self, batch: ScheduledBatch, tokens: np.ndarray) -> None:
+        """The sampler's id is -1 for a row whose logits held NaN or +inf (or no finite value)."""
+        for i in np.flatnonzero(np.asarray(tokens) < 0):
+            seq = batch.seqs[int(i)]
+            self._fail(seq, "the model produced non-finite logits (NaN or inf) for this request")
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        log.warning("request %s failed: %s", seq.request_id, message)
+        seq.error = message
+        self.scheduler.abort(seq, SequenceStatus.FINISHED_ERROR)
 
     def _report(self, seq: Sequence) -> RequestOutput:
         if seq.is_finished:

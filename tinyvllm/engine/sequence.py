@@ -16,6 +16,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_EOS = "eos"                 # the model's end-of-sequence token
     FINISHED_LENGTH = "length"           # max_tokens, or the context limit
     FINISHED_ABORTED = "abort"           # abort_request()
+    FINISHED_ERROR = "error"             # this request alone failed (Sequence.error says why)
 
     def __init__(self, value: str):
         # a plain attribute set once per member (Enum calls __init__ with the value), not a
@@ -42,6 +43,7 @@ class Sequence:
         self.num_cached_tokens = 0                  # tokens whose K/V are in the cache
         self.num_scheduled_tokens = 0               # tokens fed to the model in this step
         self.num_preemptions = 0
+        self.error: str | None = None               # why it failed (status FINISHED_ERROR)
         self.detokenizer = detokenizer
         self.text = ""                              # generated text, stop string cut off
         self.num_emitted_chars = 0                  # text[:num_emitted_chars] has been reported
