@@ -6,44 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fake_runners import POISONED_SEED, DyingRunner, NaNRunner
 
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.engine.sampling_params import SamplingParams
 from tinyvllm.errors import EngineDeadError
-from tinyvllm.reference.numpy_runner import NumpyRunner
-from tinyvllm.reference.sampling import sample
 
-POISONED_SEED = 666                     # the faulty runners pick their victim by its seed
 OPTIONS = dict(device="cpu", block_size=4, num_kv_blocks=48, max_num_seqs=8, max_model_len=192)
-
-
-class NaNRunner(NumpyRunner):
-    """The real model, but the logits of any row sampled with POISONED_SEED become NaN (or +inf)
-    from the victim's `after`-th step on."""
-
-    def __init__(self, base: NumpyRunner, value=np.nan, after=0):
-        self.__dict__.update(base.__dict__)
-        self.value, self.after = value, after
-
-    def execute(self, batch, sampling):
-        logits = self.model.forward(batch, self.kv_cache)
-        victim = (sampling.seed == POISONED_SEED) & (sampling.step >= self.after)
-        logits[victim, 123] = self.value
-        return sample(logits, sampling)
-
-
-class DyingRunner(NumpyRunner):
-    """Works for `good_steps` steps, then fails as a lost CUDA context would."""
-
-    def __init__(self, base: NumpyRunner, good_steps: int):
-        self.__dict__.update(base.__dict__)
-        self.good_steps = good_steps
-
-    def execute(self, batch, sampling):
-        if self.good_steps == 0:
-            raise RuntimeError("cuLaunchKernel failed: an illegal memory access was encountered")
-        self.good_steps -= 1
-        return super().execute(batch, sampling)
 
 
 @pytest.fixture(scope="module")
