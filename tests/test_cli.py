@@ -85,3 +85,9 @@ def test_real_process_prints_no_traceback(tmp_path):
                             timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith("tinyvllm: error:")
+
+
+def test_stop_takes_one_string_and_leaves_the_prompt_alone(tiny_model_dir, capsys):
+    code, out, err = generate(capsys, "--model", str(tiny_model_dir), *CPU, "--max-tokens", "2",
+                              "--stop", "zzz", "Hello there")
+    assert code == 0 and "1 requests" in err

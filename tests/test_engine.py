@@ -153,7 +153,7 @@ def test_bad_requests_are_rejected_without_touching_the_others(engine, reference
     bad = [("p", "x", SamplingParams(temperature=-1)), ("q", "x", SamplingParams(top_p=0)),
            ("good", "x", None), ("e", "", None), ("l", [], None), ("v", [10**7], None),
            ("w", [1.5], None), ("long", list(range(1, 5000)), None), ("cache", list(range(1, 200)), None),
-           ("n", None, None)]
+           ("n", None, None), ("surrogate", "a\ud800b", None)]
     for request_id, p, params in bad:
         with pytest.raises(InvalidRequestError):
             engine.add_request(request_id, p, params)

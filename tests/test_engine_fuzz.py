@@ -48,7 +48,7 @@ INVALID = [
     ("x", SamplingParams(temperature=-1.0)), ("x", SamplingParams(top_p=0.0)),
     ("x", SamplingParams(max_tokens=0)), ("x", SamplingParams(stop=[""])),
     ("x", SamplingParams(stop_token_ids=[-1])), ("", None), ([], None), ([10**7], None),
-    ([5] * CONTEXT, None), (None, None), ([1.5], None),
+    ([5] * CONTEXT, None), (None, None), ([1.5], None), ("lone \udc80 surrogate", None),
 ]
 
 

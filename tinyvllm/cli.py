@@ -184,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None, help="sampling seed of every request")
-    gen.add_argument("--stop", action="extend", nargs="+", default=None, metavar="STR",
-                     help="stop strings (not printed)")
+    gen.add_argument("--stop", action="append", default=None, metavar="STR",
+                     help="a stop string (not printed); repeat the flag for several")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--stream", action="store_true",
                      help="print tokens as they come (always on for a single prompt)")

@@ -52,6 +52,15 @@ def make_engine_config(engine_config: EngineConfig | None, options: dict) -> Eng
         raise TinyVLLMError(f"invalid engine option: {e}") from None
 
 
+def check_unicode(text: str, field: str) -> None:
+    """A str can hold lone surrogates (JSON's "\\ud800"), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{field} is not valid Unicode: {e.reason} at character "
+                                  f"{e.start} ({text[e.start]!r})") from None
+
+
 def fit_context_to_cache(engine_config: EngineConfig, model_config: ModelConfig,
                          num_kv_blocks: int) -> EngineConfig:
     """The engine config with a context limit the KV cache can hold one whole sequence of.
@@ -131,6 +140,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
+            check_unicode(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt, add_bos=True)
         if isinstance(prompt, (list, tuple, np.ndarray)):
             ids = [int(t) for t in prompt] if all(
