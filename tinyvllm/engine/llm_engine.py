@@ -26,9 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from tinyvllm.config import AUTO, EngineConfig, ModelConfig
+from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.errors import EngineDeadError, InvalidRequestError, ModelLoadError, TinyVLLMError
 from tinyvllm.engine.block_manager import BlockManager, blocks_for
+from tinyvllm.engine.limits import (check_request, check_text, fit_context_to_cache,
+                                    longest_token_bytes, max_prompt_bytes)
 from tinyvllm.engine.model_runner import ModelRunner, make_runner
 from tinyvllm.engine.sampling_params import SamplingParams
 from tinyvllm.engine.scheduler import ScheduledBatch, Scheduler
@@ -50,35 +52,6 @@ def make_engine_config(engine_config: EngineConfig | None, options: dict) -> Eng
         raise TinyVLLMError(f"unknown engine option ({e}); known options: {known}") from None
     except ValueError as e:          # EngineConfig's own range checks
         raise TinyVLLMError(f"invalid engine option: {e}") from None
-
-
-def check_unicode(text: str, field: str) -> None:
-    """A str can hold lone surrogates (JSON's "\\ud800"), which no tokenizer can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequestError(f"{field} is not valid Unicode: {e.reason} at character "
-                                  f"{e.start} ({text[e.start]!r})") from None
-
-
-def fit_context_to_cache(engine_config: EngineConfig, model_config: ModelConfig,
-                         num_kv_blocks: int) -> EngineConfig:
-    """The engine config with a context limit the KV cache can hold one whole sequence of.
-    A cache too small for max_model_len is refused (a server would advertise a context it
-    cannot serve), unless max_model_len="auto" asked for the limit to be lowered to fit."""
-    limit = engine_config.context_limit(model_config)
-    holds = num_kv_blocks * engine_config.block_size
-    if holds >= limit:
-        return engine_config
-    if engine_config.max_model_len == AUTO:
-        log.warning("max_model_len lowered from %d to %d: the KV cache (%d blocks of %d tokens) "
-                    "holds no more", limit, holds, num_kv_blocks, engine_config.block_size)
-        return dataclasses.replace(engine_config, max_model_len=holds)
-    raise TinyVLLMError(
-        f"the KV cache holds {holds} tokens ({num_kv_blocks} blocks of {engine_config.block_size}), "
-        f"less than one sequence of max_model_len={limit}: give it more memory (--kv-cache-gb, "
-        "--num-kv-blocks, --gpu-memory-utilization), lower --max-model-len, or pass "
-        "--max-model-len auto to fit the context to the cache")
 
 
 class LLMEngine:
@@ -105,6 +78,8 @@ class LLMEngine:
             from tinyvllm.trace import TracingRunner
             self.runner = TracingRunner(self.runner, self.model_config, self.engine_config)
         self.context_limit = self.engine_config.context_limit(self.model_config)
+        longest = longest_token_bytes(self.tokenizer)
+        self.max_prompt_bytes = None if longest is None else max_prompt_bytes(self.context_limit, longest)
         self.dead: str | None = None     # why the engine died (see the module docstring)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.engine_config.block_size)
         self.scheduler = Scheduler(self.engine_config, self.block_manager, self.context_limit,
@@ -120,6 +95,7 @@ class LLMEngine:
         if self.dead:
             raise EngineDeadError(f"the engine is dead ({self.dead}); restart it")
         params = (params or SamplingParams()).validate()
+        check_request(params, self.model_config.vocab_size, self.engine_config.max_num_seqs)
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
@@ -140,7 +116,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
-            check_unicode(prompt, "prompt")
+            check_text(prompt, "prompt", self.max_prompt_bytes)
             return prompt, self.tokenizer.encode(prompt, add_bos=True)
         if isinstance(prompt, (list, tuple, np.ndarray)):
             ids = [int(t) for t in prompt] if all(
