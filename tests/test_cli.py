@@ -44,6 +44,22 @@ def test_file_chat_system_and_stop(tiny_model_dir, tmp_path, capsys):
     assert "3 requests" in err
 
 
+def test_chat_template_file(tiny_model_dir, tmp_path, capsys):
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    code, _, err = generate(capsys, "--model", str(tiny_model_dir), *CPU, "--chat-template", str(template),
+                            "--system", "S", "--max-tokens", "1", "Hello")
+    from tinyvllm.checkpoint.tokenizer import Tokenizer
+    expected = Tokenizer.from_pretrained(tiny_model_dir).encode("system: S\nuser: Hello\n", add_special_tokens=False)
+    assert code == 0 and f"1 requests, {len(expected)} prompt tokens" in err
+    template.write_text("{% if messages %}{{ raise_exception('only for tools') }}{% endif %}")
+    code, _, err = generate(capsys, "--model", str(tiny_model_dir), *CPU, "--chat-template", str(template), "Hi")
+    assert code == 2 and err.strip().count("\n") == 0 and "only for tools" in err
+    template.write_text("{% for m in messages %}")
+    code, _, err = generate(capsys, "--model", str(tiny_model_dir), *CPU, "--chat-template", str(template), "Hi")
+    assert code == 2 and "chat template syntax error" in err
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "/no/such/dir", "hi"], "model directory not found"),
     (["--model", "{model}", *CPU], "no prompt given"),

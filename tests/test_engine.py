@@ -177,8 +177,13 @@ def test_llm_generate_keeps_input_order_and_chat(tiny_model_dir, reference):
     assert len(single) == 1 and len(single[0].token_ids) <= 3
     chats = llm.chat([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Yo"}]],
                      SamplingParams(max_tokens=2))
-    assert len(chats) == 2 and chats[0].prompt.startswith("<|begin_of_text|>")
+    assert len(chats) == 2
+    assert chats[0].prompt_token_ids == llm.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
     assert chats[0].prompt_token_ids.count(llm.tokenizer.bos_token_id) == 1
+    own = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1),
+                   chat_template="{{ greeting }}{{ messages[0]['content'] }}",
+                   chat_template_kwargs={"greeting": "Well, "})
+    assert own[0].prompt_token_ids == llm.tokenizer.encode("Well, Hi", add_special_tokens=False)
     with pytest.raises(InvalidRequestError):           # all or nothing: nothing is left queued
         llm.generate(["fine", ""], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished_requests()

@@ -113,57 +113,119 @@ def _attention_case(rng, q_lens, context_lens, hq, hkv, d, block_size=16):
     return batch, q, k_cache, v_cache, want
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (32, 8, 64), (6, 2, 128)])
-def test_attention_prefill(gpu, rng, hq, hkv, d):
-    """Several prompts of odd lengths (not multiples of the 64-row tile), some with a cached
-    prefix, over shuffled block tables; one of 4,100 tokens."""
+def _run_prefill(gpu, rng, q_lens, cached, hq, hkv, d, block_size):
+    """Launch attention_prefill through its launcher on a poisoned output; check every sequence.
+    Tolerance BF16_TOL (1e-2 relative): the kernel rounds P = softmax numerators (in [0, 1]) to
+    bf16 for the P·V mma (relative error <= 2^-9 = 2e-3 per element, rounded to nearest, so the
+    errors of a row's terms are independent and mostly cancel in the fp32 sum) and the output to
+    bf16 (<= 2^-9); S, the row max/sum and O accumulate in fp32 and the row sum uses the unrounded
+    P. A lane-exact numpy emulation of the kernel's fragments gave 2.0-2.1e-3 on these shapes."""
     from gpu_helpers import DeviceArray, rel_err
-    q_lens = [1, 17, 64, 65, 130, 4100]
-    cached = [0, 5, 0, 100, 37, 0]
-    batch, q, kc, vc, want = _attention_case(rng, q_lens, [a + b for a, b in zip(q_lens, cached)], hq, hkv, d)
+    batch, q, kc, vc, want = _attention_case(rng, q_lens, [a + b for a, b in zip(q_lens, cached)],
+                                             hq, hkv, d, block_size)
     out = DeviceArray.poisoned((batch.num_tokens, hq, d), q.dtype)
     width = np.array([batch.block_tables.shape[1]], np.int32)
     d_q, d_k, d_v, d_tables, d_width, d_qs, d_ctx = (DeviceArray(a) for a in (
         q, kc, vc, batch.block_tables, width, batch.query_start, batch.context_lens))
     gpu.attention_prefill(out, d_q, hq * d, d_k, d_v, d_tables, d_width, d_qs, d_ctx,
                           num_seqs=batch.num_seqs, max_query_len=max(q_lens), num_q_heads=hq,
-                          num_kv_heads=hkv, head_dim=d, block_size=16, scale=1 / math.sqrt(d))
+                          num_kv_heads=hkv, head_dim=d, block_size=block_size, scale=1 / math.sqrt(d))
     _sync()
     got = out.get()
     for i in range(batch.num_seqs):
         s, e = batch.query_start[i], batch.query_start[i + 1]
-        assert rel_err(got[s:e], want[s:e]) < BF16_TOL, f"sequence {i}"
+        assert rel_err(got[s:e], want[s:e]) < BF16_TOL, f"sequence {i} (q_len {q_lens[i]}, cached {cached[i]})"
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 64), (8, 8, 64), (24, 8, 128), (4, 2, 64), (64, 8, 128),
-                                      (24, 8, 64)])
-@pytest.mark.parametrize("splits", [1, 5, 32])
-def test_attention_decode(gpu, rng, hq, hkv, d, splits):
-    """One query per sequence at contexts from 1 to 5,000 tokens, with a grid of 1, 5 or 32
-    splits. A short context uses fewer splits than the grid has (one at <= 128 tokens: no merge);
-    with several, the last block of each (sequence, kv head) merges them and resets its counter:
-    a second launch on the same buffers must give the same result, counters back at zero."""
+# (query heads, kv heads, head_dim, block_size): GQA groups 1, 2, 3, 4, 8; the 1B and 8B head shapes
+PREFILL_SHAPES = [(8, 8, 64, 16), (8, 4, 128, 8), (6, 2, 64, 32), (32, 8, 64, 16), (32, 8, 128, 8),
+                  (16, 2, 128, 32), (16, 2, 64, 8)]
+
+
+@pytest.mark.parametrize("hq,hkv,d,block_size", PREFILL_SHAPES)
+def test_attention_prefill(gpu, rng, hq, hkv, d, block_size):
+    """Ragged prompts around the 16-row warp tile and the 64-row/64-key CTA tiles, about half with
+    a cached prefix (context > query length, the first position off any tile boundary), over
+    shuffled block tables."""
+    q_lens = [1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 2, 40]
+    cached = [0, 0, 16, 5, 0, 64, 1, 0, 100, 37, 300, 129]
+    _run_prefill(gpu, rng, q_lens, cached, hq, hkv, d, block_size)
+
+
+@pytest.mark.parametrize("hq,hkv,d,block_size", [(8, 2, 64, 16), (8, 2, 128, 32)])
+def test_attention_prefill_long(gpu, rng, hq, hkv, d, block_size):
+    """A 4,100-token prompt (65 query tiles, the last one 4 rows) beside a 300-token chunk behind a
+    3,001-token cached prefix and a short prompt: the long-context and heaviest-tile-first paths."""
+    _run_prefill(gpu, rng, [4100, 300, 7], [0, 3001, 0], hq, hkv, d, block_size)
+
+
+# The contexts the decode kernel's split and step arithmetic can get wrong: 1 token, either side
+# of one 16-token warp step and of the 64-token minimum split, one past two and four splits, a
+# split count that does not divide the context, and 5,000 (many steps per warp).
+DECODE_CONTEXTS = [1, 15, 16, 17, 63, 64, 65, 128, 129, 257, 1024, 4129, 5000]
+# batch -> block size: the 7-sequence batch pages every token separately (a step spans 16 pages)
+DECODE_BATCHES = {1: 16, 7: 1, 256: 32}
+
+
+def _decode_batches(rng, batch: int) -> list[list[int]]:
+    """The context lengths of each batch one test case launches."""
+    if batch == 1:
+        return [[c] for c in DECODE_CONTEXTS]
+    if batch == 7:
+        return [[int(c) for c in rng.choice(DECODE_CONTEXTS, 7, replace=False)]]
+    # a large batch: short random contexts (the launcher then picks one split) with the special
+    # ones mixed in, in random order
+    ctx = np.concatenate([rng.integers(1, 160, batch - 6), [1, 16, 17, 129, 257, 1024]])
+    return [[int(c) for c in rng.permutation(ctx)]]
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(8, 8, 64), (16, 8, 64), (24, 8, 64), (32, 8, 64), (16, 2, 64),
+                                      (8, 8, 128), (8, 4, 128), (24, 8, 128), (32, 8, 128), (64, 8, 128)])
+@pytest.mark.parametrize("batch", sorted(DECODE_BATCHES))
+@pytest.mark.parametrize("splits", [None, 1, 5, 32])
+def test_attention_decode(gpu, rng, hq, hkv, d, batch, splits):
+    """One query per sequence through the launcher the model calls, GQA groups 1/2/3/4/8 at
+    head_dim 64 and 128, against the numpy twin on fresh random inputs, outputs and workspace
+    poisoned. Batch 1 runs every context of DECODE_CONTEXTS. splits=None is the launcher's own
+    choice for the batch size (32 at batch 1, 1 at 256); 1/5/32 force the grid. A short context
+    uses fewer splits than the grid has; with several, the last block of each (sequence, kv head)
+    merges them and resets its counter: a second launch on the same buffers must give
+    bit-identical results, counters back at zero. Tolerance BF16_TOL: q, K, V are bf16, the
+    probabilities are rounded to bf16 for the P.V MMA (as in FlashAttention), sums are fp32."""
     from gpu_helpers import DeviceArray, rel_err
     from tinyvllm.gpu.ops import MAX_DECODE_SPLITS
-    ctx = [1, 15, 300, 4129, 5000, 257]
-    batch, q, kc, vc, want = _attention_case(rng, [1] * len(ctx), ctx, hq, hkv, d)
-    S = batch.num_seqs
-    part_out = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, d), np.float32)
-    part_ml = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, 2), np.float32)
-    counters = DeviceArray(np.zeros((S, hkv), np.int32))
-    width = np.array([batch.block_tables.shape[1]], np.int32)
-    d_q, d_k, d_v, d_tables, d_width, d_ctx = (DeviceArray(a) for a in (
-        q, kc, vc, batch.block_tables, width, batch.context_lens))
-    for launch in range(2):
-        out = DeviceArray.poisoned((S, hq, d), q.dtype)
-        gpu.attention_decode(out, part_out, part_ml, counters, d_q, hq * d, d_k, d_v, d_tables, d_width,
-                             d_ctx, num_seqs=S, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                             block_size=16, scale=1 / math.sqrt(d), splits=splits)
-        _sync()
-        got = out.get()
-        for i in range(S):
-            assert rel_err(got[i], want[i]) < BF16_TOL, f"launch {launch}, sequence {i} (context {ctx[i]})"
-        np.testing.assert_array_equal(counters.get(), 0)
+    block_size = DECODE_BATCHES[batch]
+    for ctx in _decode_batches(rng, batch):
+        fb, q, kc, vc, want = _attention_case(rng, [1] * len(ctx), ctx, hq, hkv, d, block_size=block_size)
+        S = fb.num_seqs
+        part_out = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, d), np.float32)
+        part_ml = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, 2), np.float32)
+        counters = DeviceArray(np.zeros((S, hkv), np.int32))
+        width = np.array([fb.block_tables.shape[1]], np.int32)
+        d_q, d_k, d_v, d_tables, d_width, d_ctx = (DeviceArray(a) for a in (
+            q, kc, vc, fb.block_tables, width, fb.context_lens))
+        first = None
+        for launch in range(2):
+            out = DeviceArray.poisoned((S, hq, d), q.dtype)
+            gpu.attention_decode(out, part_out, part_ml, counters, d_q, hq * d, d_k, d_v, d_tables, d_width,
+                                 d_ctx, num_seqs=S, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                 block_size=block_size, scale=1 / math.sqrt(d), splits=splits)
+            _sync()
+            got = out.get()
+            for i in range(S):
+                assert rel_err(got[i], want[i]) < BF16_TOL, f"launch {launch}, sequence {i} (context {ctx[i]})"
+            np.testing.assert_array_equal(counters.get(), 0)
+            if first is None:
+                first = got
+            else:
+                np.testing.assert_array_equal(got.view(np.uint16), first.view(np.uint16))
+
+
+def test_attention_decode_rejects_bad_splits(gpu):
+    from tinyvllm.gpu.ops import MAX_DECODE_SPLITS
+    with pytest.raises(ValueError, match="splits"):
+        gpu.attention_decode(0, 0, 0, 0, 0, 64, 0, 0, 0, 0, 0, num_seqs=1, num_q_heads=1, num_kv_heads=1,
+                             head_dim=64, block_size=16, scale=1.0, splits=MAX_DECODE_SPLITS + 1)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 3072, 2048), (7, 1000, 264), (33, 130, 72), (300, 2048, 8192)])

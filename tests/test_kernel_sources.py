@@ -20,9 +20,11 @@ def test_signatures_match_the_c_parameter_lists():
 def test_constants_are_read_with_their_dependencies():
     decode = kernel_constants("attention_decode.cu")
     assert decode["WARPS"] == decode["THREADS"] // 32
+    prefill = kernel_constants("attention_prefill.cu")     # 16 query rows (one mma M) per warp
+    assert prefill["THREADS"] == 32 * prefill["WARPS"] and prefill["BLOCK_Q"] == 16 * prefill["WARPS"]
     assert kernel_constants("sampling.cu")["NUM_WARPS"] == kernel_constants("sampling.cu")["SAMPLE_THREADS"] // 32
     for table, names in ((ops.EMBEDDING, ["THREADS"]), (ops.RMS_NORM, ["THREADS"]), (ops.ROPE, ["THREADS"]),
-                         (ops.SILU, ["THREADS"]), (ops.PREFILL, ["BLOCK_Q"]), (ops.DECODE, ["THREADS"]),
+                         (ops.SILU, ["THREADS"]), (ops.PREFILL, ["BLOCK_Q", "THREADS"]), (ops.DECODE, ["THREADS"]),
                          (ops.GEMV, ["ROWS_PER_CTA", "STEP_K", "UNROLL", "MAX_K_WARPS"]),
                          (ops.SAMPLING, ["SAMPLE_THREADS"])):
         for name in names:

@@ -136,10 +136,16 @@ def test_chat_completion(client, tokenizer):
     assert isinstance(out.choices[0].message.content, str)
     assert out.choices[0].finish_reason in ("stop", "length")
     assert 1 <= out.usage.completion_tokens <= 6
-    # the prompt is the Llama 3 chat template with a single BOS
-    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    # the prompt is the model's chat template (Llama 3.2's) with a single BOS
+    prompt_ids = tokenizer.encode_chat(messages)
     assert prompt_ids.count(tokenizer.bos_token_id) == 1
     assert out.usage.prompt_tokens == len(prompt_ids)
+    # text parts are joined with "\n" for this string-content template, as vLLM does
+    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "Say"},
+                                                       {"type": "text", "text": "hi."}]}]
+    out = client.chat.completions.create(model=MODEL_NAME, messages=parts, max_tokens=1)
+    assert out.usage.prompt_tokens == len(tokenizer.encode_chat(
+        [messages[0], {"role": "user", "content": "Say\nhi."}]))
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
@@ -359,3 +365,15 @@ def test_cli_serve_answers_and_stops_cleanly_on_ctrl_c(tiny_model_dir):
             raise
     assert proc.returncode == 0, output
     assert "Traceback" not in output, output
+
+
+def test_serve_chat_template_option_reaches_the_tokenizer(tiny_model_dir, tmp_path):
+    from tinyvllm.server.launch import ServeOptions, build_server
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[-1]['content'] }}")
+    _, engine_loop = build_server(ServeOptions(model=str(tiny_model_dir), chat_template=str(template),
+                                               engine_options={"device": "cpu", "num_kv_blocks": 8}))
+    tokenizer = engine_loop.engine.tokenizer
+    assert tokenizer.chat_template.source == str(template)
+    assert tokenizer.encode_chat([{"role": "user", "content": "Hi"}]) == tokenizer.encode("Hi", add_special_tokens=False)
+    engine_loop.engine.close()

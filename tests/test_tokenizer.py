@@ -1,12 +1,13 @@
-"""Tokenizer: the genuine Llama 3 vocabulary, BOS handling, eos ids, the chat format, and
-streaming detokenization that never splits a character."""
+"""Tokenizer: the genuine Llama 3 vocabulary, special tokens as the post-processor adds them, eos
+ids, chat ids, and streaming detokenization that never splits a character (chat templates
+themselves: test_chat_template.py)."""
 import json
 import shutil
 
 import pytest
 
 from tinyvllm.config import ModelConfig
-from tinyvllm.errors import InvalidRequestError, ModelLoadError
+from tinyvllm.errors import ModelLoadError
 from tinyvllm.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MULTIBYTE = "héllo 🦙🦙 日本語のテキスト café ∑ 👩‍👩‍👧 ok"
@@ -19,7 +20,7 @@ def tok(tiny_model_dir):
 
 def test_known_llama3_ids(tok):
     assert tok.encode("Hello world") == [128000, 9906, 1917]
-    assert tok.encode("Hello world", add_bos=False) == [9906, 1917]
+    assert tok.encode("Hello world", add_special_tokens=False) == [9906, 1917]
     assert tok.vocab_size == 128256
 
 
@@ -27,10 +28,6 @@ def test_every_token_id_has_an_embedding_row(tok):
     # the packaged tokenizer is the Vision one, with <|image|> = 128256; the writer drops it
     assert tok.backend.token_to_id("<|image|>") is None
     assert max(tok.encode("<|image|> <|eot_id|>")) < 128256
-
-
-def test_bos_is_not_doubled(tok):
-    assert tok.encode("<|begin_of_text|>Hello") == [128000, 9906]
 
 
 def test_round_trip(tok):
@@ -71,30 +68,25 @@ def test_missing_or_broken_tokenizer(tmp_path):
         Tokenizer.from_pretrained(tmp_path)
 
 
-def test_chat_template_exact_string(tok):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
-    assert tok.apply_chat_template(messages) == (
-        "<|begin_of_text|>"
-        "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
-        "<|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n")
-    assert tok.apply_chat_template(messages[1:], add_generation_prompt=False) == (
-        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>")
-    assert tok.chat_prompt("Hi!", system="Be brief.") == tok.apply_chat_template(messages)
-    assert tok.chat_prompt("Hi!") == tok.apply_chat_template(messages[1:])
-
-
-def test_chat_prompt_tokens_start_with_one_bos_and_use_special_ids(tok):
-    ids = tok.encode(tok.chat_prompt("Hi!"))
+def test_chat_ids_start_with_one_bos_and_use_special_ids(tok):
+    ids = tok.encode_chat([{"role": "user", "content": "Hi!"}])
     assert ids[:2] == [128000, 128006] and ids.count(128000) == 1
     assert ids[-4:] == [128006, 78191, 128007, 271]    # assistant header, "\n\n"
 
 
-def test_bad_messages_are_request_errors(tok):
-    with pytest.raises(InvalidRequestError, match="message 0"):
-        tok.apply_chat_template([{"role": "user"}])
-    with pytest.raises(InvalidRequestError, match="message 1"):
-        tok.apply_chat_template([{"role": "user", "content": "a"}, "hello"])
+def test_special_tokens_follow_the_post_processor(tok, tiny_model_dir, tmp_path):
+    # config.json's bos_token_id plays no part: a post-processor without a BOS adds none
+    d = tmp_path / "no-bos"
+    d.mkdir()
+    tokenizer = json.loads((tiny_model_dir / "tokenizer.json").read_text())
+    tokenizer["post_processor"] = None
+    (d / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (d / "config.json").write_text(json.dumps({"bos_token_id": 128000}))
+    assert Tokenizer.from_pretrained(d).encode("Hello world") == [9906, 1917]
+    # the post-processor's token is added once even when the text already starts with it
+    assert tok.encode("<|begin_of_text|>Hello") == [128000, 9906]
+    assert tok.encode("Hello<|begin_of_text|>") == [128000, 9906, 128000]
+    assert tok.encode("") == [128000]
 
 
 def stream(tok, ids, **kw):
@@ -104,7 +96,7 @@ def stream(tok, ids, **kw):
 
 
 def test_incremental_detokenizer_never_emits_broken_characters(tok):
-    ids = tok.encode(MULTIBYTE, add_bos=False)
+    ids = tok.encode(MULTIBYTE, add_special_tokens=False)
     assert any("\ufffd" in tok.decode([i]) for i in ids)      # the text really splits characters
     pieces, tail, d = stream(tok, ids)
     assert all("\ufffd" not in p for p in pieces)
@@ -113,14 +105,15 @@ def test_incremental_detokenizer_never_emits_broken_characters(tok):
 
 
 def test_incremental_detokenizer_with_special_tokens(tok):
-    ids = tok.encode(tok.chat_prompt("日本 🦙")) + tok.encode("ok 🦙", add_bos=False) + [128009]
+    ids = tok.encode_chat([{"role": "user", "content": "日本 🦙"}])
+    ids += tok.encode("ok 🦙", add_special_tokens=False) + [128009]
     for skip in (True, False):
         pieces, tail, _ = stream(tok, ids, skip_special_tokens=skip)
         assert "".join(pieces) + tail == tok.decode(ids, skip_special_tokens=skip)
 
 
 def test_incremental_detokenizer_flushes_an_incomplete_character(tok):
-    ids = tok.encode("a 🦙", add_bos=False)[:-1]          # stop in the middle of the emoji
+    ids = tok.encode("a 🦙", add_special_tokens=False)[:-1]          # stop in the middle of the emoji
     pieces, tail, d = stream(tok, ids)
     assert "".join(pieces) == "a" and tail.endswith("\ufffd")
     assert d.text == tok.decode(ids)

@@ -24,7 +24,7 @@ from tinyvllm.trace import TracingRunner
 
 class _Launches:             # a KernelLibrary whose functions enqueue nothing
     def function(self, name):
-        return type("Fn", (), {"launch": lambda *a, **k: None})()
+        return type("Fn", (), {"launch": lambda *a, **k: None, "max_dynamic_shared_bytes": 1 << 20})()
 
 
 class _FakeArena:

@@ -18,6 +18,16 @@ def _cmd_make_model(args) -> int:
     return 0
 
 
+def _cmd_convert_gguf(args) -> int:
+    import time
+
+    from tinyvllm.checkpoint.gguf import convert_gguf
+    start = time.perf_counter()
+    path = convert_gguf(args.gguf, args.out)
+    print(f"converted {args.gguf} to {path} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 # EngineConfig fields settable from the command line; unset flags keep EngineConfig's defaults.
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine options")
@@ -55,7 +65,7 @@ def _cmd_serve(args) -> int:
     return run_server(ServeOptions(
         model=args.model, host=args.host, port=args.port, api_key=args.api_key,
         served_model_name=args.served_model_name, engine_options=engine_options_from_args(args),
-        log_level=args.log_level))
+        log_level=args.log_level, chat_template=args.chat_template))
 
 
 def _read_prompts(args) -> list[str]:
@@ -88,9 +98,11 @@ def _cmd_generate(args) -> int:
     if args.trace or args.trace_steps is not None:
         from tinyvllm.trace import TRACE_STEPS
         options["trace_steps"] = TRACE_STEPS if args.trace_steps is None else args.trace_steps
-    engine = LLMEngine(args.model, **options)
-    if args.chat or args.system is not None:
-        prompts_in = [engine.tokenizer.chat_prompt(p, system=args.system) for p in prompts]
+    engine = LLMEngine(args.model, chat_template=args.chat_template, **options)
+    if args.chat or args.system is not None or args.chat_template is not None:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        prompts_in = [engine.tokenizer.encode_chat(system + [{"role": "user", "content": p}])
+                      for p in prompts]
     else:
         prompts_in = prompts
     ids = [str(i) for i in range(len(prompts))]
@@ -163,22 +175,32 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tinyvllm.checkpoint.model_writer import PRESETS
+    from tinyvllm.checkpoint.default_model import DEFAULT_MODEL
+    from tinyvllm.checkpoint.model_writer import PRESET_NAMES
+    default_help = f"Hugging Face model directory (default: {DEFAULT_MODEL}, converted once)"
     p = _Parser(prog="tinyvllm", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    mm = sub.add_parser("make-model", help="write a random-weight Llama model in HF layout")
+    mm = sub.add_parser("make-model", help="write a random-weight Llama model in HF layout "
+                                           f"(or, --preset {DEFAULT_MODEL}, the real default model)")
     mm.add_argument("out", help="output directory")
-    mm.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    mm.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
     mm.add_argument("--seed", type=int, default=0)
     mm.set_defaults(func=_cmd_make_model)
 
+    cg = sub.add_parser("convert-gguf", help="convert a Llama GGUF file into a Hugging Face directory")
+    cg.add_argument("gguf", metavar="FILE.gguf")
+    cg.add_argument("out", metavar="OUT_DIR")
+    cg.set_defaults(func=_cmd_convert_gguf)
+
     gen = sub.add_parser("generate", help="generate text offline (continuous batching)")
-    gen.add_argument("--model", required=True, help="Hugging Face model directory")
+    gen.add_argument("--model", default=None, help=default_help)
     gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompts (or use --file)")
     gen.add_argument("--file", help="a text file with one prompt per line")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.add_argument("--system", default=None, help="system message (implies --chat)")
+    gen.add_argument("--chat-template", default=None, metavar="FILE",
+                     help="Jinja chat template to use instead of the model's own (implies --chat)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -208,8 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="latency / batch64 / throughput benchmark (table + JSON)")
     which = bench.add_mutually_exclusive_group()
     which.add_argument("--model", default=None, help="model directory (default: --preset's)")
-    which.add_argument("--preset", choices=sorted(PRESETS), default="llama-3.2-1b",
-                       help="random-weight model, written once under --model-cache")
+    which.add_argument("--preset", choices=PRESET_NAMES, default="llama-3.2-1b",
+                       help="random-weight model, written once under --model-cache; "
+                            f"{DEFAULT_MODEL}: the real default model")
     bench.add_argument("--model-cache", default="/tmp/tinyvllm-models", help="where presets go")
     bench.add_argument("--workload", choices=["latency", "throughput", "batch64", "all"], default="all")
     bench.add_argument("--json", default=None, metavar="OUT.json", help="write every number here")
@@ -226,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_cmd_bench)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs tinyvllm[server])")
-    sv.add_argument("--model", required=True, help="Hugging Face model directory")
+    sv.add_argument("--model", default=None, help=default_help)
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=os.environ.get("TINYVLLM_API_KEY"),
@@ -234,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: $TINYVLLM_API_KEY, which keeps the key out of `ps`)")
     sv.add_argument("--served-model-name", default=None,
                     help="the model id clients send (default: the --model argument)")
+    sv.add_argument("--chat-template", default=None, metavar="FILE",
+                    help="Jinja chat template for /v1/chat/completions instead of the model's own")
     sv.add_argument("--log-level", default="info",
                     choices=["critical", "error", "warning", "info", "debug"])
     add_engine_options(sv)

@@ -1,5 +1,10 @@
 """Configuration: what the model is (ModelConfig, read from HF config.json) and how the engine
-runs it (EngineConfig). Both are frozen: nothing changes them after start-up."""
+runs it (EngineConfig). Both are frozen: nothing changes them after start-up.
+
+config.json is read in both its transformers 4 and 5 forms (tinyvllm/hf_config.py). Anything
+we would have to ignore to load the model (an unimplemented rope type, partial rotary, biases,
+quantized weights) and any malformed value is a ModelLoadError naming the field, never a
+silent default."""
 from __future__ import annotations
 
 import json
@@ -10,18 +15,12 @@ from pathlib import Path
 import numpy as np
 
 from tinyvllm.errors import ModelLoadError
+from tinyvllm.hf_config import ConfigFields, RopeScaling, parse_dtype, parse_rope
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling", "EngineConfig", "rope_inv_freq"]
 
 # Architectures whose checkpoints have exactly the Llama tensor layout and maths.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3's frequency-dependent RoPE scaling ("rope_type": "llama3")."""
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -38,9 +37,9 @@ class ModelConfig:
     rope_scaling: RopeScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    bos_token_id: int | None
+    bos_token_id: int | None       # informational: tokenizer.json decides what encode() adds
     eos_token_ids: tuple[int, ...]
-    torch_dtype: str = "bfloat16"
+    dtype: str = "bfloat16"        # the checkpoint's dtype as config.json states it
 
     @property
     def q_size(self) -> int:
@@ -64,47 +63,59 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"{source}: must be a JSON object, got a {type(cfg).__name__}")
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type")
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and model_type != "llama":
+        known = isinstance(archs, list) and any(a in SUPPORTED_ARCHITECTURES for a in archs)
+        if not known and model_type != "llama":
             raise ModelLoadError(
                 f"{source}: unsupported architecture {archs or model_type!r}; "
                 f"tinyvllm serves Llama-architecture models ({', '.join(SUPPORTED_ARCHITECTURES)})")
-
-        def need(key):
-            if key not in cfg or cfg[key] is None:
-                raise ModelLoadError(f"{source}: missing required field {key!r}")
-            return cfg[key]
-
-        heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        f = ConfigFields(cfg, source)
+        heads, hidden = f.positive_int("num_attention_heads"), f.positive_int("hidden_size")
+        kv_heads = f.positive_int("num_key_value_heads", default=heads)
+        if "head_dim" not in cfg or cfg["head_dim"] is None:
+            if hidden % heads:
+                raise ModelLoadError(f"{source}: hidden_size={hidden} is not a multiple of "
+                                     f"num_attention_heads={heads} and no head_dim is given")
+        head_dim = f.positive_int("head_dim", default=hidden // heads)
+        if head_dim % 2:
+            raise ModelLoadError(f"{source}: head_dim={head_dim} is odd; RoPE rotates pairs of dimensions")
         if heads % kv_heads:
             raise ModelLoadError(f"{source}: num_attention_heads={heads} is not a multiple of "
                                  f"num_key_value_heads={kv_heads}")
-        if cfg.get("hidden_act", "silu") != "silu":
+        # transformers' ACT2FN maps "swish" to the same SiLU
+        if f.get("hidden_act", str, "silu") not in ("silu", "swish"):
             raise ModelLoadError(f"{source}: unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ModelLoadError(f"{source}: attention_bias/mlp_bias are not supported")
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        for name in ("attention_bias", "mlp_bias"):
+            if f.get(name, bool, False):
+                raise ModelLoadError(f"{source}: {name}=true is not supported (no bias tensors)")
+        if cfg.get("quantization_config"):
+            method = cfg["quantization_config"]
+            method = method.get("quant_method", "?") if isinstance(method, dict) else method
+            raise ModelLoadError(f"{source}: quantized checkpoints (quantization_config: {method!r}) "
+                                 "are not supported; use bf16/fp16/fp32 weights")
+        # pretraining_tp > 1 made old transformers split each matmul into slices and sum them:
+        # the same maths, so any positive value is served as it is.
+        f.positive_int("pretraining_tp", default=1)
+        rope_theta, rope_scaling = parse_rope(cfg, source)
         return cls(
-            vocab_size=int(need("vocab_size")),
+            vocab_size=f.positive_int("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
+            intermediate_size=f.positive_int("intermediate_size"),
+            num_hidden_layers=f.positive_int("num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(need("rms_norm_eps")),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=_parse_rope_scaling(cfg.get("rope_scaling"), source),
-            max_position_embeddings=int(need("max_position_embeddings")),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            torch_dtype=str(cfg.get("torch_dtype", "bfloat16")),
+            rms_norm_eps=f.positive_float("rms_norm_eps"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=f.positive_int("max_position_embeddings"),
+            tie_word_embeddings=f.get("tie_word_embeddings", bool, False),   # LlamaConfig's default
+            bos_token_id=f.token_ids("bos_token_id", allow_list=False),
+            eos_token_ids=f.token_ids("eos_token_id", allow_list=True),
+            dtype=parse_dtype(cfg, source),
         )
 
     @classmethod
@@ -120,25 +131,6 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{cfg_path}: invalid JSON ({e})") from None
         return cls.from_dict(cfg, str(cfg_path))
-
-
-def _parse_rope_scaling(rs: dict | None, source: str) -> RopeScaling | None:
-    if not rs:
-        return None
-    kind = rs.get("rope_type", rs.get("type"))
-    if kind == "default":
-        return None
-    if kind != "llama3":
-        raise ModelLoadError(f"{source}: unsupported rope_scaling type {kind!r} (supported: llama3, none)")
-    try:
-        return RopeScaling(
-            factor=float(rs["factor"]),
-            low_freq_factor=float(rs["low_freq_factor"]),
-            high_freq_factor=float(rs["high_freq_factor"]),
-            original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-        )
-    except KeyError as e:
-        raise ModelLoadError(f"{source}: rope_scaling of type llama3 is missing {e.args[0]!r}") from None
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

@@ -31,6 +31,7 @@ from tinyvllm.bench.workloads import (WARMUP, WORKLOADS, BenchRequest, WorkloadR
                                       select_workloads, shrink)
 from tinyvllm.bench.hf import HFBench, check_available
 from tinyvllm.bench.report import BenchReport, format_table
+from tinyvllm.checkpoint.default_model import DEFAULT_MODEL, default_model_dir
 from tinyvllm.checkpoint.model_writer import preset_config, write_model
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.llm import LLM
@@ -47,6 +48,8 @@ def resolve_model(model: str | None, preset: str, cache_dir: Path) -> Path:
     Written to a temporary sibling and renamed, so an interrupted write is never reused."""
     if model:
         return Path(model)
+    if preset == DEFAULT_MODEL:                     # real weights, in the default model's cache
+        return default_model_dir()
     preset_config(preset)                           # an unknown preset fails before any writing
     final = cache_dir / preset
     if (final / "config.json").is_file():

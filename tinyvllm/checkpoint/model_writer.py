@@ -1,6 +1,7 @@
 """Random-weight Llama models in Hugging Face layout: config.json, safetensors, the genuine Llama 3
-tokenizer, generation_config.json. Used for tests, benchmarks and demos when real weights are not
-at hand; the presets carry the real models' exact shapes.
+tokenizer, Meta's Llama 3.2 Instruct chat template (chat_template.jinja), generation_config.json.
+Used for tests, benchmarks and demos when real weights are not at hand; the presets carry the
+real models' exact shapes.
 
 Weight scale, chosen so a random model behaves like a trained one numerically:
   * every projection has std 1/sqrt(fan_in), so a normalized input (rms 1) gives outputs of rms
@@ -23,8 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tinyvllm.checkpoint.chat_template import LLAMA32_INSTRUCT_FILE
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError, TinyVLLMError
+from tinyvllm.checkpoint.default_model import DEFAULT_MODEL, default_gguf_path
 from tinyvllm.checkpoint.weight_names import expected_shapes
 from tinyvllm.checkpoint.weights import BF16, INDEX_FILE, TensorSpec, write_checkpoint
 
@@ -69,6 +72,10 @@ PRESETS: dict[str, dict] = {
                             num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                             tie_word_embeddings=False, rope_factor=8.0),
 }
+
+
+# every name make-model --preset takes: the random-weight presets and the real default model
+PRESET_NAMES = (*sorted(PRESETS), DEFAULT_MODEL)
 
 
 def preset_config(preset: str) -> ModelConfig:
@@ -122,9 +129,25 @@ def write_text_model_tokenizer(source: Path, dest: Path, vocab_size: int) -> Non
     dest.write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
 
 
+def write_tokenizer_files(out: Path, vocab_size: int, tokenizer_dir: Path | None = None) -> None:
+    """tokenizer.json, tokenizer_config.json and chat_template.jinja of a Llama 3.2 Instruct
+    model: the text-model vocabulary, <|eot_id|> as the end of turn, Meta's chat template."""
+    tokenizer_dir = tokenizer_dir or tokenizer_source_dir()
+    write_text_model_tokenizer(tokenizer_dir / "tokenizer.json", out / "tokenizer.json", vocab_size)
+    tok_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    tok_config["eos_token"] = "<|eot_id|>"     # as in the Instruct models these presets mimic
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    (out / "chat_template.jinja").write_text(LLAMA32_INSTRUCT_FILE.read_text(encoding="utf-8"),
+                                             encoding="utf-8")
+
+
 def write_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0,
                 max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """Write a random-weight model of the preset's shape, loadable by tinyvllm and by HF."""
+    """Write a random-weight model of the preset's shape, loadable by tinyvllm and by HF; the
+    DEFAULT_MODEL preset is the real SmolLM2-135M-Instruct instead, converted from its GGUF."""
+    if preset == DEFAULT_MODEL:
+        from tinyvllm.checkpoint.gguf import convert_gguf
+        return convert_gguf(default_gguf_path(), out_dir)
     config = preset_config(preset)
     tokenizer_dir = tokenizer_source_dir()     # fail before writing gigabytes
     out = Path(out_dir)
@@ -137,10 +160,7 @@ def write_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0,
     generation = {"bos_token_id": LLAMA3_BOS, "eos_token_id": list(LLAMA3_EOS), "do_sample": True,
                   "temperature": 0.6, "top_p": 0.9}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    write_text_model_tokenizer(tokenizer_dir / "tokenizer.json", out / "tokenizer.json", config.vocab_size)
-    tok_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-    tok_config["eos_token"] = "<|eot_id|>"     # as in the Instruct models these presets mimic
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    write_tokenizer_files(out, config.vocab_size, tokenizer_dir)
 
     specs = [TensorSpec(name, shape, BF16) for name, shape in expected_shapes(config).items()]
     write_checkpoint(out, specs, lambda s: random_tensor(s, seed), max_shard_bytes)

@@ -1,10 +1,20 @@
-"""Text <-> token ids for Llama 3 models: a thin layer over the `tokenizers` package (tokenizer.json),
-the Llama 3 chat format written out explicitly, and streaming detokenization."""
+"""Text <-> token ids: a thin layer over the `tokenizers` package (tokenizer.json), the model's
+chat template (checkpoint/chat_template.py), and streaming detokenization.
+
+Special tokens follow the tokenizer, as in transformers and vLLM: a raw prompt is encoded with
+add_special_tokens=True, so tokenizer.json's post-processor decides whether a BOS is added
+(Llama 3's adds <|begin_of_text|>, SmolLM2's adds nothing); config.json's bos_token_id is never
+used for that. A rendered chat template is encoded with add_special_tokens=False, because the
+template writes its own BOS. One deliberate difference from transformers: a raw prompt whose
+text already starts (or ends) with the very token the post-processor adds gets it once, not twice.
+"""
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 
+from tinyvllm.checkpoint.chat_template import ChatTemplate, load_chat_template, read_explicit
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import InvalidRequestError, ModelLoadError
 
@@ -13,22 +23,25 @@ try:
 except ImportError:
     DecodeStream = None
 
-BEGIN_OF_TEXT = "<|begin_of_text|>"
-START_HEADER, END_HEADER, END_OF_TURN = "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
 REPLACEMENT_CHAR = "\ufffd"     # what decoding yields for an incomplete UTF-8 sequence
 
 
 class Tokenizer:
-    def __init__(self, backend, bos_token_id: int | None, eos_token_ids: tuple[int, ...]):
+    def __init__(self, backend, bos_token_id: int | None, eos_token_ids: tuple[int, ...],
+                 chat_template: ChatTemplate | None = None, source: str = "tokenizer"):
         self.backend = backend                  # a tokenizers.Tokenizer
-        self.bos_token_id = bos_token_id
+        self.bos_token_id = bos_token_id        # informational; encode() follows the post-processor
         self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template      # None: the directory has no usable template
+        self.source = source
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, config: ModelConfig | None = None) -> "Tokenizer":
-        """Load tokenizer.json from a model directory. End-of-sequence ids are the union of
-        those named by config.json (or `config`), generation_config.json and
-        tokenizer_config.json: Instruct models end turns with <|eot_id|> but list others too."""
+    def from_pretrained(cls, model_dir: str | Path, config: ModelConfig | None = None,
+                        chat_template: str | Path | None = None) -> "Tokenizer":
+        """Load tokenizer.json and the chat template from a model directory. End-of-sequence ids
+        are the union of those named by config.json (or `config`), generation_config.json and
+        tokenizer_config.json: Instruct models end turns with <|eot_id|> but list others too.
+        chat_template: a template (file path or text) to use instead of the directory's own."""
         from tokenizers import Tokenizer as Backend
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
@@ -52,44 +65,70 @@ class Tokenizer:
         eos |= set(_as_ids(generation_cfg.get("eos_token_id")))
         if token_id(tokenizer_cfg.get("eos_token")) is not None:
             eos.add(token_id(tokenizer_cfg["eos_token"]))
-        bos = (config.bos_token_id if config else None) or model_cfg.get("bos_token_id") \
-            or generation_cfg.get("bos_token_id") or token_id(tokenizer_cfg.get("bos_token")) \
-            or backend.token_to_id(BEGIN_OF_TEXT)
-        return cls(backend, bos, tuple(sorted(eos)))
+        bos = token_id(tokenizer_cfg.get("bos_token"))
+        if bos is None:
+            bos = config.bos_token_id if config else model_cfg.get("bos_token_id")
+        template = load_chat_template(model_dir, tokenizer_cfg, backend.get_vocab(with_added_tokens=True),
+                                      explicit=chat_template)
+        return cls(backend, bos, tuple(sorted(eos)), template, str(model_dir))
 
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        """Special tokens written in the text (<|eot_id|> ...) become their ids. The BOS is added
-        only when the text does not already begin with one (a chat template does)."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
-            ids.insert(0, self.bos_token_id)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Special tokens written in the text (<|eot_id|> ...) become their ids. With
+        add_special_tokens, tokenizer.json's post-processor adds what the model expects (a BOS
+        for Llama 3), except a token the text itself already starts or ends with."""
+        encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        ids = encoding.ids
+        if not add_special_tokens:
+            return ids
+        added = [s is None for s in encoding.sequence_ids]       # tokens the post-processor put in
+        lead = next((i for i, a in enumerate(added) if not a), len(ids))
+        tail = next((i for i, a in enumerate(reversed(added)) if not a), 0) if lead < len(ids) else 0
+        end = len(ids) - tail
+        if lead and ids[lead:2 * lead] == ids[:lead]:
+            ids, end = ids[lead:], end - lead
+        if tail and ids[end - tail:end] == ids[end:]:
+            ids = ids[:end]
         return ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The Llama 3 chat format: <|begin_of_text|>, then each message as
-        <|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|>, then (to have the model
-        answer) an open assistant header."""
-        parts = [BEGIN_OF_TEXT]
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                    or not isinstance(m.get("content"), str):
-                raise InvalidRequestError(f"message {i} must be a dict with string 'role' and "
-                                          f"'content', got {m!r}")
-            parts.append(f"{START_HEADER}{m['role']}{END_HEADER}\n\n{m['content']}{END_OF_TURN}")
-        if add_generation_prompt:
-            parts.append(f"{START_HEADER}assistant{END_HEADER}\n\n")
-        return "".join(parts)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | Path | ChatTemplate | None = None,
+                            **template_kwargs) -> str:
+        """The conversation rendered by the model's chat template (or `chat_template`: a file
+        path or template text), ending with the assistant's header when add_generation_prompt."""
+        return self._template(chat_template).render(messages, add_generation_prompt, **template_kwargs)
 
-    def chat_prompt(self, user: str, system: str | None = None) -> str:
-        messages = ([{"role": "system", "content": system}] if system is not None else [])
-        return self.apply_chat_template(messages + [{"role": "user", "content": user}])
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | Path | ChatTemplate | None = None, **template_kwargs) -> list[int]:
+        """apply_chat_template() as token ids. Encoded without adding special tokens, exactly as
+        transformers' apply_chat_template(tokenize=True) does: the template writes its own BOS."""
+        text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    def _template(self, chat_template) -> ChatTemplate:
+        if isinstance(chat_template, ChatTemplate):
+            return chat_template
+        if chat_template is not None:
+            special = self.chat_template.special_tokens if self.chat_template else {}
+            return _compiled(*read_explicit(chat_template), tuple(sorted(special.items())))
+        if self.chat_template is None:
+            raise InvalidRequestError(
+                f"{self.source} has no chat template (no chat_template.jinja, no chat_template in "
+                "tokenizer_config.json) and its vocabulary is not Llama 3's; pass one with "
+                "--chat-template FILE (or chat_template=)")
+        return self.chat_template
+
+
+@lru_cache(maxsize=16)
+def _compiled(text: str, source: str, special: tuple) -> ChatTemplate:
+    """Explicit per-call templates, compiled once per distinct text."""
+    return ChatTemplate(text, source, dict(special))
 
 
 class IncrementalDetokenizer:

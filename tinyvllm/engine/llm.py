@@ -14,11 +14,13 @@ from tinyvllm.errors import InvalidRequestError, TinyVLLMError
 
 
 class LLM:
-    """Offline generation: LLM(model_dir, **engine_options).generate(prompts, params)."""
+    """Offline generation: LLM(model_dir, **engine_options).generate(prompts, params).
+    LLM() with no model_dir runs the default model (SmolLM2-135M-Instruct)."""
 
-    def __init__(self, model_dir: str | Path, *, trace: bool | int = False, **engine_options):
-        """trace=True prints every kernel launch and cuBLAS call of the first TRACE_STEPS steps
-        (an int: of that many steps) to stderr; the same as engine option trace_steps."""
+    def __init__(self, model_dir: str | Path | None = None, *, trace: bool | int = False, **engine_options):
+        """model_dir None: the default model (checkpoint/default_model.py). trace=True prints
+        every kernel launch and cuBLAS call of the first TRACE_STEPS steps (an int: of that many
+        steps) to stderr; the same as engine option trace_steps."""
         if trace:
             from tinyvllm.trace import TRACE_STEPS
             engine_options.setdefault("trace_steps", TRACE_STEPS if trace is True else int(trace))
@@ -70,8 +72,13 @@ class LLM:
             raise
         return ids
 
-    def chat(self, messages: list[dict] | list[list[dict]], params=None, **kwargs) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+    def chat(self, messages: list[dict] | list[list[dict]], params=None, use_tqdm: bool = False, *,
+             chat_template: str | Path | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them, rendered by
+        the model's chat template (or `chat_template`, a file path or template text) and encoded
+        as transformers' apply_chat_template does. chat_template_kwargs: extra template variables."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, params, **kwargs)
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt, chat_template,
+                                              **(chat_template_kwargs or {})) for c in conversations]
+        return self.generate(prompts, params, use_tqdm)

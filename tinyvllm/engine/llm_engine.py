@@ -36,6 +36,7 @@ from tinyvllm.engine.sampling_params import SamplingParams
 from tinyvllm.engine.scheduler import ScheduledBatch, Scheduler
 from tinyvllm.engine.outputs import RequestOutput
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
+from tinyvllm.checkpoint.default_model import resolve_model_dir
 from tinyvllm.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyvllm.checkpoint.weights import load_weights
 
@@ -55,13 +56,17 @@ def make_engine_config(engine_config: EngineConfig | None, options: dict) -> Eng
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None, *,
-                 runner: ModelRunner | None = None, **engine_options):
-        """runner: a ready ModelRunner to use instead of loading the weights into a new one
-        (benchmarks and tests drive the real engine with a fake model this way)."""
+    def __init__(self, model_dir: str | Path | None = None, engine_config: EngineConfig | None = None, *,
+                 runner: ModelRunner | None = None, chat_template: str | Path | None = None,
+                 **engine_options):
+        """model_dir None: the default model (checkpoint/default_model.py). runner: a ready
+        ModelRunner to use instead of loading the weights into a new one (benchmarks and tests
+        drive the real engine with a fake model this way). chat_template: a template file or
+        text replacing the model directory's own."""
         self.engine_config = make_engine_config(engine_config, engine_options)
+        model_dir = resolve_model_dir(model_dir)
         self.model_config = ModelConfig.from_pretrained(model_dir)
-        self.tokenizer = Tokenizer.from_pretrained(model_dir, self.model_config)
+        self.tokenizer = Tokenizer.from_pretrained(model_dir, self.model_config, chat_template)
         if self.tokenizer.vocab_size > self.model_config.vocab_size:
             raise ModelLoadError(
                 f"{model_dir}: tokenizer.json has {self.tokenizer.vocab_size} tokens but config.json's "
@@ -117,7 +122,7 @@ class LLMEngine:
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
             check_text(prompt, "prompt", self.max_prompt_bytes)
-            return prompt, self.tokenizer.encode(prompt, add_bos=True)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple, np.ndarray)):
             ids = [int(t) for t in prompt] if all(
                 isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt) else None

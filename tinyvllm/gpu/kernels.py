@@ -109,6 +109,7 @@ class Kernel:
     def __init__(self, name: str, handle: ctypes.c_void_p, signature: str, pdl_capable: bool):
         self.name, self.handle, self.signature, self.pdl_capable = name, handle, signature, pdl_capable
         self._types = [_CTYPES[c] for c in signature]
+        self.max_dynamic_shared_bytes = 0       # raised by set_max_dynamic_shared_bytes
         self._pdl = (driver.LaunchAttribute * 1)()
         self._pdl[0].id, self._pdl[0].value = driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1
 
@@ -127,10 +128,12 @@ class Kernel:
                      f"launch of {self.name} grid {grid} block {block}")
 
     def set_max_dynamic_shared_bytes(self, nbytes: int) -> None:
-        """Dynamic shared memory above the default 48 KB must be asked for per kernel."""
+        """Allow launches with up to nbytes of dynamic shared memory (above 48 KB a kernel must
+        ask for it)."""
         driver.check(driver.libcuda().cuFuncSetAttribute(
             self.handle, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
-            f"cuFuncSetAttribute({self.name})")
+            f"cuFuncSetAttribute({self.name}, max dynamic shared {nbytes})")
+        self.max_dynamic_shared_bytes = nbytes
 
 
 class KernelLibrary:

@@ -39,7 +39,7 @@ SAMPLING = kernel_constants("sampling.cu")
 
 DECODE_HEAD_DIMS, DECODE_GROUPS = (64, 128), (1, 2, 3, 4, 8)   # instantiated in attention_decode.cu
 PREFILL_HEAD_DIMS = (64, 128)                                  # instantiated in attention_prefill.cu
-MAX_DECODE_SPLITS = 32       # flash-decoding splits per sequence; the arena sizes its workspace by it
+MAX_DECODE_SPLITS = DECODE["MAX_SPLITS"]   # flash-decoding splits per sequence; the arena sizes its workspace by it
 GEMV_MAX_ROWS = 8            # the GEMV's m limit (x rows held in one m16n8k16 tile's n = 8)
 GEMV_MAX_K = 1 << 26         # its int step arithmetic (steps * warps) stays below 2^31
 GEMV_WARPS_PER_SM = 32       # residency at its 64 registers per thread
@@ -76,6 +76,9 @@ class GpuOps:
 
     def _launch(self, kernel: str, grid, block, *args, shared_bytes: int = 0) -> None:
         fn, grid, block = self.library.function(kernel), _dim3(grid), _dim3(block)
+        if shared_bytes > fn.max_dynamic_shared_bytes:
+            # once per kernel and size, outside any capture (each graph's launches run eagerly first)
+            fn.set_max_dynamic_shared_bytes(shared_bytes)
         launch = lambda: fn.launch(grid, block, self.stream_handle, args, shared_bytes, self.pdl)  # noqa: E731
         if self.observer is not None and not self._in_linear:
             self.observer(kernel, launch, {"grid": grid, "block": block, "args": args, "shared_bytes": shared_bytes})
@@ -101,10 +104,13 @@ class GpuOps:
                           block_table_width, query_start, context_lens, *, num_seqs: int,
                           max_query_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                           block_size: int, scale: float) -> None:
-        """Causal attention of each prompt token over its sequence's cached and new K/V. Grid:
-        (query tiles of BLOCK_Q rows, sequences, query heads); HEAD_DIM / 64 threads per row."""
-        grid = (math.ceil(max_query_len / PREFILL["BLOCK_Q"]), num_seqs, num_q_heads)
-        self._launch(f"attention_prefill_d{head_dim}", grid, PREFILL["BLOCK_Q"] * (head_dim // 64),
+        """Causal attention of each prompt token over its sequence's cached and new K/V, on the
+        tensor cores. Grid: (query heads, sequences, query tiles of BLOCK_Q rows), the kernel
+        walking the tiles last-first; THREADS (4 warps x 16 rows) per block, static shared memory."""
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"attention_prefill: block_size must be a power of two, got {block_size}")
+        grid = (num_q_heads, num_seqs, math.ceil(max_query_len / PREFILL["BLOCK_Q"]))
+        self._launch(f"attention_prefill_d{head_dim}", grid, PREFILL["THREADS"],
                      out, q, q_row_stride, k_cache, v_cache, block_tables, block_table_width,
                      query_start, context_lens, block_size, num_kv_heads, num_q_heads // num_kv_heads, scale)
 
@@ -120,12 +126,16 @@ class GpuOps:
                          num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                          block_size: int, scale: float, splits: int | None = None) -> None:
         """One query token per sequence over its paged context, split over the context; the last
-        split to finish merges. Grid: (sequences, kv heads, splits); one block per GQA group."""
+        split to finish merges. Grid: (sequences x kv heads, 1, splits); one block per GQA group,
+        SMEM_BYTES_PER_DIM x head_dim bytes of dynamic shared memory (its cp.async rings)."""
         splits = splits or self.decode_splits(num_seqs, num_kv_heads)
+        if not 1 <= splits <= MAX_DECODE_SPLITS:
+            raise ValueError(f"attention_decode: splits must be in 1..{MAX_DECODE_SPLITS}, got {splits}")
         self._launch(f"attention_decode_d{head_dim}_g{num_q_heads // num_kv_heads}",
-                     (num_seqs, num_kv_heads, splits), DECODE["THREADS"], out, partial_out, partial_ml,
+                     (num_seqs * num_kv_heads, 1, splits), DECODE["THREADS"], out, partial_out, partial_ml,
                      split_counters, q, q_row_stride, k_cache, v_cache, block_tables, block_table_width,
-                     context_lens, block_size, num_kv_heads, scale)
+                     context_lens, block_size, num_kv_heads, scale,
+                     shared_bytes=DECODE["SMEM_BYTES_PER_DIM"] * head_dim)
 
     def silu_mul(self, out, gate_up, num_tokens: int, inter: int) -> None:
         """out = silu(gate) * up over the fused gate_up rows; grid-stride, at most 4 waves."""

@@ -112,12 +112,11 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Llama 3 chat template -> token ids, ending with the assistant header so the model answers.
-    Tokenized here rather than in the engine because the default max_tokens of a chat request
-    (the rest of the context) depends on the prompt's length. The template starts with
-    <|begin_of_text|> already, and encode() adds a BOS only when the text has none."""
-    return tokenizer.encode(tokenizer.apply_chat_template(messages))
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The model's chat template -> token ids, ending with the assistant header so the model
+    answers. Tokenized here rather than in the engine because the default max_tokens of a chat
+    request (the rest of the context) depends on the prompt's length."""
+    return tokenizer.encode_chat(messages)
 
 
 async def _serve(engine_loop: EngineLoop, request: Request, ident: R.ResponseIdentity,

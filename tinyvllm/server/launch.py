@@ -19,7 +19,7 @@ log = logging.getLogger("tinyvllm.server")
 
 @dataclass(frozen=True)
 class ServeOptions:
-    model: str
+    model: str | None = None                   # None: the default model
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -27,6 +27,12 @@ class ServeOptions:
     engine_options: dict = field(default_factory=dict)   # EngineConfig fields
     log_level: str = "info"
     graceful_shutdown_s: float = 5.0
+    chat_template: str | None = None           # a template file instead of the model's own
+
+
+def served_name(options: ServeOptions) -> str:
+    from tinyvllm.checkpoint.default_model import DEFAULT_MODEL
+    return options.served_model_name or options.model or DEFAULT_MODEL
 
 
 def is_loopback(host: str) -> bool:
@@ -54,8 +60,8 @@ def build_server(options: ServeOptions):
     from tinyvllm.server.app import ServerSettings, build_app
     from tinyvllm.server.engine_loop import EngineLoop
 
-    engine = LLMEngine(options.model, **options.engine_options)
-    settings = ServerSettings(model_name=options.served_model_name or options.model,
+    engine = LLMEngine(options.model, chat_template=options.chat_template, **options.engine_options)
+    settings = ServerSettings(model_name=served_name(options),
                               api_key=options.api_key)
     engine_loop = EngineLoop(engine)
     return build_app(engine_loop, settings), engine_loop
@@ -83,7 +89,7 @@ def run_server(options: ServeOptions) -> int:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use "
                     "the model", options.host)
     app, engine_loop = build_server(options)
-    log.info("serving %r on http://%s:%d/v1", options.served_model_name or options.model,
+    log.info("serving %r on http://%s:%d/v1", served_name(options),
              options.host, options.port)
     # uvicorn's own timeout is only a backstop: by then our streams have ended themselves.
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level=options.log_level,

@@ -125,13 +125,18 @@ class ChatMessage(BaseModel):
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
 
-    def as_template_message(self) -> dict[str, str]:
+    def as_template_message(self) -> dict:
+        """The message as the chat template sees it; text parts stay parts (the template module
+        joins them for templates that expect a string, as vLLM does)."""
         content = self.content
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...] joined in order
-            content = "".join(part.text for part in content)
+        if isinstance(content, list):
+            content = [{"type": "text", "text": part.text} for part in content]
         # "developer" is OpenAI's newer name for the system role.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message = {"role": role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -154,5 +159,5 @@ class ChatCompletionRequest(_SamplingFields):
                                     "response_format")
         return super().sampling_params(default_max_tokens)
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict]:
         return [m.as_template_message() for m in self.messages]

@@ -1,23 +1,37 @@
-// Decode attention over the paged KV cache (PagedAttention), split over the context
-// (flash decoding) when it is long; the last split of each (sequence, kv head) to finish merges
-// them.
+// Decode attention over the paged KV cache (PagedAttention), split over the context (flash
+// decoding); the last split of each (sequence, kv head) to finish merges them.
 //
-// One new query token per sequence (token index = sequence index). Grid: (num_seqs,
-// num_kv_heads, max_splits); block: 128 threads. A sequence uses min(max_splits,
-// ceil(context / MIN_SPLIT_TOKENS)) of its splits. A block serves all `group` query heads that
-// share one kv head, so each K/V row is read once per GQA group, over split blockIdx.z of the
-// sequence's context. The split is walked in chunks of CHUNK tokens with an online softmax
-// (running max m, running sum l, accumulators rescaled per chunk), so any context length works
-// with a fixed grid — which is what a captured CUDA graph needs.
+// One new query token per sequence (token index = sequence index). Grid: (num_seqs *
+// num_kv_heads, 1, max_splits), the kv heads of one sequence adjacent so that the blocks reading
+// the same cache pages run together; block: 128 threads. One block serves all GROUP query heads
+// that share one kv head, so each K/V row is read from memory once per GQA group.
 //
-// Thread layout: LANES = HEAD_DIM / 8 consecutive lanes cover one K/V row with 16-byte loads; a
-// warp scores 32 / LANES tokens at once.
+// Splits. The grid's split count is fixed per batch size (a CUDA graph fixes the grid); a
+// sequence uses num_splits = min(max_splits, ceil(context / MIN_SPLIT_TOKENS)) of them, each of
+// per_split tokens (a multiple of STEP), and the surplus blocks leave at once. The count depends
+// only on the batch size and the context, never on timing, so results are deterministic.
+//
+// Inside a block each warp owns every WARPS-th step of STEP = 16 tokens of the block's split and
+// streams them through its own ring of STAGES shared-memory stages with cp.async (16-byte
+// copies, rows of tokens past the end zero-filled), so no __syncthreads runs in the main loop and
+// (STAGES - 1) steps of K and V per warp are in flight while one is used. The maths is on the
+// tensor cores, with the token axis as the MMA's M = 16 and the query heads as its N = 8 (any
+// GROUP <= 8 fits one n-tile):
+//   S^T[16 tokens x 8 heads]  = K[16 x D] . Q^T[D x 8]      (A = K via ldmatrix, B = q in registers)
+//   O^T[D x 8 heads]         += V^T[D x 16] . P^T[16 x 8]   (A = V via ldmatrix.trans, B = P^T)
+// P^T's B fragment is S^T's accumulator fragment transposed per 8 x 8 block (movmatrix), so the
+// probabilities never leave registers. Online softmax per warp in base 2 (running max m and sum
+// l per head); at the end the block merges its warps through shared memory.
 //
 // With one split the block writes the normalised result to `out`. With several, each block
 // writes its unnormalised accumulator and (m, l) to the workspace, then counts itself done on
 // split_counters[seq, kv_head]; the block that finishes last merges all splits into `out` and
-// resets the counter to 0 for the next launch (so no separate reduce launch is needed, and the
-// counters must start at zero: the arena is zeroed at allocation).
+// resets the counter to 0 for the next launch (no separate reduce launch; the counters must start
+// at zero: the arena is zeroed at allocation).
+//
+// Shared memory is dynamic: SMEM_BYTES_PER_DIM * head_dim bytes (the launcher passes it).
+// K/V rows sit in it with their 16-byte chunks XOR-swizzled by (row % 8), so the 8 rows an
+// ldmatrix phase reads fall in distinct banks.
 #include <math_constants.h>
 #include "common.cuh"
 
@@ -25,176 +39,266 @@ namespace {
 
 constexpr int THREADS = 128;
 constexpr int WARPS = THREADS / 32;
-constexpr int CHUNK = 256;
-constexpr int MIN_SPLIT_TOKENS = 128;
-constexpr int UNROLL = 4;        // K/V rows each thread loads before using any of them
+constexpr int STEP = 16;                          // tokens per warp step: the MMA's M
+constexpr int STAGES = 3;                         // cp.async ring depth per warp
+constexpr int MIN_SPLIT_TOKENS = WARPS * STEP;    // a split gives every warp at least one step
+constexpr int MAX_SPLITS = 32;                    // the merge gives each split one lane
+constexpr int MERGE_UNROLL = 8;                   // partials each merging thread loads at once
+constexpr int SMEM_BYTES_PER_DIM = WARPS * STAGES * STEP * 2 * 2;   // x head_dim: K and V rows, bf16
 
-// GROUP (query heads per kv head) is a template parameter: the q and accumulator registers and
-// the shared buffers are sized exactly, which keeps registers low enough for several blocks per
-// SM (a run-time group sized for the largest case halved the occupancy).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; src_bytes = 0 writes zeros (rows past the context's end).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t r[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t r[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+// c[16 x 8] += a[16 x 16] . b[16 x 8], bf16 in, fp32 accumulate
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// the 8 x 8 bf16 block held one b32 per lane (row lane/4, columns 2*(lane%4) + {0, 1}), transposed
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+    uint32_t y;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ float ex2(float x) {   // 2^x; 2^-inf = 0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 template <int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void decode_attention(
     bf16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_ml,
     int* __restrict__ split_counters, const bf16* __restrict__ q, int q_row_stride, const bf16* __restrict__ k_cache,
     const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ block_table_width,
     const int* __restrict__ context_lens, int block_size, int num_kv_heads, float scale) {
-    constexpr int LANES = HEAD_DIM / 8;
-    constexpr int ROWS_PER_WARP = 32 / LANES;
-    constexpr int ROWS_PER_PASS = ROWS_PER_WARP * WARPS;
+    static_assert(GROUP >= 1 && GROUP <= 8, "the query heads of a group are one MMA n-tile of 8");
+    static_assert(HEAD_DIM % 64 == 0, "rows are whole 8 x 16-byte swizzle groups");
+    constexpr int DSTEPS = HEAD_DIM / 16;            // MMA k-steps of the scores = m-tiles of O^T
+    constexpr int CHUNKS = HEAD_DIM / 8;             // 16-byte chunks per K/V row
+    constexpr int ROW_BYTES = HEAD_DIM * 2;
+    constexpr int TILE_BYTES = STEP * ROW_BYTES;     // one step of K (or V)
+    constexpr int STAGE_BYTES = 2 * TILE_BYTES;
+    constexpr int COPIES = STEP * CHUNKS / 32;       // 16-byte copies per lane per tensor per step
+    static_assert(WARPS * STAGES * STAGE_BYTES == SMEM_BYTES_PER_DIM * HEAD_DIM, "launcher's size");
+    extern __shared__ __align__(128) unsigned char smem[];
 
-    __shared__ float probs[GROUP][CHUNK];
-    __shared__ float m_s[GROUP], l_s[GROUP], alpha_s[GROUP];
-    __shared__ float reduce_buf[WARPS][GROUP][HEAD_DIM];
-
-    const int seq = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
+    const int seq = blockIdx.x / num_kv_heads, kv_head = blockIdx.x % num_kv_heads, split = blockIdx.z;
     const int num_q_heads = num_kv_heads * GROUP;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int row_in_pass = warp * ROWS_PER_WARP + lane / LANES;
-    const int dim0 = (lane % LANES) * 8;
 
-    // The grid has a fixed number of splits (a CUDA graph fixes it per batch size), but a short
-    // context is split only into pieces of at least MIN_SPLIT_TOKENS: the surplus blocks leave at
-    // once, and a context of <= MIN_SPLIT_TOKENS takes the single-split path (no merge at all).
     const int ctx = context_lens[seq];
-    const int num_splits = max(1, min((int)gridDim.z, (ctx + MIN_SPLIT_TOKENS - 1) / MIN_SPLIT_TOKENS));
+    const int wanted = max(1, min(min((int)gridDim.z, MAX_SPLITS), (ctx + MIN_SPLIT_TOKENS - 1) / MIN_SPLIT_TOKENS));
+    const int per_split = max(STEP, ((ctx + wanted - 1) / wanted + STEP - 1) / STEP * STEP);
+    const int num_splits = max(1, (ctx + per_split - 1) / per_split);   // no split is left empty
     if (split >= num_splits) return;
-    const int per_split = (ctx + num_splits - 1) / num_splits;
-    const int begin = split * per_split;
-    const int end = min(ctx, begin + per_split);
+    const int begin = split * per_split, end = min(ctx, begin + per_split);
+    const int split_steps = max(0, (end - begin + STEP - 1) / STEP);
+    const int steps = split_steps > warp ? (split_steps - warp + WARPS - 1) / WARPS : 0;   // this warp's
     // the row stride is read from device memory so a captured CUDA graph serves any width
     const int* table = block_tables + (size_t)seq * *block_table_width;
+    const int bs_shift = __ffs(block_size) - 1;      // block_size is a power of two
     const size_t kv_row = (size_t)num_kv_heads * HEAD_DIM;
-    // element offset of this thread's 8 dims of context position `pos` in the K or V cache
-    auto kv_offset = [&](int pos) -> size_t {
-        const size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
-        return slot * kv_row + kv_head * HEAD_DIM + dim0;
+    const bf16* k_head = k_cache + (size_t)kv_head * HEAD_DIM;
+    const bf16* v_head = v_cache + (size_t)kv_head * HEAD_DIM;
+    auto step_begin = [&](int i) { return begin + (warp + i * WARPS) * STEP; };
+
+    // Lane t < STEP: the cache slot of token t of this warp's step i, or -1 past the end.
+    auto load_slot = [&](int i) -> int {
+        const int pos = step_begin(i) + lane;
+        if (i >= steps || lane >= STEP || pos >= end) return -1;
+        return __ldg(table + (pos >> bs_shift)) * block_size + (pos & (block_size - 1));
+    };
+    const uint32_t ring = smem_addr(smem) + warp * STAGES * STAGE_BYTES;
+    // Copy step i's K and V rows into stage `stage`; `slot` is load_slot(i) (each lane's row's
+    // slot comes from the lane that looked it up).
+    auto issue = [&](int stage, int slot) {
+        const uint32_t k_dst = ring + stage * STAGE_BYTES, v_dst = k_dst + TILE_BYTES;
+        const int chunk = lane % CHUNKS;
+#pragma unroll
+        for (int j = 0; j < COPIES; ++j) {
+            const int row = lane / CHUNKS + j * (32 / CHUNKS);
+            const int row_slot = __shfl_sync(0xffffffffu, slot, row);
+            const size_t src = row_slot >= 0 ? (size_t)row_slot * kv_row + chunk * 8 : 0;
+            const uint32_t dst = row * ROW_BYTES + ((chunk ^ (row & 7)) << 4);
+            const int bytes = row_slot >= 0 ? 16 : 0;
+            cp_async16(k_dst + dst, k_head + src, bytes);
+            cp_async16(v_dst + dst, v_head + src, bytes);
+        }
     };
 
-    float q_reg[GROUP][8];
-    float acc[GROUP][8];
+    // Prologue: the first STAGES - 1 steps in flight (empty groups keep the group count uniform).
+    int next_slot = load_slot(0);
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
-        load_bf16x8(q + (size_t)seq * q_row_stride + (kv_head * GROUP + g) * HEAD_DIM + dim0,
-                    q_reg[g]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) q_reg[g][i] *= scale;
-    }
-    if (threadIdx.x < GROUP) {
-        m_s[threadIdx.x] = -CUDART_INF_F;
-        l_s[threadIdx.x] = 0.0f;
-    }
-    __syncthreads();
-
-    for (int c0 = begin; c0 < end; c0 += CHUNK) {
-        const int n = min(CHUNK, end - c0);
-        // 1. raw scores q·k for the chunk's tokens. UNROLL rows per thread are loaded before any
-        //    is used, so enough bytes are in flight to cover memory latency. The loop bounds are
-        //    uniform across the warp so every lane reaches the shuffles.
-        for (int r0 = 0; r0 < n; r0 += ROWS_PER_PASS * UNROLL) {
-            uint4 k_raw[UNROLL];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int r = r0 + u * ROWS_PER_PASS + row_in_pass;
-                k_raw[u] = r < n ? *reinterpret_cast<const uint4*>(k_cache + kv_offset(c0 + r)) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int r = r0 + u * ROWS_PER_PASS + row_in_pass;
-                float k[8];
-                unpack_bf16x8(k_raw[u], k);
-#pragma unroll
-                for (int g = 0; g < GROUP; ++g) {
-                    float s = 0.0f;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) s += q_reg[g][i] * k[i];
-#pragma unroll
-                    for (int off = LANES / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-                    if (r < n && lane % LANES == 0) probs[g][r] = s;
-                }
-            }
-        }
-        __syncthreads();
-        // 2. online softmax update, one warp per head
-        for (int g = warp; g < GROUP; g += WARPS) {
-            float mx = -CUDART_INF_F;
-            for (int r = lane; r < n; r += 32) mx = fmaxf(mx, probs[g][r]);
-            const float m_old = m_s[g];
-            const float m_new = fmaxf(m_old, warp_max(mx));
-            float sum = 0.0f;
-            for (int r = lane; r < n; r += 32) {
-                const float p = __expf(probs[g][r] - m_new);
-                probs[g][r] = p;
-                sum += p;
-            }
-            sum = warp_sum(sum);
-            if (lane == 0) {
-                const float alpha = __expf(m_old - m_new);  // 0 on the first chunk (m_old = -inf)
-                alpha_s[g] = alpha;
-                l_s[g] = l_s[g] * alpha + sum;
-                m_s[g] = m_new;
-            }
-        }
-        __syncthreads();
-        // 3. rescale the accumulators and add p·v
-#pragma unroll
-        for (int g = 0; g < GROUP; ++g) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[g][i] *= alpha_s[g];
-        }
-        for (int r0 = 0; r0 < n; r0 += ROWS_PER_PASS * UNROLL) {
-            uint4 v_raw[UNROLL];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int r = r0 + u * ROWS_PER_PASS + row_in_pass;
-                v_raw[u] = r < n ? *reinterpret_cast<const uint4*>(v_cache + kv_offset(c0 + r)) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int r = r0 + u * ROWS_PER_PASS + row_in_pass;
-                if (r >= n) break;
-                float v[8];
-                unpack_bf16x8(v_raw[u], v);
-#pragma unroll
-                for (int g = 0; g < GROUP; ++g) {
-                    const float p = probs[g][r];
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[g][i] += p * v[i];
-                }
-            }
-        }
-        __syncthreads();  // probs[] is overwritten by the next chunk
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (i < steps) issue(i, next_slot);
+        cp_async_commit();
+        next_slot = load_slot(i + 1);
     }
 
-    // Sum the accumulators of the rows a warp handled (lanes with equal lane % LANES) ...
+    // q as the B operand of S^T = K . Q^T: lane holds head lane/4, dims 2*(lane%4) + {0,1} (+8)
+    // of each 16-dim k-step; heads >= GROUP are zero columns.
+    uint32_t qf[DSTEPS][2];
+    {
+        const int h = lane / 4;
+        const bf16* qh = q + (size_t)seq * q_row_stride + (size_t)(kv_head * GROUP + min(h, GROUP - 1)) * HEAD_DIM;
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
+        for (int t = 0; t < DSTEPS; ++t) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            float a = acc[g][i];
+            for (int half = 0; half < 2; ++half) {
+                const uint32_t v = *reinterpret_cast<const uint32_t*>(qh + 16 * t + 8 * half + 2 * (lane % 4));
+                qf[t][half] = h < GROUP ? v : 0u;
+            }
+        }
+    }
+    const float scale_log2 = scale * 1.4426950408889634f;   // scores in base 2: exp(x) = 2^(x log2 e)
+
+    // Per lane: heads h0 = 2*(lane%4) and h0 + 1 (the accumulator columns it holds).
+    float m0 = -CUDART_INF_F, m1 = -CUDART_INF_F, l0 = 0.0f, l1 = 0.0f;
+    float o[DSTEPS][4];   // O^T: rows (dims) 16t + lane/4 (+8), columns h0, h0 + 1
 #pragma unroll
-            for (int off = LANES; off < 32; off <<= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
-            if (lane < LANES) reduce_buf[warp][g][dim0 + i] = a;
+    for (int t = 0; t < DSTEPS; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
+
+    int stage = 0;
+    for (int i = 0; i < steps; ++i) {
+        // Refill the stage used one step ago, then wait for step i's copies.
+        const int refill = i + STAGES - 1;
+        if (refill < steps) issue(refill % STAGES, next_slot);
+        cp_async_commit();
+        next_slot = load_slot(refill + 1);
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();
+
+        const uint32_t k_tile = ring + stage * STAGE_BYTES, v_tile = k_tile + TILE_BYTES;
+        float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // S^T: tokens lane/4 (s0, s1) and lane/4 + 8 (s2, s3)
+#pragma unroll
+        for (int t = 0; t < DSTEPS; ++t) {
+            const int row = lane % 16, chunk = 2 * t + lane / 16;
+            uint32_t a[4];
+            ldmatrix_x4(k_tile + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4), a);
+            mma_bf16(s, a, qf[t]);
+        }
+        const int tok = step_begin(i) + lane / 4;
+        const bool valid_lo = tok < end, valid_hi = tok + 8 < end;
+        s[0] = valid_lo ? s[0] * scale_log2 : -CUDART_INF_F;
+        s[1] = valid_lo ? s[1] * scale_log2 : -CUDART_INF_F;
+        s[2] = valid_hi ? s[2] * scale_log2 : -CUDART_INF_F;
+        s[3] = valid_hi ? s[3] * scale_log2 : -CUDART_INF_F;
+        float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) {   // over the 8 token rows (lanes with equal lane%4)
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+        }
+        // Token 0 of every step is valid, so the new maxima are finite; alpha = 0 on the first step.
+        const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+        const float alpha0 = ex2(m0 - n0), alpha1 = ex2(m1 - n1);
+        m0 = n0;
+        m1 = n1;
+        const float p0 = ex2(s[0] - n0), p1 = ex2(s[1] - n1), p2 = ex2(s[2] - n0), p3 = ex2(s[3] - n1);
+        l0 = l0 * alpha0 + (p0 + p2);
+        l1 = l1 * alpha1 + (p1 + p3);
+        const uint32_t pf[2] = {movmatrix_trans(pack_bf16(p0, p1)), movmatrix_trans(pack_bf16(p2, p3))};
+#pragma unroll
+        for (int t = 0; t < DSTEPS; ++t) {
+            o[t][0] *= alpha0;
+            o[t][1] *= alpha1;
+            o[t][2] *= alpha0;
+            o[t][3] *= alpha1;
+            const int row = lane % 8 + (lane / 16) * 8, chunk = 2 * t + (lane / 8) % 2;
+            uint32_t a[4];
+            ldmatrix_x4_trans(v_tile + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4), a);
+            mma_bf16(o[t], a, pf);
+        }
+        __syncwarp();   // every lane is done with this stage before it is refilled
+        stage = stage + 1 == STAGES ? 0 : stage + 1;
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {      // each lane summed its own token rows
+        l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+    }
+
+    // Merge the warps through shared memory (the stages are free once every warp is here).
+    __syncthreads();
+    float* warp_o = reinterpret_cast<float*>(smem);      // [WARPS][GROUP][HEAD_DIM]
+    float* warp_m = warp_o + WARPS * GROUP * HEAD_DIM;   // [WARPS][GROUP]
+    float* warp_l = warp_m + WARPS * GROUP;
+    {
+        const int h0 = 2 * (lane % 4), h1 = h0 + 1;
+#pragma unroll
+        for (int t = 0; t < DSTEPS; ++t) {
+            const int d = 16 * t + lane / 4;
+            if (h0 < GROUP) {
+                warp_o[(warp * GROUP + h0) * HEAD_DIM + d] = o[t][0];
+                warp_o[(warp * GROUP + h0) * HEAD_DIM + d + 8] = o[t][2];
+            }
+            if (h1 < GROUP) {
+                warp_o[(warp * GROUP + h1) * HEAD_DIM + d] = o[t][1];
+                warp_o[(warp * GROUP + h1) * HEAD_DIM + d + 8] = o[t][3];
+            }
+        }
+        if (lane < 4 && h0 < GROUP) {
+            warp_m[warp * GROUP + h0] = m0;
+            warp_l[warp * GROUP + h0] = l0;
+        }
+        if (lane < 4 && h1 < GROUP) {
+            warp_m[warp * GROUP + h1] = m1;
+            warp_l[warp * GROUP + h1] = l1;
         }
     }
     __syncthreads();
-    // ... then across warps, and write out.
     for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
         const int g = e / HEAD_DIM, d = e % HEAD_DIM;
-        float a = 0.0f;
+        float m = -CUDART_INF_F;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) a += reduce_buf[w][g][d];
+        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, warp_m[w * GROUP + g]);
+        float acc = 0.0f, l = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float mw = warp_m[w * GROUP + g];
+            const float weight = mw == -CUDART_INF_F ? 0.0f : ex2(mw - m);   // a warp with no tokens
+            acc += weight * warp_o[(w * GROUP + g) * HEAD_DIM + d];
+            l += weight * warp_l[w * GROUP + g];
+        }
         const int head = kv_head * GROUP + g;
         if (num_splits == 1) {
-            const float l = l_s[g];
-            out[((size_t)seq * num_q_heads + head) * HEAD_DIM + d] = __float2bfloat16(l > 0.0f ? a / l : 0.0f);
+            out[((size_t)seq * num_q_heads + head) * HEAD_DIM + d] = __float2bfloat16(l > 0.0f ? acc / l : 0.0f);
         } else {
-            const size_t idx = ((size_t)seq * num_q_heads + head) * num_splits + split;
-            partial_out[idx * HEAD_DIM + d] = a;
+            // a fixed stride of MAX_SPLITS per (sequence, head): sequences split differently
+            // (their contexts differ) must never share workspace rows
+            const size_t idx = ((size_t)seq * num_q_heads + head) * MAX_SPLITS + split;
+            partial_out[idx * HEAD_DIM + d] = acc;
             if (d == 0) {
-                partial_ml[2 * idx] = m_s[g];
-                partial_ml[2 * idx + 1] = l_s[g];
+                partial_ml[2 * idx] = m;
+                partial_ml[2 * idx + 1] = l;
             }
         }
     }
@@ -209,23 +313,74 @@ __device__ __forceinline__ void decode_attention(
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    // out = sum_s acc_s * e^(m_s - M) / sum_s l_s * e^(m_s - M), M = max_s m_s.
-    // Other blocks' partials are read through L2 (__ldcg): L1 is not coherent across SMs.
-    for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
-        const int g = e / HEAD_DIM, d = e % HEAD_DIM;
-        const int head = kv_head * GROUP + g;
-        const size_t base = ((size_t)seq * num_q_heads + head) * num_splits;
-        float m_max = -CUDART_INF_F;
-        for (int s = 0; s < num_splits; ++s) m_max = fmaxf(m_max, __ldcg(&partial_ml[2 * (base + s)]));
-        float num = 0.0f, den = 0.0f;
-        for (int s = 0; s < num_splits; ++s) {
-            const float m = __ldcg(&partial_ml[2 * (base + s)]);
-            if (m == -CUDART_INF_F) continue;  // an empty split
-            const float w = __expf(m - m_max);
-            den += __ldcg(&partial_ml[2 * (base + s) + 1]) * w;
-            num += __ldcg(&partial_out[(base + s) * HEAD_DIM + d]) * w;
+    // out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M = max_s m_s. Other blocks'
+    // partials are read through L2 (__ldcg): L1 is not coherent across SMs. First one warp per
+    // head turns the splits' (m, l) into weights (one split per lane) ...
+    float* weights = reinterpret_cast<float*>(smem);                  // [GROUP][MAX_SPLITS]
+    for (int g = warp; g < GROUP; g += WARPS) {
+        const size_t base = ((size_t)seq * num_q_heads + kv_head * GROUP + g) * MAX_SPLITS;
+        float2 ml = make_float2(-CUDART_INF_F, 0.0f);
+        if (lane < num_splits) ml = __ldcg(reinterpret_cast<const float2*>(partial_ml) + base + lane);
+        const float m = warp_max(ml.x);
+        const float w = ml.x == -CUDART_INF_F ? 0.0f : ex2(ml.x - m);
+        const float den = warp_sum(w * ml.y);
+        if (lane < num_splits) weights[g * MAX_SPLITS + lane] = den > 0.0f ? w / den : 0.0f;
+    }
+    __syncthreads();
+    // ... then each thread sums 4 output dims over a slice of the splits, MERGE_UNROLL partials
+    // in flight at once; slices (when a head group has fewer quads than the block has threads)
+    // are added in a fixed order, so the result never depends on timing.
+    constexpr int QUADS = GROUP * HEAD_DIM / 4;
+    constexpr int SLICES = QUADS >= THREADS ? 1 : THREADS / QUADS;
+    float4* slice_sum = reinterpret_cast<float4*>(weights + GROUP * MAX_SPLITS);   // [SLICES][QUADS]
+    for (int e = threadIdx.x; e < QUADS * SLICES; e += THREADS) {
+        const int quad = e % QUADS, slice = e / QUADS;
+        const int g = quad / (HEAD_DIM / 4), d4 = quad % (HEAD_DIM / 4);
+        const size_t base = ((size_t)seq * num_q_heads + kv_head * GROUP + g) * MAX_SPLITS;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int s0 = slice; s0 < num_splits; s0 += SLICES * MERGE_UNROLL) {
+            float4 part[MERGE_UNROLL];
+#pragma unroll
+            for (int u = 0; u < MERGE_UNROLL; ++u) {
+                const int s = s0 + u * SLICES;
+                part[u] = s < num_splits ? __ldcg(reinterpret_cast<const float4*>(partial_out + (base + s) * HEAD_DIM) + d4)
+                                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int u = 0; u < MERGE_UNROLL; ++u) {
+                const int s = s0 + u * SLICES;
+                const float w = s < num_splits ? weights[g * MAX_SPLITS + s] : 0.0f;
+                acc.x += w * part[u].x;
+                acc.y += w * part[u].y;
+                acc.z += w * part[u].z;
+                acc.w += w * part[u].w;
+            }
         }
-        out[((size_t)seq * num_q_heads + head) * HEAD_DIM + d] = __float2bfloat16(den > 0.0f ? num / den : 0.0f);
+        if (SLICES == 1) {
+            bf16* dst = out + ((size_t)seq * num_q_heads + kv_head * GROUP + g) * HEAD_DIM + 4 * d4;
+            reinterpret_cast<__nv_bfloat162*>(dst)[0] = __floats2bfloat162_rn(acc.x, acc.y);
+            reinterpret_cast<__nv_bfloat162*>(dst)[1] = __floats2bfloat162_rn(acc.z, acc.w);
+        } else {
+            slice_sum[slice * QUADS + quad] = acc;
+        }
+    }
+    if (SLICES > 1) {
+        __syncthreads();
+        for (int quad = threadIdx.x; quad < QUADS; quad += THREADS) {
+            float4 acc = slice_sum[quad];
+#pragma unroll
+            for (int sl = 1; sl < SLICES; ++sl) {
+                const float4 v = slice_sum[sl * QUADS + quad];
+                acc.x += v.x;
+                acc.y += v.y;
+                acc.z += v.z;
+                acc.w += v.w;
+            }
+            const int g = quad / (HEAD_DIM / 4), d4 = quad % (HEAD_DIM / 4);
+            bf16* dst = out + ((size_t)seq * num_q_heads + kv_head * GROUP + g) * HEAD_DIM + 4 * d4;
+            reinterpret_cast<__nv_bfloat162*>(dst)[0] = __floats2bfloat162_rn(acc.x, acc.y);
+            reinterpret_cast<__nv_bfloat162*>(dst)[1] = __floats2bfloat162_rn(acc.z, acc.w);
+        }
     }
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (or graph replay)
 }

@@ -1,145 +1,297 @@
-// Prefill attention: FlashAttention-style tiles with an online softmax, causal mask and GQA,
-// reading K and V from the paged cache (written just before by rope_write_kv), so a prompt whose
-// prefix is already cached attends to it like to its own tokens.
+// Prefill attention on the tensor cores: FlashAttention-2-style tiles over the paged KV cache,
+// causal, grouped-query, online softmax in fp32.
 //
 // Sequence i's new tokens are rows query_start[i] .. query_start[i+1]-1 and sit at the end of its
-// context: new token j has position context_lens[i] - q_len + j and sees positions 0..itself.
+// context: new token j has position context_lens[i] - q_len + j and sees positions 0..itself, read
+// through the block table (slot = table[p >> log2(block_size)] * block_size + p % block_size; rows
+// of [num_kv_heads, D] bf16), so a cached prefix is attended to like the new tokens.
 //
-// Grid: (ceil(max_q_len / BLOCK_Q), num_seqs, num_q_heads); blocks past a sequence's length exit.
-// Block: BLOCK_Q * TPR threads; TPR = HEAD_DIM / 64 threads share one query row, each owning 64
-// of its dims (interleaved in 8-dim chunks so the threads of a row hit different smem banks).
-// Each thread keeps its q, output accumulator and one K tile of scores in registers; K/V tiles of
-// BLOCK_K tokens are staged in shared memory and read as broadcasts.
+// Grid (num_q_heads, num_seqs, ceil(max_q_len / BLOCK_Q)); query tile = gridDim.z - 1 - blockIdx.z
+// so the longest (last) tiles of every sequence start first and the short ones fill the tail.
+// Tiles past a sequence's length exit at once. Query head h reads kv head h / group; the heads of
+// one group are neighbours in x, so they run together and share the K/V tiles through L2.
 //
-// This is the CUDA-core version (fp32 FMA); a tensor-core (mma/wgmma) version is the next step
-// for long prompts — see docs/perf-notes.md.
-#include <math_constants.h>
+// A CTA owns BLOCK_Q = 64 query rows of one head: 4 warps x 16 rows (one mma M each). Per warp:
+//   Q  (16 x D) lives in registers as D/16 mma A fragments, loaded once from global memory;
+//   S  = Q K^T over a tile of BLOCK_K = 64 keys: 8 n-tiles of 16 x 8 fp32 accumulators;
+//   P  = exp2(S * scale * log2e - rowmax * scale * log2e) is rounded to bf16 and re-used straight
+//        from the accumulator registers as the A fragments of O += P V (the C layout of two
+//        neighbouring n-tiles is exactly the A layout of one 16-key chunk);
+//   O  (16 x D) fp32 accumulators, rescaled by exp2(old max - new max) per tile.
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, lane (g = lane/4, t = lane%4):
+//   A: a0 = (row g, k 2t..2t+1), a1 = (row g+8, k 2t..), a2 = (row g, k 2t+8..), a3 = (row g+8, k 2t+8..)
+//   B: b0 = (k 2t..2t+1, col g), b1 = (k 2t+8..2t+9, col g)
+//   C: c0, c1 = (row g, cols 2t, 2t+1), c2, c3 = (row g+8, cols 2t, 2t+1)
+// K and V tiles sit in shared memory as [key][D] rows padded by 8 bf16 (16 bytes), so the 8 rows
+// of one ldmatrix phase start 16 bytes apart modulo 128: no bank conflicts. K^T's B fragments are
+// ldmatrix.x4 of K rows (a K row is a column of K^T, its pairs run along d = k); V's are
+// ldmatrix.x4.trans of V rows (the pairs must run along keys = k, across rows).
+//
+// Pipeline (FlashAttention-2's): one K and one V buffer, each filled by cp.async (16 bytes per
+// thread, L2 only; keys past the tile's end are zero-filled, so no NaN of an unused slot reaches P V):
+//   wait K[j]; barrier; issue V[j]; S = Q K[j]^T; softmax        (V[j] streams in under S)
+//   wait V[j]; barrier; issue K[j+1]; O += P V[j]                (K[j+1] streams in under P V)
+// The first barrier also tells every warp's P V[j-1] is done before V[j] overwrites it; the
+// second that every warp's S is done before K[j+1] overwrites K[j].
+//
+// Masking: a key tile reaching past the tile's first query position gets the causal mask
+// (key > row position -> -inf); tiles wholly below it need none; tiles past the last row's
+// position are never loaded. Every row sees key 0 in the first tile, so its running max is finite
+// from then on and a fully masked later tile gives p = 0, alpha = 1. Rows past the sequence's end
+// load Q = 0 (finite scores) and are never stored.
+//
+// block_size must be a power of two (EngineConfig enforces it; the launcher checks it).
 #include "common.cuh"
 
 namespace {
 
-constexpr int BLOCK_Q = 64;
-constexpr int BLOCK_K = 32;
+constexpr int WARPS = 4;
+constexpr int THREADS = WARPS * 32;
+constexpr int BLOCK_Q = WARPS * 16;  // query rows per CTA: 16 per warp, one mma M
+constexpr int BLOCK_K = 64;          // keys per K/V tile
+constexpr int SMEM_PAD = 8;          // bf16 added to each shared K/V row (16 bytes)
 
-template <int HEAD_DIM>
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, cached in L2 only; valid = false writes 16 zero bytes (src unread).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// volatile + memory: the same shared address is read every tile; it must not be hoisted or merged
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+
+// c += A (16 x 16 bf16, a[4]) * B (16 x 8 bf16, b0 b1), fp32 accumulators
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {  // lo -> the lower 16 bits
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t load_u32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+template <int D>
 __device__ __forceinline__ void prefill_attention(
     bf16* __restrict__ out, const bf16* __restrict__ q, int q_row_stride,
     const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ block_table_width,
     const int* __restrict__ query_start, const int* __restrict__ context_lens, int block_size,
     int num_kv_heads, int group, float scale) {
-    constexpr int TPR = HEAD_DIM / 64;           // threads per query row
-    constexpr int CHUNKS = 64 / 8;               // 8-dim chunks each thread owns
-    constexpr int ROW_CHUNKS = HEAD_DIM / 8;
-    __shared__ __align__(16) bf16 k_tile[BLOCK_K][HEAD_DIM];
-    __shared__ __align__(16) bf16 v_tile[BLOCK_K][HEAD_DIM];
+    constexpr int ROW = D + SMEM_PAD;                    // shared row stride, bf16
+    constexpr int ROW_CHUNKS = D / 8;                    // 16-byte chunks per K/V row
+    constexpr int ROWS_PER_PASS = THREADS / ROW_CHUNKS;  // tile rows one pass of the CTA copies
+    constexpr int LOADS = BLOCK_K / ROWS_PER_PASS;       // chunks per thread per tile
+    constexpr int DK = D / 16;                           // 16-wide chunks of the head dim
+    constexpr int NT = BLOCK_K / 8;                      // n-tiles of S (8 keys each)
+    constexpr int NO = D / 8;                            // n-tiles of O (8 dims each)
+    static_assert(THREADS % ROW_CHUNKS == 0 && BLOCK_K % ROWS_PER_PASS == 0, "tile copy shape");
+    __shared__ __align__(128) bf16 k_tile[BLOCK_K * ROW];
+    __shared__ __align__(128) bf16 v_tile[BLOCK_K * ROW];
 
-    const int seq = blockIdx.y, head = blockIdx.z, kv_head = head / group;
+    const int head = blockIdx.x, seq = blockIdx.y, kv_head = head / group;
     const int num_q_heads = num_kv_heads * group;
     const int q_begin = query_start[seq];
     const int q_len = query_start[seq + 1] - q_begin;
-    const int tile_q0 = blockIdx.x * BLOCK_Q;
+    const int tile_q0 = (gridDim.z - 1 - blockIdx.z) * BLOCK_Q;
     if (tile_q0 >= q_len) return;  // uniform across the block
-    const int ctx = context_lens[seq];
-    const int first_pos = ctx - q_len;
-    const int row = threadIdx.x / TPR, part = threadIdx.x % TPR;
-    const int qi = tile_q0 + row;
-    const bool active = qi < q_len;
-    const int pos_q = first_pos + qi;
-    const int kv_end = first_pos + min(tile_q0 + BLOCK_Q, q_len);  // one past the tile's last position
+    const int first_pos = context_lens[seq] - q_len;
+    const int kv_end = first_pos + min(tile_q0 + BLOCK_Q, q_len);  // one past the last row's position
+    const int num_tiles = (kv_end + BLOCK_K - 1) / BLOCK_K;
     // the row stride is read from device memory so a captured CUDA graph serves any width
     const int* table = block_tables + (size_t)seq * *block_table_width;
-    const size_t kv_row = (size_t)num_kv_heads * HEAD_DIM;
+    const int block_shift = __ffs(block_size) - 1;
 
-    float q_reg[64], o[64];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+
+    // ---- K/V tile copy: this thread's 16-byte column and its LOADS rows --------------------------
+    const int copy_col = (threadIdx.x % ROW_CHUNKS) * 8, copy_row = threadIdx.x / ROW_CHUNKS;
+    const size_t kv_row = (size_t)num_kv_heads * D;
+    const bf16* k_src = k_cache + (size_t)kv_head * D + copy_col;
+    const bf16* v_src = v_cache + (size_t)kv_head * D + copy_col;
+    const uint32_t k_dst = smem_u32(k_tile + copy_row * ROW + copy_col);
+    const uint32_t v_dst = smem_u32(v_tile + copy_row * ROW + copy_col);
+    int slot[LOADS];  // cache slot of each row this thread copies; -1 past kv_end (zero fill)
+    auto find_slots = [&](int k0) {
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-        const int d0 = (c * TPR + part) * 8;
-        if (active) {
-            load_bf16x8(q + (size_t)(q_begin + qi) * q_row_stride + head * HEAD_DIM + d0, &q_reg[c * 8]);
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) q_reg[c * 8 + i] = 0.0f;
+        for (int i = 0; i < LOADS; ++i) {
+            const int pos = k0 + copy_row + i * ROWS_PER_PASS;
+            slot[i] = pos < kv_end ? table[pos >> block_shift] * block_size + (pos & (block_size - 1)) : -1;
         }
+    };
+    auto issue_copy = [&](uint32_t dst, const bf16* src) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            q_reg[c * 8 + i] *= scale;
-            o[c * 8 + i] = 0.0f;
+        for (int i = 0; i < LOADS; ++i) {
+            const bool valid = slot[i] >= 0;
+            cp_async_16(dst + i * ROWS_PER_PASS * ROW * 2, src + (valid ? (size_t)slot[i] * kv_row : 0), valid);
+        }
+        cp_async_commit();
+    };
+    find_slots(0);
+    issue_copy(k_dst, k_src);
+
+    // ---- Q fragments: rows r0 = tile_q0 + 16 warp + g and r1 = r0 + 8 of this sequence ------------
+    const int r0 = tile_q0 + warp * 16 + g, r1 = r0 + 8;
+    const bool ok0 = r0 < q_len, ok1 = r1 < q_len;
+    uint32_t qf[DK][4];
+    {
+        const bf16* q0 = q + (size_t)(q_begin + (ok0 ? r0 : 0)) * q_row_stride + head * D + 2 * t;
+        const bf16* q1 = q + (size_t)(q_begin + (ok1 ? r1 : 0)) * q_row_stride + head * D + 2 * t;
+#pragma unroll
+        for (int c = 0; c < DK; ++c) {
+            qf[c][0] = ok0 ? load_u32(q0 + 16 * c) : 0u;
+            qf[c][1] = ok1 ? load_u32(q1 + 16 * c) : 0u;
+            qf[c][2] = ok0 ? load_u32(q0 + 16 * c + 8) : 0u;
+            qf[c][3] = ok1 ? load_u32(q1 + 16 * c + 8) : 0u;
         }
     }
-    float m = -CUDART_INF_F, l = 0.0f;
 
-    for (int k0 = 0; k0 < kv_end; k0 += BLOCK_K) {
-        __syncthreads();  // the previous tile is no longer read
-        for (int c = threadIdx.x; c < BLOCK_K * ROW_CHUNKS; c += blockDim.x) {
-            const int r = c / ROW_CHUNKS, d0 = (c % ROW_CHUNKS) * 8;
-            const int pos = k0 + r;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (pos < kv_end) {
-                const size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
-                const size_t off = slot * kv_row + kv_head * HEAD_DIM + d0;
-                kv = *reinterpret_cast<const uint4*>(k_cache + off);
-                vv = *reinterpret_cast<const uint4*>(v_cache + off);
-            }
-            *reinterpret_cast<uint4*>(&k_tile[r][d0]) = kv;
-            *reinterpret_cast<uint4*>(&v_tile[r][d0]) = vv;
-        }
-        __syncthreads();
+    // ldmatrix row addresses of this lane (matrix lane / 8, row lane % 8 of it):
+    //   K: matrices (keys +0, d +0) (keys +0, d +8) (keys +8, d +0) (keys +8, d +8)
+    //      -> b0, b1 of n-tile 2j and b0, b1 of n-tile 2j+1
+    //   V: matrices (keys +0, d +0) (keys +8, d +0) (keys +0, d +8) (keys +8, d +8), transposed
+    //      -> b0, b1 of d-tile 2j and b0, b1 of d-tile 2j+1
+    const uint32_t k_frag = smem_u32(k_tile + ((lane >> 4) * 8 + (lane & 7)) * ROW + ((lane >> 3) & 1) * 8);
+    const uint32_t v_frag = smem_u32(v_tile + (((lane >> 3) & 1) * 8 + (lane & 7)) * ROW + (lane >> 4) * 8);
 
-        float s[BLOCK_K];
-        float tile_max = m;
+    const float scale_log2 = scale * 1.4426950408889634f;  // exp(x * scale) = exp2(x * scale_log2)
+    const int pos0 = first_pos + r0, pos1 = pos0 + 8;     // positions of this lane's two rows
+    const int tile_first_pos = first_pos + tile_q0;
+    float o[NO][4];
 #pragma unroll
-        for (int j = 0; j < BLOCK_K; ++j) {
-            float dot = 0.0f;
+    for (int n = 0; n < NO; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.0f, 0.0f};  // this lane's share; the 4 lanes of a row add up at the end
+
+    for (int kt = 0; kt < num_tiles; ++kt) {
+        const int k0 = kt * BLOCK_K;
+        cp_async_wait_all();
+        __syncthreads();  // K[kt] is in; every warp is done with V[kt-1]
+        issue_copy(v_dst, v_src);
+        if (kt + 1 < num_tiles) find_slots(k0 + BLOCK_K);
+
+        float s[NT][4];
 #pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
-                float k[8];
-                load_bf16x8(&k_tile[j][(c * TPR + part) * 8], k);
+        for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) dot += q_reg[c * 8 + i] * k[i];
-            }
-            if (TPR == 2) dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-            s[j] = (k0 + j <= pos_q && k0 + j < kv_end) ? dot : -CUDART_INF_F;
-            tile_max = fmaxf(tile_max, s[j]);
-        }
-        // Rows with every key masked so far (only inactive padding rows) keep m = -inf.
-        const float alpha = tile_max == -CUDART_INF_F ? 1.0f : __expf(m - tile_max);
-        l *= alpha;
+        for (int c = 0; c < DK; ++c) {
 #pragma unroll
-        for (int i = 0; i < 64; ++i) o[i] *= alpha;
-#pragma unroll
-        for (int j = 0; j < BLOCK_K; ++j) {
-            const float p = s[j] == -CUDART_INF_F ? 0.0f : __expf(s[j] - tile_max);
-            l += p;
-#pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
-                float v[8];
-                load_bf16x8(&v_tile[j][(c * TPR + part) * 8], v);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) o[c * 8 + i] += p * v[i];
+            for (int j = 0; j < NT / 2; ++j) {
+                uint32_t b[4];
+                ldmatrix_x4(b, k_frag + (16 * j * ROW + 16 * c) * 2);
+                mma_bf16(s[2 * j], qf[c], b[0], b[1]);
+                mma_bf16(s[2 * j + 1], qf[c], b[2], b[3]);
             }
         }
-        m = tile_max;
+        if (k0 + BLOCK_K - 1 > tile_first_pos) {  // some key of this tile is later than some row
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const int key = k0 + 8 * n + 2 * t;
+                if (key > pos0) s[n][0] = -INFINITY;
+                if (key + 1 > pos0) s[n][1] = -INFINITY;
+                if (key > pos1) s[n][2] = -INFINITY;
+                if (key + 1 > pos1) s[n][3] = -INFINITY;
+            }
+        }
+
+        // online softmax: rows g (r = 0) and g + 8 (r = 1); a row's 64 scores span the 4 lanes of a quad
+        float new_max[2] = {row_max[0], row_max[1]};
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            new_max[0] = fmaxf(new_max[0], fmaxf(s[n][0], s[n][1]));
+            new_max[1] = fmaxf(new_max[1], fmaxf(s[n][2], s[n][3]));
+        }
+        float alpha[2], offset[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffffu, new_max[r], 1));
+            new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffffu, new_max[r], 2));
+            alpha[r] = fast_exp2((row_max[r] - new_max[r]) * scale_log2);  // 0 on the first tile
+            offset[r] = new_max[r] * scale_log2;
+            row_max[r] = new_max[r];
+            row_sum[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            o[n][0] *= alpha[0];
+            o[n][1] *= alpha[0];
+            o[n][2] *= alpha[1];
+            o[n][3] *= alpha[1];
+        }
+        uint32_t p[NT / 2][4];  // P as A fragments, one per 16 keys: n-tile 2j -> a0 a1, 2j+1 -> a2 a3
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const float p0 = fast_exp2(fmaf(s[n][0], scale_log2, -offset[0]));
+            const float p1 = fast_exp2(fmaf(s[n][1], scale_log2, -offset[0]));
+            const float p2 = fast_exp2(fmaf(s[n][2], scale_log2, -offset[1]));
+            const float p3 = fast_exp2(fmaf(s[n][3], scale_log2, -offset[1]));
+            row_sum[0] += p0 + p1;
+            row_sum[1] += p2 + p3;
+            p[n / 2][(n & 1) * 2] = pack_bf16(p0, p1);
+            p[n / 2][(n & 1) * 2 + 1] = pack_bf16(p2, p3);
+        }
+
+        cp_async_wait_all();
+        __syncthreads();  // V[kt] is in; every warp is done with K[kt]
+        if (kt + 1 < num_tiles) issue_copy(k_dst, k_src);
+#pragma unroll
+        for (int j = 0; j < NT / 2; ++j) {
+#pragma unroll
+            for (int c = 0; c < DK; ++c) {
+                uint32_t b[4];
+                ldmatrix_x4_trans(b, v_frag + (16 * j * ROW + 16 * c) * 2);
+                mma_bf16(o[2 * c], p[j], b[0], b[1]);
+                mma_bf16(o[2 * c + 1], p[j], b[2], b[3]);
+            }
+        }
     }
 
-    if (!active) return;
-    const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
-    bf16* dst = out + (size_t)(q_begin + qi) * num_q_heads * HEAD_DIM + head * HEAD_DIM;
+    // ---- epilogue: O / row sum, bf16 pairs straight from the accumulators -------------------------
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-        float r[8];
+    for (int r = 0; r < 2; ++r) {
+        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+        row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+    }
+    const float inv0 = 1.0f / row_sum[0], inv1 = 1.0f / row_sum[1];  // >= 1 (the max's own term)
+    const size_t out_row = (size_t)num_q_heads * D;
+    bf16* out0 = out + (size_t)(q_begin + r0) * out_row + head * D + 2 * t;
+    bf16* out1 = out0 + 8 * out_row;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) r[i] = o[c * 8 + i] * inv_l;
-        store_bf16x8(dst + (c * TPR + part) * 8, r);
+    for (int n = 0; n < NO; ++n) {
+        if (ok0) *reinterpret_cast<uint32_t*>(out0 + 8 * n) = pack_bf16(o[n][0] * inv0, o[n][1] * inv0);
+        if (ok1) *reinterpret_cast<uint32_t*>(out1 + 8 * n) = pack_bf16(o[n][2] * inv1, o[n][3] * inv1);
     }
 }
 
 }  // namespace
 
 #define PREFILL_ATTENTION_KERNEL(D)                                                              \
-    extern "C" __global__ void __launch_bounds__(BLOCK_Q*(D / 64)) attention_prefill_d##D(       \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_prefill_d##D(                \
         bf16* out, const bf16* q, int q_row_stride, const bf16* k_cache, const bf16* v_cache,    \
-        const int* block_tables, const int* block_table_width, const int* query_start,                 \
+        const int* block_tables, const int* block_table_width, const int* query_start,           \
         const int* context_lens, int block_size, int num_kv_heads, int group, float scale) {     \
         prefill_attention<D>(out, q, q_row_stride, k_cache, v_cache, block_tables,               \
                              block_table_width, query_start, context_lens, block_size,           \

@@ -1,0 +1,149 @@
+"""Reading Hugging Face config.json fields: typed reads that name the field in every error, the
+dtype under either of its names, and RoPE in either of its forms.
+
+transformers 4.x writes RoPE as a top-level `rope_theta` plus an optional `rope_scaling` dict and
+the dtype as `torch_dtype`; transformers 5.x writes one `rope_parameters` dict ({"rope_type",
+"rope_theta", and the scaling fields}) and `dtype`. Both are read; a value given in both forms
+must agree. A rope type or field we do not implement is a ModelLoadError naming it."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tinyvllm.errors import ModelLoadError
+
+# transformers' LlamaConfig default (RotaryEmbeddingConfigMixin.default_theta) when a config
+# names no theta in either form; followed so that such a directory loads as it does there.
+DEFAULT_ROPE_THETA = 10000.0
+DTYPES = ("bfloat16", "float16", "float32")      # what weights.py reads (all served as bf16)
+# rope_parameters / rope_scaling keys each rope type may carry ("type" is the pre-4.45 name
+# of "rope_type"); any other key is a feature we do not implement.
+LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_KEYS = {"default": {"rope_type", "type", "rope_theta", "partial_rotary_factor"}}
+ROPE_KEYS["llama3"] = ROPE_KEYS["default"] | set(LLAMA3_FIELDS)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+class ConfigFields:
+    """Typed reads of config.json fields: a wrong type or range is a ModelLoadError naming the
+    field (JSON booleans are not numbers here, though Python's bool is an int)."""
+
+    def __init__(self, cfg: dict, source: str):
+        self.cfg, self.source = cfg, source
+
+    def get(self, key: str, kind, default=..., where: str = ""):
+        value = self.cfg.get(key)
+        if value is None:
+            if default is ...:
+                raise ModelLoadError(f"{self.source}: missing required field {where + key!r}")
+            return default
+        ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok:
+            raise ModelLoadError(f"{self.source}: field {where + key!r} must be {KIND_NAMES[kind]}, "
+                                 f"got {value!r}")
+        return float(value) if kind is float else value
+
+    def positive_int(self, key: str, default=...) -> int:
+        value = self.get(key, int, default)
+        if value < 1:
+            raise ModelLoadError(f"{self.source}: field {key!r} must be positive, got {value}")
+        return value
+
+    def positive_float(self, key: str, default=..., where: str = "") -> float:
+        value = self.get(key, float, default, where)
+        if value is None:                 # absent, and the caller's default is None
+            return None
+        if not value > 0 or not math.isfinite(value):
+            raise ModelLoadError(f"{self.source}: field {where + key!r} must be a positive number, got {value}")
+        return value
+
+    def token_ids(self, key: str, allow_list: bool):
+        value = self.cfg.get(key)
+        ids = value if allow_list and isinstance(value, list) else [] if value is None else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ModelLoadError(f"{self.source}: field {key!r} must be a token id"
+                                 f"{' or a list of them' if allow_list else ''}, got {value!r}")
+        return tuple(ids) if allow_list else (ids[0] if ids else None)
+
+
+def parse_dtype(cfg: dict, source: str) -> str:
+    given = {k: cfg[k] for k in ("dtype", "torch_dtype") if cfg.get(k) is not None}
+    if len(set(map(str, given.values()))) > 1:
+        raise ModelLoadError(f"{source}: dtype={given['dtype']!r} and torch_dtype="
+                             f"{given['torch_dtype']!r} disagree")
+    dtype = next(iter(given.values()), "bfloat16")
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"{source}: unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+    return dtype
+
+
+def parse_rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
+    """(theta, llama3 scaling or None) from either form. transformers 5 lets rope_scaling
+    override rope_parameters; here two forms present at once must say the same thing."""
+    forms = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        value = cfg.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise ModelLoadError(f"{source}: field {key!r} must be an object, got {value!r}")
+        if value:
+            forms[key] = rope_from_dict(value, key, source)
+    if cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise ModelLoadError(f"{source}: partial_rotary_factor={cfg['partial_rotary_factor']!r} is not "
+                             "supported (RoPE on the whole head only)")
+    top_theta = ConfigFields(cfg, source).positive_float("rope_theta", None)
+    if len(forms) == 2 and forms["rope_parameters"][1] != forms["rope_scaling"][1]:
+        raise ModelLoadError(f"{source}: rope_scaling and rope_parameters disagree; remove one")
+    thetas = {k: theta for k, (theta, _) in forms.items() if theta is not None}
+    if top_theta is not None:
+        thetas["rope_theta"] = top_theta
+    if len(set(thetas.values())) > 1:
+        raise ModelLoadError(f"{source}: conflicting rope_theta values "
+                             f"({', '.join(f'{k}: {v:g}' for k, v in thetas.items())})")
+    theta = next(iter(thetas.values()), DEFAULT_ROPE_THETA)
+    scaling = next((s for _, s in forms.values()), None)
+    return theta, scaling
+
+
+def rope_from_dict(params: dict, key: str, source: str) -> tuple[float | None, RopeScaling | None]:
+    kinds = {params[k] for k in ("rope_type", "type") if isinstance(params.get(k), str)}
+    if any(params.get(k) is not None and not isinstance(params[k], str) for k in ("rope_type", "type")):
+        raise ModelLoadError(f"{source}: {key}.rope_type must be a string, got {params.get('rope_type')!r}")
+    if len(kinds) > 1:
+        raise ModelLoadError(f"{source}: {key} has both rope_type and type, and they differ ({kinds})")
+    kind = next(iter(kinds), "default")
+    if kind not in ROPE_KEYS:
+        raise ModelLoadError(f"{source}: unsupported rope type {kind!r} in {key} "
+                             f"(tinyvllm implements: {', '.join(ROPE_KEYS)})")
+    unknown = sorted(set(params) - ROPE_KEYS[kind])
+    if unknown:
+        raise ModelLoadError(f"{source}: {key} field {unknown[0]!r} is not supported for rope type {kind!r}")
+    if params.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise ModelLoadError(f"{source}: {key}.partial_rotary_factor={params['partial_rotary_factor']!r} "
+                             "is not supported (RoPE on the whole head only)")
+    f = ConfigFields(params, source)
+    where = f"{key}."
+    theta = f.positive_float("rope_theta", None, where)
+    if kind == "default":
+        return theta, None
+    missing = [name for name in LLAMA3_FIELDS if params.get(name) is None]
+    if missing:
+        raise ModelLoadError(f"{source}: {key} of type llama3 is missing {missing[0]!r}")
+    scaling = RopeScaling(*(f.positive_float(name, where=where) for name in LLAMA3_FIELDS[:3]),
+                          original_max_position_embeddings=f.get(LLAMA3_FIELDS[3], int, where=where))
+    if scaling.high_freq_factor <= scaling.low_freq_factor or scaling.original_max_position_embeddings < 1:
+        raise ModelLoadError(f"{source}: {key} of type llama3 needs high_freq_factor > low_freq_factor "
+                             "and a positive original_max_position_embeddings")
+    return theta, scaling
