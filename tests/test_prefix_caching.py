@@ -314,7 +314,7 @@ def test_random_add_step_abort_keeps_every_invariant(num_blocks, block_size, ops
 def engines(tiny_model_dir):
     """{caching: engine}, 24 blocks of 4 tokens: small enough to preempt and evict. Each run
     starts from an empty prefix cache."""
-    return {caching: LLMEngine(tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=24,
+    return {caching: LLMEngine(tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=24, max_model_len=96,
                                max_num_seqs=5, max_num_batched_tokens=96, enable_prefix_caching=caching)
             for caching in (False, True)}
 
