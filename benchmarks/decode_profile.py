@@ -15,10 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tinyvllm.engine.batch import ForwardBatch
-from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.engine.batch import SamplingBatch
 from tinyvllm.checkpoint.weights import load_weights
+from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 
 
 def decode_batch(num_seqs: int, context: int, block_size: int, rng) -> ForwardBatch:
@@ -63,6 +62,7 @@ def per_op_times(runner, batch, repeats: int = 20) -> dict[str, float]:
     of an eager step, then capture all launches of each op (×repeats) into a graph of its own and
     time its replays with CUDA events. Launch gaps are excluded, as in the real decode graph."""
     import pycuda.driver as drv
+
     from tinyvllm.gpu.graphs import CudaGraph
     calls: dict[str, list] = defaultdict(list)
     runner.ops.observer = lambda op, repeat, details: calls[op].append(repeat)
@@ -95,8 +95,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--prefill", type=int, nargs=2, default=[16, 512], metavar=("PROMPTS", "LEN"))
     args = ap.parse_args()
-    from tinyvllm.gpu.cuda_runner import CudaRunner
     from tinyvllm.checkpoint.model_writer import write_model
+    from tinyvllm.gpu.cuda_runner import CudaRunner
     path = Path(f"/tmp/tinyvllm-models/{args.preset}")
     if not (path / "config.json").exists():
         write_model(path, preset=args.preset)

@@ -61,6 +61,7 @@ def main() -> int:
     import tokenizers
     import transformers
     from transformers import AutoTokenizer
+
     from tinyvllm.checkpoint.chat_template import LLAMA32_INSTRUCT_FILE
     from tinyvllm.checkpoint.model_writer import PRESETS, write_tokenizer_files
 

@@ -44,6 +44,7 @@ def gpu_ops():
     kernel compiled (PyCUDA caches the cubins), and the launchers the model itself calls
     (gpu/ops.py) on the default stream, with a cuBLAS handle for linear()."""
     import pycuda.driver as drv
+
     from tinyvllm.gpu.cublas import Cublas
     from tinyvllm.gpu.driver import CudaDevice
     from tinyvllm.gpu.kernels import KernelLibrary

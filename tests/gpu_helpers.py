@@ -23,7 +23,7 @@ class DeviceArray:
         drv.memcpy_htod(self.ptr, self.host)
 
     @classmethod
-    def poisoned(cls, shape, dtype) -> "DeviceArray":
+    def poisoned(cls, shape, dtype) -> DeviceArray:
         """An output buffer filled with NaN (floats) / INT_MAX (ints): unwritten elements show."""
         dtype = np.dtype(dtype)
         pattern = POISON[dtype]

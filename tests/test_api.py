@@ -8,8 +8,8 @@ def test_public_api_names():
     from tinyvllm.config import EngineConfig, ModelConfig
     from tinyvllm.engine.llm import LLM
     from tinyvllm.engine.llm_engine import LLMEngine
-    from tinyvllm.engine.sampling_params import SamplingParams
     from tinyvllm.engine.outputs import RequestOutput
+    from tinyvllm.engine.sampling_params import SamplingParams
     assert (tinyvllm.LLM, tinyvllm.LLMEngine, tinyvllm.SamplingParams, tinyvllm.RequestOutput,
             tinyvllm.EngineConfig, tinyvllm.ModelConfig) == (LLM, LLMEngine, SamplingParams,
                                                               RequestOutput, EngineConfig, ModelConfig)

@@ -6,10 +6,10 @@ import itertools
 import numpy as np
 import pytest
 
+from tinyvllm.checkpoint.model_writer import preset_config
 from tinyvllm.config import EngineConfig
 from tinyvllm.gpu.arena import ACTIVATIONS, ALIGN, INPUTS, ArenaDims, ArenaLayout
 from tinyvllm.gpu.device_weights import device_tensor_shapes
-from tinyvllm.checkpoint.model_writer import preset_config
 
 # Buffers that one kernel or GEMM reads and writes together, or that are live across each
 # other's lifetimes; none of these pairs may share bytes.

@@ -124,7 +124,8 @@ def test_fallback_only_without_any_template_and_warned_once(tiny_model_dir, tmp_
 
 
 def test_no_template_and_no_llama3_vocabulary_is_refused(tmp_path):
-    from tokenizers import Tokenizer as Backend, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
     backend = Backend(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.save(str(tmp_path / "tokenizer.json"))

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from tinyvllm.checkpoint.model_writer import PRESETS
 from tinyvllm.config import ModelConfig, RopeScaling
 from tinyvllm.errors import ModelLoadError, TinyVLLMError
-from tinyvllm.checkpoint.model_writer import PRESETS
 
 
 def base(**changes):

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 
 from tinyvllm.engine.llm import LLM
-
 from tinyvllm.engine.llm_engine import LLMEngine
-from tinyvllm.errors import InvalidRequestError, TinyVLLMError
 from tinyvllm.engine.sampling_params import SamplingParams
+from tinyvllm.errors import InvalidRequestError, TinyVLLMError
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

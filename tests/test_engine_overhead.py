@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tinyvllm.engine.batch import ForwardBatch
-from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.engine.sampling_params import SamplingParams
 from tinyvllm.engine.sequence import Sequence
 
@@ -40,7 +40,8 @@ def test_decode_batch_from_the_table_matrix_equals_build():
 
 @pytest.fixture(scope="module")
 def instant_engine(tiny_model_dir):
-    import importlib.util, pathlib
+    import importlib.util
+    import pathlib
     path = pathlib.Path(__file__).parent.parent / "benchmarks" / "engine_overhead.py"
     spec = importlib.util.spec_from_file_location("engine_overhead", path)
     bench = importlib.util.module_from_spec(spec)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tinyvllm.checkpoint.weights import load_weights
 from tinyvllm.config import ModelConfig
 from tinyvllm.engine.llm import LLM
-from tinyvllm.reference.model import ReferenceModel
 from tinyvllm.engine.sampling_params import SamplingParams
-from tinyvllm.checkpoint.weights import load_weights
+from tinyvllm.reference.model import ReferenceModel
 
 pytestmark = pytest.mark.gpu
 NEAR_TIE = 0.25

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tinyvllm.config import rope_inv_freq
-from tinyvllm.reference import kernels as ref
 from tinyvllm.engine.batch import ForwardBatch
+from tinyvllm.reference import kernels as ref
 
 pytestmark = pytest.mark.gpu
 BF16_TOL = 1e-2
@@ -71,8 +71,10 @@ def test_silu_mul(gpu, rng):
 
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 64), (24, 8, 128), (4, 2, 64)])
 def test_rope_write_kv(gpu, rng, hq, hkv, d):
-    from gpu_helpers import DeviceArray, rel_err, to_bf16
     import dataclasses
+
+    from gpu_helpers import DeviceArray, rel_err, to_bf16
+
     from tinyvllm.checkpoint.model_writer import preset_config
     inv_freq = rope_inv_freq(dataclasses.replace(preset_config("llama-3.2-1b"), head_dim=d))
     T, block_size, num_blocks = 45, 16, 9
@@ -193,6 +195,7 @@ def test_attention_decode(gpu, rng, hq, hkv, d, batch, splits):
     bit-identical results, counters back at zero. Tolerance BF16_TOL: q, K, V are bf16, the
     probabilities are rounded to bf16 for the P.V MMA (as in FlashAttention), sums are fp32."""
     from gpu_helpers import DeviceArray, rel_err
+
     from tinyvllm.gpu.ops import MAX_DECODE_SPLITS
     block_size = DECODE_BATCHES[batch]
     for ctx in _decode_batches(rng, batch):

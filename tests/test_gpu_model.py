@@ -20,11 +20,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinyvllm.engine.batch import ForwardBatch
-from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.reference.model import ReferenceModel
-from tinyvllm.engine.batch import SamplingBatch
 from tinyvllm.checkpoint.weights import load_weights
+from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
+from tinyvllm.reference.model import ReferenceModel
 
 pytestmark = pytest.mark.gpu
 BF16_NOISE_RATIO = 1.5     # mean over steps of gpu-vs-fp32 / bf16numpy-vs-fp32 error
@@ -109,8 +108,9 @@ def test_llama_1b_prefill_and_decode(tmp_path_factory):
     """The Llama-3.2-1B-shaped preset runs a 128-token prefill and decode steps with finite,
     varied logits."""
     import time
-    from tinyvllm.gpu.cuda_runner import CudaRunner
+
     from tinyvllm.checkpoint.model_writer import write_model
+    from tinyvllm.gpu.cuda_runner import CudaRunner
     path = write_model(tmp_path_factory.mktemp("llama-1b"), preset="llama-3.2-1b", seed=0)
     cfg = ModelConfig.from_pretrained(path)
     runner = CudaRunner(cfg, load_weights(path, cfg), EngineConfig(max_num_seqs=4, max_num_batched_tokens=512,

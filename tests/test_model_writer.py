@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from tinyvllm import cli
-from tinyvllm.config import ModelConfig
-from tinyvllm.errors import ModelLoadError, TinyVLLMError
 from tinyvllm.checkpoint.model_writer import PRESETS, preset_config, random_tensor, write_model
-from tinyvllm.reference.model import ReferenceModel
 from tinyvllm.checkpoint.weight_names import expected_shapes
 from tinyvllm.checkpoint.weights import BF16, INDEX_FILE, TensorSpec, load_weights
+from tinyvllm.config import ModelConfig
+from tinyvllm.errors import ModelLoadError, TinyVLLMError
+from tinyvllm.reference.model import ReferenceModel
 
 # Counted from the real checkpoints' tensor shapes.
 EXPECTED_PARAMETERS = {

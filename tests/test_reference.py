@@ -6,13 +6,12 @@ import math
 import numpy as np
 import pytest
 
-from tinyvllm.engine.batch import ForwardBatch
-from tinyvllm.config import ModelConfig, rope_inv_freq
 from tinyvllm.checkpoint.model_writer import PRESETS
-from tinyvllm.reference.model import ReferenceModel
-from tinyvllm.reference.kernels import (apply_rope, bf16_round, embedding, paged_attention,
-                                        rms_norm, silu_mul, write_kv)
 from tinyvllm.checkpoint.weights import load_weights
+from tinyvllm.config import ModelConfig, rope_inv_freq
+from tinyvllm.engine.batch import ForwardBatch
+from tinyvllm.reference.kernels import apply_rope, bf16_round, embedding, paged_attention, rms_norm, silu_mul, write_kv
+from tinyvllm.reference.model import ReferenceModel
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from tinyvllm.errors import InvalidRequestError
 from tinyvllm.engine.sampling_params import SamplingParams
+from tinyvllm.errors import InvalidRequestError
 
 
 def test_defaults_are_valid_and_vllm_shaped():

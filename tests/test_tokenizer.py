@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
+from tinyvllm.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError
-from tinyvllm.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 
 MULTIBYTE = "héllo 🦙🦙 日本語のテキスト café ∑ 👩‍👩‍👧 ok"
 

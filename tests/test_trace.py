@@ -13,10 +13,9 @@ import numpy as np
 
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
-from tinyvllm.gpu.arena import ArenaDims, ArenaLayout, DeviceView
+from tinyvllm.gpu.arena import ArenaDims, ArenaLayout, DeviceView, round_up
 from tinyvllm.gpu.cublas import Cublas
 from tinyvllm.gpu.device_weights import DeviceWeights, LayerWeights, device_tensor_shapes, device_weight_bytes
-from tinyvllm.gpu.arena import round_up
 from tinyvllm.gpu.model import LlamaModel, StepShape
 from tinyvllm.gpu.ops import GpuOps
 from tinyvllm.trace import TracingRunner

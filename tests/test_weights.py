@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from tinyvllm.config import ModelConfig
-from tinyvllm.errors import ModelLoadError
 from tinyvllm.checkpoint.model_writer import random_tensor
 from tinyvllm.checkpoint.weight_names import expected_shapes
-from tinyvllm.checkpoint.weights import (BF16, INDEX_FILE, TensorSpec, load_weights, save_safetensors,
-                                         save_sharded)
+from tinyvllm.checkpoint.weights import BF16, INDEX_FILE, TensorSpec, load_weights, save_safetensors, save_sharded
+from tinyvllm.config import ModelConfig
+from tinyvllm.errors import ModelLoadError
 
 
 def small_config(tied=True) -> ModelConfig:

@@ -86,7 +86,9 @@ def _cmd_generate(args) -> int:
     """Stream one prompt's tokens as they come; for many prompts show a progress bar (or, with
     --stream, stream them one after another in input order) and print each result."""
     import time
+
     from tqdm import tqdm
+
     from tinyvllm.engine.llm_engine import LLMEngine
     from tinyvllm.engine.sampling_params import SamplingParams
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

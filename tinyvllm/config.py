@@ -62,7 +62,7 @@ class ModelConfig:
         return self.num_hidden_layers * 2 * self.kv_size * 2
 
     @classmethod
-    def from_dict(cls, cfg: dict, source: str = "config.json") -> "ModelConfig":
+    def from_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
         if not isinstance(cfg, dict):
             raise ModelLoadError(f"{source}: must be a JSON object, got a {type(cfg).__name__}")
         archs = cfg.get("architectures") or []
@@ -119,7 +119,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir)
         if not path.is_dir():
             raise ModelLoadError(f"model directory not found: {path}")

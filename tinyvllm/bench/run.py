@@ -32,10 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-from tinyvllm.bench.workloads import (WARMUP, WORKLOADS, BenchRequest, WorkloadResult, WorkloadSpec,
-                                      select_workloads, shrink)
 from tinyvllm.bench.hf import HFBench, check_available
 from tinyvllm.bench.report import BenchReport, format_table
+from tinyvllm.bench.workloads import (
+    WARMUP,
+    WorkloadResult,
+    WorkloadSpec,
+    select_workloads,
+    shrink,
+)
 from tinyvllm.checkpoint.default_model import DEFAULT_MODEL, default_model_dir
 from tinyvllm.checkpoint.model_writer import preset_config, write_model
 from tinyvllm.config import EngineConfig, ModelConfig

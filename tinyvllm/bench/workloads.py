@@ -28,7 +28,7 @@ class WorkloadSpec:
     def max_context(self) -> int:
         return self.shared_prefix + self.prompt_len[1] + self.output_len[1]
 
-    def requests(self, seed: int) -> list["BenchRequest"]:
+    def requests(self, seed: int) -> list[BenchRequest]:
         rng = np.random.default_rng(seed)
         prompt_lens = rng.integers(self.prompt_len[0], self.prompt_len[1] + 1, self.num_requests)
         output_lens = rng.integers(self.output_len[0], self.output_len[1] + 1, self.num_requests)
@@ -106,7 +106,7 @@ class WorkloadResult:
     cache_off: WorkloadResult | None = None
     outputs_identical: bool | None = None         # greedy outputs equal with the cache on and off
 
-    def finish(self, wall_s: float) -> "WorkloadResult":
+    def finish(self, wall_s: float) -> WorkloadResult:
         self.wall_s = wall_s
         self.output_tok_s = self.output_tokens / wall_s
         self.total_tok_s = (self.prompt_tokens + self.output_tokens) / wall_s

@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from tinyvllm.checkpoint.chat_template import LLAMA32_INSTRUCT_FILE
-from tinyvllm.config import ModelConfig
-from tinyvllm.errors import ModelLoadError, TinyVLLMError
 from tinyvllm.checkpoint.default_model import DEFAULT_MODEL, default_gguf_path
 from tinyvllm.checkpoint.weight_names import expected_shapes
 from tinyvllm.checkpoint.weights import BF16, INDEX_FILE, TensorSpec, write_checkpoint
+from tinyvllm.config import ModelConfig
+from tinyvllm.errors import ModelLoadError, TinyVLLMError
 
 EMBED_GAIN = 2.5
 ATTENTION_SHARPNESS = 3.0

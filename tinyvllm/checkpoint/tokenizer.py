@@ -19,7 +19,7 @@ from tinyvllm.config import ModelConfig
 from tinyvllm.errors import InvalidRequestError, ModelLoadError
 
 try:
-    from tokenizers.decoders import DecodeStream      # tokenizers >= 0.21
+    from tokenizers.decoders import DecodeStream  # tokenizers >= 0.21
 except ImportError:
     DecodeStream = None
 
@@ -37,7 +37,7 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, config: ModelConfig | None = None,
-                        chat_template: str | Path | None = None) -> "Tokenizer":
+                        chat_template: str | Path | None = None) -> Tokenizer:
         """Load tokenizer.json and the chat template from a model directory. End-of-sequence ids
         are the union of those named by config.json (or `config`), generation_config.json and
         tokenizer_config.json: Instruct models end turns with <|eot_id|> but list others too.

@@ -54,7 +54,7 @@ class SafetensorsFile:
     _data_start: int
 
     @classmethod
-    def open(cls, path: Path) -> "SafetensorsFile":
+    def open(cls, path: Path) -> SafetensorsFile:
         try:
             with open(path, "rb") as f:
                 size = f.seek(0, 2)

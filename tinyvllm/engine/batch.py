@@ -49,7 +49,7 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, new_tokens: list[list[int]], context_lens: list[int],
-              block_tables: list[list[int]], block_size: int, is_prefill: bool) -> "ForwardBatch":
+              block_tables: list[list[int]], block_size: int, is_prefill: bool) -> ForwardBatch:
         """Flatten per-sequence new tokens (at the end of each context) into a batch."""
         q_lens = [len(t) for t in new_tokens]
         query_start = np.zeros(len(q_lens) + 1, np.int32)
@@ -74,7 +74,7 @@ class ForwardBatch:
 
     @classmethod
     def build_decode(cls, token_ids: list[int], context_lens: list[int], block_tables: np.ndarray,
-                     block_size: int) -> "ForwardBatch":
+                     block_size: int) -> ForwardBatch:
         """A decode batch (one new token per sequence, at position context_len - 1) from
         ready-made -1 padded block tables: what build() gives, in a few vectorized steps."""
         context_lens = np.asarray(context_lens, np.int32)
@@ -105,14 +105,14 @@ class SamplingBatch:
     step: np.ndarray          # int32 [S];   tokens this request has generated so far
 
     @classmethod
-    def build(cls, temperature, top_k, top_p, seed, step) -> "SamplingBatch":
+    def build(cls, temperature, top_k, top_p, seed, step) -> SamplingBatch:
         t = np.asarray(temperature, np.float32)
         return cls(temperature=np.where(t < GREEDY_BELOW, np.float32(0), t).astype(np.float32),
                    top_k=np.asarray(top_k, np.int32), top_p=np.asarray(top_p, np.float32),
                    seed=np.asarray(seed, np.uint64), step=np.asarray(step, np.int32))
 
     @classmethod
-    def greedy(cls, num_seqs: int) -> "SamplingBatch":
+    def greedy(cls, num_seqs: int) -> SamplingBatch:
         return cls.build([0.0] * num_seqs, [-1] * num_seqs, [1.0] * num_seqs,
                          [0] * num_seqs, [0] * num_seqs)
 

@@ -10,10 +10,10 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 from tinyvllm.errors import GPUUnavailableError, TinyVLLMError
-from tinyvllm.engine.batch import SamplingBatch
+
 
 class ModelRunner(ABC):
     num_kv_blocks: int               # KV cache size in blocks of EngineConfig.block_size tokens

@@ -40,7 +40,7 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         """Raise InvalidRequestError naming the first bad field; return self when all is fine."""
         def bad(name, why):
             raise InvalidRequestError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")

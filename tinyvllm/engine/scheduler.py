@@ -24,10 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.config import EngineConfig
+from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 from tinyvllm.engine.block_manager import BlockManager
-from tinyvllm.engine.batch import SamplingBatch
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 import time
 
-from tinyvllm.engine.sampling_params import SamplingParams
 from tinyvllm.checkpoint.tokenizer import IncrementalDetokenizer
+from tinyvllm.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

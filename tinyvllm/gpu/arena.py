@@ -47,7 +47,7 @@ class ArenaDims:
     blocks_per_seq: int
 
     @classmethod
-    def from_configs(cls, model: ModelConfig, engine: EngineConfig) -> "ArenaDims":
+    def from_configs(cls, model: ModelConfig, engine: EngineConfig) -> ArenaDims:
         seqs = engine.max_num_seqs
         return cls(tokens=max(engine.max_num_batched_tokens, seqs), seqs=seqs,
                    hidden=model.hidden_size, q_width=model.q_size,
@@ -148,7 +148,7 @@ class ArenaLayout:
     output_bytes: int
 
     @classmethod
-    def plan(cls, dims: ArenaDims) -> "ArenaLayout":
+    def plan(cls, dims: ArenaDims) -> ArenaLayout:
         act, act_end = plan_layout(ACTIVATIONS, dims)
         inp, inp_end = plan_layout(INPUTS, dims)
         out, out_end = plan_layout(OUTPUTS, dims)

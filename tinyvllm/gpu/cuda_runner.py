@@ -11,12 +11,10 @@ import logging
 import time
 
 import numpy as np
-import pycuda.driver as drv     # a missing PyCUDA fails this import: make_runner says so in one line
+import pycuda.driver as drv  # a missing PyCUDA fails this import: make_runner says so in one line
 
-from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.gpu.model import LlamaModel, StepShape
-from tinyvllm.engine.batch import SamplingBatch
+from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 from tinyvllm.gpu.arena import CUBLAS_WORKSPACE_BYTES, Arena, ArenaDims, ArenaLayout
 from tinyvllm.gpu.cublas import Cublas
 from tinyvllm.gpu.device_weights import upload_weights
@@ -24,6 +22,7 @@ from tinyvllm.gpu.driver import CudaDevice
 from tinyvllm.gpu.graphs import CudaGraph
 from tinyvllm.gpu.kernels import KernelLibrary
 from tinyvllm.gpu.kv_cache import DeviceKVCache, num_blocks_to_allocate
+from tinyvllm.gpu.model import LlamaModel, StepShape
 from tinyvllm.gpu.ops import GpuOps
 
 log = logging.getLogger("tinyvllm.gpu")

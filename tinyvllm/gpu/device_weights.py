@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import ml_dtypes
+import numpy as np
 
 from tinyvllm.checkpoint import weight_names as names
 from tinyvllm.config import ModelConfig, rope_inv_freq

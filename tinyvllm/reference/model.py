@@ -9,8 +9,18 @@ import numpy as np
 from tinyvllm.checkpoint import weight_names as names
 from tinyvllm.config import ModelConfig, rope_inv_freq
 from tinyvllm.engine.batch import ForwardBatch
-from tinyvllm.reference.kernels import (causal_gqa_attention, as_f32, apply_rope, bf16_round, embedding,
-                                        linear, paged_attention, rms_norm, silu_mul, write_kv)
+from tinyvllm.reference.kernels import (
+    apply_rope,
+    as_f32,
+    bf16_round,
+    causal_gqa_attention,
+    embedding,
+    linear,
+    paged_attention,
+    rms_norm,
+    silu_mul,
+    write_kv,
+)
 
 
 class ReferenceModel:

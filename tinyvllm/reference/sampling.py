@@ -30,6 +30,7 @@ single ops written identically in both. Randomness is counter based: the draw de
 from __future__ import annotations
 
 import math
+
 import numpy as np
 
 from tinyvllm.engine.batch import SamplingBatch

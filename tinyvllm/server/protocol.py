@@ -12,8 +12,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tinyvllm.errors import InvalidRequestError
 from tinyvllm.engine.sampling_params import SamplingParams
+from tinyvllm.errors import InvalidRequestError
 
 
 class RequestValueError(InvalidRequestError):
