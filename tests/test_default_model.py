@@ -159,7 +159,7 @@ def test_chat_without_model_answers(default_model_home):
 def test_llm_without_model_uses_the_default(default_model_home, monkeypatch):
     from tinyvllm import LLM, SamplingParams
     monkeypatch.setenv("TINYVLLM_HOME", str(default_model_home))
-    llm = LLM(device="cpu", num_kv_blocks=16)
+    llm = LLM(device="cpu", num_kv_blocks=16, max_model_len=256)
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4))[0]
     assert "Paris" in out.text
 

@@ -62,7 +62,7 @@ def first_near_tie(case: dict, bound: float) -> int:
 
 def greedy(model_dir, device: str, max_tokens: int) -> list[list[int]]:
     from tinyvllm import LLM, SamplingParams
-    options = {"num_kv_blocks": 256} if device == "cpu" else {}
+    options = {"num_kv_blocks": 256, "max_model_len": 4096} if device == "cpu" else {}
     llm = LLM(model_dir, device=device, max_num_seqs=len(CASES), **options)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([c["prompt_ids"] for c in CASES], params)
@@ -93,7 +93,7 @@ def test_tokenizer_json_encodes_like_transformers(model_dir):
 
 def test_prompts_encode_like_transformers(model_dir):
     from tinyvllm import LLM, SamplingParams
-    llm = LLM(model_dir, device="cpu", num_kv_blocks=64)
+    llm = LLM(model_dir, device="cpu", num_kv_blocks=64, max_model_len=1024)
     one = SamplingParams(temperature=0, max_tokens=1)
     for case in CASES:
         out = llm.chat(case["messages"], one) if case["kind"] == "chat" else llm.generate(case["prompt_text"], one)

@@ -381,7 +381,7 @@ def test_serve_chat_template_option_reaches_the_tokenizer(tiny_model_dir, tmp_pa
     template = tmp_path / "t.jinja"
     template.write_text("{{ messages[-1]['content'] }}")
     _, engine_loop = build_server(ServeOptions(model=str(tiny_model_dir), chat_template=str(template),
-                                               engine_options={"device": "cpu", "num_kv_blocks": 8}))
+                                               engine_options={"device": "cpu", "num_kv_blocks": 8, "max_model_len": 128}))
     tokenizer = engine_loop.engine.tokenizer
     assert tokenizer.chat_template.source == str(template)
     assert tokenizer.encode_chat([{"role": "user", "content": "Hi"}]) == tokenizer.encode("Hi", add_special_tokens=False)

@@ -18,14 +18,16 @@ log = logging.getLogger("tinyvllm.reference")
 
 def numpy_kv_blocks(config: ModelConfig, engine_config: EngineConfig) -> int:
     """Explicit block count, else kv_cache_gb, else enough for max_num_seqs full contexts capped
-    at NUMPY_KV_CACHE_BYTES."""
+    at NUMPY_KV_CACHE_BYTES — but never less than one full context, so that the default
+    max_model_len is always servable (the engine refuses a cache that cannot hold one)."""
     if engine_config.num_kv_blocks is not None:
         return engine_config.num_kv_blocks
     block_bytes = engine_config.block_size * config.kv_bytes_per_token * 2   # float32, not bf16
     if engine_config.kv_cache_gb is not None:
         return max(1, int(engine_config.kv_cache_gb * 2**30) // block_bytes)
-    wanted = engine_config.max_num_seqs * engine_config.max_blocks_per_seq(config)
-    return max(1, min(wanted, NUMPY_KV_CACHE_BYTES // block_bytes))
+    one_context = engine_config.max_blocks_per_seq(config)
+    wanted = engine_config.max_num_seqs * one_context
+    return max(one_context, min(wanted, NUMPY_KV_CACHE_BYTES // block_bytes))
 
 
 class NumpyRunner(ModelRunner):
