@@ -7,15 +7,8 @@ import json
 
 import pytest
 
-from tinyvllm.bench.run import (
-    WARMUP,
-    WORKLOADS,
-    BenchOptions,
-    WorkloadResult,
-    kv_blocks_needed,
-    run_bench,
-    select_workloads,
-)
+from tinyvllm.bench.run import BenchOptions, kv_blocks_needed, run_bench
+from tinyvllm.bench.workloads import WARMUP, WORKLOADS, WorkloadResult, select_workloads
 from tinyvllm.cli import main
 
 SMALL = ["--device", "cpu", "--num-requests", "4", "--min-len", "4", "--max-len", "12"]
