@@ -17,18 +17,18 @@ from pathlib import Path
 
 import numpy as np
 
-from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.errors import InvalidRequestError, TinyVLLMError
-from tinyvllm.engine.block_manager import BlockManager, PrefixCacheStats, blocks_for
-from tinyvllm.engine.model_runner import ModelRunner, make_runner
-from tinyvllm.engine.sampling_params import SamplingParams
-from tinyvllm.engine.scheduler import Scheduler
-from tinyvllm.engine.outputs import RequestOutput
-from tinyvllm.engine.sequence import Sequence
 from tinyvllm.checkpoint.default_model import resolve_model_dir
-from tinyvllm.engine.stats import StatsCollector, StepStats
 from tinyvllm.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyvllm.checkpoint.weights import load_weights
+from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.engine.block_manager import BlockManager, PrefixCacheStats, blocks_for
+from tinyvllm.engine.model_runner import ModelRunner, make_runner
+from tinyvllm.engine.outputs import RequestOutput
+from tinyvllm.engine.sampling_params import SamplingParams
+from tinyvllm.engine.scheduler import Scheduler
+from tinyvllm.engine.sequence import Sequence
+from tinyvllm.engine.stats import StatsCollector, StepStats
+from tinyvllm.errors import InvalidRequestError, TinyVLLMError
 
 log = logging.getLogger("tinyvllm.engine")
 
