@@ -8,7 +8,7 @@ import pytest
 
 from tinyvllm.cli import main
 
-CPU = ["--device", "cpu", "--num-kv-blocks", "64"]
+CPU = ["--device", "cpu", "--num-kv-blocks", "64", "--max-model-len", "1024"]
 
 
 def generate(capsys, *args):
@@ -143,3 +143,9 @@ def test_cli_logging_is_undone_when_main_returns(capsys):
     before = logger.level, logger.propagate, list(logger.handlers)
     assert main(["generate", "--model", "/no/such/model", "hi"]) == 2
     assert (logger.level, logger.propagate, list(logger.handlers)) == before   # caplog still works
+
+
+def test_stop_takes_one_string_and_leaves_the_prompt_alone(tiny_model_dir, capsys):
+    code, out, err = generate(capsys, "--model", str(tiny_model_dir), *CPU, "--max-tokens", "2",
+                              "--stop", "zzz", "Hello there")
+    assert code == 0 and "1 requests" in err

@@ -16,7 +16,8 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     """A small cache (40 blocks of 4 tokens) shared by tests that leave it empty."""
-    return LLMEngine(tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=40, max_num_seqs=8)
+    return LLMEngine(tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=40, max_num_seqs=8,
+                     max_model_len=160)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def random_prompts(n, seed=0):
 @pytest.mark.parametrize("scheduling", ["continuous", "static"])
 def test_batched_greedy_equals_each_request_alone(tiny_model_dir, reference, scheduling):
     eng = LLMEngine(tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=16, max_num_seqs=6,
-                    max_num_batched_tokens=128, scheduling=scheduling)
+                    max_num_batched_tokens=128, scheduling=scheduling, max_model_len=64)
     prompts = random_prompts(13)                 # 2..44 tokens; the longest request needs 14 blocks
     max_tokens = [4 + i % 9 for i in range(13)]
     finals = run_all(eng, {str(i): (p, SamplingParams(max_tokens=m, **GREEDY))
@@ -65,7 +66,8 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(tiny_model
                             ignore_eos=True)
     prompt = "The quick brown fox"
     alone = run_all(engine, {"x": (prompt, params)})["x"]
-    crowded = LLMEngine(tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=20, max_num_seqs=4)
+    crowded = LLMEngine(tiny_model_dir, device="cpu", block_size=4, num_kv_blocks=20, max_num_seqs=4,
+                        max_model_len="auto")
     others = {str(i): (p, SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True))
               for i, p in enumerate(random_prompts(6, seed=3))}
     batched = run_all(crowded, {**others, "x": (prompt, params)})["x"]
@@ -77,7 +79,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(tiny_model
 
 def test_unseeded_requests_get_seeds_from_the_engine_seed(tiny_model_dir):
     def tokens():
-        eng = LLMEngine(tiny_model_dir, device="cpu", num_kv_blocks=64, seed=7)
+        eng = LLMEngine(tiny_model_dir, device="cpu", num_kv_blocks=64, seed=7, max_model_len=1024)
         return [o.token_ids for o in run_all(eng, {
             "a": ("Hello", SamplingParams(max_tokens=6, ignore_eos=True)),
             "b": ("Hello", SamplingParams(max_tokens=6, ignore_eos=True))}).values()]
@@ -150,7 +152,7 @@ def test_bad_requests_are_rejected_without_touching_the_others(engine, reference
     bad = [("p", "x", SamplingParams(temperature=-1)), ("q", "x", SamplingParams(top_p=0)),
            ("good", "x", None), ("e", "", None), ("l", [], None), ("v", [10**7], None),
            ("w", [1.5], None), ("long", list(range(1, 5000)), None), ("cache", list(range(1, 200)), None),
-           ("n", None, None)]
+           ("n", None, None), ("surrogate", "a\ud800b", None)]
     for request_id, p, params in bad:
         with pytest.raises(InvalidRequestError):
             engine.add_request(request_id, p, params)
@@ -166,7 +168,7 @@ def run_all_pending(engine):
 
 
 def test_llm_generate_keeps_input_order_and_chat(tiny_model_dir, reference):
-    llm = LLM(tiny_model_dir, device="cpu", num_kv_blocks=64)
+    llm = LLM(tiny_model_dir, device="cpu", num_kv_blocks=64, max_model_len=1024)
     prompts = random_prompts(4, seed=9)
     outs = llm.generate(prompts, [SamplingParams(max_tokens=2 + i, **GREEDY) for i in range(4)])
     assert [o.token_ids for o in outs] == [reference.greedy_generate(p, 2 + i) for i, p in enumerate(prompts)]

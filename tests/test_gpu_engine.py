@@ -53,7 +53,8 @@ def test_continuous_batching_equals_one_at_a_time_on_cuda(setup, tiny_model_dir)
     refm, prompts = setup
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     # 24 blocks of 16 tokens cannot hold 12 sequences of up to 124 tokens: preemptions follow
-    llm = LLM(tiny_model_dir, device="cuda", num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=256)
+    llm = LLM(tiny_model_dir, device="cuda", num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=256,
+              max_model_len=384)
     try:
         batched = llm.generate(prompts, params)
         assert llm.engine.num_preemptions > 0, "the small KV cache should have forced preemptions"

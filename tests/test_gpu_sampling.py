@@ -163,3 +163,23 @@ def test_sampler_time_report(gpu, num_seqs, temperature, top_k, top_p):
         assert ((0 <= ids) & (ids < VOCAB)).all()
     print(f"[sampler-time] S={num_seqs} T={temperature} top_k={top_k} top_p={top_p}: "
           f"{min(times):.1f} us")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_rows_get_minus_one_on_the_gpu_too(gpu, rng, temperature):
+    """Rows with a NaN, a +inf or nothing finite get -1 (the numpy twin's NON_FINITE), never an
+    out-of-range id; the other rows (one with -inf entries) are exactly the numpy twin's."""
+    from tinyvllm.reference.sampling import NON_FINITE
+    x = (rng.standard_normal((8, VOCAB)) * 3).astype(np.float32)
+    x[1, int(rng.integers(VOCAB))] = np.nan
+    x[3, int(rng.integers(VOCAB))] = np.inf
+    x[5, :] = -np.inf
+    x[6, ::2] = -np.inf
+    batch = SamplingBatch.build([temperature] * 8, [50] * 8, [0.9] * 8, rng.integers(0, 2**63, 8),
+                                [3] * 8)
+    got, want = gpu_sample(gpu, x.copy(), batch), sample(x, batch)
+    assert [i for i in range(8) if got[i] == NON_FINITE] == [1, 3, 5]
+    for i in (0, 2, 4, 6, 7):           # the same rule as test_seeded_sampling_matches_numpy_twin
+        assert 0 <= got[i] < VOCAB and np.isfinite(x[i, got[i]])
+        params = (temperature, 50, 0.9, int(batch.seed[i]), 3)
+        assert got[i] == want[i] or (temperature > 0 and explained_by_boundary(x[i], params, int(got[i])))

@@ -130,3 +130,27 @@ def test_kernel_radix_select_equals_sort_based_thresholds(seed):
         order = np.argsort(-e, kind="stable")
         want = e[order[np.searchsorted(np.cumsum(w[order]), target)]]
         assert np.uint32(radix_select(keys, w, target)).view(np.float32) == want
+
+
+def broken_rows(logits):
+    """Rows 1, 3, 5 broken (a NaN, a +inf, nothing finite); row 6 has -inf entries, which are fine."""
+    x = logits.copy()
+    x[1, 17] = np.nan
+    x[3, V - 1] = np.inf
+    x[5, :] = -np.inf
+    x[6, ::2] = -np.inf
+    return x
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_rows_get_minus_one_and_the_others_are_untouched(logits, temperature):
+    from tinyvllm.reference.sampling import NON_FINITE
+    x = broken_rows(logits)
+    batch = SamplingBatch.build([temperature] * 8, [50] * 8, [0.9] * 8, list(range(8)), [3] * 8)
+    out = sample(x, batch)
+    assert out.dtype == np.int32
+    assert [i for i in range(8) if out[i] == NON_FINITE] == [1, 3, 5]
+    healthy = [0, 2, 4, 6, 7]
+    alone = sample(x[healthy], SamplingBatch.build([temperature] * 5, [50] * 5, [0.9] * 5, healthy, [3] * 5))
+    assert out[healthy].tolist() == alone.tolist()
+    assert all(0 <= t < V for t in alone) and np.isfinite(x[6, out[6]])

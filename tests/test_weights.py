@@ -207,3 +207,43 @@ def test_files_from_the_safetensors_package_load_with_ours(tmp_path):
 
 def test_bf16_is_ml_dtypes_bfloat16():
     assert BF16 == np.dtype(ml_dtypes.bfloat16)
+
+
+def write_raw(path, header, data: bytes = b"\0" * 64, header_len: int | None = None):
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if header_len is None else header_len) + raw + data)
+    return path
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"dtype": "F32", "shape": [2**32, 2**32], "data_offsets": [0, 0]}, "do not match shape"),
+    ({"dtype": "F32", "shape": [2**62, 4], "data_offsets": [0, 64]}, "do not match shape"),
+    ({"dtype": "F32", "shape": [-1, -16], "data_offsets": [0, 64]}, "malformed shape"),
+    ({"dtype": "F32", "shape": [True, 16], "data_offsets": [0, 64]}, "malformed shape"),
+    ({"dtype": "F32", "shape": "16", "data_offsets": [0, 64]}, "malformed shape"),
+    ({"dtype": "F32", "shape": [1] * 9, "data_offsets": [0, 4]}, "malformed shape"),
+    ({"dtype": "F32", "shape": [16], "data_offsets": [0]}, "malformed data_offsets"),
+    ({"dtype": "F32", "shape": [16], "data_offsets": [64, 0]}, "malformed data_offsets|do not match"),
+    ({"dtype": "F32", "shape": [16], "data_offsets": [0.0, 64.0]}, "malformed data_offsets"),
+    ({"dtype": ["F32"], "shape": [16], "data_offsets": [0, 64]}, "unsupported dtype"),
+    ({"dtype": "F32", "shape": [1 << 20], "data_offsets": [0, 4 << 20]}, "truncated file"),
+])
+def test_crafted_header_entries_are_refused_before_any_allocation(tmp_path, entry, message):
+    from tinyvllm.checkpoint.weights import SafetensorsFile
+    path = write_raw(tmp_path / "model.safetensors", {"w": entry})
+    with pytest.raises(ModelLoadError, match=f"tensor 'w': .*({message})"):
+        SafetensorsFile.open(path)
+
+
+def test_crafted_headers_are_refused(tmp_path):
+    from tinyvllm.checkpoint.weights import MAX_HEADER_BYTES, SafetensorsFile
+    path = tmp_path / "model.safetensors"
+    with pytest.raises(ModelLoadError, match="nested too deeply"):
+        SafetensorsFile.open(write_raw(path, b"[" * 200_000 + b"]" * 200_000))
+    with pytest.raises(ModelLoadError, match="__metadata__ is not an object"):
+        SafetensorsFile.open(write_raw(path, {"__metadata__": [1, 2]}))
+    # a header length above the format's limit is refused before it is read (a sparse file)
+    with open(write_raw(path, b"{}", data=b"", header_len=MAX_HEADER_BYTES + 1), "r+b") as f:
+        f.truncate(MAX_HEADER_BYTES + 100)
+    with pytest.raises(ModelLoadError, match="header length"):
+        SafetensorsFile.open(path)

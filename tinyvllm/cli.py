@@ -36,21 +36,32 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per decode batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="prompt tokens per prefill step")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context limit (default: the model's max_position_embeddings)")
+    g.add_argument("--max-model-len", type=_int_or_auto, default=None, metavar="N|auto",
+                   help="context limit (default: the model's max_position_embeddings; auto: that, "
+                        "lowered with a warning to what the KV cache holds)")
     g.add_argument("--kv-cache-gb", type=float, default=None,
                    help="KV cache size (default: --gpu-memory-utilization of the GPU)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of the GPU's memory the engine may use, weights and KV cache "
                         "together (default 0.9)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV cache size in blocks")
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV blocks of prompt prefixes computed before (default: on)")
 
 
+def _int_or_auto(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
 def engine_options_from_args(args) -> dict:
     names = ("device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_gb",
-             "gpu_memory_utilization", "enforce_eager", "enable_prefix_caching")
+             "gpu_memory_utilization", "num_kv_blocks", "enforce_eager", "enable_prefix_caching")
     options = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if options.get("device") == "cpu" and "gpu_memory_utilization" in options:
         raise TinyVLLMError("--gpu-memory-utilization sizes the GPU's KV cache; the cpu backend's "
@@ -85,8 +96,8 @@ def _cmd_generate(args) -> int:
                             ignore_eos=args.ignore_eos).validate()
     prompts = _read_prompts(args)
     options = engine_options_from_args(args)
-    options.update({k: v for k, v in (("scheduling", args.scheduling),
-                                      ("num_kv_blocks", args.num_kv_blocks)) if v is not None})
+    if args.scheduling is not None:
+        options["scheduling"] = args.scheduling
     if args.trace or args.trace_steps is not None:
         from tinyvllm.trace import TRACE_STEPS
         options["trace_steps"] = TRACE_STEPS if args.trace_steps is None else args.trace_steps
@@ -158,8 +169,6 @@ def _cmd_inspect(args) -> int:
 def _cmd_bench(args) -> int:
     from tinyvllm.bench.run import BenchOptions, run_bench
     options = engine_options_from_args(args)
-    if args.num_kv_blocks is not None:
-        options["num_kv_blocks"] = args.num_kv_blocks
     run_bench(BenchOptions(
         model=args.model, preset=args.preset, model_cache=args.model_cache, workload=args.workload,
         json_path=args.json, compare_hf=args.compare_hf, hf_max_seconds=args.hf_max_seconds,
@@ -208,14 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--seed", type=int, default=None, help="sampling seed of every request")
-    gen.add_argument("--stop", action="extend", nargs="+", default=None, metavar="STR",
-                     help="stop strings (not printed)")
+    gen.add_argument("--stop", action="append", default=None, metavar="STR",
+                     help="a stop string (not printed); repeat the flag for several")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--stream", action="store_true",
                      help="print tokens as they come (always on for a single prompt)")
     add_engine_options(gen)
     gen.add_argument("--scheduling", choices=["continuous", "static"], default=None)
-    gen.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV cache size in blocks")
     gen.add_argument("--trace", action="store_true",
                      help="print every kernel launch and cuBLAS call of the first steps to stderr")
     gen.add_argument("--trace-steps", type=int, default=None, metavar="N",
@@ -249,8 +257,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-len", type=int, default=None, help="override: cap on every length")
     bench.add_argument("--seed", type=int, default=0, help="seed of the random prompts and lengths")
     add_engine_options(bench)
-    bench.add_argument("--num-kv-blocks", type=int, default=None,
-                       help="exact KV cache size in blocks (default: enough for the workloads)")
     bench.set_defaults(func=_cmd_bench)
 
     from tinyvllm.server.serve_cli import add_serve_command

@@ -157,12 +157,17 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
 
 
 
+INT32_MAX = 2**31 - 1              # token ids, positions, slots and counts are int32 on the device
+AUTO = "auto"                       # max_model_len="auto": the model's, lowered to what the KV cache holds
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine knobs. Budgets are per scheduler step."""
     max_num_seqs: int = 256              # sequences in one decode batch
     max_num_batched_tokens: int = 8192   # prompt tokens in one prefill batch
-    max_model_len: int | None = None     # context limit; None = the model's max_position_embeddings
+    max_model_len: int | str | None = None   # context limit; None = the model's max_position_embeddings;
+                                         # "auto" = that, lowered (with a warning) to what the KV cache holds
     block_size: int = 16                 # tokens per KV-cache block
     gpu_memory_utilization: float = 0.90 # fraction of free GPU memory the KV cache may take ...
     kv_cache_gb: float | None = None     # ... unless an explicit size is given
@@ -175,23 +180,45 @@ class EngineConfig:
     trace_steps: int = 0                 # print every kernel / cuBLAS call of the first N steps (trace.py)
 
     def __post_init__(self):
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        _check_int("max_num_seqs", self.max_num_seqs, 1, INT32_MAX)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, INT32_MAX)
+        if self.max_model_len not in (None, AUTO):
+            _check_int("max_model_len", self.max_model_len, 1, INT32_MAX, "or 'auto'")
+        _check_int("block_size", self.block_size, 1, 1 << 16)
+        if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        _check_number("gpu_memory_utilization", self.gpu_memory_utilization)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_gb is not None:
+            _check_number("kv_cache_gb", self.kv_cache_gb)
+            if not self.kv_cache_gb > 0:
+                raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.num_kv_blocks is not None:   # every slot (block * block_size + offset) is an int32
+            _check_int("num_kv_blocks", self.num_kv_blocks, 1, INT32_MAX // self.block_size)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
-        if self.trace_steps < 0:
-            raise ValueError(f"trace_steps must be >= 0, got {self.trace_steps}")
+        _check_int("seed", self.seed, 0, 2**64 - 1)
+        _check_int("trace_steps", self.trace_steps, 0, INT32_MAX)
 
     def context_limit(self, model: ModelConfig) -> int:
-        return min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+        asked = self.max_model_len if isinstance(self.max_model_len, int) else None
+        return min(asked or model.max_position_embeddings, model.max_position_embeddings)
 
     def max_blocks_per_seq(self, model: ModelConfig) -> int:
         return math.ceil(self.context_limit(model) / self.block_size)
+
+
+def _check_int(name: str, value, lo: int, hi: int, also: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}]{' ' + also if also else ''}, "
+                         f"got {value!r}")
+
+
+def _check_number(name: str, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")

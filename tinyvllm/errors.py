@@ -16,3 +16,10 @@ class InvalidRequestError(TinyVLLMError, ValueError):
 
 class GPUUnavailableError(TinyVLLMError):
     """No CUDA driver, no GPU, PyCUDA or cuBLAS missing."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine hit a failure it cannot pin on one request (a CUDA error: the context and
+    whatever was on the device are gone). Every request in flight is lost and the engine refuses
+    all further work: the process should exit so that a supervisor restarts it. Not a
+    TinyVLLMError: it is not the user's input that is wrong."""

@@ -83,6 +83,8 @@ def engine_options(user_options: dict, specs: list[WorkloadSpec]) -> dict:
     if "kv_cache_gb" not in options and "num_kv_blocks" not in options:
         options["num_kv_blocks"] = kv_blocks_needed(
             specs, options["max_num_seqs"], options.get("block_size", EngineConfig.block_size))
+        # a cache sized for the workloads holds their longest context, not the model's
+        options.setdefault("max_model_len", max(s.max_context for s in [*specs, *WARMUP]))
     return options
 
 

@@ -12,6 +12,7 @@ no host RAM beyond the page cache; only fp16/fp32 tensors are converted (one cop
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ DTYPES: dict[str, np.dtype] = {
 DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 BF16 = np.dtype(ml_dtypes.bfloat16)
+MAX_HEADER_BYTES = 100_000_000      # the safetensors format's own limit; read before anything else
+MAX_DIMS = 8
 
 
 # ---- reading ------------------------------------------------------------------------------
@@ -59,9 +62,10 @@ class SafetensorsFile:
                     raise ModelLoadError(f"{path}: truncated safetensors file ({size} bytes)")
                 f.seek(0)
                 (header_len,) = struct.unpack("<Q", f.read(8))
-                if header_len > size - 8:
+                if header_len > min(size - 8, MAX_HEADER_BYTES):
                     raise ModelLoadError(f"{path}: corrupt safetensors header (header length "
-                                         f"{header_len} exceeds file size {size})")
+                                         f"{header_len}; the file has {size} bytes and headers "
+                                         f"are at most {MAX_HEADER_BYTES})")
                 header = _parse_header(f.read(header_len), path)
                 data_start = 8 + header_len
                 data_size = size - data_start
@@ -70,6 +74,8 @@ class SafetensorsFile:
         except OSError as e:
             raise ModelLoadError(f"cannot read {path}: {e.strerror}") from None
         metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict):
+            raise ModelLoadError(f"{path}: corrupt safetensors header (__metadata__ is not an object)")
         for name, entry in header.items():
             _check_entry(name, entry, data_size, path)
         return cls(path, header, metadata, mapped, data_start)
@@ -91,26 +97,36 @@ def _parse_header(raw: bytes, path: Path) -> dict:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{path}: corrupt safetensors header ({e})") from None
+    except RecursionError:
+        raise ModelLoadError(f"{path}: corrupt safetensors header (nested too deeply)") from None
     if not isinstance(header, dict):
         raise ModelLoadError(f"{path}: corrupt safetensors header (not a JSON object)")
     return header
 
 
 def _check_entry(name: str, entry, data_size: int, path: Path) -> None:
+    """Every field of a header entry, with Python integers (no int64 wrap-around): a crafted
+    shape must not make get() allocate or view more bytes than the file holds."""
     def bad(why):
         return ModelLoadError(f"{path}: tensor {name!r}: {why}")
+
+    def non_negative_ints(values, count=None) -> bool:
+        return (isinstance(values, list) and (count is None or len(values) == count)
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values))
+
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
         raise bad("header entry lacks dtype/shape/data_offsets")
-    if entry["dtype"] not in DTYPES:
+    if not isinstance(entry["dtype"], str) or entry["dtype"] not in DTYPES:
         raise bad(f"unsupported dtype {entry['dtype']!r}")
-    try:
-        begin, end = (int(x) for x in entry["data_offsets"])
-        shape = [int(x) for x in entry["shape"]]
-    except (TypeError, ValueError):
-        raise bad(f"malformed shape {entry['shape']!r} or data_offsets {entry['data_offsets']!r}") from None
-    need = int(np.prod(shape, dtype=np.int64)) * DTYPES[entry["dtype"]].itemsize
-    if not 0 <= begin <= end or end - begin != need:
-        raise bad(f"data_offsets {entry['data_offsets']} do not match shape {entry['shape']}")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not non_negative_ints(shape) or len(shape) > MAX_DIMS:
+        raise bad(f"malformed shape {shape!r} (a list of at most {MAX_DIMS} non-negative integers)")
+    if not non_negative_ints(offsets, 2):
+        raise bad(f"malformed data_offsets {offsets!r} (two non-negative integers)")
+    begin, end = offsets
+    need = math.prod(shape) * DTYPES[entry["dtype"]].itemsize
+    if begin > end or end - begin != need:
+        raise bad(f"data_offsets {offsets} do not match shape {shape}")
     if end > data_size:
         raise bad(f"data ends at byte {end} but the file holds only {data_size} data bytes "
                   "(truncated file?)")

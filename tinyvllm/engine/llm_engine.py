@@ -7,6 +7,16 @@
 
 Aborted requests: abort_request() frees the blocks at once; the next step() reports the request
 one last time with finished=True, finish_reason="abort".
+
+Failures inside step() (docs/engine.md, "Failures"):
+  one request's fault  building a step's batch rows raised for it (a value the arrays cannot
+                       hold), or the model gave it non-finite logits (the sampler's id -1): that
+                       request alone finishes with finish_reason "error" and RequestOutput.error
+                       saying why; the rest of the step runs without it.
+  nobody's fault       anything else raised by the scheduler, the runner (a CUDA error: the
+                       context and the KV cache are gone) or the bookkeeping after it: the engine
+                       is dead. This step() and every later call raise EngineDeadError; the
+                       requests in flight are lost; the process should exit and be restarted.
 """
 from __future__ import annotations
 
@@ -22,13 +32,20 @@ from tinyvllm.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyvllm.checkpoint.weights import load_weights
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.block_manager import BlockManager, PrefixCacheStats, blocks_for
+from tinyvllm.engine.limits import (
+    check_request,
+    check_text,
+    fit_context_to_cache,
+    longest_token_bytes,
+    max_prompt_bytes,
+)
 from tinyvllm.engine.model_runner import ModelRunner, make_runner
 from tinyvllm.engine.outputs import RequestOutput
 from tinyvllm.engine.sampling_params import SamplingParams
-from tinyvllm.engine.scheduler import Scheduler
-from tinyvllm.engine.sequence import Sequence
+from tinyvllm.engine.scheduler import ScheduledBatch, Scheduler
+from tinyvllm.engine.sequence import Sequence, SequenceStatus
 from tinyvllm.engine.stats import StatsCollector, StepStats
-from tinyvllm.errors import InvalidRequestError, TinyVLLMError
+from tinyvllm.errors import EngineDeadError, InvalidRequestError, ModelLoadError, TinyVLLMError
 
 log = logging.getLogger("tinyvllm.engine")
 
@@ -58,12 +75,25 @@ class LLMEngine:
         model_dir = resolve_model_dir(model_dir)
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir, self.model_config, chat_template)
+        if self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ModelLoadError(
+                f"{model_dir}: tokenizer.json has {self.tokenizer.vocab_size} tokens but config.json's "
+                f"vocab_size is {self.model_config.vocab_size}: the model has no embedding for the rest")
         self.runner = runner or make_runner(self.model_config, load_weights(model_dir, self.model_config),
                                             self.engine_config)
+        try:
+            self.engine_config = fit_context_to_cache(self.engine_config, self.model_config,
+                                                      self.runner.num_kv_blocks)
+        except TinyVLLMError:
+            self.runner.close()          # give the device memory back before the error leaves
+            raise
         if self.engine_config.trace_steps:       # eager, printed steps first (tinyvllm/trace.py)
             from tinyvllm.trace import TracingRunner
             self.runner = TracingRunner(self.runner, self.model_config, self.engine_config)
         self.context_limit = self.engine_config.context_limit(self.model_config)
+        longest = longest_token_bytes(self.tokenizer)
+        self.max_prompt_bytes = None if longest is None else max_prompt_bytes(self.context_limit, longest)
+        self.dead: str | None = None     # why the engine died (see the module docstring)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.engine_config.block_size,
                                           self.engine_config.enable_prefix_caching)
         self.scheduler = Scheduler(self.engine_config, self.block_manager, self.context_limit,
@@ -95,7 +125,10 @@ class LLMEngine:
                     *, arrival_time: float | None = None) -> None:
         """Queue a request. Anything wrong with it raises InvalidRequestError before the engine
         changes at all."""
+        if self.dead:
+            raise EngineDeadError(f"the engine is dead ({self.dead}); restart it")
         params = (params or SamplingParams()).validate()
+        check_request(params, self.model_config.vocab_size, self.engine_config.max_num_seqs)
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
@@ -116,6 +149,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
+            check_text(prompt, "prompt", self.max_prompt_bytes)
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple, np.ndarray)):
             ids = [int(t) for t in prompt] if all(
@@ -159,18 +193,68 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step: a prefill batch or a decode step. -> one RequestOutput per
-        request that got a new token or finished."""
-        batch = self.scheduler.schedule()
+        request that got a new token or finished. Raises EngineDeadError (see the module
+        docstring) when the step failed for no one request's fault."""
+        if self.dead:
+            raise EngineDeadError(f"the engine is dead ({self.dead}); restart it")
         stats = self.stats
-        if stats is not None:
-            stats.step_started(batch)
-        tokens = batch and self.runner.execute(batch.forward_batch(self.engine_config.block_size),
-                                               batch.sampling_batch())
-        reported = self.scheduler.postprocess(batch, tokens)
-        outputs = [self._report(seq) for seq in reported]
-        if stats is not None:
-            self.last_step_stats = stats.step_finished(reported)
-        return outputs
+        try:
+            batch = self.scheduler.schedule()
+            if stats is not None:
+                stats.step_started(batch)
+            inputs, batch = self._batch_inputs(batch) if batch else (None, None)
+            tokens = self.runner.execute(*inputs) if batch else None
+            if tokens is not None:
+                self._fail_non_finite(batch, tokens)
+            reported = self.scheduler.postprocess(batch, tokens)
+            outputs = [self._report(seq) for seq in reported]
+            if stats is not None:
+                self.last_step_stats = stats.step_finished(reported)
+            return outputs
+        except Exception as e:
+            self.dead = f"{type(e).__name__}: {e}"
+            log.error("engine dead: step() failed for no single request's fault", exc_info=True)
+            raise EngineDeadError(f"the engine is dead: {self.dead}") from e
+
+    def _batch_inputs(self, batch: ScheduledBatch):
+        """(ForwardBatch, SamplingBatch) of the step, and the batch they are for. A failure is
+        pinned on the requests whose rows fail to build on their own; they are failed and the
+        batch is rebuilt without them. A failure no row reproduces alone is re-raised."""
+        while True:
+            try:
+                return (batch.forward_batch(self.engine_config.block_size), batch.sampling_batch()), batch
+            except Exception as e:
+                culprits = {seq: why for seq in batch.seqs if (why := self._row_failure(batch, seq))}
+                if not culprits:
+                    raise
+                for seq, why in culprits.items():
+                    self._fail(seq, f"this request's batch row could not be built: {why}")
+                batch = ScheduledBatch([s for s in batch.seqs if s not in culprits],
+                                       batch.is_prefill, batch.block_manager)
+                if not batch.seqs:
+                    return None, None
+                log.warning("step rebuilt without %d request(s) after %s: %s",
+                            len(culprits), type(e).__name__, e)
+
+    def _row_failure(self, batch: ScheduledBatch, seq: Sequence) -> str | None:
+        alone = ScheduledBatch([seq], batch.is_prefill, batch.block_manager)
+        try:
+            alone.forward_batch(self.engine_config.block_size)
+            alone.sampling_batch()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def _fail_non_finite(self, batch: ScheduledBatch, tokens: np.ndarray) -> None:
+        """The sampler's id is -1 for a row whose logits held NaN or +inf (or no finite value)."""
+        for i in np.flatnonzero(np.asarray(tokens) < 0):
+            seq = batch.seqs[int(i)]
+            self._fail(seq, "the model produced non-finite logits (NaN or inf) for this request")
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        log.warning("request %s failed: %s", seq.request_id, message)
+        seq.error = message
+        self.scheduler.abort(seq, SequenceStatus.FINISHED_ERROR)
 
     def _report(self, seq: Sequence) -> RequestOutput:
         if seq.is_finished:

@@ -21,7 +21,9 @@ class ModelRunner(ABC):
     @abstractmethod
     def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> np.ndarray:
         """Run the batch's new tokens through the model (writing their K/V into the cache at
-        batch.slot_mapping) and sample -> int32 [S]: the next token of each sequence."""
+        batch.slot_mapping) and sample -> int32 [S]: the next token of each sequence, or -1
+        (reference.sampling.NON_FINITE) where its logits were not finite. Raising means the
+        runner is unusable (the engine dies; see engine/llm_engine.py)."""
 
     def close(self) -> None:
         """Release the backend's memory. The runner is unusable afterwards."""

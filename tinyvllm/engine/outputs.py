@@ -12,7 +12,7 @@ class RequestOutput:
     had got, and the token lists, text and timings are worked out when first read. Every field
     reads as a snapshot of the moment it was reported."""
 
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "finished", "num_preemptions", "num_cached_tokens",
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "finished", "num_preemptions", "num_cached_tokens", "error",
                  "_seq", "_status", "_start", "_end", "_text", "_delta_text", "_token_ids")
 
     def __init__(self, seq: Sequence):
@@ -24,6 +24,7 @@ class RequestOutput:
         self.finished = seq.status.is_finished
         self.num_preemptions = seq.num_preemptions
         self.num_cached_tokens = seq.num_prefix_cached_tokens    # prompt tokens served by the prefix cache
+        self.error = seq.error            # set when finish_reason is "error": what went wrong
         self._start, self._end = seq.num_reported_tokens, len(seq.token_ids) - seq.num_prompt_tokens
         seq.num_reported_tokens = self._end
         self._token_ids = None
@@ -66,7 +67,7 @@ class RequestOutput:
 
     @property
     def finish_reason(self) -> str | None:
-        """"stop", "eos", "length", "abort", or None while running."""
+        """"stop", "eos", "length", "abort", "error" (see .error), or None while running."""
         return self._status.value if self.finished else None
 
     @property

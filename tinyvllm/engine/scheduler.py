@@ -76,15 +76,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._finished_unreported)
 
-    def abort(self, seq: Sequence) -> None:
-        """Stop a sequence now and free its blocks; the next postprocess reports it."""
+    def abort(self, seq: Sequence, status: SequenceStatus = SequenceStatus.FINISHED_ABORTED) -> None:
+        """Stop a sequence now and free its blocks; the next postprocess reports it (with
+        status FINISHED_ERROR when the engine failed it)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         else:
             return
-        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self._finish(seq, status)
 
     # -- scheduling ----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:

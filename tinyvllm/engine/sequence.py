@@ -16,6 +16,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_EOS = "eos"                 # the model's end-of-sequence token
     FINISHED_LENGTH = "length"           # max_tokens, or the context limit
     FINISHED_ABORTED = "abort"           # abort_request()
+    FINISHED_ERROR = "error"             # this request alone failed (Sequence.error says why)
 
     def __init__(self, value: str):
         # a plain attribute set once per member (Enum calls __init__ with the value), not a
@@ -45,6 +46,7 @@ class Sequence:
         self.num_published_blocks = 0               # of its blocks, those the cache has seen
         self.num_prefix_cached_tokens = 0           # prompt tokens the prefix cache served at admission
         self.num_preemptions = 0
+        self.error: str | None = None               # why it failed (status FINISHED_ERROR)
         self.detokenizer = detokenizer
         self.text = ""                              # generated text, stop string cut off
         self.num_emitted_chars = 0                  # text[:num_emitted_chars] has been reported

@@ -2,6 +2,9 @@
 CUDA sampling kernel (cuda/sampling.cu). Both implement exactly this algorithm per row:
 
     x = logits row (fp32, length V)
+    any NaN or +inf in x, or no finite value -> NON_FINITE (-1): a broken row has no meaningful
+                               token, and any id it produced would be garbage (the engine fails
+                               that request alone). -inf entries are fine: they have no mass.
     T <= 0                   -> argmax(x), lowest index on ties. Done.
     m = max(x); s = 1/T (fp32, correctly rounded)
     e_i = exp2_f32((x_i - m) * s * LOG2E)      fp32, every op rounded separately (no FMA), with
@@ -35,6 +38,7 @@ from tinyvllm.engine.batch import SamplingBatch
 MASK64 = (1 << 64) - 1
 GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 MASS_BITS = 40                      # w_i = rint(e_i * 2^40); sums of 128K tokens fit in uint64
+NON_FINITE = -1                     # the id sampled from a row with NaN / +inf / no finite logit
 
 
 def _f32(bits: int) -> np.float32:
@@ -106,9 +110,15 @@ def sample_row(x: np.ndarray, temperature: float, top_k: int, top_p: float, seed
 
 
 def sample(logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
-    """Numpy twin of the CUDA sampler: logits float32 [S, V] -> int32 [S]."""
-    if batch.all_greedy:
-        return np.argmax(logits, axis=-1).astype(np.int32)
-    return np.array([sample_row(logits[i], float(batch.temperature[i]), int(batch.top_k[i]),
-                                float(batch.top_p[i]), int(batch.seed[i]), int(batch.step[i]))
-                     for i in range(batch.num_seqs)], np.int32)
+    """Numpy twin of the CUDA sampler: logits float32 [S, V] -> int32 [S] (NON_FINITE for a
+    broken row)."""
+    broken = ~np.isfinite(logits.max(axis=-1))     # max is NaN for any NaN, +inf for any +inf,
+    if batch.all_greedy:                           # -inf when nothing is finite
+        out = np.argmax(logits, axis=-1).astype(np.int32)
+    else:
+        out = np.array([NON_FINITE if broken[i] else
+                        sample_row(logits[i], float(batch.temperature[i]), int(batch.top_k[i]),
+                                   float(batch.top_p[i]), int(batch.seed[i]), int(batch.step[i]))
+                        for i in range(batch.num_seqs)], np.int32)
+    out[broken] = NON_FINITE
+    return out

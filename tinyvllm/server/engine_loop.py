@@ -179,7 +179,11 @@ class EngineLoop:
                 break
             if self.engine.has_unfinished_requests():
                 self._step()
-        log.info("engine loop stopped")
+        # the KV figures once everything has been aborted: a leak shows as free < total
+        bm = getattr(self.engine, "block_manager", None)
+        log.info("engine loop stopped: %s KV blocks free of %s, %s preemptions",
+                 getattr(bm, "num_free_blocks", "?"), getattr(bm, "num_blocks", "?"),
+                 getattr(self.engine, "num_preemptions", "?"))
 
     def _apply(self, c: _Command) -> None:
         if c.kind == "add":

@@ -4,7 +4,8 @@
 //
 // Launch: grid = (num_seqs), block = (SAMPLE_THREADS = 1024), no dynamic shared memory.
 // Passes over the row (vocab = 128256 -> 126 elements per thread):
-//   1. argmax / max                       (greedy rows stop here)
+//   1. argmax / max; a row with NaN or +inf, or with no finite value, gets id -1 (NON_FINITE in
+//      sampling.py) and stops: the engine fails that request alone (greedy rows stop here too)
 //   2. e_i = exp((x_i - m) / T), written IN PLACE over the logits row; Z = sum of masses
 //   3. top-k: radix select of the k-th largest e           (4 passes, 8 bits each)
 //   4. top-p: radix select of the mass threshold           (4 passes, 8 bits each)
@@ -91,15 +92,19 @@ __device__ __forceinline__ u64 block_exclusive_scan(u64 v, u64* total, Scratch& 
     return before + incl - v;
 }
 
-// Max of the row and its lowest index.
-__device__ __forceinline__ void block_argmax(const float* x, int vocab, float* best_val, int* best_idx, Scratch& s) {
+// Max of the row and its lowest index. Returns true (in every thread) when the row is broken:
+// it holds a NaN or +inf (comparisons skip NaN, so it is tested separately), or nothing finite.
+__device__ __forceinline__ bool block_argmax(const float* x, int vocab, float* best_val, int* best_idx, Scratch& s) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float bv = -INFINITY;
     int bi = 0x7fffffff;
+    int broken = 0;
     for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
         float v = x[i];
+        broken |= !(v < INFINITY);                        // NaN or +inf
         if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
     }
+    broken = __syncthreads_or(broken);
     for (int o = 16; o > 0; o >>= 1) {
         float ov = __shfl_xor_sync(FULL_MASK, bv, o);
         int oi = __shfl_xor_sync(FULL_MASK, bi, o);
@@ -116,6 +121,7 @@ __device__ __forceinline__ void block_argmax(const float* x, int vocab, float* b
     }
     *best_val = bv;
     *best_idx = bi == 0x7fffffff ? 0 : bi;
+    return broken || bv == -INFINITY;
 }
 
 // Largest key t (the bits of a non-negative float e, so integer order = float order) such that
@@ -199,10 +205,10 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
 
     float m;
     int argmax;
-    block_argmax(x, vocab, &m, &argmax, s);
+    const bool broken = block_argmax(x, vocab, &m, &argmax, s);
     const float temp = temperature[row];
-    if (!(temp > 0.0f)) {
-        if (threadIdx.x == 0) out[row] = argmax;
+    if (broken || !(temp > 0.0f)) {                       // uniform across the block
+        if (threadIdx.x == 0) out[row] = broken ? -1 : argmax;
         return;
     }
 
