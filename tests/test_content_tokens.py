@@ -49,7 +49,13 @@ def test_each_content_is_found_in_its_own_place(tokenizer):
     messages = [{"role": "user", "content": "<|eot_id|>"}, {"role": "assistant", "content": "<|eot_id|>"},
                 {"role": "user", "content": "  <|start_header_id|>  "}]
     ids = encoded(tokenizer, messages)
-    assert ids.count(EOT) == 3 and ids.count(START_HEADER) == 4
+    # the template may add turns of its own (e.g. a default system turn): compare with the same
+    # conversation holding harmless content, which differs only in the three contents
+    harmless = [{**m, "content": "x"} for m in messages]
+    plain = encoded(tokenizer, harmless)
+    assert ids.count(EOT) == plain.count(EOT) and ids.count(START_HEADER) == plain.count(START_HEADER)
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.count("<|eot_id|>") == plain.count(EOT) + 2       # the two contents survive as text
 
 
 def test_a_template_that_rewrites_content_is_refused_when_content_holds_special_text(tokenizer):

@@ -55,7 +55,7 @@ def test_step_stats_add_up_to_the_requests(tiny_model_dir):
 def test_preemptions_aborts_and_waiting_are_counted(tiny_model_dir):
     # 4 blocks of 16 tokens for 3 running requests that each grow to 2 blocks: someone gets
     # preempted; a 4th request waits for a sequence slot until it is aborted
-    engine = LLMEngine(tiny_model_dir, device="cpu", max_model_len=128, num_kv_blocks=4,
+    engine = LLMEngine(tiny_model_dir, device="cpu", max_model_len=64, num_kv_blocks=4,
                        max_num_seqs=3)
     engine.enable_stats()
     for i in range(3):
@@ -76,7 +76,7 @@ def test_inter_token_gaps_match_a_per_token_oracle(tiny_model_dir):
     """Every generated token but a request's first has exactly one gap, measured from the step
     that produced the request's previous token, through preemptions (recomputed prompts),
     chunked prefill, aborts, one-token requests and requests arriving mid-run."""
-    engine = LLMEngine(tiny_model_dir, device="cpu", max_model_len=128, num_kv_blocks=6,
+    engine = LLMEngine(tiny_model_dir, device="cpu", max_model_len=96, num_kv_blocks=6,
                        max_num_seqs=4, max_num_batched_tokens=24)
     engine.enable_stats()
     previous_step, oracle, steps = {}, [], []       # request -> index of its last token's step
