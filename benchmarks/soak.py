@@ -80,12 +80,12 @@ class Probe:
 
 
 # -- the workload --------------------------------------------------------------------------
-def prompt_pool(size: int, rng: random.Random) -> list:
-    """Text prompts, and token-id prompts (ordinary Llama 3 text tokens)."""
-    pool = []
+def prompt_pool(size: int, rng: random.Random, vocab_size: int) -> list:
+    """Text prompts, and token-id prompts (ids from 1,000 up, below the model's vocabulary)."""
+    pool, top = [], min(100000, vocab_size)
     for i in range(size):
         if i % 3 == 2:
-            pool.append([rng.randrange(1000, 100000) for _ in range(rng.randrange(4, 60))])
+            pool.append([rng.randrange(1000, top) for _ in range(rng.randrange(4, 60))])
         else:
             pool.append(" ".join(rng.choice(SENTENCES) for _ in range(rng.randrange(1, 4))))
     return pool
@@ -316,12 +316,17 @@ def stop_server(server: subprocess.Popen, log_path: Path) -> dict:
 
 
 # -- checking ------------------------------------------------------------------------------
-def classify_mismatches(args, outcomes, reference) -> tuple[int, int]:
-    """(mismatches, of which unexplained). On the numpy backend every mismatch is unexplained."""
+def classify_mismatches(args, outcomes, reference) -> tuple[int, int, int, list[str]]:
+    """(mismatches, of which unexplained, seeded samples that diverged on cuda, details).
+    On the numpy backend every mismatch is unexplained: its arithmetic does not depend on the
+    batch. On cuda a greedy mismatch is explained by a near-tie (see NEAR_TIE); a seeded sample
+    is compared on the numpy backend only (the CI soak), because on cuda its tokens depend on the
+    logits' last bits, which depend on the batch's shape (GEMV vs cuBLAS, decode vs the prefill
+    that recomputes a preempted sequence) — there a diverged seeded sample is counted, not failed."""
     bad = [(o, reference[compared_key(o.spec)]) for o in outcomes
            if o.status == "completed" and compared_key(o.spec) and o.text != reference[compared_key(o.spec)][2]]
     if not bad or args.device == "cpu":
-        return len(bad), len(bad)
+        return len(bad), len(bad), 0, [f"{o.spec.kind} #{o.spec.index}" for o, _ in bad[:10]]
     from tinyvllm.checkpoint.tokenizer import Tokenizer
     from tinyvllm.checkpoint.weights import load_weights
     from tinyvllm.config import ModelConfig
@@ -329,18 +334,27 @@ def classify_mismatches(args, outcomes, reference) -> tuple[int, int]:
     config = ModelConfig.from_pretrained(args.model)
     tokenizer = Tokenizer.from_pretrained(args.model, config)
     model = ReferenceModel(config, load_weights(args.model, config))
-    unexplained = 0
+    unexplained, seeded, details = 0, 0, []
     for outcome, (prompt_ids, token_ids, _) in bad:
+        what = f"{outcome.spec.kind} #{outcome.spec.index}"
+        if outcome.spec.kind == "seeded":
+            seeded += 1
+            continue
         j = 0                                    # first offline token the server's text departs from
         while j < len(token_ids) and outcome.text.startswith(tokenizer.decode(token_ids[:j + 1])):
             j += 1
-        if j == len(token_ids) or outcome.spec.kind == "seeded":
-            unexplained += 1                     # same tokens, other text; or a sampled request
+        if j == len(token_ids):                  # the same tokens, other text: never explained
+            unexplained += 1
+            details.append(f"{what}: same {j} tokens, other text")
             continue
-        top2 = model.forward_full(list(prompt_ids) + list(token_ids[:j]))[-1]
-        first, second = sorted(top2)[-2:][::-1]
-        unexplained += float(first - second) >= NEAR_TIE
-    return len(bad), unexplained
+        logits = model.forward_full(list(prompt_ids) + list(token_ids[:j]))[-1]
+        first, second = sorted(logits)[-2:][::-1]
+        gap = float(first - second)
+        unexplained += gap >= NEAR_TIE
+        details.append(f"{what}: departs at token {j} of {len(token_ids)}, fp32 top-2 gap {gap:.3f}"
+                       + (" (near-tie)" if gap < NEAR_TIE else " (UNEXPLAINED)"))
+    details.sort(key=lambda d: "UNEXPLAINED" not in d and "other text" not in d)
+    return len(bad), unexplained, seeded, details[:12]
 
 
 def summarize(args, outcomes, probe, elapsed, server_report, mismatches, rss_before, rss_after) -> dict:
@@ -355,6 +369,7 @@ def summarize(args, outcomes, probe, elapsed, server_report, mismatches, rss_bef
         "refused_4xx": status["refused"], "by_kind": {f"{k}/{s}": n for (k, s), n in sorted(by_kind.items())},
         "compared": sum(o.status == "completed" and compared_key(o.spec) is not None for o in outcomes),
         "mismatches": mismatches[0], "mismatches_unexplained": mismatches[1],
+        "seeded_diverged_on_cuda": mismatches[2], "mismatch_details": mismatches[3],
         **{k: v for k, v in server_report.items() if k != "log_tail"},
         "rss_mb_after_warmup": round(rss_before, 1), "rss_mb_after": round(rss_after, 1),
         "rss_growth_mb": round(rss_after - rss_before, 1),
@@ -369,6 +384,7 @@ def summarize(args, outcomes, probe, elapsed, server_report, mismatches, rss_bef
 def passed(s: dict) -> bool:
     return (s["failed"] == 0 and s["mismatches_unexplained"] == 0 and s.get("kv_blocks_leaked") == 0
             and s.get("preemptions", 0) > 0 and s["health_failures"] == 0 and s.get("exit_code") == 0
+            and s.get("tracebacks_in_log") == 0
             and s["completed"] > 0)
 
 
@@ -408,7 +424,8 @@ def main(argv=None) -> int:
         from tinyvllm.bench.run import resolve_model
         args.model = resolve_model(None, args.preset, Path(args.model_cache))
     rng = random.Random(args.seed)
-    pool = prompt_pool(args.pool, rng)
+    from tinyvllm.config import ModelConfig
+    pool = prompt_pool(args.pool, rng, ModelConfig.from_pretrained(args.model).vocab_size)
     specs = make_specs(args, pool, rng)
     t = time.perf_counter()
     reference = offline_reference(args, pool, specs)

@@ -33,6 +33,9 @@ async def serve(engine_loop: EngineLoop, request: Request, ident: R.ResponseIden
         disconnect.cancel()
         if not collect.done():          # the client left (or we were cancelled): free its blocks
             collect.cancel()
+            # a cancelled gather finishes later, holding a CancelledError nobody awaits; read it
+            # so asyncio does not log it as "exception was never retrieved" with a traceback
+            collect.add_done_callback(lambda f: f.cancelled() or f.exception())
             for s in streams:
                 engine_loop.abort(s.request_id)
     if not collect.done() or collect.cancelled():
