@@ -14,8 +14,15 @@ op once, in order, with a callable that repeats it (benchmarks/decode_profile.py
     attention_decode  attention_decode_d{64,128}_g{G}  attention_decode()  kernels.paged_attention  test_gpu_kernels::test_attention_decode
     activation.cu     silu_mul         silu_mul()            kernels.silu_mul                   test_gpu_kernels::test_silu_mul
     gemv.cu           gemv_bf16        gemv() (via linear()) X @ W^T in numpy                   test_gpu_gemv
+    gemv.cu           gemv_rms_norm_bf16  gemv_rms_norm() (via norm_linear())  kernels.rms_norm_linear  test_gpu_fused::test_gemv_rms_norm
+    gemv.cu           gemv_silu_mul_bf16  gemv_silu_mul() (via silu_linear())  kernels.silu_mul_linear  test_gpu_fused::test_gemv_silu_mul
     sampling.cu       sample_tokens    sample()              sampling.sample                    test_gpu_sampling
     (cuBLAS)          cublasGemmEx     linear()              X @ W^T in numpy                   test_gpu_kernels::test_linear
+
+The two fused GEMVs take the small kernel before them into their X load at decode: norm_linear()
+= rms_norm() + linear() and silu_linear() = silu_mul() + linear(), one launch instead of two when
+the projection runs on the GEMV and `fuse` is on (TINYVLLM_FUSE=0 turns it off), the same bits
+either way (common.cuh shares the arithmetic; test_gpu_fused and test_gpu_model check it).
 
 `linear()` is THE projection: Y[m, n] (+)= X[m, k] @ W[n, k]^T, on our GEMV for decode batches of
 at most GEMV_MAX_ROWS rows (cuBLAS reads small matrices at 1.7-2.5 TB/s at M <= 8; the GEMV
