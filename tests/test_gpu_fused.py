@@ -59,7 +59,7 @@ class _Y:
         pattern = POISON[self.dtype]
         self.buf = np.full((m + 2, n), pattern, pattern.dtype).view(self.dtype)
         if y0 is not None:
-            self.buf[1:m + 1] = y0
+            self.buf[1:m + 1] = np.asarray(y0, np.float32).astype(self.dtype)
         self.dev = DeviceArray(self.buf)
         self.ptr = self.dev.ptr + n * self.dtype.itemsize
 

@@ -209,11 +209,13 @@ def test_fused_graphs_equal_unfused_graphs(tiny, num_seqs):
     fusion give bitwise the logits of graphs captured with TINYVLLM_FUSE=0's separate kernels."""
     cfg, runner, _, _ = tiny
     assert runner.ops.fuse, "fusion is on by default (TINYVLLM_FUSE unset)"
-    calls = []
+    calls, tables = [], [[70 + i] for i in range(num_seqs)]
+    tokens = runner.execute(ForwardBatch.build([[1, 2, 3, 4]] * num_seqs, [4] * num_seqs, tables, BLOCK, True),
+                            SamplingBatch.greedy(num_seqs))
     runner.ops.observer = lambda op, repeat, details: calls.append(op)
-    try:
-        runner.execute(ForwardBatch.build([[1]] * num_seqs, [5] * num_seqs, [[70 + i] for i in range(num_seqs)],
-                                          BLOCK, False), SamplingBatch.greedy(num_seqs), replay=False)
+    try:      # one eager decode step: which ops it launches
+        runner.execute(ForwardBatch.build([[int(t)] for t in tokens], [5] * num_seqs, tables, BLOCK, False),
+                       SamplingBatch.greedy(num_seqs), replay=False)
     finally:
         runner.ops.observer = None
     assert sum(op.startswith("gemv+") for op in calls) == 3 * cfg.num_hidden_layers, calls
