@@ -207,7 +207,10 @@ def test_fused_graphs_equal_unfused_graphs(tiny, num_seqs):
     """RMSNorm and SiLU*mul fused into the decode GEMVs (gpu/ops.py norm_linear / silu_linear)
     share the unfused kernels' arithmetic (cuda/common.cuh), so decode graphs captured with the
     fusion give bitwise the logits of graphs captured with TINYVLLM_FUSE=0's separate kernels."""
+    import os
     cfg, runner, _, _ = tiny
+    if os.environ.get("TINYVLLM_FUSE", "1") == "0":
+        pytest.skip("TINYVLLM_FUSE=0: this run keeps the fused GEMVs off")
     assert runner.ops.fuse, "fusion is on by default (TINYVLLM_FUSE unset)"
     calls, tables = [], [[70 + i] for i in range(num_seqs)]
     tokens = runner.execute(ForwardBatch.build([[1, 2, 3, 4]] * num_seqs, [4] * num_seqs, tables, BLOCK, True),

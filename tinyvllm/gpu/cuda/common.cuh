@@ -94,13 +94,18 @@ __device__ __forceinline__ float block_sum(float x) {
 // in order). The fused GEMV replays exactly this tree (gemv.cu's cta_inv_rms).
 constexpr int NORM_THREADS = 256;
 
-__device__ __forceinline__ float norm_partial_sum(const bf16* row, int hidden, int vt) {
-    float sum_sq = 0.0f, v[8];
-    for (int c = vt * 8; c < hidden; c += NORM_THREADS * 8) {
-        unpack_bf16x8(load_fresh(row + c), v);
+// One chunk's step of that sum: sum_sq += v0^2, then v1^2, ... v7^2 (fma, in order).
+__device__ __forceinline__ float norm_add_chunk(float sum_sq, const uint4& raw) {
+    float v[8];
+    unpack_bf16x8(raw, v);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sum_sq = __fmaf_rn(v[i], v[i], sum_sq);
-    }
+    for (int i = 0; i < 8; ++i) sum_sq = __fmaf_rn(v[i], v[i], sum_sq);
+    return sum_sq;
+}
+
+__device__ __forceinline__ float norm_partial_sum(const bf16* row, int hidden, int vt) {
+    float sum_sq = 0.0f;
+    for (int c = vt * 8; c < hidden; c += NORM_THREADS * 8) sum_sq = norm_add_chunk(sum_sq, load_fresh(row + c));
     return sum_sq;
 }
 

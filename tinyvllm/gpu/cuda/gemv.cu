@@ -120,20 +120,50 @@ enum class XLoad { plain, rms_norm, silu_mul };
 __device__ __forceinline__ float cta_inv_rms(const bf16* x, int m, int k, float eps, int lane,
                                              int warp, int warps) {
     constexpr int VIRTUAL_WARPS = NORM_THREADS / 32;
+    constexpr int GROUP = 4;   // tasks whose loads a warp has in flight together
     static_assert(VIRTUAL_WARPS <= 32, "the second stage sums the virtual warps in one warp");
     __shared__ float part[8][VIRTUAL_WARPS];   // [x row][virtual warp]
     const int rows = m < 8 ? m : 8;
-    for (int task = warp; task < rows * VIRTUAL_WARPS; task += warps) {   // warp-uniform
-        const int row = task / VIRTUAL_WARPS, vw = task % VIRTUAL_WARPS;
-        float s = 0.0f;
-        if (vw * 32 * 8 < k) s = warp_sum(norm_partial_sum(x + (size_t)row * k, k, vw * 32 + lane));
-        if (lane == 0) part[row][vw] = s;
+    const int tasks = rows * VIRTUAL_WARPS;
+    // Task j of this warp is warp + j * warps: (row, vw) = (task / 8, task % 8). A group's chunk
+    // loads are issued before any of its sums, each sum still visits its chunks in order.
+    for (int j0 = 0; warp + j0 * warps < tasks; j0 += GROUP) {                   // warp-uniform
+        float s[GROUP];
+        const bf16* row[GROUP];
+        int vt[GROUP];
+        bool live[GROUP];
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j) {
+            const int task = warp + (j0 + j) * warps;
+            live[j] = task < tasks && (task % VIRTUAL_WARPS) * 32 * 8 < k;
+            row[j] = x + (size_t)(live[j] ? task / VIRTUAL_WARPS : 0) * k;
+            vt[j] = (task % VIRTUAL_WARPS) * 32 + lane;
+            s[j] = 0.0f;
+        }
+        for (int c = 0; c < k; c += NORM_THREADS * 8) {
+            uint4 raw[GROUP];
+#pragma unroll
+            for (int j = 0; j < GROUP; ++j) {
+                raw[j] = make_uint4(0u, 0u, 0u, 0u);
+                if (live[j] && c + vt[j] * 8 < k) raw[j] = load_fresh(row[j] + c + vt[j] * 8);
+            }
+#pragma unroll
+            for (int j = 0; j < GROUP; ++j)
+                if (live[j] && c + vt[j] * 8 < k) s[j] = norm_add_chunk(s[j], raw[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < GROUP; ++j) {
+            const int task = warp + (j0 + j) * warps;
+            if (task >= tasks) break;                    // warp-uniform
+            const float total = live[j] ? warp_sum(s[j]) : 0.0f;
+            if (lane == 0) part[task / VIRTUAL_WARPS][task % VIRTUAL_WARPS] = total;
+        }
     }
     __syncthreads();
     float mine = 0.0f;
-    for (int row = 0; row < rows; ++row) {
-        const float total = warp_sum(lane < VIRTUAL_WARPS ? part[row][lane] : 0.0f);
-        if (lane >> 2 == row) mine = norm_inv_rms(total, k, eps);
+    for (int r = 0; r < rows; ++r) {
+        const float total = warp_sum(lane < VIRTUAL_WARPS ? part[r][lane] : 0.0f);
+        if (lane >> 2 == r) mine = norm_inv_rms(total, k, eps);
     }
     return mine;
 }
