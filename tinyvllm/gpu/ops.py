@@ -3,8 +3,9 @@
 Each launcher owns its kernel's launch geometry, computed from the constants its .cu file
 defines (read by gpu/kernels.py, never copied), and passes the arguments in the kernel's own
 order; the argument types come from the kernel's C signature. Every launch goes through
-`GpuOps._launch` and every projection through `linear()`: an `observer` set on GpuOps sees each
-op once, in order, with a callable that repeats it (benchmarks/decode_profile.py times ops so).
+`GpuOps._launch` and every projection through `linear()` (or a fused norm_linear()/silu_linear(),
+whose details carry "fused"): an `observer` set on GpuOps sees each op once, in order, with a
+callable that repeats it (benchmarks/decode_profile.py times ops so; trace.py prints them).
 
     kernel (gpu/cuda/)                 launcher              numpy twin (tinyvllm/reference/)    GPU test (tests/)
     embedding.cu      embedding_gather embedding()           kernels.embedding                  test_gpu_kernels::test_embedding_gather
@@ -193,7 +194,8 @@ class GpuOps:
         run = lambda: self.gemv_rms_norm(y, x, norm_weight, w, m, n, k, eps)  # noqa: E731
         if self.observer is not None:
             self.observer(f"gemv+rms_norm {n}x{k}", self._quietly(run),
-                          {"m": m, "n": n, "k": k, "y": y, "x": x, "w": w, "norm_weight": norm_weight})
+                          {"m": m, "n": n, "k": k, "accumulate": False, "out_dtype": "bfloat16", "y": y, "x": x,
+                           "w": w, "fused": "rms_norm", "norm_weight": norm_weight})
         self._quietly(run)()
 
     def silu_linear(self, y, gate_up, w, m: int, n: int, inter: int, *, act, accumulate: bool = False) -> None:
@@ -207,7 +209,8 @@ class GpuOps:
         run = lambda: self.gemv_silu_mul(y, gate_up, w, m, n, inter, accumulate=accumulate)  # noqa: E731
         if self.observer is not None:
             self.observer(f"gemv+silu_mul {n}x{inter}", self._quietly(run),
-                          {"m": m, "n": n, "k": inter, "accumulate": accumulate, "y": y, "x": gate_up, "w": w})
+                          {"m": m, "n": n, "k": inter, "accumulate": accumulate, "out_dtype": "bfloat16", "y": y,
+                           "x": gate_up, "w": w, "fused": "silu_mul"})
         self._quietly(run)()
 
     def _quietly(self, run):
