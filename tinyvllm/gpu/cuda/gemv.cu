@@ -44,6 +44,10 @@
 // it touches X or Y. That is a no-op for an ordinary launch; under programmatic dependent launch
 // the weight stream starts while the previous kernel (which produces X) is still finishing.
 // It calls allow_consumer() first thing, so the next kernel can be resident before this one ends.
+// Three entry points share this body and differ only in how X is loaded (XLoad below):
+// gemv_bf16 (X as stored), gemv_rms_norm_bf16 (X = RMSNorm of the residual stream, computed per
+// CTA; its wait comes before the loop, after L2 prefetches of the first W batch) and
+// gemv_silu_mul_bf16 (X = silu(gate) * up from the gate_up rows). ptxas: 64 registers, no spills.
 // -DGEMV_L2_PREFETCH=1 adds the .L2::256B prefetch hint to the W loads (benchmarks/gemv_bench.py
 // compares both; the default build has no hint).
 #include "common.cuh"
