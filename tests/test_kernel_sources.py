@@ -13,6 +13,8 @@ from tinyvllm.gpu.kernels import CUDA_DIR, kernel_constants, kernel_signatures
 def test_signatures_match_the_c_parameter_lists():
     assert kernel_signatures("rmsnorm.cu") == {"rms_norm": "PPPPiif"}
     assert kernel_signatures("sampling.cu") == {"sample_tokens": "PiPPPPPP"}    # comments inside the list
+    assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiii",               # plain and the two fused
+                                            "gemv_rms_norm_bf16": "PPPPiiifii", "gemv_silu_mul_bf16": "PPPiiiii"}
     (pattern, sig), = kernel_signatures("attention_decode.cu").items()          # a macro-made family
     assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiif"
 
