@@ -32,16 +32,17 @@ def vllm_processed(logits, prompt, output, p: SamplingParams, eos=EOS) -> np.nda
     apply_penalties (repetition over prompt + output, then frequency, then presence over the
     output), all in fp32 as vLLM's float32 logits are."""
     x = np.array(logits, F32)
+    vocab = len(x)
     if len(output) < p.min_tokens:
         banned = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos))
         x[sorted(banned)] = -np.inf
     for t, b in (p.logit_bias or {}).items():
         x[t] += F32(b)
-    seen = np.zeros(V, bool)
+    seen = np.zeros(vocab, bool)
     seen[list(prompt) + list(output)] = True
     rep = np.where(seen, F32(p.repetition_penalty), F32(1))
     x = np.where(x > 0, x / rep, x * rep).astype(F32)
-    counts = np.bincount(np.asarray(output, np.int64), minlength=V).astype(F32)
+    counts = np.bincount(np.asarray(output, np.int64), minlength=vocab).astype(F32)
     x = x - F32(p.frequency_penalty) * counts
     x = x - F32(p.presence_penalty) * (counts > 0).astype(F32)
     return x
@@ -286,3 +287,58 @@ def test_token_counts_standalone():
     c = TokenCounts([3, 3, 1])
     c.add_output([1, 9, 9])
     assert dict(zip(c.ids.tolist(), c.output_counts.tolist())) == {1: 1, 3: 0, 9: 2}
+
+
+def test_scheduler_loop_with_penalties_matches_a_dense_vllm_loop(tiny_model_dir):
+    """A real step loop (Scheduler + NumpyRunner, SamplingBatch.from_sequences each step, so the
+    per-sequence counts update incrementally, through prefill and decode) against a loop that
+    recomputes the whole context densely (ReferenceModel.forward_full) and applies vLLM's
+    formula to the whole vocabulary: the same greedy tokens."""
+    from tinyvllm.checkpoint.weights import load_weights
+    from tinyvllm.config import EngineConfig, ModelConfig
+    from tinyvllm.engine.block_manager import BlockManager
+    from tinyvllm.engine.scheduler import Scheduler
+    from tinyvllm.reference.model import ReferenceModel
+    from tinyvllm.reference.numpy_runner import NumpyRunner
+    cfg = ModelConfig.from_pretrained(tiny_model_dir)
+    weights = load_weights(tiny_model_dir, cfg)
+    engine = EngineConfig(block_size=16, num_kv_blocks=64, device="cpu", max_num_seqs=4, max_model_len=256)
+    runner = NumpyRunner(cfg, weights, engine)
+    eos = (cfg.vocab_size - 1,)
+    sched = Scheduler(engine, BlockManager(64, 16), 256, eos)
+    rng = np.random.default_rng(0)
+    all_params = [dict(temperature=0.0, repetition_penalty=1.8, frequency_penalty=0.6, presence_penalty=0.4),
+                  dict(temperature=0.0),
+                  dict(temperature=0.0, logit_bias={7: 1000.0}, min_tokens=3, frequency_penalty=2.0)]
+    seqs = []
+    for i, kw in enumerate(all_params):
+        prompt = rng.integers(0, cfg.vocab_size - 1, 12 + 5 * i).tolist()
+        s = Sequence(str(i), None, prompt, SamplingParams(max_tokens=8, **kw).validate(), seed=i,
+                     detokenizer=None)
+        sched.add(s)
+        seqs.append(s)
+    lp_rows_seen = 0
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        sampling = SamplingBatch.from_sequences(batch.seqs, eos)
+        tokens = runner.execute(batch.forward_batch(16), sampling)
+        lp_rows_seen += runner.last_logprobs is not None
+        sched.postprocess(batch, tokens)
+    assert lp_rows_seen == 0
+    model = ReferenceModel(cfg, weights)
+
+    def dense(s, params):
+        ctx, out = list(s.prompt_token_ids), []
+        for _ in range(8):
+            x = vllm_processed(model.forward_full(ctx)[-1], s.prompt_token_ids, out, params, eos=eos)
+            t = int(np.argmax(x))
+            ctx.append(t)
+            out.append(t)
+            if t in eos:
+                break
+        return out
+
+    for s in seqs:
+        assert s.output_token_ids == dense(s, s.params), s.request_id
+    for s in (seqs[0], seqs[2]):        # and the processing did change the text
+        assert s.output_token_ids != dense(s, SamplingParams(max_tokens=8, temperature=0.0))
