@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from tinyvllm.engine.batch import LogitEdits, SamplingBatch
+from tinyvllm.engine.batch import LogitEdits, SamplingBatch, SequenceEdits
 from tinyvllm.engine.sampling_params import SamplingParams
-from tinyvllm.engine.sequence import Sequence, TokenCounts
+from tinyvllm.engine.sequence import Sequence
 from tinyvllm.errors import InvalidRequestError
 from tinyvllm.reference.sampling import apply_edits, random_bits24, sample, sample_row, sample_step, step_logprobs
 
@@ -128,23 +128,31 @@ def test_edits_are_unique_per_row_and_token():
     np.testing.assert_array_equal(packed.view(F32)[:, 4], e.rep)
 
 
-def test_token_counts_follow_appends_incrementally():
-    s = seq([5, 5, 7], [])
-    c = s.token_counts()
-    assert sorted(c.ids.tolist()) == [5, 7] and c.output_counts.sum() == 0
-    s.token_ids.extend([7, 8, 8] + list(range(100, 140)))    # forces the columns to grow
-    c = s.token_counts()
-    counts = dict(zip(c.ids.tolist(), c.output_counts.tolist()))
-    prompt = dict(zip(c.ids.tolist(), c.in_prompt.tolist()))
-    assert counts[5] == 0 and counts[7] == 1 and counts[8] == 2 and counts[139] == 1
-    assert prompt[5] and prompt[7] and not prompt[8]
-    assert c.num_output_counted == 43 and s.token_counts() is c
+def test_sequence_edits_follow_appends_incrementally():
+    s = seq([5, 5, 7] + list(range(200, 230)), [], repetition_penalty=1.5, frequency_penalty=0.5)
+    SamplingBatch.from_sequences([s], EOS)
+    state = s.sampler_state
+    assert isinstance(state, SequenceEdits) and sorted(state.entries[:, 1].tolist()) == [5, 7, *range(200, 230)]
+    s.token_ids.extend([7, 8, 8] + list(range(100, 140)))    # forces its entries to grow
+    edits = SamplingBatch.from_sequences([seq([1], []), s], EOS).edits
+    assert s.sampler_state is state and state.num_output_counted == 43
+    assert [state.output_count(t) for t in (5, 7, 8, 139, 99)] == [0, 1, 2, 1, 0]
+    by_token = {t: i for i, t in enumerate(edits.token.tolist())}
+    assert set(edits.row.tolist()) == {1} and len(by_token) == 2 + 30 + 1 + 40
+    assert edits.rep[by_token[5]] == F32(1.5) and edits.freq[by_token[5]] == 0
+    assert edits.freq[by_token[8]] == F32(1.0) and edits.rep[by_token[8]] == F32(1.5)
+
+
+def test_min_tokens_only_rows_drop_out_once_reached():
+    s = seq([1], [], min_tokens=1)
+    assert SamplingBatch.from_sequences([s], EOS).edits.num_entries == len(EOS)
+    s.token_ids.append(9)
+    assert SamplingBatch.from_sequences([s], EOS).edits is None and s.sampler_state is False
 
 
 def test_out_of_vocab_tokens_are_skipped():
     x = np.zeros((1, 8), F32)
-    edits = LogitEdits.concat([(np.zeros(2, np.int32), np.array([3, 99], np.int32), np.zeros(2, bool),
-                                np.full(2, 1.5, F32), np.ones(2, F32), np.zeros(2, F32), np.zeros(2, F32))])
+    edits = LogitEdits.from_columns(np.zeros(2, np.int32), np.array([3, 99], np.int32), bias=np.full(2, 1.5, F32))
     np.testing.assert_array_equal(apply_edits(x, edits)[0], [0, 0, 0, 1.5, 0, 0, 0, 0])
 
 
@@ -281,12 +289,6 @@ def test_no_logprobs_requested_returns_none(logits):
 def test_bad_values_are_rejected_naming_the_field(field, value):
     with pytest.raises(InvalidRequestError, match=field):
         SamplingParams(max_tokens=100, **{field: value}).validate()
-
-
-def test_token_counts_standalone():
-    c = TokenCounts([3, 3, 1])
-    c.add_output([1, 9, 9])
-    assert dict(zip(c.ids.tolist(), c.output_counts.tolist())) == {1: 1, 3: 0, 9: 2}
 
 
 def test_scheduler_loop_with_penalties_matches_a_dense_vllm_loop(tiny_model_dir):

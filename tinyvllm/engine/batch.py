@@ -97,7 +97,6 @@ MAX_LOGPROBS = 20                   # top log-probs a row may ask for (vLLM's de
 EDIT_WORDS = 8                      # 4-byte words per packed LogitEdits entry (sampling.cu's LogitEdit)
 
 
-@dataclass
 class LogitEdits:
     """The step's logit processing, as sparse in-place edits: one entry per (row, token) that
     some row's logit_bias, min_tokens or penalties touch, nothing for any other logit. Each
@@ -111,84 +110,161 @@ class LogitEdits:
         x = x - pres                        pres = presence_penalty if output count > 0 else 0
 
     All values are fp32, computed once on the host, so the numpy twin and the kernel do the
-    same five IEEE operations. Entries whose token is outside the vocabulary are skipped."""
-    row: np.ndarray       # int32 [E]
-    token: np.ndarray     # int32 [E]
-    forbid: np.ndarray    # bool [E]
-    bias: np.ndarray      # float32 [E]
-    rep: np.ndarray       # float32 [E]
-    freq: np.ndarray      # float32 [E]
-    pres: np.ndarray      # float32 [E]
+    same five IEEE operations. Entries whose token is outside the vocabulary are skipped.
+    Stored as the kernel reads it: int32 words [E, EDIT_WORDS] = row, token, forbid, bias, rep,
+    freq, pres (the float words as their bits), and the output count (unused by the kernel)."""
+
+    def __init__(self, words: np.ndarray):
+        self.words = words
+        self._f = words.view(np.float32)
+
+    @classmethod
+    def from_columns(cls, row, token, forbid=None, bias=None, rep=None, freq=None, pres=None) -> LogitEdits:
+        n = len(token)
+        words = np.zeros((n, EDIT_WORDS), np.int32)
+        f = words.view(np.float32)
+        words[:, 0], words[:, 1] = row, token
+        words[:, 2] = 0 if forbid is None else forbid
+        f[:, 3] = 0.0 if bias is None else bias
+        f[:, 4] = 1.0 if rep is None else rep
+        f[:, 5] = 0.0 if freq is None else freq
+        f[:, 6] = 0.0 if pres is None else pres
+        return cls(words)
 
     @property
     def num_entries(self) -> int:
-        return len(self.row)
+        return len(self.words)
+
+    row = property(lambda self: self.words[:, 0])
+    token = property(lambda self: self.words[:, 1])
+    forbid = property(lambda self: self.words[:, 2] != 0)
+    bias = property(lambda self: self._f[:, 3])
+    rep = property(lambda self: self._f[:, 4])
+    freq = property(lambda self: self._f[:, 5])
+    pres = property(lambda self: self._f[:, 6])
 
     def packed(self) -> np.ndarray:
         """int32 [E, EDIT_WORDS]: the kernel's struct LogitEdit, one upload."""
-        out = np.zeros((self.num_entries, EDIT_WORDS), np.int32)
-        out[:, 0], out[:, 1], out[:, 2] = self.row, self.token, self.forbid
-        f = out.view(np.float32)
-        f[:, 3], f[:, 4], f[:, 5], f[:, 6] = self.bias, self.rep, self.freq, self.pres
-        return out
+        return self.words
+
+
+class SequenceEdits:
+    """One sequence's LogitEdits entries, kept on the Sequence (Sequence.sampler_state) from
+    step to step and brought up to date with the tokens generated since: a step costs O(new
+    tokens) of Python plus one copy of the entries into the batch. Made on first use from the
+    request's parameters:
+      repetition_penalty != 1: an entry per distinct prompt token (rep), and one per distinct
+                               generated token as it appears (with rep = 1 only generated
+                               tokens can change, so the prompt's are left out)
+      presence / frequency:    an entry per distinct generated token (freq, pres from its count)
+      logit_bias:              an entry per biased token (bias)
+      min_tokens:              an entry per EOS / stop token id (forbid), cleared once reached
+    One entry per token whatever the reasons, so that no two threads of the kernel edit one logit."""
+
+    def __init__(self, seq, eos_token_ids=()):
+        p = seq.params
+        self.rep = np.float32(getattr(p, "repetition_penalty", 1.0))
+        self.freq = np.float32(getattr(p, "frequency_penalty", 0.0))
+        self.pres = np.float32(getattr(p, "presence_penalty", 0.0))
+        self.counts_output = self.rep != 1 or self.freq != 0 or self.pres != 0
+        self.biased = bool(getattr(p, "logit_bias", None))
+        self.min_tokens = getattr(p, "min_tokens", 0) or 0
+        self._slot: dict[int, int] = {}
+        self._words = np.zeros((16, EDIT_WORDS), np.int32)
+        self.size = 0
+        self.num_output_counted = 0
+        if self.rep != 1:
+            for t in np.unique(np.asarray(seq.prompt_token_ids, np.int64)).tolist():
+                i = self._entry(t)                    # first: it may grow the entries
+                self._f[i, 4] = self.rep
+        for t, b in (getattr(p, "logit_bias", None) or {}).items():
+            i = self._entry(int(t))
+            self._f[i, 3] = np.float32(b)
+        self._forbid_slots: list[int] = []
+        if seq.num_output_tokens < self.min_tokens:
+            banned = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
+            self._forbid_slots = [self._entry(int(t)) for t in sorted(banned)]
+            self._words[self._forbid_slots, 2] = 1
 
     @classmethod
-    def concat(cls, parts: list[tuple]) -> LogitEdits | None:
-        if not parts:
-            return None
-        cols = list(zip(*parts))
-        return cls(*(np.concatenate(c).astype(d) for c, d in zip(
-            cols, (np.int32, np.int32, bool, np.float32, np.float32, np.float32, np.float32))))
+    def wanted(cls, seq) -> bool:
+        """Whether this sequence's parameters need any entry now or later."""
+        p = seq.params
+        return (getattr(p, "repetition_penalty", 1.0) != 1 or getattr(p, "frequency_penalty", 0.0) != 0
+                or getattr(p, "presence_penalty", 0.0) != 0 or bool(getattr(p, "logit_bias", None))
+                or seq.num_output_tokens < (getattr(p, "min_tokens", 0) or 0))
+
+    @property
+    def _f(self) -> np.ndarray:
+        return self._words.view(np.float32)
+
+    def _entry(self, token: int) -> int:
+        i = self._slot.get(token)
+        if i is None:
+            i = self.size
+            if i == len(self._words):
+                self._words = np.concatenate([self._words, np.zeros_like(self._words)])
+            self._words[i, 1] = token
+            self._f[i, 4] = 1.0
+            self._slot[token] = i
+            self.size += 1
+        return i
+
+    def sync(self, seq) -> None:
+        """Absorb the tokens generated since the last call (token_ids only grows: a preempted
+        sequence keeps its generated tokens), and lift the ban once min_tokens is reached."""
+        start = seq.num_prompt_tokens + self.num_output_counted
+        new = seq.token_ids[start:]
+        if new and self.counts_output:
+            for t in new:
+                i = self._entry(t)
+                w = self._words                          # _entry may have grown it
+                w[i, 7] += 1
+                f = w.view(np.float32)
+                f[i, 4] = self.rep                       # seen now
+                f[i, 5] = self.freq * np.float32(w[i, 7])
+                f[i, 6] = self.pres
+        self.num_output_counted += len(new)
+        if self._forbid_slots and seq.num_output_tokens >= self.min_tokens:
+            self._words[self._forbid_slots, 2] = 0
+            self._forbid_slots = []
+
+    @property
+    def entries(self) -> np.ndarray:
+        return self._words[:self.size]
+
+    @property
+    def is_noop(self) -> bool:
+        """Nothing left to do now or later (a min_tokens-only request past its minimum)."""
+        return not (self.counts_output or self.biased or self._forbid_slots)
+
+    def output_count(self, token: int) -> int:
+        i = self._slot.get(token)
+        return 0 if i is None else int(self._words[i, 7])
 
 
-def row_edits(row: int, seq, eos_token_ids=()) -> tuple | None:
-    """One sequence's LogitEdits columns for this step, or None when it has nothing to edit.
-    Cost: O(distinct tokens it has seen) of numpy when it uses a penalty, O(new tokens) of
-    Python (Sequence.token_counts), O(len(logit_bias) + stop ids) otherwise."""
-    p = seq.params
-    rep = float(getattr(p, "repetition_penalty", 1.0))
-    pres = float(getattr(p, "presence_penalty", 0.0))
-    freq = float(getattr(p, "frequency_penalty", 0.0))
-    bias = getattr(p, "logit_bias", None) or {}
-    min_tokens = getattr(p, "min_tokens", 0) or 0
-    forbidden: set[int] = set()
-    if seq.num_output_tokens < min_tokens:
-        forbidden = set(p.stop_token_ids or ())
-        if not p.ignore_eos:
-            forbidden.update(eos_token_ids)
-    penalised = rep != 1.0 or pres != 0.0 or freq != 0.0
-    if not (penalised or bias or forbidden):
+def step_edits(seqs, eos_token_ids=()) -> LogitEdits | None:
+    """The step's LogitEdits: each sequence's kept entries (SequenceEdits, made on first use),
+    copied once into the batch with its row; None when no sequence has any."""
+    blocks, rows = [], []
+    for i, seq in enumerate(seqs):
+        state = seq.sampler_state
+        if state is None:
+            state = seq.sampler_state = SequenceEdits(seq, eos_token_ids) if SequenceEdits.wanted(seq) else False
+        if state is False:
+            continue
+        state.sync(seq)
+        if state.is_noop:
+            seq.sampler_state = False
+            continue
+        if state.size:
+            blocks.append(state.entries)
+            rows.append(i)
+    if not blocks:
         return None
-    if penalised:
-        c = seq.token_counts()
-        counts = c.output_counts
-        # with rep == 1 a token only the prompt holds is untouched: leave it out
-        keep = slice(None) if rep != 1.0 else counts > 0
-        tokens, counts = c.ids[keep], counts[keep]
-        slot_of = {t: i for i, t in enumerate(tokens.tolist())} if rep == 1.0 else None
-        lookup = (lambda t: slot_of.get(t)) if slot_of is not None else c.slot
-    else:
-        tokens, counts = np.zeros(0, np.int32), np.zeros(0, np.int32)
-        lookup = lambda t: None  # noqa: E731
-    n = len(tokens)
-    extra = sorted(t for t in set(bias) | forbidden if lookup(t) is None)
-    tokens = np.concatenate([tokens, np.asarray(extra, np.int32)])
-    e = len(tokens)
-    counts = np.concatenate([counts, np.zeros(len(extra), np.int32)])
-    rep_col = np.ones(e, np.float32)
-    rep_col[:n] = np.float32(rep)                     # every counted token has been seen
-    freq_col = np.float32(freq) * counts.astype(np.float32)
-    pres_col = np.where(counts > 0, np.float32(pres), np.float32(0)).astype(np.float32)
-    bias_col = np.zeros(e, np.float32)
-    forbid_col = np.zeros(e, bool)
-    position = {t: n + i for i, t in enumerate(extra)}
-    for t, b in bias.items():
-        i = lookup(t)
-        bias_col[position[t] if i is None else i] = np.float32(b)
-    for t in forbidden:
-        i = lookup(t)
-        forbid_col[position[t] if i is None else i] = True
-    return (np.full(e, row, np.int32), tokens, forbid_col, bias_col, rep_col, freq_col, pres_col)
+    words = np.concatenate(blocks)
+    words[:, 0] = np.repeat(np.asarray(rows, np.int32), [len(b) for b in blocks])
+    return LogitEdits(words)
 
 
 @dataclass
@@ -241,10 +317,9 @@ class SamplingBatch:
         Rows that use no penalty, bias or min_tokens add nothing to `edits`; a batch where
         none does has edits None, and then the runner launches exactly the plain sampler."""
         p = [s.params for s in seqs]
-        parts = [r for i, s in enumerate(seqs) if (r := row_edits(i, s, eos_token_ids)) is not None]
         return cls.build([x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p],
                          [s.seed for s in seqs], [len(s.token_ids) - s.num_prompt_tokens for s in seqs],
-                         min_p=[getattr(x, "min_p", 0.0) for x in p], edits=LogitEdits.concat(parts),
+                         min_p=[getattr(x, "min_p", 0.0) for x in p], edits=step_edits(seqs, eos_token_ids),
                          logprobs=[getattr(x, "logprobs", None) for x in p])
 
     @classmethod

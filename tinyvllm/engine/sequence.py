@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 import time
 
-import numpy as np
-
 from tinyvllm.checkpoint.tokenizer import IncrementalDetokenizer
 from tinyvllm.engine.sampling_params import SamplingParams
 
@@ -24,55 +22,6 @@ class SequenceStatus(enum.Enum):
         # a plain attribute set once per member (Enum calls __init__ with the value), not a
         # property: it is read for every sequence on every step, and an Enum's .name is slow
         self.is_finished = value not in ("waiting", "running")
-
-
-class TokenCounts:
-    """Every distinct token a sequence has seen, for the repetition, presence and frequency
-    penalties: its id, how many times it was generated, whether the prompt holds it. Kept as
-    growing numpy columns plus an id -> slot dict, so absorbing a step's new tokens costs
-    O(new tokens) of Python and the step's penalty rows are slices, never a vocab-wide tensor."""
-
-    def __init__(self, prompt_token_ids: list[int]):
-        ids = np.unique(np.asarray(prompt_token_ids, np.int64)).astype(np.int32)
-        n = len(ids)
-        self._slot = {t: i for i, t in enumerate(ids.tolist())}
-        cap = max(16, 2 * n)
-        self._ids = np.zeros(cap, np.int32)
-        self._counts = np.zeros(cap, np.int32)
-        self._in_prompt = np.zeros(cap, bool)
-        self._ids[:n], self._in_prompt[:n] = ids, True
-        self.size = n
-        self.num_output_counted = 0               # generated tokens absorbed so far
-
-    def add_output(self, tokens: list[int]) -> None:
-        for t in tokens:
-            i = self._slot.get(t)
-            if i is None:
-                i = self.size
-                if i == len(self._ids):
-                    grow = len(self._ids)
-                    self._ids = np.concatenate([self._ids, np.zeros(grow, np.int32)])
-                    self._counts = np.concatenate([self._counts, np.zeros(grow, np.int32)])
-                    self._in_prompt = np.concatenate([self._in_prompt, np.zeros(grow, bool)])
-                self._slot[t], self._ids[i] = i, t
-                self.size += 1
-            self._counts[i] += 1
-        self.num_output_counted += len(tokens)
-
-    def slot(self, token: int) -> int | None:
-        return self._slot.get(token)
-
-    @property
-    def ids(self) -> np.ndarray:
-        return self._ids[:self.size]
-
-    @property
-    def output_counts(self) -> np.ndarray:
-        return self._counts[:self.size]
-
-    @property
-    def in_prompt(self) -> np.ndarray:
-        return self._in_prompt[:self.size]
 
 
 class Sequence:
@@ -110,7 +59,9 @@ class Sequence:
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self._token_counts: TokenCounts | None = None    # made on first use by a penalty
+        # engine/batch.py's SequenceEdits (its logit edits, kept from step to step), made on
+        # first use; False: it needs none. A copy of this sequence (n > 1) must start at None.
+        self.sampler_state = None
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
@@ -127,17 +78,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    def token_counts(self) -> TokenCounts:
-        """The penalties' per-token counts, brought up to date with the tokens generated since
-        the last call (token_ids only grows: a preempted sequence keeps its generated tokens)."""
-        c = self._token_counts
-        if c is None:
-            c = self._token_counts = TokenCounts(self.prompt_token_ids)
-        start = self.num_prompt_tokens + c.num_output_counted
-        if start < len(self.token_ids):
-            c.add_output(self.token_ids[start:])
-        return c
 
     @property
     def is_finished(self) -> bool:
