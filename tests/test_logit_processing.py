@@ -147,7 +147,7 @@ def test_min_tokens_only_rows_drop_out_once_reached():
     s = seq([1], [], min_tokens=1)
     assert SamplingBatch.from_sequences([s], EOS).edits.num_entries == len(EOS)
     s.token_ids.append(9)
-    assert SamplingBatch.from_sequences([s], EOS).edits is None and s.sampler_state is False
+    assert SamplingBatch.from_sequences([s], EOS).edits is None and s.sampler_state == "plain"
 
 
 def test_out_of_vocab_tokens_are_skipped():

@@ -243,6 +243,16 @@ class SequenceEdits:
         return 0 if i is None else int(self._words[i, 7])
 
 
+# Sequence.sampler_state: None (not looked at yet), PLAIN (no edits, min_p or logprobs, now or
+# later: the step's fast path), NO_EDITS (min_p or logprobs only), or its SequenceEdits.
+PLAIN, NO_EDITS = "plain", "no edits"
+
+
+def _state_without_edits(seq) -> str:
+    p = seq.params
+    return NO_EDITS if p.min_p or p.logprobs is not None else PLAIN
+
+
 def step_edits(seqs, eos_token_ids=()) -> LogitEdits | None:
     """The step's LogitEdits: each sequence's kept entries (SequenceEdits, made on first use),
     copied once into the batch with its row; None when no sequence has any."""
@@ -250,12 +260,13 @@ def step_edits(seqs, eos_token_ids=()) -> LogitEdits | None:
     for i, seq in enumerate(seqs):
         state = seq.sampler_state
         if state is None:
-            state = seq.sampler_state = SequenceEdits(seq, eos_token_ids) if SequenceEdits.wanted(seq) else False
-        if state is False:
+            state = seq.sampler_state = (SequenceEdits(seq, eos_token_ids) if SequenceEdits.wanted(seq)
+                                         else _state_without_edits(seq))
+        if state is PLAIN or state is NO_EDITS:
             continue
         state.sync(seq)
         if state.is_noop:
-            seq.sampler_state = False
+            seq.sampler_state = _state_without_edits(seq)
             continue
         if state.size:
             blocks.append(state.entries)
@@ -317,10 +328,16 @@ class SamplingBatch:
         Rows that use no penalty, bias or min_tokens add nothing to `edits`; a batch where
         none does has edits None, and then the runner launches exactly the plain sampler."""
         p = [s.params for s in seqs]
+        states = [s.sampler_state for s in seqs]
+        if states.count(PLAIN) == len(states):        # the common step: as before issue 11
+            return cls.build([x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p],
+                             [s.seed for s in seqs], [len(s.token_ids) - s.num_prompt_tokens for s in seqs])
+        min_p = [x.min_p for x in p]
+        logprobs = [x.logprobs for x in p]
         return cls.build([x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p],
                          [s.seed for s in seqs], [len(s.token_ids) - s.num_prompt_tokens for s in seqs],
-                         min_p=[getattr(x, "min_p", 0.0) for x in p], edits=step_edits(seqs, eos_token_ids),
-                         logprobs=[getattr(x, "logprobs", None) for x in p])
+                         min_p=min_p if any(min_p) else None, edits=step_edits(seqs, eos_token_ids),
+                         logprobs=None if logprobs.count(None) == len(logprobs) else logprobs)
 
     @classmethod
     def greedy(cls, num_seqs: int) -> SamplingBatch:

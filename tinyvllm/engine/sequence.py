@@ -60,7 +60,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         # engine/batch.py's SequenceEdits (its logit edits, kept from step to step), made on
-        # first use; False: it needs none. A copy of this sequence (n > 1) must start at None.
+        # first use, or batch.PLAIN / NO_EDITS. A copy of this sequence (n > 1) must start at None.
         self.sampler_state = None
 
     def __repr__(self) -> str:
