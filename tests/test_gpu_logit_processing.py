@@ -184,6 +184,30 @@ def test_step_logprobs_matches_twin(gpu, vocab, k):
     assert np.all(np.abs(top_lp - e_top_lp)[finite] <= bound[finite])
 
 
+def test_null_min_p_is_min_p_zero(gpu):
+    """The plain path passes min_p as an arena array of zeros, a bare launch as null: the same
+    ids and the same weights written over the logits."""
+    drv, ops = gpu
+    rng = np.random.default_rng(10)
+    n = 32
+    x = (rng.standard_normal((n, VOCAB)) * 4).astype(np.float32)
+    batch = SamplingBatch.build(rng.choice([0.0, 0.8], n), rng.choice([-1, 40], n), rng.choice([1.0, 0.9], n),
+                                rng.integers(0, 2**63, n), rng.integers(0, 1000, n))
+    args = [drv.to_device(np.ascontiguousarray(a)) for a in (batch.temperature, batch.top_k, batch.top_p,
+                                                              batch.seed, batch.step)]
+    zeros = drv.to_device(np.zeros(n, np.float32))
+    results = []
+    for min_p in (0, int(zeros)):
+        logits = drv.to_device(x)
+        out = drv.to_device(np.full(n, -7, np.int32))
+        ops.sample(int(logits), n, VOCAB, *map(int, args), int(out), min_p=min_p)
+        drv.Context.synchronize()
+        results.append((drv.from_device(out, (n,), np.int32), drv.from_device(logits, x.shape, np.float32)))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+    np.testing.assert_array_equal(results[0][0], sample(x.copy(), batch))
+
+
 def test_min_p_sampling_matches_twin(gpu):
     rng = np.random.default_rng(9)
     n = 96
@@ -227,7 +251,10 @@ def test_runner_processed_steps_replay_equals_eager_and_twin(tiny):
         lens = [c + 1 for c in lens]
         batch = ForwardBatch.build([[t] for t in tokens], lens, tables, 16, is_prefill=False)
         sampling = SamplingBatch.from_sequences(seqs, EOS)
-        raw = runner.forward_logits(batch)
+        with runner.device.active():     # the raw logits of the very launches execute() runs:
+            step_shape = runner._stage_inputs(batch, None, rows=runner._graph_size_for(3))   # padded
+            runner.model.forward(step_shape)
+            raw = runner._copy_logits(3)
         eager = runner.execute(batch, sampling, replay=False)
         eager_lp = runner.last_logprobs
         graph = runner.execute(batch, sampling)

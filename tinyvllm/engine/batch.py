@@ -319,7 +319,8 @@ class SamplingBatch:
         return cls(temperature=np.where(t < GREEDY_BELOW, np.float32(0), t).astype(np.float32),
                    top_k=np.asarray(top_k, np.int32), top_p=np.asarray(top_p, np.float32),
                    seed=np.asarray(seed, np.uint64), step=np.asarray(step, np.int32),
-                   min_p=None if min_p is None else np.asarray(min_p, np.float32),
+                   # clamped to [0, 1] (NaN -> 0): above 1 no token would survive the draw
+                   min_p=None if min_p is None else np.clip(np.nan_to_num(np.asarray(min_p, np.float32)), 0, 1),
                    edits=edits, logprobs=lp)
 
     @classmethod

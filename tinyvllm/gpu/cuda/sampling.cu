@@ -233,7 +233,7 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
     const float inv_t = __frcp_rn(temp);
     // min_p: e = p_i / p_max exactly, so "p_i < min_p * p_max" is e < min_p; the mass top-p
     // divides is that of the survivors (min_p comes first, as in vLLM). min_p = 0 keeps all.
-    const float pmin = min_p != nullptr ? fmaxf(min_p[row], 0.0f) : 0.0f;
+    const float pmin = min_p != nullptr ? fminf(fmaxf(min_p[row], 0.0f), 1.0f) : 0.0f;   // as SamplingBatch clamps
     u64 local = 0;
     for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
         const float e = weight_exp(x[i], m, inv_t);
