@@ -6,8 +6,9 @@ penalties are on, sample_tokens always. Also the host time to build the step's S
 
     python benchmarks/sampler_bench.py [--batch 1 256] [--vocab 128256] [--prompt 1000] [--output 200]
 
-GPU time: CUDA events around each step's launches, median of --repeats; the logits are restored
-from a pristine copy before each step (outside the timed span: the sampler works in place).
+GPU time: the step's work captured into one CUDA graph, CUDA events around each replay, median
+of --repeats; the logits are restored from a pristine copy before each replay (outside the timed
+span: the sampler works in place).
 On a checkout without issue 11's kernels (main before it) the rows it cannot run print n/a,
 so the same script gives the before and after tables.
 """
@@ -62,6 +63,7 @@ def make_batch(num_seqs: int, params: dict, prompt: int, output: int, vocab: int
 
 def time_step(drv, ops, batch, vocab: int, repeats: int, rng) -> float:
     """Median GPU seconds of one step's sampler work for this batch."""
+    from tinyvllm.gpu.graphs import CudaGraph
     n = batch.num_seqs
     pristine = drv.to_device((rng.standard_normal((n, vocab)) * 4).astype(np.float32))
     logits = drv.mem_alloc(n * vocab * 4)
@@ -70,7 +72,8 @@ def time_step(drv, ops, batch, vocab: int, repeats: int, rng) -> float:
         ("seed", batch.seed), ("step", batch.step))}
     out = drv.mem_alloc(4 * n)
     has_min_p = "min_p" in inspect.signature(ops.sample).parameters
-    extra = {"min_p": int(drv.to_device(batch.min_p))} if has_min_p else {}
+    min_p_dev = drv.to_device(batch.min_p) if has_min_p else None      # held for the whole loop
+    extra = {"min_p": int(min_p_dev)} if has_min_p else {}
     edits = getattr(batch, "edits", None)
     rows = batch.logprob_rows if hasattr(batch, "logprob_rows") else np.zeros(0, np.int32)
     if edits is not None:
@@ -86,28 +89,39 @@ def time_step(drv, ops, batch, vocab: int, repeats: int, rng) -> float:
         rows_dev = drv.mem_alloc(4 * r)
         lp_out = drv.mem_alloc(4 * r * (2 + 2 * k))
         lp_host = drv.pagelocked_empty(r * (2 + 2 * k), np.int32)
-    start, end = drv.Event(), drv.Event()
-    times = []
-    for _ in range(repeats + 3):
-        drv.memcpy_dtod(logits, pristine, n * vocab * 4)
-        drv.Context.synchronize()
-        start.record()
+    stream = ops.stream
+
+    def work():
         if len(rows):
-            drv.memcpy_dtod_async(raw, logits, n * vocab * 4)
+            drv.memcpy_dtod_async(raw, logits, n * vocab * 4, stream)
         if edits is not None:
-            drv.memcpy_htod_async(edits_dev, edits_host)
+            drv.memcpy_htod_async(edits_dev, edits_host, stream)
             ops.apply_logit_edits(int(logits), vocab, int(edits_dev), edits.num_entries)
         ops.sample(int(logits), n, vocab, *(int(dev[x]) for x in ("temperature", "top_k", "top_p", "seed", "step")),
                    int(out), **extra)
         if len(rows):
-            drv.memcpy_htod_async(rows_dev, rows_host)
+            drv.memcpy_htod_async(rows_dev, rows_host, stream)
             base = int(lp_out)
             ops.step_logprobs(int(raw), vocab, r, int(out), k, base, base + 4 * r, base + 8 * r,
                               base + (8 + 4 * k) * r, rows=int(rows_dev))
-            drv.memcpy_dtoh_async(lp_host, lp_out)
-        end.record()
+            drv.memcpy_dtoh_async(lp_host, lp_out, stream)
+
+    # one graph of the step's work, so that the events time the GPU, not Python's launches
+    drv.memcpy_dtod(logits, pristine, n * vocab * 4)
+    work()
+    stream.synchronize()
+    with CudaGraph.capture(stream) as graph:
+        work()
+    start, end = drv.Event(), drv.Event()
+    times = []
+    for _ in range(repeats + 3):
+        drv.memcpy_dtod_async(logits, pristine, n * vocab * 4, stream)   # it works in place
+        start.record(stream)
+        graph.launch(stream)
+        end.record(stream)
         end.synchronize()
         times.append(end.time_since(start) / 1e3)
+    graph.close()
     return float(np.median(times[3:]))
 
 
@@ -128,7 +142,7 @@ def main() -> None:
     device = CudaDevice()
     rng = np.random.default_rng(0)
     with device.active():
-        ops = GpuOps(KernelLibrary(), stream=None, blas=None, num_sms=device.num_sms)
+        ops = GpuOps(KernelLibrary(), stream=drv.Stream(), blas=None, num_sms=device.num_sms)
         print(f"{device.name}, vocab {args.vocab}, rows of {args.prompt} prompt + {args.output} output tokens")
         print(f"{'config':<24}{'batch':>6}{'GPU us/step':>13}{'edits':>9}{'host build ms':>15}")
         for name, params in configs().items():
