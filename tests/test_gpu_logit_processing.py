@@ -176,12 +176,14 @@ def test_step_logprobs_matches_twin(gpu, vocab, k):
     np.testing.assert_array_equal(top, e_top)
     ok = np.arange(n) != 5
     lse = lse64(x)
-    assert np.all(np.abs(lp[ok] - e_lp[ok]) <= ulp(lse[ok]) + ulp(e_lp[ok]))
+    with np.errstate(invalid="ignore"):         # a sampled -inf logit: -inf on both sides
+        assert np.all((lp[ok] == e_lp[ok]) | (np.abs(lp[ok] - e_lp[ok]) <= ulp(lse[ok]) + ulp(e_lp[ok])))
     assert np.isnan(lp[5]) and rank[5] == 0
     finite = np.isfinite(e_top_lp)
     np.testing.assert_array_equal(np.isfinite(top_lp), finite)
     bound = ulp(lse)[:, None] + ulp(e_top_lp)
-    assert np.all(np.abs(top_lp - e_top_lp)[finite] <= bound[finite])
+    with np.errstate(invalid="ignore"):
+        assert np.all(np.abs(top_lp - e_top_lp)[finite] <= bound[finite])
 
 
 def test_null_min_p_is_min_p_zero(gpu):
