@@ -18,6 +18,8 @@ callable that repeats it (benchmarks/decode_profile.py times ops so; trace.py pr
     gemv.cu           gemv_rms_norm_bf16  gemv_rms_norm() (via norm_linear())  kernels.rms_norm_linear  test_gpu_fused::test_gemv_rms_norm
     gemv.cu           gemv_silu_mul_bf16  gemv_silu_mul() (via silu_linear())  kernels.silu_mul_linear  test_gpu_fused::test_gemv_silu_mul
     sampling.cu       sample_tokens    sample()              sampling.sample                    test_gpu_sampling
+    sampling.cu       apply_logit_edits apply_logit_edits()  sampling.apply_edits               test_gpu_logit_processing
+    sampling.cu       step_logprobs    step_logprobs()       sampling.step_logprobs             test_gpu_logit_processing
     (cuBLAS)          cublasGemmEx     linear()              X @ W^T in numpy                   test_gpu_kernels::test_linear
 
 The two fused GEMVs take the small kernel before them into their X load at decode: norm_linear()
@@ -156,12 +158,31 @@ class GpuOps:
         self._launch("silu_mul", grid, threads, out, gate_up, num_tokens, inter)
 
     def sample(self, logits, num_seqs: int, vocab_size: int, temperature, top_k, top_p, seeds, steps,
-               out) -> None:
+               out, min_p=0) -> None:
         """One token id per row of fp32 logits (reference/sampling.py defines the algorithm).
-        Non-greedy rows' logits are overwritten with their sampling weights."""
+        Non-greedy rows' logits are overwritten with their sampling weights. min_p: a float32
+        [num_seqs] device array, or 0 (null) for min_p off in every row."""
         if num_seqs:
             self._launch("sample_tokens", num_seqs, SAMPLING["SAMPLE_THREADS"], logits, vocab_size,
-                         temperature, top_k, top_p, seeds, steps, out)
+                         temperature, top_k, top_p, min_p, seeds, steps, out)
+
+    def apply_logit_edits(self, logits, vocab_size: int, edits, num_edits: int) -> None:
+        """LogitEdits (engine/batch.py, uploaded as its packed() int32 [E, EDIT_WORDS]) applied
+        in place to fp32 logits rows: one thread per entry. No entries: no launch."""
+        if num_edits:
+            self._launch("apply_logit_edits", math.ceil(num_edits / SAMPLING["EDIT_THREADS"]),
+                         SAMPLING["EDIT_THREADS"], logits, vocab_size, edits, num_edits)
+
+    def step_logprobs(self, logits, vocab_size: int, num_rows: int, sampled, k: int, sampled_logprob,
+                      sampled_rank, top_ids, top_logprobs, rows=0) -> None:
+        """Raw logprobs of num_rows rows of fp32 logits (reference/sampling.py's step_logprobs):
+        output j reads logits row rows[j] (rows = 0: row j) and its sampled id sampled[that row];
+        top_ids / top_logprobs are [num_rows, k]. One block per output row."""
+        if not 0 <= k <= min(SAMPLING["MAX_TOP_LOGPROBS"], vocab_size):
+            raise ValueError(f"step_logprobs: k must be in 0..{min(SAMPLING['MAX_TOP_LOGPROBS'], vocab_size)}, got {k}")
+        if num_rows:
+            self._launch("step_logprobs", num_rows, SAMPLING["SAMPLE_THREADS"], logits, vocab_size, rows,
+                         sampled, k, sampled_logprob, sampled_rank, top_ids, top_logprobs)
 
     # -- projections -------------------------------------------------------------------------------
     def on_gemv(self, m: int, n: int, k: int) -> bool:
