@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tinyvllm.engine.stats import StatsLogger
 from tinyvllm.errors import InvalidRequestError
 from tinyvllm.server import responses as R
+from tinyvllm.server.encoding import PromptEncoder
 from tinyvllm.server.engine_loop import EngineFailure, EngineLoop
 from tinyvllm.server.metrics import EngineMetrics
 from tinyvllm.server.protocol import ChatCompletionRequest, CompletionRequest, RequestValueError
@@ -60,6 +61,7 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
     context_limit = engine.engine_config.context_limit(engine.model_config)
     metrics = EngineMetrics(settings.model_names[0], context_limit, cache_info(engine))
     stats_logger = StatsLogger(settings.stats_log_interval_s)
+    encoder = PromptEncoder(engine)       # tokenizing off the event loop and the engine thread
     if settings.log_stats:
         engine_loop.add_stats_listener(metrics.record)
         engine_loop.add_stats_listener(stats_logger.record)
@@ -83,6 +85,7 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
             if ticker is not None:
                 ticker.cancel()
             engine_loop.stop()
+            encoder.close()
 
     app = FastAPI(title="tinyvllm", lifespan=lifespan)
     app.state.engine_loop, app.state.settings, app.state.metrics = engine_loop, settings, metrics
@@ -131,7 +134,7 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
 
     app.add_api_route("/health", health, methods=["GET"])
     add_utility_routes(app, engine_loop, metrics if settings.log_stats else None, check_model,
-                       prompt_ids_of_chat, health)
+                       prompt_ids_of_chat, health, encoder)
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def list_models():
@@ -151,13 +154,14 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
         params = body.sampling_params(default_max_tokens=16)  # OpenAI's default for completions
         ident = R.ResponseIdentity(f"cmpl-{uuid.uuid4().hex}", model, chat=False)
         log_request(ident.id, prompts, params)
+        prompts = await encoder.prompts(prompts)
         return await serve(engine_loop, request, ident, prompts, params, bool(body.stream),
                            body.wants_usage_chunk)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model = check_model(body.model)
-        prompt_ids = prompt_ids_of_chat(body.template_messages())
+        prompt_ids = await encoder.chat(prompt_ids_of_chat, body.template_messages())
         room = context_limit - len(prompt_ids)
         if room < 1:
             raise RequestValueError(f"the conversation is {len(prompt_ids)} tokens; this model's "
