@@ -27,8 +27,9 @@ _PATH = re.compile(r"""(?:(?<=^)|(?<=[\s'"(\[=:,]))/(?:[^\s'"()\[\],/]+/)+[^\s'"
 
 
 def public_message(message: str) -> str:
-    """The message with absolute file paths replaced by <path>."""
-    return _PATH.sub("<path>", message)
+    """The message with absolute file paths replaced by <path>, and text no UTF-8 can carry (a
+    lone surrogate a client sent, quoted back in the message) escaped."""
+    return _PATH.sub("<path>", message).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def sse(payload: dict | str) -> str:
