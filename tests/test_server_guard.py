@@ -165,3 +165,19 @@ def test_error_messages_lose_file_paths():
     assert message == "<path> has no chat template; see <path>: bad"
     kept = "invalid sampling parameter top_k=2147483648: must be an integer in [-1, 2147483647]"
     assert error_body(kept)["error"]["message"] == kept
+
+
+def test_serve_flags_reach_the_options(monkeypatch, tiny_model_dir, capsys):
+    import tinyvllm.server.launch as launch
+    from tinyvllm.cli import main
+    seen = []
+    monkeypatch.setattr(launch, "run_server", lambda options: seen.append(options) or 0)
+    assert main(["serve", str(tiny_model_dir), "--device", "cpu", "--max-body-bytes", "1024",
+                 "--enable-docs"]) == 0
+    assert seen[0].max_body_bytes == 1024 and seen[0].enable_docs
+    assert main(["serve", str(tiny_model_dir), "--device", "cpu"]) == 0
+    assert seen[1].max_body_bytes == 16 * 2**20 and not seen[1].enable_docs
+    for bad in ("0", "-5", "1e6"):
+        assert main(["serve", str(tiny_model_dir), "--max-body-bytes", bad]) == 2
+        err = capsys.readouterr().err
+        assert "--max-body-bytes" in err and len(err.strip().splitlines()) == 1, err
