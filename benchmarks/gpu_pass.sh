@@ -3,7 +3,7 @@
 # fails, the rest runs with TINYVLLM_GEMV=0 so their results still mean something), the fused
 # GEMV tests (if they fail, TINYVLLM_FUSE=0), then every
 # other GPU test, then the benchmarks. Logs go to $OUT (or ./gpu-pass-logs).
-#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [bench] [bench-hf] [server-load]
+#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [bench] [bench-hf] [server-load] [soak]
 # (server-load needs the server extra: fastapi, uvicorn, pydantic, prometheus_client)
 set -u
 OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"
@@ -46,6 +46,16 @@ for step in $steps; do
     bench-hf)
       timeout 400 python3 -m tinyvllm bench --compare-hf --hf-max-seconds 120 --json "$OUT/bench-hf.json" > "$OUT/bench-hf.log" 2>&1
       log "bench --compare-hf rc=$?"; tail -20 "$OUT/bench-hf.log" | tee -a "$OUT/summary.log" ;;
+    soak)
+      # benchmarks/soak.py: 1,000 mixed requests at 64 concurrent against `serve` on the 1B-shaped
+      # model with 160 KV blocks of 16 tokens (preemptions forced), compared with offline runs
+      model=/tmp/tinyvllm-models/llama-3.2-1b
+      [ -f $model/config.json ] || python3 -m tinyvllm make-model $model --preset llama-3.2-1b > /dev/null
+      timeout 560 python3 benchmarks/soak.py --device cuda --model $model --timeout 300 \
+        --json "$OUT/soak.json" --server-log "$OUT/soak-server.log" > "$OUT/soak.log" 2>&1
+      log "soak rc=$?"
+      grep -E '"(requests|completed|failed|aborted|refused_4xx|mismatches|mismatches_unexplained|seeded_mismatches|preemptions|kv_blocks_leaked|tracebacks_in_log|rss_mb_after_warmup|rss_mb_after|rss_growth_mb|health_p99_ms|health_max_ms|elapsed_s|passed)"' \
+        "$OUT/soak.json" | tee -a "$OUT/summary.log" ;;
     server-load)
       # The same load twice: with --disable-log-stats (no engine statistics at all), then with
       # metrics on and /metrics scraped every second during the run and once after. Output tok/s

@@ -242,7 +242,7 @@ def test_crafted_header_counts_are_refused(tmp_path, tiny):
         bad[offset:offset + 8] = struct.pack("<Q", 1 << 60)
         path = tmp_path / f"crafted{offset}.gguf"
         path.write_bytes(bytes(bad))
-        assert "corrupt or truncated GGUF" in convert_error(tmp_path, path)
+        assert "corrupt GGUF header: the header claims" in convert_error(tmp_path, path)
     path = tmp_path / "notgguf.gguf"
     path.write_bytes(b"PK\x03\x04" + bytes(100))
     assert "not a GGUF file" in convert_error(tmp_path, path)
@@ -280,3 +280,73 @@ def test_cli_convert_gguf(tmp_path, tiny):
     bad.write_bytes(path.read_bytes()[:500])
     err = run(str(bad), str(tmp_path / "hf2"))
     assert err.returncode == 2 and err.stderr.count("\n") == 1 and "tinyvllm: error:" in err.stderr
+
+
+# ---- crafted headers: every length and offset is checked before gguf's reader sees the file ----
+
+def _u32(v):
+    return struct.pack("<I", v)
+
+
+def _u64(v):
+    return struct.pack("<Q", v)
+
+
+def _str(text: bytes, length: int | None = None) -> bytes:
+    return _u64(len(text) if length is None else length) + text
+
+
+ARCH = _str(b"general.architecture") + _u32(8) + _str(b"llama")
+
+
+def _tensor(name=b"token_embd.weight", dims=(16, 4), ggml_type=0, offset=0, n_dims=None):
+    return (_str(name) + _u32(len(dims) if n_dims is None else n_dims)
+            + b"".join(_u64(d) for d in dims) + _u32(ggml_type) + _u64(offset))
+
+
+def _gguf(kvs=(ARCH,), tensors=(), n_kv=None, n_tensors=None, data=b"\0" * 256) -> bytes:
+    head = (b"GGUF" + _u32(3) + _u64(len(tensors) if n_tensors is None else n_tensors)
+            + _u64(len(kvs) if n_kv is None else n_kv) + b"".join(kvs) + b"".join(tensors))
+    return head + b"\0" * (-len(head) % 32) + data
+
+
+@pytest.mark.parametrize("raw, message", [
+    (_gguf(kvs=[_str(b"k", 2**62) + b"x"]), "metadata key is 4611686018427387904 bytes long"),
+    (_gguf(kvs=[ARCH, _str(b"a") + _u32(8) + _str(b"v", 2**40)]), r"metadata 'a' is 1099511627776 bytes"),
+    (_gguf(kvs=[_str(b"a") + _u32(9) + _u32(0) + _u64(2**40)]), "claims 1099511627776 items"),
+    (_gguf(kvs=[_str(b"a") + _u32(9) + _u32(8) + _u64(1 << 20)]), "claims 1048576 items: more than the file"),
+    (_gguf(kvs=[_str(b"a") + _u32(9) + _u32(8) + _u64(2) + _str(b"x") + _str(b"y", 10**6)]),
+     "runs past the end of the file"),
+    (_gguf(kvs=[_str(b"a") + _u32(9) + (_u32(9) + _u64(1)) * 3 + _u32(0) + _u64(0)]), "nested more than"),
+    (_gguf(kvs=[_str(b"a") + _u32(99) + _u64(0)]), "unknown value type 99"),
+    (_gguf(n_kv=2**40), "claims 1099511627776 metadata keys"),
+    (_gguf(n_tensors=2**62), "claims 4611686018427387904 tensors"),
+    (_gguf(tensors=[_tensor(dims=(1,) * 9)]), "has 9 dimensions"),
+    (_gguf(tensors=[_tensor(dims=(2**40, 2**40))]), "ends at byte"),
+    (_gguf(tensors=[_tensor(offset=2**63)]), "ends at byte"),
+    (_gguf(tensors=[_tensor(ggml_type=999)]), "unknown ggml type 999"),
+    (_gguf(tensors=[_tensor(dims=(33,), ggml_type=2)]), "33 elements are not whole blocks of 32"),
+    (b"GGUF" + _u32(7) + bytes(40), "unsupported GGUF version"),
+    (_gguf()[:30], "truncated"),
+    (_gguf(tensors=[_tensor()], data=b""), "truncated"),
+])
+def test_crafted_gguf_headers_are_one_error_before_any_allocation(tmp_path, raw, message):
+    import tracemalloc
+
+    from tinyvllm.checkpoint.gguf import open_gguf
+    path = tmp_path / "crafted.gguf"
+    path.write_bytes(raw)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelLoadError, match=message):
+            open_gguf(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes allocated while refusing a {len(raw)}-byte file"
+
+
+def test_header_check_accepts_a_real_file(tmp_path, tiny):
+    from tinyvllm.checkpoint.gguf import check_header
+    cfg, weights = tiny
+    check_header(write_gguf(tmp_path / "m.gguf", cfg, weights))     # raises nothing

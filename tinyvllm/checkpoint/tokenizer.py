@@ -80,7 +80,9 @@ class Tokenizer:
         """Special tokens written in the text (<|eot_id|> ...) become their ids. With
         add_special_tokens, tokenizer.json's post-processor adds what the model expects (a BOS
         for Llama 3), except a token the text itself already starts or ends with."""
-        encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        # encode_batch of one text, not encode(): the same encoding, but it releases the GIL
+        # while it works, so a server thread encoding a huge prompt stalls no other thread
+        encoding = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         ids = encoding.ids
         if not add_special_tokens:
             return ids

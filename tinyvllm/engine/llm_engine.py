@@ -50,6 +50,15 @@ from tinyvllm.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 log = logging.getLogger("tinyvllm.engine")
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenizedPrompt:
+    """A prompt already encoded by the caller: add_request takes its ids as they are, with no
+    tokenizing on the engine's thread (the server encodes in a worker pool, server/encoding.py).
+    text is what RequestOutput.prompt reports (None: the ids were the prompt)."""
+    text: str | None
+    token_ids: tuple[int, ...]
+
+
 def make_engine_config(engine_config: EngineConfig | None, options: dict) -> EngineConfig:
     try:
         if engine_config is None:
@@ -121,7 +130,8 @@ class LLMEngine:
             self.stats = StatsCollector(self.scheduler, self.block_manager)
 
     # -- requests ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: str | list[int] | TokenizedPrompt,
+                    params: SamplingParams | None = None,
                     *, arrival_time: float | None = None) -> None:
         """Queue a request. Anything wrong with it raises InvalidRequestError before the engine
         changes at all."""
@@ -146,6 +156,8 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, TokenizedPrompt):
+            return prompt.text, self._prompt_ids(list(prompt.token_ids))[1]
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")

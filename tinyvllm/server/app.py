@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import re
 import uuid
@@ -22,7 +21,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tinyvllm.engine.stats import StatsLogger
 from tinyvllm.errors import InvalidRequestError
 from tinyvllm.server import responses as R
+from tinyvllm.server.encoding import PromptEncoder
 from tinyvllm.server.engine_loop import EngineFailure, EngineLoop
+from tinyvllm.server.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, key_matches
 from tinyvllm.server.metrics import EngineMetrics
 from tinyvllm.server.protocol import ChatCompletionRequest, CompletionRequest, RequestValueError
 from tinyvllm.server.serving import serve
@@ -45,6 +46,8 @@ class ServerSettings:
     log_requests: bool = True               # one INFO line per request
     log_stats: bool = True                  # StepStats -> /metrics and the 5 s log line
     stats_log_interval_s: float = 5.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES   # larger request bodies get a 413, unread
+    enable_docs: bool = False               # FastAPI's /docs, /redoc and /openapi.json
 
 
 class APIError(Exception):
@@ -60,6 +63,7 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
     context_limit = engine.engine_config.context_limit(engine.model_config)
     metrics = EngineMetrics(settings.model_names[0], context_limit, cache_info(engine))
     stats_logger = StatsLogger(settings.stats_log_interval_s)
+    encoder = PromptEncoder(engine)       # tokenizing off the event loop and the engine thread
     if settings.log_stats:
         engine_loop.add_stats_listener(metrics.record)
         engine_loop.add_stats_listener(stats_logger.record)
@@ -83,9 +87,15 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
             if ticker is not None:
                 ticker.cancel()
             engine_loop.stop()
+            encoder.close()
 
-    app = FastAPI(title="tinyvllm", lifespan=lifespan)
+    docs = settings.enable_docs
+    app = FastAPI(title="tinyvllm", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.engine_loop, app.state.settings, app.state.metrics = engine_loop, settings, metrics
+    # API key, body size, JSON depth: before any body is read (server/guard.py). Added before
+    # CORS, so CORS wraps it and its refusals carry CORS headers too.
+    app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                            allow_methods=list(settings.allowed_methods),
@@ -94,12 +104,12 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
     _install_error_handlers(app)
 
     def require_api_key(request: Request) -> None:
+        """RequestGuard has checked already; this keeps a route safe on its own. Starlette
+        decodes header bytes as latin-1, so encoding back gives the bytes the client sent."""
         if settings.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                  settings.api_key.encode()):
+        if not key_matches(request.headers.get("authorization", "").encode("latin-1"),
+                           settings.api_key):
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                            "invalid_request_error", code="invalid_api_key")
 
@@ -131,7 +141,7 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
 
     app.add_api_route("/health", health, methods=["GET"])
     add_utility_routes(app, engine_loop, metrics if settings.log_stats else None, check_model,
-                       prompt_ids_of_chat, health)
+                       prompt_ids_of_chat, health, encoder)
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def list_models():
@@ -151,13 +161,14 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
         params = body.sampling_params(default_max_tokens=16)  # OpenAI's default for completions
         ident = R.ResponseIdentity(f"cmpl-{uuid.uuid4().hex}", model, chat=False)
         log_request(ident.id, prompts, params)
+        prompts = await encoder.prompts(prompts)
         return await serve(engine_loop, request, ident, prompts, params, bool(body.stream),
                            body.wants_usage_chunk)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model = check_model(body.model)
-        prompt_ids = prompt_ids_of_chat(body.template_messages())
+        prompt_ids = await encoder.chat(prompt_ids_of_chat, body.template_messages())
         room = context_limit - len(prompt_ids)
         if room < 1:
             raise RequestValueError(f"the conversation is {len(prompt_ids)} tokens; this model's "
@@ -225,6 +236,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         return reply(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        # a bug: the traceback goes to the log (Starlette re-raises it to uvicorn), the client
+        # gets an OpenAI error body without it
+        return reply(500, "internal server error (the server log has the details)", "server_error",
+                     code="internal_error")
 
 
 def describe_validation_error(errors: list[dict]) -> tuple[str | None, str]:

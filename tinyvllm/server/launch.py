@@ -41,6 +41,8 @@ class ServeOptions:
     dtype: str = "auto"
     log_requests: bool = True
     log_stats: bool = True                     # /metrics and the periodic stats line
+    max_body_bytes: int = 16 * 2**20           # larger request bodies get a 413, unread
+    enable_docs: bool = False                  # FastAPI's /docs, /redoc, /openapi.json
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -90,7 +92,8 @@ def build_server(options: ServeOptions):
         allowed_origins=options.allowed_origins, allowed_methods=options.allowed_methods,
         allowed_headers=options.allowed_headers, allow_credentials=options.allow_credentials,
         log_requests=options.log_requests,
-        log_stats=options.log_stats)
+        log_stats=options.log_stats, max_body_bytes=options.max_body_bytes,
+        enable_docs=options.enable_docs)
     engine_loop = EngineLoop(engine)
     return build_app(engine_loop, settings), engine_loop
 

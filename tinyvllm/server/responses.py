@@ -3,6 +3,7 @@ the error body. One place, so both endpoints agree on field names."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -16,7 +17,19 @@ def openai_finish_reason(reason: str | None) -> str | None:
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    """An error body holds no file paths: an exception's text may name a file of the server's
+    (the model directory, a module), which only the operator's log should show."""
+    return {"error": {"message": public_message(message), "type": type_, "param": param, "code": code}}
+
+
+# An absolute path of two or more parts, at the start or after a space, quote, bracket or "=".
+_PATH = re.compile(r"""(?:(?<=^)|(?<=[\s'"(\[=:,]))/(?:[^\s'"()\[\],/]+/)+[^\s'"()\[\],:]*""")
+
+
+def public_message(message: str) -> str:
+    """The message with absolute file paths replaced by <path>, and text no UTF-8 can carry (a
+    lone surrogate a client sent, quoted back in the message) escaped."""
+    return _PATH.sub("<path>", message).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def sse(payload: dict | str) -> str:

@@ -46,6 +46,11 @@ def add_serve_command(subparsers, add_engine_options, engine_options_from_args) 
                     help="do not log each request (its prompt and sampling parameters)")
     sv.add_argument("--disable-log-stats", action="store_true",
                     help="collect no engine statistics: no /metrics, no periodic stats line")
+    sv.add_argument("--max-body-bytes", type=_positive_int, default=16 * 2**20, metavar="N",
+                    help="largest request body accepted; larger ones get a 413 before they are "
+                         "read (default: 16 MiB)")
+    sv.add_argument("--enable-docs", action="store_true",
+                    help="serve FastAPI's /docs, /redoc and /openapi.json (default: off)")
     add_engine_options(sv)
     sv.set_defaults(func=lambda args: cmd_serve(args, engine_options_from_args))
 
@@ -70,7 +75,19 @@ def cmd_serve(args, engine_options_from_args) -> int:
         allowed_headers=_json_or_values("--allowed-headers", args.allowed_headers, ("*",)),
         allow_credentials=args.allow_credentials, chat_template=args.chat_template,
         dtype=args.dtype, log_requests=not args.disable_log_requests,
-        log_stats=not args.disable_log_stats))
+        log_stats=not args.disable_log_stats, max_body_bytes=args.max_body_bytes,
+        enable_docs=args.enable_docs))
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def _json_or_values(flag: str, values: list[str] | None, default: tuple[str, ...]) -> tuple[str, ...]:

@@ -33,9 +33,7 @@ async def serve(engine_loop: EngineLoop, request: Request, ident: R.ResponseIden
         disconnect.cancel()
         if not collect.done():          # the client left (or we were cancelled): free its blocks
             collect.cancel()
-            # a cancelled gather finishes later, holding a CancelledError nobody awaits; read it
-            # so asyncio does not log it as "exception was never retrieved" with a traceback
-            collect.add_done_callback(lambda f: f.cancelled() or f.exception())
+            collect.add_done_callback(_retrieve)    # else asyncio logs its CancelledError
             for s in streams:
                 engine_loop.abort(s.request_id)
     if not collect.done() or collect.cancelled():
@@ -49,6 +47,11 @@ async def serve(engine_loop: EngineLoop, request: Request, ident: R.ResponseIden
         bodies[0]["usage"] = R.usage(sum(last.num_prompt_tokens for _, last in results),
                                      sum(last.num_generated_tokens for _, last in results))
     return bodies[0]
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def _collect(stream: RequestStream):

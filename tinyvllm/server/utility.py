@@ -79,7 +79,9 @@ async def _json(request: Request):
 
 
 def add_utility_routes(app: FastAPI, engine_loop, metrics, check_model, chat_prompt_ids,
-                       health) -> None:
+                       health, encoder) -> None:
+    """encoder: the server's PromptEncoder (server/encoding.py), so /tokenize encodes off the
+    event loop too."""
     engine = engine_loop.engine
     tokenizer, vocab = engine.tokenizer, engine.model_config.vocab_size
     context_limit = engine.engine_config.context_limit(engine.model_config)
@@ -105,11 +107,11 @@ def add_utility_routes(app: FastAPI, engine_loop, metrics, check_model, chat_pro
         check_model(body.model)
         if chat:
             body.refuse_unsupported()
-            ids = chat_prompt_ids([m.as_template_message() for m in body.messages],
-                                  add_generation_prompt=body.add_generation_prompt,
-                                  add_special_tokens=body.add_special_tokens)
+            ids = await encoder.chat(chat_prompt_ids, [m.as_template_message() for m in body.messages],
+                                     body.add_generation_prompt, body.add_special_tokens,
+                                     fit_context=False)
         else:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await encoder.text(body.prompt, body.add_special_tokens)
         strs = [tokenizer.backend.id_to_token(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": context_limit, "tokens": ids, "token_strs": strs}
 

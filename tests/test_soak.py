@@ -1,0 +1,43 @@
+"""benchmarks/soak.py's CI size (--quick): a real `serve` subprocess on the numpy backend with a
+KV cache small enough to force preemptions, under a mix of streamed, non-streamed, chat, seeded,
+abandoned, disconnected and bad requests; its report must pass (no failures, no greedy mismatch
+with the offline engine, preemptions, no KV block leaked, no traceback in the server log)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_quick_soak_passes(tiny_model_dir, tmp_path):
+    report_path = tmp_path / "soak.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--quick",
+                          "--model", str(tiny_model_dir), "--json", str(report_path),
+                          "--server-log", str(tmp_path / "server.log")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert report_path.is_file(), run.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    print({k: report[k] for k in ("requests", "completed", "failed", "aborted", "refused_4xx",
+                                  "mismatches", "preemptions", "kv_blocks_leaked", "rss_mb_after_warmup",
+                                  "rss_mb_after", "health_p99_ms", "elapsed_s")})
+    assert run.returncode == 0 and report["passed"], (report, run.stderr[-3000:])
+    assert report["requests"] == report["completed"] + report["failed"] + report["aborted"] \
+        + report["refused_4xx"]
+    assert report["completed"] > 0 and report["aborted"] > 0 and report["compared"] > 0
+    assert report["refused_4xx"] >= len(report["bad_request_statuses"]) + 2     # the bad ones, two huge
+    assert all(400 <= s < 500 for s in report["bad_request_statuses"].values())
+    assert report["failed"] == report["mismatches"] == report["kv_blocks_leaked"] == 0
+    assert report["preemptions"] > 0 and report["exit_code"] == 0
+    assert report["rss_mb_after"] > 0 and report["rss_mb_after_warmup"] > 0
