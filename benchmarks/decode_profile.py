@@ -110,7 +110,7 @@ def main() -> None:
         write_model(path, preset=args.preset)
     cfg = ModelConfig.from_pretrained(path)
     runner = CudaRunner(cfg, load_weights(path, cfg),
-                        EngineConfig(max_num_seqs=max(args.batch), max_num_batched_tokens=args.prefill[0] * args.prefill[1],
+                        EngineConfig(max_num_seqs=max(max(args.batch), args.prefill[0]), max_num_batched_tokens=args.prefill[0] * args.prefill[1],
                                      max_model_len=4096, kv_cache_gb=max(max(args.batch) * args.context, args.prefill[0] * args.prefill[1])
                                      * cfg.kv_bytes_per_token / 2**30 * 1.1 + 0.1))
     print(runner.memory_report())

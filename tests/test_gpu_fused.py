@@ -194,7 +194,7 @@ def test_norm_linear_and_silu_linear_dispatch(gpu, rng, m):
     norm_w = DeviceArray(to_bf16(1 + 0.2 * rng.standard_normal(k)))
     w_qkv = DeviceArray(to_bf16(rng.standard_normal((2 * inter, k)) / math.sqrt(k)))
     w_down = DeviceArray(to_bf16(rng.standard_normal((n, inter)) / math.sqrt(inter)))
-    results = {}
+    results, was = {}, gpu.fuse
     for fuse in (True, False):
         gpu.fuse = fuse
         try:
@@ -208,7 +208,7 @@ def test_norm_linear_and_silu_linear_dispatch(gpu, rng, m):
             _sync()
             results[fuse] = (gate_up.get(), y.get(), y0, _bits(normed.get()))
         finally:
-            gpu.fuse = True
+            gpu.fuse = was
     poison = np.uint16(0x7FC0)
     fused_path = m <= 8 and gpu.use_gemv
     # the fused path never writes the scratch buffers; the unfused path fills them

@@ -69,7 +69,7 @@ class _FakeCudaRunner:
         self.blas.observer, self.blas.handle = None, ctypes.c_void_p()
         self.blas._one, self.blas._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.blas.lib = type("Lib", (), {"cublasGemmEx": staticmethod(lambda *a: 0)})()
-        self.ops = GpuOps(_Launches(), blas=self.blas, num_sms=132)
+        self.ops = GpuOps(_Launches(), blas=self.blas, num_sms=132, fuse=True)   # the fused GEMVs (opt-in)
         self.model = LlamaModel(config, self.weights, self.arena, self.kv_cache, self.ops)
         self.graphs, self.replays = {1: None, 2: None}, []
 

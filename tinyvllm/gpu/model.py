@@ -14,7 +14,7 @@ Per layer (T new tokens; residual stream `hidden` in bf16):
     hidden  += act @ Wdown^T                            linear  } at decode, beta = 1
 then the final norm of each sequence's last token and the LM head (fp32 logits, S rows only).
 norm_linear and silu_linear (gpu/ops.py) fold the norm / activation into the GEMV's X load
-when the projection runs on the GEMV (decode, T <= 8) and TINYVLLM_FUSE is not 0: 6 launches
+when the projection runs on the GEMV (decode, T <= 8) and TINYVLLM_FUSE=1 (opt-in: slower today, perf-notes): 6 launches
 per layer instead of 9, the same bits either way; `normed` and `act` are then untouched.
 
 "linear" is gpu/ops.py's linear(): our GEMV for decode batches of at most 8 tokens, cuBLAS
