@@ -149,7 +149,10 @@ def test_abort_frees_blocks_and_reports_abort(engine):
 def test_bad_requests_are_rejected_without_touching_the_others(engine, reference):
     prompt = random_prompts(1, seed=5)[0]
     engine.add_request("good", prompt, SamplingParams(max_tokens=4, **GREEDY))
-    bad = [("p", "x", SamplingParams(temperature=-1)), ("q", "x", SamplingParams(top_p=0)),
+    forced = [SamplingParams(), SamplingParams()]          # values the constructor refuses, forced
+    object.__setattr__(forced[0], "temperature", -1)
+    object.__setattr__(forced[1], "top_p", 0)
+    bad = [("p", "x", forced[0]), ("q", "x", forced[1]),
            ("good", "x", None), ("e", "", None), ("l", [], None), ("v", [10**7], None),
            ("w", [1.5], None), ("long", list(range(1, 5000)), None), ("cache", list(range(1, 200)), None),
            ("n", None, None), ("surrogate", "a\ud800b", None)]
