@@ -64,7 +64,7 @@ INVALID = [
 
 def check_blocks(engine) -> None:
     bm = engine.block_manager
-    seqs = list(engine._requests.values())
+    seqs = [seq for request in engine._requests.values() for seq in request.seqs]
     owned = [b for seq in seqs for b in seq.block_table]
     assert len(owned) == len(set(owned)), "a KV block is in two sequences"
     assert sorted(owned + list(bm._free)) == list(range(bm.num_blocks)), "KV blocks lost or invented"
@@ -157,6 +157,7 @@ class EngineMachine(RuleBasedStateMachine):
         prompt, kind, max_tokens, aborted = self.live.pop(out.request_id)
         self.finished.add(out.request_id)
         room = min(max_tokens, CONTEXT - len(prompt))
+        out = out.outputs[0]
         tokens, reason = out.token_ids, out.finish_reason
         self.outcomes[kind, reason] += 1
         assert all(0 <= t < self.engine.model_config.vocab_size for t in tokens)

@@ -93,7 +93,7 @@ def wait_for_free_blocks(served, timeout=30.0) -> int:
 
 def greedy_offline(offline, prompts, max_tokens) -> list[str]:
     outs = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    return [o.text for o in outs]
+    return [o.outputs[0].text for o in outs]
 
 
 # ---- the happy paths ---------------------------------------------------------------------------
@@ -108,10 +108,10 @@ def test_completion_matches_offline_with_usage(served, client, offline):
     out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0)
     expected = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))[0]
     assert out.object == "text_completion"
-    assert out.choices[0].text == expected.text
+    assert out.choices[0].text == expected.outputs[0].text
     assert out.choices[0].finish_reason in ("stop", "length")
     assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
-    assert out.usage.completion_tokens == len(expected.token_ids)
+    assert out.usage.completion_tokens == len(expected.outputs[0].token_ids)
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
 
 

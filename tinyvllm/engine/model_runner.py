@@ -25,6 +25,20 @@ class ModelRunner(ABC):
         (reference.sampling.NON_FINITE) where its logits were not finite. Raising means the
         runner is unusable (the engine dies; see engine/llm_engine.py)."""
 
+    # logprobs (SamplingParams.logprobs / prompt_logprobs) need the model's raw logits; a runner
+    # that cannot give them says so here, and add_request refuses such requests on it.
+    supports_logprobs: bool = False
+    supports_prompt_logprobs: bool = False
+
+    def step_logits(self) -> np.ndarray:
+        """float32 [S, vocab]: the logits of the last execute(), as the model produced them
+        (before the sampler), row i for sequence i."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no logits")
+
+    def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
+        """float32 [len(token_ids), vocab]: the logits at every position of a prompt."""
+        raise NotImplementedError(f"{type(self).__name__} computes no prompt logits")
+
     def close(self) -> None:
         """Release the backend's memory. The runner is unusable afterwards."""
 

@@ -47,8 +47,9 @@ class _Command:
 
 
 def _snapshot(out) -> StreamEvent:
-    return StreamEvent(out.delta_text or "", len(out.prompt_token_ids), out.num_generated_tokens,
-                       bool(out.finished), out.finish_reason)
+    sample = out.outputs[0]
+    return StreamEvent(sample.delta_text or "", len(out.prompt_token_ids), sample.num_generated_tokens,
+                       bool(out.finished), sample.finish_reason)
 
 
 class EngineLoop:
