@@ -32,8 +32,8 @@ class CompletionOutput:
     token id or a stop string; stop_reason says which), "length", "abort", or tinyvllm's
     "error" (this request alone failed; .error says why); None while running."""
 
-    __slots__ = ("index", "finish_reason", "stop_reason", "cumulative_logprob", "error", "_seq", "_start",
-                 "_end", "_finished", "_text", "_delta_text", "_token_ids")
+    __slots__ = ("index", "finish_reason", "stop_reason", "cumulative_logprob", "error", "is_new",
+                 "_seq", "_start", "_end", "_finished", "_text", "_delta_text", "_token_ids")
 
     def __init__(self, seq: Sequence):
         self.index = seq.index
@@ -45,6 +45,9 @@ class CompletionOutput:
         self.error: str | None = seq.error     # tinyvllm's: why, when finish_reason is "error"
         self._start, self._end = seq.num_reported_tokens, len(seq.token_ids) - seq.num_prompt_tokens
         seq.num_reported_tokens = self._end
+        # is_new: something to stream since the previous report (new tokens, or the finish)
+        self.is_new = self._end > self._start or (finished and not seq.finish_reported)
+        seq.finish_reported = finished
         self._token_ids = None
         if seq.detokenizes_every_step:
             self._delta_text = seq.take_new_text()

@@ -57,6 +57,7 @@ class Sequence:
         self.text = ""                              # generated text, stop string cut off
         self.num_emitted_chars = 0                  # text[:num_emitted_chars] has been reported
         self.num_reported_tokens = 0                # output tokens already in a RequestOutput
+        self.finish_reported = False                # its finish is in a RequestOutput
         # Text on demand (sequences without stop strings, see text_reported)
         self.text_pieces: list[str] = []            # the detokenizer's piece for each token fed
         self.num_text_tokens: int | None = None     # once finished: output tokens that are text
