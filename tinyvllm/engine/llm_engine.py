@@ -50,7 +50,7 @@ from tinyvllm.engine.limits import (
     max_prompt_bytes,
 )
 from tinyvllm.engine.model_runner import ModelRunner, make_runner
-from tinyvllm.engine.output_processor import OutputProcessor, sampled_ranks, step_logprobs
+from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.engine.outputs import RequestOutput
 from tinyvllm.engine.sampling_params import SamplingParams
 from tinyvllm.engine.scheduler import ScheduledBatch, Scheduler
@@ -336,11 +336,9 @@ class LLMEngine:
                 and s.num_cached_tokens + s.num_scheduled_tokens >= len(s.token_ids)]
         if not rows:
             return
-        logits = self.runner.step_logits()[rows]
         sampled_ids = np.asarray(tokens)[rows]
         k = max(batch.seqs[i].params.logprobs for i in rows)
-        sampled, top_ids, top_lps = step_logprobs(logits, sampled_ids, k)
-        ranks = sampled_ranks(logits, sampled_ids)
+        sampled, ranks, top_ids, top_lps = self.runner.step_logprobs(rows, sampled_ids, k)
         for j, i in enumerate(rows):
             seq = batch.seqs[i]
             kk = seq.params.logprobs

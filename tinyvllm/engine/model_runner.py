@@ -35,6 +35,18 @@ class ModelRunner(ABC):
         (before the sampler), row i for sequence i."""
         raise NotImplementedError(f"{type(self).__name__} keeps no logits")
 
+    def step_logprobs(self, rows: list[int], sampled_ids: np.ndarray, k: int):
+        """The logprobs of the last execute()'s sampled tokens, for batch rows `rows` ->
+        (sampled_logprob float32 [R], sampled_rank int [R], top_ids int32 [R, k],
+        top_logprobs float32 [R, k]): vLLM V1's raw logprobs (log_softmax of the model's
+        logits), top ids in descending order. This default computes them on the host from
+        step_logits() (output_processor.step_logprobs, the numpy twin); a runner whose sampler
+        returns them itself (the GPU one) overrides this."""
+        from tinyvllm.engine.output_processor import sampled_ranks, step_logprobs
+        logits = self.step_logits()[rows]
+        sampled, top_ids, top_lps = step_logprobs(logits, sampled_ids, k)
+        return sampled, sampled_ranks(logits, sampled_ids), top_ids, top_lps
+
     def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
         """float32 [len(token_ids), vocab]: the logits at every position of a prompt."""
         raise NotImplementedError(f"{type(self).__name__} computes no prompt logits")
