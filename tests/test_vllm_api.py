@@ -314,3 +314,40 @@ def test_unsupported_features_are_refused_at_add_request(llm):
     finally:
         del runner.supports_prompt_logprobs
     assert not llm.engine.has_unfinished_requests()
+
+
+# -- on the GPU (run by the lead on the H200) ---------------------------------------------------
+@pytest.mark.gpu
+def test_cuda_n_samples_share_one_prefill_and_greedy_equals_single(tiny_model_dir):
+    """Greedy samples of one request read the same shared KV blocks and each recomputes the same
+    partial block in one batch (same kernels, same tokens, same shapes), so their ids must be
+    exactly equal. Against the n = 1 request the partial block is prefilled in another batch
+    shape (11 new tokens after a cached block, instead of 27 from scratch): bf16 summation order
+    differs, so that comparison allows a near-tie at the first difference, as
+    test_gpu_engine.assert_same_greedy (its NEAR_TIE bound) does."""
+    from test_gpu_engine import assert_same_greedy
+
+    from tinyvllm.checkpoint.weights import load_weights
+    from tinyvllm.config import ModelConfig
+    from tinyvllm.reference.model import ReferenceModel
+    cfg = ModelConfig.from_pretrained(tiny_model_dir)
+    refm = ReferenceModel(cfg, load_weights(tiny_model_dir, cfg))
+    ids = [int(t) for t in np.random.default_rng().integers(0, cfg.vocab_size, 27)]   # 1 block of 16 + 11
+    llm = LLM(str(tiny_model_dir), device="cuda", kv_cache_gb=0.25, max_model_len=256)
+    try:
+        counted = count_prefill_tokens(llm.engine)
+        many = llm.generate({"prompt_token_ids": ids}, SamplingParams(n=4, max_tokens=12, **GREEDY),
+                            use_tqdm=False)[0]
+        assert sum(counted) == 27 + 3 * 11, "samples 1..3 recompute only the partial block"
+        samples = {tuple(o.token_ids) for o in many.outputs}
+        assert len(samples) == 1
+        one = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=12, **GREEDY),
+                           use_tqdm=False)[0].outputs[0]
+        assert_same_greedy(refm, ids, list(samples.pop()), one.token_ids, "n=4 vs n=1")
+        assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
+        with pytest.raises(InvalidRequestError, match="prompt_logprobs=1: not supported on cuda"):
+            llm.generate("Hi", SamplingParams(prompt_logprobs=1))
+        with pytest.raises(InvalidRequestError, match="logprobs=2: the cuda runner does not return logprobs"):
+            llm.generate("Hi", SamplingParams(logprobs=2))
+    finally:
+        llm.engine.close()
