@@ -195,16 +195,17 @@ class LLMEngine:
             self.scheduler.add(seq)
 
     def _check_supported(self, params: SamplingParams) -> None:
-        """What this engine cannot honour is refused, never ignored."""
+        """What this engine cannot honour is refused, never ignored. (A runner that does not
+        say it supports logprobs — CudaRunner in this build, test fakes — does not.)"""
         for name, off in NOT_YET_SAMPLED.items():
             if getattr(params, name) != off:
                 raise InvalidRequestError(f"invalid sampling parameter {name}={getattr(params, name)!r}: "
                                           "not supported by this build's sampler")
         device = self.engine_config.device
-        if params.logprobs is not None and not self.runner.supports_logprobs:
+        if params.logprobs is not None and not getattr(self.runner, "supports_logprobs", False):
             raise InvalidRequestError(f"invalid sampling parameter logprobs={params.logprobs!r}: the "
                                       f"{device} runner does not return logprobs in this build")
-        if params.prompt_logprobs is not None and not self.runner.supports_prompt_logprobs:
+        if params.prompt_logprobs is not None and not getattr(self.runner, "supports_prompt_logprobs", False):
             raise InvalidRequestError(
                 f"invalid sampling parameter prompt_logprobs={params.prompt_logprobs!r}: not supported on "
                 f"{device}: its forward pass computes the logits of each sequence's last position only")
