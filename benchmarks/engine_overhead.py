@@ -112,8 +112,9 @@ def run(engine: LLMEngine, runner: InstantRunner, reqs, consumer: str, profiler=
         start = time.perf_counter()
         for out in engine.step():
             if consumer == "stream":      # what the server's _snapshot reads
-                (out.delta_text, len(out.prompt_token_ids), out.num_generated_tokens, out.finished,
-                 out.finish_reason)
+                for o in out.outputs:
+                    (o.delta_text, len(out.prompt_token_ids), o.num_generated_tokens, o.finished,
+                     o.finish_reason)
             if out.finished:
                 finals[out.request_id] = out
         host = time.perf_counter() - start - runner.seconds
@@ -121,12 +122,12 @@ def run(engine: LLMEngine, runner: InstantRunner, reqs, consumer: str, profiler=
             is_prefill, num_seqs = runner.last_batch
             (prefill if is_prefill else decode).append((host, num_seqs))
     start = time.perf_counter()
-    text_chars = sum(len(out.text) for out in finals.values())
+    text_chars = sum(len(out.outputs[0].text) for out in finals.values())
     final_text = time.perf_counter() - start
     if profiler:
         profiler.disable()
     return {"decode": decode, "prefill": prefill, "final_text": final_text, "chars": text_chars,
-            "tokens": sum(len(out.token_ids) for out in finals.values())}   # (finals dropped)
+            "tokens": sum(len(out.outputs[0].token_ids) for out in finals.values())}   # (finals dropped)
 
 
 def summarize(name: str, consumer: str, r: dict) -> list[str]:

@@ -144,11 +144,11 @@ def offline_reference(args, pool, specs) -> dict:
             spec = by_key[key]
             prompt = pool[spec.index]
             if key[0] == "chat":
-                prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            prompts.append(prompt)
+                prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])
+            prompts.append({"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt)
             params.append(SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True, **sampling(spec)))
-        outs = llm.generate(prompts, params)
-        return {k: (o.prompt_token_ids, o.token_ids, o.text) for k, o in zip(keys, outs)}
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return {k: (o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].text) for k, o in zip(keys, outs)}
     finally:
         llm.engine.close()
 

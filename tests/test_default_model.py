@@ -161,7 +161,7 @@ def test_llm_without_model_uses_the_default(default_model_home, monkeypatch):
     monkeypatch.setenv("TINYVLLM_HOME", str(default_model_home))
     llm = LLM(device="cpu", num_kv_blocks=16, max_model_len=256)
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4))[0]
-    assert "Paris" in out.text
+    assert "Paris" in out.outputs[0].text
 
 
 def test_make_model_preset_bench_preset_and_serve_name_use_the_default(tmp_path, fake_source, monkeypatch):

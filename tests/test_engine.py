@@ -25,18 +25,21 @@ def reference(engine):
     return engine.runner.model
 
 
-def run_all(engine, requests):
-    """requests: {id: (prompt, params)} -> {id: final RequestOutput}; checks the delta stream."""
+def run_all(engine, requests, sample=0):
+    """requests: {id: (prompt, params)} -> {id: the final CompletionOutput of that sample};
+    checks every sample's delta stream."""
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params)
-    finals, streamed = {}, {i: "" for i in requests}
+    finals, streamed = {}, {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             assert not out.finished or out.request_id not in finals
-            streamed[out.request_id] += out.delta_text
-            assert out.text == streamed[out.request_id]
+            for o in out.outputs:
+                key = (out.request_id, o.index)
+                streamed[key] = streamed.get(key, "") + o.delta_text
+                assert o.text == streamed[key]
             if out.finished:
-                finals[out.request_id] = out
+                finals[out.request_id] = out.outputs[sample]
     assert engine.num_free_blocks == engine.block_manager.num_blocks, "leaked KV blocks"
     return finals
 
@@ -58,7 +61,7 @@ def test_batched_greedy_equals_each_request_alone(tiny_model_dir, reference, sch
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         out = finals[str(i)]
         assert out.token_ids == reference.greedy_generate(p, m), f"request {i}"
-        assert out.finish_reason == "length" and out.prompt_token_ids == p
+        assert out.finish_reason == "length" and out.stop_reason is None
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(tiny_model_dir, engine):
@@ -96,7 +99,7 @@ def test_stop_string_is_cut_from_the_text(engine):
     stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
     out = run_all(engine, {"s": ("Once upon a time", SamplingParams(max_tokens=12, stop=[stop, "@@@"],
                                                                     **GREEDY))})["s"]
-    assert out.finish_reason == "stop" and stop not in out.text
+    assert out.finish_reason == "stop" and stop not in out.text and out.stop_reason == stop
     assert out.text == full.text[:full.text.index(stop)]
     assert out.token_ids == full.token_ids[:len(out.token_ids)]
 
@@ -108,22 +111,26 @@ def test_stop_token_ids_and_eos(engine):
     out = run_all(engine, {"t": ("Hello", SamplingParams(max_tokens=8, stop_token_ids=[stop_token],
                                                          **GREEDY))})["t"]
     assert out.finish_reason == "stop" and out.token_ids == full.token_ids[:cut]
-    eos = engine.scheduler.eos_token_ids
-    engine.scheduler.eos_token_ids = frozenset({stop_token})      # make the model "say" EOS
+    assert out.stop_reason == stop_token and out.text == engine.tokenizer.decode(out.token_ids[:-1])
+    eos = engine.output_processor.eos_token_ids
+    engine.output_processor.eos_token_ids = frozenset({stop_token})      # make the model "say" EOS
     try:
         out = run_all(engine, {"e": ("Hello", SamplingParams(max_tokens=8, temperature=0))})["e"]
-        assert out.finish_reason == "eos" and out.token_ids == full.token_ids[:cut]
+        assert out.finish_reason == "stop" and out.stop_reason is None  # vLLM: EOS is "stop", no reason
+        assert out.token_ids == full.token_ids[:cut]
         out = run_all(engine, {"i": ("Hello", SamplingParams(max_tokens=8, **GREEDY))})["i"]
         assert out.finish_reason == "length" and out.token_ids == full.token_ids
     finally:
-        engine.scheduler.eos_token_ids = eos
+        engine.output_processor.eos_token_ids = eos
 
 
 def test_max_tokens_and_metrics(engine):
-    out = greedy_text(engine, "Hello there", 5)
-    assert len(out.token_ids) == 5 and out.finish_reason == "length" and out.finished
-    assert out.time_to_first_token > 0 and out.latency >= out.time_to_first_token
-    assert out.decode_tokens_per_s > 0
+    engine.add_request("m", "Hello there", SamplingParams(max_tokens=5, **GREEDY))
+    (request,) = run_all_pending(engine).values()
+    out, metrics = request.outputs[0], request.metrics
+    assert len(out.token_ids) == 5 and out.finish_reason == "length" and out.finished and request.finished
+    assert metrics.time_to_first_token > 0 and metrics.latency >= metrics.time_to_first_token
+    assert metrics.decode_tokens_per_s > 0
 
 
 def test_abort_frees_blocks_and_reports_abort(engine):
@@ -140,7 +147,7 @@ def test_abort_frees_blocks_and_reports_abort(engine):
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                finals[out.request_id] = out
+                finals[out.request_id] = out.outputs[0]
     assert finals["ab1"].finish_reason == "abort" and len(finals["ab1"].token_ids) < 30
     assert finals["ab0"].token_ids == finals["ab2"].token_ids and len(finals["ab0"].token_ids) == 30
     assert engine.num_free_blocks == engine.block_manager.num_blocks
@@ -149,7 +156,10 @@ def test_abort_frees_blocks_and_reports_abort(engine):
 def test_bad_requests_are_rejected_without_touching_the_others(engine, reference):
     prompt = random_prompts(1, seed=5)[0]
     engine.add_request("good", prompt, SamplingParams(max_tokens=4, **GREEDY))
-    bad = [("p", "x", SamplingParams(temperature=-1)), ("q", "x", SamplingParams(top_p=0)),
+    forced = [SamplingParams(), SamplingParams()]          # values the constructor refuses, forced
+    object.__setattr__(forced[0], "temperature", -1)
+    object.__setattr__(forced[1], "top_p", 0)
+    bad = [("p", "x", forced[0]), ("q", "x", forced[1]),
            ("good", "x", None), ("e", "", None), ("l", [], None), ("v", [10**7], None),
            ("w", [1.5], None), ("long", list(range(1, 5000)), None), ("cache", list(range(1, 200)), None),
            ("n", None, None), ("surrogate", "a\ud800b", None)]
@@ -157,7 +167,7 @@ def test_bad_requests_are_rejected_without_touching_the_others(engine, reference
         with pytest.raises(InvalidRequestError):
             engine.add_request(request_id, p, params)
     finals = run_all_pending(engine)
-    assert list(finals) == ["good"] and finals["good"].token_ids == reference.greedy_generate(prompt, 4)
+    assert list(finals) == ["good"] and finals["good"].outputs[0].token_ids == reference.greedy_generate(prompt, 4)
 
 
 def run_all_pending(engine):
@@ -170,19 +180,21 @@ def run_all_pending(engine):
 def test_llm_generate_keeps_input_order_and_chat(tiny_model_dir, reference):
     llm = LLM(tiny_model_dir, device="cpu", num_kv_blocks=64, max_model_len=1024)
     prompts = random_prompts(4, seed=9)
-    outs = llm.generate(prompts, [SamplingParams(max_tokens=2 + i, **GREEDY) for i in range(4)])
-    assert [o.token_ids for o in outs] == [reference.greedy_generate(p, 2 + i) for i, p in enumerate(prompts)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(max_tokens=2 + i, **GREEDY) for i in range(4)])
+    assert [o.outputs[0].token_ids for o in outs] == [reference.greedy_generate(p, 2 + i)
+                                                       for i, p in enumerate(prompts)]
     single = llm.generate("Hi", SamplingParams(max_tokens=3))
-    assert len(single) == 1 and len(single[0].token_ids) <= 3
+    assert len(single) == 1 and len(single[0].outputs[0].token_ids) <= 3
     chats = llm.chat([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Yo"}]],
                      SamplingParams(max_tokens=2))
     assert len(chats) == 2
-    assert chats[0].prompt_token_ids == llm.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
-    assert chats[0].prompt_token_ids.count(llm.tokenizer.bos_token_id) == 1
+    assert chats[0].prompt_token_ids == llm.get_tokenizer().encode_chat([{"role": "user", "content": "Hi"}])
+    assert chats[0].prompt_token_ids.count(llm.get_tokenizer().bos_token_id) == 1
     own = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1),
                    chat_template="{{ greeting }}{{ messages[0]['content'] }}",
                    chat_template_kwargs={"greeting": "Well, "})
-    assert own[0].prompt_token_ids == llm.tokenizer.encode("Well, Hi", add_special_tokens=False)
+    assert own[0].prompt_token_ids == llm.get_tokenizer().encode("Well, Hi", add_special_tokens=False)
     with pytest.raises(InvalidRequestError):           # all or nothing: nothing is left queued
         llm.generate(["fine", ""], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished_requests()

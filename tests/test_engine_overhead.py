@@ -62,8 +62,8 @@ def test_text_on_demand_equals_text_every_step(instant_engine, order):
     outs = []
     while eng.has_unfinished_requests():
         outs += eng.step()
-    lazy = [o for o in outs if o.request_id == "lazy"]
-    eager = [o for o in outs if o.request_id == "eager"]
+    lazy = [o.outputs[0] for o in outs if o.request_id == "lazy"]
+    eager = [o.outputs[0] for o in outs if o.request_id == "eager"]
     assert [o.token_ids for o in lazy] == [o.token_ids for o in eager]
     reads = {"streamed": lazy, "final only": lazy[-1:], "backwards": lazy[::-1]}[order]
     got = {id(o): (o.delta_text, o.text) for o in reads}

@@ -40,7 +40,7 @@ def run(engine, requests):
         for out in engine.step():
             assert out.request_id not in finals
             if out.finished:
-                finals[out.request_id] = out
+                finals[out.request_id] = out.outputs[0]
     assert engine.num_free_blocks == engine.block_manager.num_blocks, "leaked KV blocks"
     assert not engine.scheduler.running and not engine.scheduler.waiting
     return finals
@@ -70,7 +70,7 @@ def test_a_row_that_cannot_be_built_fails_only_its_request(tiny_model_dir, numpy
     for request_id, (prompt, params) in good_requests().items():
         engine.add_request(request_id, prompt, params)
     engine.add_request("bad", "Hello there", SamplingParams(temperature=0.5, max_tokens=10))
-    engine._requests["bad"].params.top_k = 2**31                 # slipped past admission
+    object.__setattr__(engine._requests["bad"].params, "top_k", 2**31)                # slipped past admission
     finals = run(engine, {})
     bad = finals["bad"]
     assert bad.finish_reason == "error" and bad.finished and bad.token_ids == []
@@ -86,8 +86,8 @@ def test_a_failure_mid_generation_fails_only_that_request(tiny_model_dir, numpy_
     engine.add_request("bad", "Hello there", SamplingParams(temperature=0.5, max_tokens=10))
     finals = {}
     for _ in range(3):                                           # the prefill and two decodes
-        finals.update({o.request_id: o for o in engine.step() if o.finished})
-    engine._requests["bad"].seed = 2**64                         # no longer fits uint64
+        finals.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    engine._requests["bad"].seqs[0].seed = 2**64                        # no longer fits uint64
     finals.update(run(engine, {}))
     assert finals["bad"].finish_reason == "error" and 0 < len(finals["bad"].token_ids) < 10
     assert "OverflowError" in finals["bad"].error
@@ -131,10 +131,10 @@ def test_a_build_failure_no_row_reproduces_alone_kills_the_engine(tiny_model_dir
         engine.add_request(request_id, prompt, params)
     real = scheduler.ScheduledBatch.sampling_batch
 
-    def fails_when_batched(self):
+    def fails_when_batched(self, *args):
         if len(self.seqs) > 1:
             raise MemoryError("host out of memory")
-        return real(self)
+        return real(self, *args)
     monkeypatch.setattr(scheduler.ScheduledBatch, "sampling_batch", fails_when_batched)
     with pytest.raises(EngineDeadError, match="MemoryError"):
         engine.step()

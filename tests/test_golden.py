@@ -65,8 +65,8 @@ def greedy(model_dir, device: str, max_tokens: int) -> list[list[int]]:
     options = {"num_kv_blocks": 256, "max_model_len": 4096} if device == "cpu" else {}
     llm = LLM(model_dir, device=device, max_num_seqs=len(CASES), **options)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate([c["prompt_ids"] for c in CASES], params)
-    return [list(o.token_ids) for o in outputs]
+    outputs = llm.generate([{"prompt_token_ids": c["prompt_ids"]} for c in CASES], params)
+    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def test_conversion_is_the_one_the_fixture_was_made_from(model_dir):
@@ -154,10 +154,11 @@ def test_cuda_next_token_after_every_golden_prefix(model_dir):
     from tinyvllm import LLM, SamplingParams
     llm = LLM(model_dir, device="cuda")
     prompts = [c["prompt_ids"] + c["generated_ids"][:k] for c in CASES for k in range(len(c["generated_ids"]))]
-    outs = iter(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)))
+    outs = iter(llm.generate([{"prompt_token_ids": p} for p in prompts],
+                             SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)))
     bound, matched, total, bad, ties = bf16_gap_bound(), 0, 0, [], []
     for case in CASES:
-        ours = [next(outs).token_ids[0] for _ in case["generated_ids"]]
+        ours = [next(outs).outputs[0].token_ids[0] for _ in case["generated_ids"]]
         matched += sum(o == g for o, g in zip(ours, case["generated_ids"]))
         total += len(ours)
         bad += differences(case, ours, bound)

@@ -46,7 +46,7 @@ def assert_same_greedy(refm, prompt, a, b, label):
 
 
 def _tokens(outputs):
-    return [o.token_ids for o in outputs]
+    return [o.outputs[0].token_ids for o in outputs]
 
 
 def test_continuous_batching_equals_one_at_a_time_on_cuda(setup, tiny_model_dir):
@@ -56,10 +56,10 @@ def test_continuous_batching_equals_one_at_a_time_on_cuda(setup, tiny_model_dir)
     llm = LLM(tiny_model_dir, device="cuda", num_kv_blocks=24, max_num_seqs=8, max_num_batched_tokens=256,
               max_model_len=384)
     try:
-        batched = llm.generate(prompts, params)
+        batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         assert llm.engine.num_preemptions > 0, "the small KV cache should have forced preemptions"
         assert llm.engine.num_free_blocks == 24, "blocks leaked"
-        alone = [llm.generate([p], params)[0] for p in prompts]
+        alone = [llm.generate({"prompt_token_ids": p}, params)[0] for p in prompts]
     finally:
         llm.engine.close()
     diverged = [assert_same_greedy(refm, p, a, b, f"prompt {i}")
@@ -70,10 +70,10 @@ def test_continuous_batching_equals_one_at_a_time_on_cuda(setup, tiny_model_dir)
 def test_cuda_backend_matches_numpy_backend(setup, tiny_model_dir):
     refm, prompts = setup
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    on_cpu = LLM(tiny_model_dir, device="cpu").generate(prompts, params)
+    on_cpu = LLM(tiny_model_dir, device="cpu").generate([{"prompt_token_ids": p} for p in prompts], params)
     llm = LLM(tiny_model_dir, device="cuda", kv_cache_gb=0.5)
     try:
-        on_gpu = llm.generate(prompts, params)
+        on_gpu = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     finally:
         llm.engine.close()
     diverged = [assert_same_greedy(refm, p, a, b, f"prompt {i}")

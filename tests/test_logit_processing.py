@@ -307,11 +307,12 @@ def test_scheduler_loop_with_penalties_matches_a_dense_vllm_loop(tiny_model_dir)
     engine = EngineConfig(block_size=16, num_kv_blocks=64, device="cpu", max_num_seqs=4, max_model_len=256)
     runner = NumpyRunner(cfg, weights, engine)
     eos = (cfg.vocab_size - 1,)
-    sched = Scheduler(engine, BlockManager(64, 16), 256, eos)
+    from tinyvllm.engine.output_processor import OutputProcessor
+    sched = Scheduler(engine, BlockManager(64, 16), OutputProcessor(None, eos, 256))
     rng = np.random.default_rng(0)
     all_params = [dict(temperature=0.0, repetition_penalty=1.8, frequency_penalty=0.6, presence_penalty=0.4),
                   dict(temperature=0.0),
-                  dict(temperature=0.0, logit_bias={7: 1000.0}, min_tokens=3, frequency_penalty=2.0)]
+                  dict(temperature=0.0, logit_bias={7: 100.0}, min_tokens=3, frequency_penalty=2.0)]
     seqs = []
     for i, kw in enumerate(all_params):
         prompt = rng.integers(0, cfg.vocab_size - 1, 12 + 5 * i).tolist()

@@ -20,6 +20,7 @@ from test_scheduler import EOS, FakeRunner, NullDetokenizer, alone
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.block_manager import BlockManager, block_hash
 from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.engine.sampling_params import SamplingParams
 from tinyvllm.engine.scheduler import Scheduler
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
@@ -159,7 +160,7 @@ def setup(num_blocks, block_size=4, caching=True, **cfg):
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, device="cpu",
                           enable_prefix_caching=caching, **cfg)
     bm = BlockManager(num_blocks, block_size, caching)
-    return Scheduler(config, bm, 1000, (EOS,)), bm, FakeRunner(num_blocks, block_size)
+    return Scheduler(config, bm, OutputProcessor(None, (EOS,), 1000)), bm, FakeRunner(num_blocks, block_size)
 
 
 def live_seqs(sched):
@@ -365,7 +366,8 @@ def test_engine_outputs_are_identical_with_the_cache_on_and_off(engines):
     off, off_counts = engine_run(engines[False], requests)
     on, on_counts = engine_run(engines[True], requests)
     for i in range(len(requests)):
-        assert on[i].token_ids == off[i].token_ids and on[i].text == off[i].text, f"request {i}"
+        a, b = on[i].outputs[0], off[i].outputs[0]
+        assert a.token_ids == b.token_ids and a.text == b.text, f"request {i}"
         assert off[i].num_cached_tokens == 0
     assert off_counts["queries"] == 0 and 0 < on_counts["hits"] < on_counts["queries"]
     assert on_counts["preemptions"] > 0 and on_counts["evictions"] > 0
@@ -382,12 +384,13 @@ def test_engine_aborts_keep_the_other_outputs_identical(engines):
     uncut, _ = engine_run(engines[False], requests)
     cut, counts = engine_run(engines[True], requests, aborts)
     assert sorted(cut) == list(range(10))
-    for i, out in cut.items():
+    for i, request in cut.items():
+        out, whole = request.outputs[0], uncut[i].outputs[0]
         if out.finish_reason == "abort":
-            assert out.token_ids == uncut[i].token_ids[:len(out.token_ids)], f"request {i}"
+            assert out.token_ids == whole.token_ids[:len(out.token_ids)], f"request {i}"
         else:
-            assert out.token_ids == uncut[i].token_ids and out.text == uncut[i].text, f"request {i}"
-    assert sum(o.finish_reason == "abort" for o in cut.values()) >= 2 and counts["hits"] > 0
+            assert out.token_ids == whole.token_ids and out.text == whole.text, f"request {i}"
+    assert sum(o.outputs[0].finish_reason == "abort" for o in cut.values()) >= 2 and counts["hits"] > 0
 
 
 def test_engine_option_default_and_reset(tiny_model_dir, engines):

@@ -8,6 +8,7 @@ import pytest
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.engine.sampling_params import SamplingParams
 from tinyvllm.engine.scheduler import Scheduler
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
@@ -59,7 +60,8 @@ def alone(prompt, max_tokens):
 def setup(num_blocks=64, block_size=4, context_limit=1000, **cfg):
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, device="cpu", **cfg)
     bm = BlockManager(num_blocks, block_size)
-    return Scheduler(config, bm, context_limit, (EOS,)), bm, FakeRunner(num_blocks, block_size)
+    return (Scheduler(config, bm, OutputProcessor(None, (EOS,), context_limit)), bm,
+            FakeRunner(num_blocks, block_size))
 
 
 def add(sched, request_id, prompt, max_tokens):

@@ -93,7 +93,7 @@ def wait_for_free_blocks(served, timeout=30.0) -> int:
 
 def greedy_offline(offline, prompts, max_tokens) -> list[str]:
     outs = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    return [o.text for o in outs]
+    return [o.outputs[0].text for o in outs]
 
 
 # ---- the happy paths ---------------------------------------------------------------------------
@@ -108,10 +108,10 @@ def test_completion_matches_offline_with_usage(served, client, offline):
     out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0)
     expected = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))[0]
     assert out.object == "text_completion"
-    assert out.choices[0].text == expected.text
+    assert out.choices[0].text == expected.outputs[0].text
     assert out.choices[0].finish_reason in ("stop", "length")
     assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
-    assert out.usage.completion_tokens == len(expected.token_ids)
+    assert out.usage.completion_tokens == len(expected.outputs[0].token_ids)
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
 
 
@@ -204,14 +204,20 @@ BAD_COMPLETIONS = {
     "prompt wrong type": {"model": MODEL_NAME, "prompt": 42},
     "max_tokens wrong type": {"model": MODEL_NAME, "prompt": "x", "max_tokens": "5"},
     "temperature wrong type": {"model": MODEL_NAME, "prompt": "x", "temperature": "hot"},
-    "n > 1": {"model": MODEL_NAME, "prompt": "x", "n": 2},
+    "n 0": {"model": MODEL_NAME, "prompt": "x", "n": 0},
+    "best_of above n": {"model": MODEL_NAME, "prompt": "x", "best_of": 3},
+    "beam search": {"model": MODEL_NAME, "prompt": "x", "use_beam_search": True},
+    "guided decoding": {"model": MODEL_NAME, "prompt": "x", "guided_regex": "a+"},
+    "logit_bias key not an id": {"model": MODEL_NAME, "prompt": "x", "logit_bias": {"a": 1.0}},
+    "min_p above 1": {"model": MODEL_NAME, "prompt": "x", "min_p": 1.5},
+    "max_tokens beyond the context": {"model": MODEL_NAME, "prompt": "x", "max_tokens": 10**6},
     "negative temperature": {"model": MODEL_NAME, "prompt": "x", "temperature": -1.0},
     "top_p > 1": {"model": MODEL_NAME, "prompt": "x", "top_p": 1.5},
     "max_tokens 0": {"model": MODEL_NAME, "prompt": "x", "max_tokens": 0},
     "empty prompt": {"model": MODEL_NAME, "prompt": ""},
     "token id out of vocab": {"model": MODEL_NAME, "prompt": [1, 10**9]},
     "prompt beyond context": {"model": MODEL_NAME, "prompt": "hello " * 400},
-    "logprobs wanted": {"model": MODEL_NAME, "prompt": "x", "logprobs": 3},
+    "logprobs above 20": {"model": MODEL_NAME, "prompt": "x", "logprobs": 21},
 }
 
 
@@ -230,8 +236,11 @@ def test_bad_completion_requests_are_400(served, body):
     {"model": MODEL_NAME, "messages": "hi"},
     {"model": MODEL_NAME, "messages": [{"role": "wizard", "content": "hi"}]},
     {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi " * 400}]},
-    {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "n": 3},
-], ids=["missing messages", "no messages", "messages wrong type", "bad role", "too long", "n=3"])
+    {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "n": 0},
+    {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+    {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "echo": True},
+], ids=["missing messages", "no messages", "messages wrong type", "bad role", "too long", "n=0",
+        "top_logprobs 21", "echo"])
 def test_bad_chat_requests_are_400(served, body):
     r = post(served, "/v1/chat/completions", body)
     assert r.status_code == 400, r.text
@@ -243,7 +252,7 @@ def test_bad_values_through_the_openai_client_then_server_still_serves(client):
         client.completions.create(model=MODEL_NAME, prompt="x", temperature=-2)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
-                                       max_tokens=4, n=2, stream=True)
+                                       max_tokens=4, n=0, stream=True)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x")
     assert client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2).choices[0].text is not None
@@ -386,3 +395,86 @@ def test_serve_chat_template_option_reaches_the_tokenizer(tiny_model_dir, tmp_pa
     assert tokenizer.chat_template.source == str(template)
     assert tokenizer.encode_chat([{"role": "user", "content": "Hi"}]) == tokenizer.encode("Hi", add_special_tokens=False)
     engine_loop.engine.close()
+
+
+# ---- vLLM's sampling features over the API (openai client) ------------------------------------
+
+def test_n_choices_per_prompt_greedy_equal_offline(served, client, offline):
+    prompts = ["The sky is", "Once upon a time"]
+    expected = greedy_offline(offline, prompts, 6)
+    out = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [expected[0], expected[0], expected[1], expected[1]]
+    assert out.usage.prompt_tokens == sum(len(offline.get_tokenizer().encode(p)) for p in prompts)
+    assert out.usage.completion_tokens == 4 * 6 or all(c.finish_reason == "stop" for c in out.choices)
+    chat = client.chat.completions.create(model=MODEL_NAME, max_tokens=4, n=3, temperature=0.9, seed=1,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    stream = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=6, temperature=0, n=2,
+                                       stream=True)
+    texts, finishes = [""] * 4, [0] * 4
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finishes[c.index] += c.finish_reason is not None
+    assert texts == [expected[0], expected[0], expected[1], expected[1]] and finishes == [1] * 4
+
+
+def test_completion_logprobs_and_echo(served, client, offline):
+    prompt = "The capital of France is"
+    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    ref = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=4, logprobs=2), use_tqdm=False)[0].outputs[0]
+    assert lp.token_logprobs == [e[t].logprob for t, e in zip(ref.token_ids, ref.logprobs)]
+    assert lp.tokens == [e[t].decoded_token for t, e in zip(ref.token_ids, ref.logprobs)]
+    assert all(len(top) in (2, 3) for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    echoed = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + out.choices[0].text
+    both = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                     logprobs=1)
+    n_prompt = len(offline.get_tokenizer().encode(prompt))
+    blp = both.choices[0].logprobs
+    assert len(blp.tokens) == n_prompt + 4 and blp.token_logprobs[0] is None
+    assert blp.token_logprobs[n_prompt:] == lp.token_logprobs
+    assert blp.text_offset[n_prompt] == len(prompt)
+
+
+def test_chat_logprobs(served, client):
+    out = client.chat.completions.create(model=MODEL_NAME, max_tokens=3, temperature=0, logprobs=True,
+                                         top_logprobs=2, messages=[{"role": "user", "content": "Hi"}])
+    content = out.choices[0].logprobs.content
+    assert len(content) == 3
+    for item in content:
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].token == item.token   # greedy
+        assert item.bytes == list(item.token.encode("utf-8")) and item.logprob <= 0
+    r = post(served, "/v1/chat/completions", {"model": MODEL_NAME, "max_tokens": 2, "top_logprobs": 2,
+                                              "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+
+
+def test_vllm_extra_fields_are_honoured(served, client, offline):
+    prompt = "Once upon a time"
+    full = greedy_offline(offline, [prompt], 10)[0]
+    stop = full[3:6]
+    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=10, temperature=0, stop=[stop],
+                                    extra_body={"include_stop_str_in_output": True, "min_tokens": 0,
+                                                "skip_special_tokens": True, "top_k": 5})
+    assert out.choices[0].text == full[:full.index(stop) + len(stop)]
+    ids = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0].token_ids
+    by_id = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=10, temperature=0,
+                                      extra_body={"stop_token_ids": [ids[2]]})
+    assert by_id.choices[0].finish_reason == "stop"
+
+
+def test_unsupported_fields_and_long_max_tokens_are_400_naming_them(served, client):
+    import openai
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, extra_body={"use_beam_search": True})
+    assert "use_beam_search" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1000)
+    assert "This model's maximum context length is 256 tokens" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL_NAME, max_tokens=1000, messages=[{"role": "user", "content": "Hi"}])
+    assert "max_tokens=1000" in str(e.value)

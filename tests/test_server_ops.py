@@ -300,17 +300,17 @@ def test_batched_prompts_one_choice_each_in_order(served, client, offline, token
     expected = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
     out = client.completions.create(model=NAMES[0], prompt=prompts, max_tokens=6, temperature=0)
     assert [c.index for c in out.choices] == [0, 1, 2]
-    assert [c.text for c in out.choices] == [e.text for e in expected]
+    assert [c.text for c in out.choices] == [e.outputs[0].text for e in expected]
     assert out.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
-    assert out.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+    assert out.usage.completion_tokens == sum(len(e.outputs[0].token_ids) for e in expected)
     ids = [tokenizer.encode(p) for p in prompts]
     by_ids = client.completions.create(model=NAMES[0], prompt=ids, max_tokens=6, temperature=0)
-    assert [c.text for c in by_ids.choices] == [e.text for e in expected]
+    assert [c.text for c in by_ids.choices] == [e.outputs[0].text for e in expected]
 
 
 def test_batched_prompts_stream(served, client, offline):
     prompts = ["Red, green,", "Monday, Tuesday,", "a b c", "x"]
-    expected = [e.text for e in offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))]
+    expected = [e.outputs[0].text for e in offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))]
     chunks = list(client.completions.create(model=NAMES[0], prompt=prompts, max_tokens=8,
                                             temperature=0, stream=True,
                                             stream_options={"include_usage": True}))

@@ -11,6 +11,7 @@ pytest.importorskip("fastapi")
 
 from tinyvllm.server import responses as R  # noqa: E402
 from tinyvllm.server.engine_loop import EngineFailure, RequestStream, StreamEvent  # noqa: E402
+from tinyvllm.server.request_stream import SampleEvent  # noqa: E402
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -31,7 +32,7 @@ def test_request_stream_batches_events_and_orders_failures():
     async def main():
         loop = asyncio.get_running_loop()
         stream = RequestStream("r", loop, accepted=loop.create_future())
-        events = [StreamEvent(t, 1, i + 1, False, None) for i, t in enumerate("abc")]
+        events = [StreamEvent((SampleEvent(0, t, i + 1, False, None),), 1, False) for i, t in enumerate("abc")]
         loop.call_soon(stream.put, events[0])
         assert await stream.next_events() == [events[0]]       # waited for it
         stream.put(events[1])

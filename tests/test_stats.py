@@ -95,9 +95,9 @@ def test_inter_token_gaps_match_a_per_token_oracle(tiny_model_dir):
             add("late", 10, 8)
         if index == 6:
             engine.abort_request("r1")
-        before = {rid: len(seq.token_ids) for rid, seq in engine._requests.items()}
+        before = {rid: len(r.seqs[0].token_ids) for rid, r in engine._requests.items()}
         for out in engine.step():
-            new = out.num_generated_tokens - (before.get(out.request_id, 0) - out.num_prompt_tokens)
+            new = out.outputs[0].num_generated_tokens - (before.get(out.request_id, 0) - out.num_prompt_tokens)
             if new > 0 and out.request_id in previous_step:
                 oracle.append((previous_step[out.request_id], index))
             if new > 0:

@@ -122,7 +122,7 @@ def _cmd_generate(args) -> int:
     while engine.has_unfinished_requests():
         for out in engine.step():
             if stream:                     # (reading delta_text costs a detokenization)
-                pending[out.request_id].append(out.delta_text)
+                pending[out.request_id].append(out.outputs[0].delta_text)
             if out.finished:
                 finals[out.request_id] = out
                 bar.update()
@@ -139,9 +139,9 @@ def _cmd_generate(args) -> int:
     outputs = [finals[i] for i in ids]
     if not stream:
         for i, out in enumerate(outputs):
-            sys.stdout.write(f"{header(i)}{out.text}\n")
-    generated = sum(len(o.token_ids) for o in outputs)
-    ttfts = [o.time_to_first_token for o in outputs if o.time_to_first_token is not None]
+            sys.stdout.write(f"{header(i)}{out.outputs[0].text}\n")
+    generated = sum(o.outputs[0].num_generated_tokens for o in outputs)
+    ttfts = [t for o in outputs if (t := o.metrics.time_to_first_token) is not None]
     print(f"{len(outputs)} requests, {sum(o.num_prompt_tokens for o in outputs)} prompt tokens, "
           f"{generated} generated tokens in {elapsed:.2f} s ({generated / elapsed:.1f} tok/s), "
           f"mean TTFT {1000 * sum(ttfts) / max(len(ttfts), 1):.1f} ms, "

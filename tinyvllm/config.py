@@ -178,6 +178,8 @@ class EngineConfig:
     device: str = "cuda"                 # or "cpu": the numpy reference backend
     seed: int = 0
     trace_steps: int = 0                 # print every kernel / cuBLAS call of the first N steps (trace.py)
+    generation_config: str = "auto"      # sampling defaults: "auto" (the model's generation_config.json),
+                                         # "vllm" (none: SamplingParams()), or a directory holding one
 
     def __post_init__(self):
         _check_int("max_num_seqs", self.max_num_seqs, 1, INT32_MAX)
@@ -204,6 +206,9 @@ class EngineConfig:
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         _check_int("seed", self.seed, 0, 2**64 - 1)
         _check_int("trace_steps", self.trace_steps, 0, INT32_MAX)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError("generation_config must be 'auto', 'vllm' or a directory, "
+                             f"got {self.generation_config!r}")
 
     def context_limit(self, model: ModelConfig) -> int:
         asked = self.max_model_len if isinstance(self.max_model_len, int) else None

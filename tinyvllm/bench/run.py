@@ -132,14 +132,15 @@ def run_tinyvllm_outputs(llm, spec: WorkloadSpec, seed: int) -> tuple[WorkloadRe
         engine.reset_prefix_cache()
         queries_before, hits_before = stats.queries, stats.hits
         start = time.perf_counter()
-        outputs = llm.generate([r.prompt_token_ids for r in requests], params)
+        outputs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests], params,
+                               use_tqdm=False)
         walls.append(time.perf_counter() - start)
-        ttfts += [o.time_to_first_token for o in outputs if o.time_to_first_token is not None]
-        rates += [o.decode_tokens_per_s for o in outputs if o.decode_tokens_per_s]
+        ttfts += [t for o in outputs if (t := o.metrics.time_to_first_token) is not None]
+        rates += [r for o in outputs if (r := o.metrics.decode_tokens_per_s)]
     result = WorkloadResult(
         "tinyvllm", num_requests=len(requests),
         prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
-        output_tokens=sum(len(o.token_ids) for o in outputs),
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         preemptions=(engine.num_preemptions - preemptions_before) // spec.repeats)
     if spec.num_requests == 1:
         result.ttft_ms = 1000 * statistics.median(ttfts)
@@ -274,7 +275,8 @@ def compare_prefix_cache(model_dir: Path, options: dict, spec: WorkloadSpec, opt
         gc.collect()
     on, off = (result, other) if caching else (other, result)
     on.cache_off, off.prefix_cache_hit_rate = off, None
-    on.outputs_identical = [o.token_ids for o in outputs] == [o.token_ids for o in other_outputs]
+    on.outputs_identical = [o.outputs[0].token_ids for o in outputs] == \
+        [o.outputs[0].token_ids for o in other_outputs]
     return on
 
 

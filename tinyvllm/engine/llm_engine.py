@@ -3,7 +3,16 @@
     engine = LLMEngine("path/to/model", device="cpu")
     engine.add_request("a", "Hello", SamplingParams(max_tokens=8))
     while engine.has_unfinished_requests():
-        for out in engine.step(): print(out.delta_text, end="")
+        for out in engine.step(): print(out.outputs[0].delta_text, end="")
+
+A request with SamplingParams.n > 1 is n sequences (samples), reported together in one
+RequestOutput. With prefix caching on (the default) sample 0 prefills alone; once its prompt's
+full blocks are computed and published, the other n - 1 are queued ahead of every waiting
+request and take those blocks from the prefix cache, computing only the prompt's last partial
+block (a whole block when the prompt is a multiple of block_size: the last token must run for
+logits) — n samples cost one prefill. With prefix caching off they prefill separately. Sample
+j's random stream is seeded with sample_seed(seed, j) (sample 0: the seed itself, so n=1 and
+sample 0 of n>1 agree); aborting the request aborts every sample.
 
 Aborted requests: abort_request() frees the blocks at once; the next step() reports the request
 one last time with finished=True, finish_reason="abort".
@@ -28,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from tinyvllm.checkpoint.default_model import resolve_model_dir
+from tinyvllm.checkpoint.generation_config import default_sampling_fields
 from tinyvllm.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyvllm.checkpoint.weights import load_weights
 from tinyvllm.config import EngineConfig, ModelConfig
@@ -40,14 +50,32 @@ from tinyvllm.engine.limits import (
     max_prompt_bytes,
 )
 from tinyvllm.engine.model_runner import ModelRunner, make_runner
+from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.engine.outputs import RequestOutput
 from tinyvllm.engine.sampling_params import SamplingParams
 from tinyvllm.engine.scheduler import ScheduledBatch, Scheduler
-from tinyvllm.engine.sequence import Sequence, SequenceStatus
+from tinyvllm.engine.sequence import Request, Sequence, SequenceStatus
 from tinyvllm.engine.stats import StatsCollector, StepStats
 from tinyvllm.errors import EngineDeadError, InvalidRequestError, ModelLoadError, TinyVLLMError
 
 log = logging.getLogger("tinyvllm.engine")
+
+MASK64 = (1 << 64) - 1
+
+# SamplingParams fields the sampler of this build applies, by the value that means "off". The
+# sampler's own branch (penalties, min_p, logit_bias: engine/batch.py, reference/sampling.py,
+# gpu/cuda/sampling.cu) empties this when it lands; until then a request asking for one of them
+# is refused rather than served without it.
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded `seed`: the seed itself for sample 0, a
+    splitmix64 mix of (seed, index) for the others (distinct streams, reproducible)."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,16 +100,16 @@ def make_engine_config(engine_config: EngineConfig | None, options: dict) -> Eng
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str | Path | None = None, engine_config: EngineConfig | None = None, *,
+    def __init__(self, model: str | Path | None = None, engine_config: EngineConfig | None = None, *,
                  runner: ModelRunner | None = None, chat_template: str | Path | None = None,
                  **engine_options):
-        """model_dir None: the default model (checkpoint/default_model.py). runner: a ready
+        """model: a Hugging Face model directory; None: the default model (checkpoint/default_model.py). runner: a ready
         ModelRunner to use instead of loading the weights into a new one (benchmarks and tests
         drive the real engine with a fake model this way). chat_template: a template file or
         text replacing the model directory's own."""
         start = time.perf_counter()
         self.engine_config = make_engine_config(engine_config, engine_options)
-        model_dir = resolve_model_dir(model_dir)
+        model_dir = resolve_model_dir(model)
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir, self.model_config, chat_template)
         if self.tokenizer.vocab_size > self.model_config.vocab_size:
@@ -105,10 +133,12 @@ class LLMEngine:
         self.dead: str | None = None     # why the engine died (see the module docstring)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.engine_config.block_size,
                                           self.engine_config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.engine_config, self.block_manager, self.context_limit,
-                                   self.tokenizer.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_ids,
+                                                self.context_limit)
+        self.scheduler = Scheduler(self.engine_config, self.block_manager, self.output_processor)
+        self.default_sampling_fields = default_sampling_fields(model_dir, self.engine_config.generation_config)
         self._seed_rng = np.random.default_rng(self.engine_config.seed)   # seeds for unseeded requests
-        self._requests: dict[str, Sequence] = {}                          # unfinished, by id
+        self._requests: dict[str, Request] = {}                           # unfinished, by id
         self.stats: StatsCollector | None = None       # enable_stats() turns it on
         self.last_step_stats: StepStats | None = None
         self._log_ready(model_dir, time.perf_counter() - start)
@@ -130,6 +160,12 @@ class LLMEngine:
             self.stats = StatsCollector(self.scheduler, self.block_manager)
 
     # -- requests ----------------------------------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation_config.json defaults (temperature,
+        top_p, top_k, repetition_penalty, max_new_tokens -> max_tokens), as vLLM's
+        generation_config="auto"; plain SamplingParams() with generation_config="vllm"."""
+        return SamplingParams(**self.default_sampling_fields)
+
     def add_request(self, request_id: str, prompt: str | list[int] | TokenizedPrompt,
                     params: SamplingParams | None = None,
                     *, arrival_time: float | None = None) -> None:
@@ -139,6 +175,7 @@ class LLMEngine:
             raise EngineDeadError(f"the engine is dead ({self.dead}); restart it")
         params = (params or SamplingParams()).validate()
         check_request(params, self.model_config.vocab_size, self.engine_config.max_num_seqs)
+        self._check_supported(params)
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
@@ -150,10 +187,31 @@ class LLMEngine:
                 f"prompt is {len(ids)} tokens but the whole KV cache holds only "
                 f"{self.block_manager.num_blocks * self.block_manager.block_size}")
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))
-        seq = Sequence(request_id, text, ids, params, seed, IncrementalDetokenizer(self.tokenizer),
-                       arrival_time)
-        self._requests[request_id] = seq
-        self.scheduler.add(seq)
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        seqs = [Sequence(request_id, text, ids, params, sample_seed(seed, i),
+                         IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens), arrival, i)
+                for i in range(params.n)]
+        request = Request(request_id, text, ids, params, seqs)
+        if params.prompt_logprobs is not None:
+            logits = self.runner.prompt_logits(ids)
+            request.prompt_logprobs = self.output_processor.prompt_logprobs(ids, logits, params.prompt_logprobs)
+        if not self.engine_config.enable_prefix_caching:
+            request.held = []             # nothing to share: every sample prefills now
+        self._requests[request_id] = request
+        for seq in seqs[:len(seqs) - len(request.held)]:
+            self.scheduler.add(seq)
+
+    def _check_supported(self, params: SamplingParams) -> None:
+        """What this engine cannot honour is refused, never ignored (a runner that does not say
+        it supports logprobs, e.g. a test fake, does not get them)."""
+        device = self.engine_config.device
+        if params.logprobs is not None and not getattr(self.runner, "supports_logprobs", False):
+            raise InvalidRequestError(f"invalid sampling parameter logprobs={params.logprobs!r}: the "
+                                      f"{device} runner does not return logprobs in this build")
+        if params.prompt_logprobs is not None and not getattr(self.runner, "supports_prompt_logprobs", False):
+            raise InvalidRequestError(
+                f"invalid sampling parameter prompt_logprobs={params.prompt_logprobs!r}: not supported on "
+                f"{device}: its forward pass computes the logits of each sequence's last position only")
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, TokenizedPrompt):
@@ -177,10 +235,18 @@ class LLMEngine:
         raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request and free its KV blocks now; unknown or finished ids are ignored."""
-        seq = self._requests.get(request_id)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.abort(seq)
+        """Stop a request (every sample) and free its KV blocks now; unknown or finished ids are
+        ignored."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        for seq in request.held:          # never queued: finished here, reported next step
+            seq.finish(SequenceStatus.FINISHED_ABORTED)
+            self.scheduler.report_finished(seq)
+        request.held = []
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.abort(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -218,8 +284,9 @@ class LLMEngine:
             tokens = self.runner.execute(*inputs) if batch else None
             if tokens is not None:
                 self._fail_non_finite(batch, tokens)
+                self._logprobs(batch, tokens)
             reported = self.scheduler.postprocess(batch, tokens)
-            outputs = [self._report(seq) for seq in reported]
+            outputs = self._report(reported)
             if stats is not None:
                 self.last_step_stats = stats.step_finished(reported)
             return outputs
@@ -234,7 +301,7 @@ class LLMEngine:
         batch is rebuilt without them. A failure no row reproduces alone is re-raised."""
         while True:
             try:
-                return (batch.forward_batch(self.engine_config.block_size), batch.sampling_batch()), batch
+                return (batch.forward_batch(self.engine_config.block_size), batch.sampling_batch(self.output_processor.eos_token_ids)), batch
             except Exception as e:
                 culprits = {seq: why for seq in batch.seqs if (why := self._row_failure(batch, seq))}
                 if not culprits:
@@ -252,7 +319,7 @@ class LLMEngine:
         alone = ScheduledBatch([seq], batch.is_prefill, batch.block_manager)
         try:
             alone.forward_batch(self.engine_config.block_size)
-            alone.sampling_batch()
+            alone.sampling_batch(self.output_processor.eos_token_ids)
         except Exception as e:
             return f"{type(e).__name__}: {e}"
         return None
@@ -268,10 +335,42 @@ class LLMEngine:
         seq.error = message
         self.scheduler.abort(seq, SequenceStatus.FINISHED_ERROR)
 
-    def _report(self, seq: Sequence) -> RequestOutput:
-        if seq.is_finished:
-            self._requests.pop(seq.request_id, None)
-        return RequestOutput(seq)
+    def _logprobs(self, batch: ScheduledBatch, tokens: np.ndarray) -> None:
+        """The logprobs of this step's sampled tokens, for the rows that asked (a prompt chunk
+        that samples nothing is skipped by its row's count), before postprocess appends them."""
+        rows = [i for i, s in enumerate(batch.seqs) if s.logprobs is not None and tokens[i] >= 0
+                and s.num_cached_tokens + s.num_scheduled_tokens >= len(s.token_ids)]
+        if not rows:
+            return
+        sampled_ids = np.asarray(tokens)[rows]
+        k = max(batch.seqs[i].params.logprobs for i in rows)
+        sampled, ranks, top_ids, top_lps = self.runner.step_logprobs(rows, sampled_ids, k)
+        for j, i in enumerate(rows):
+            seq = batch.seqs[i]
+            kk = seq.params.logprobs
+            self.output_processor.append_logprobs(seq, int(sampled_ids[j]), float(sampled[j]),
+                                                  int(ranks[j]), top_ids[j, :kk].tolist(),
+                                                  top_lps[j, :kk].tolist())
+
+    def _report(self, reported: list[Sequence]) -> list[RequestOutput]:
+        """One RequestOutput per request with a sequence to report, in the order of their first
+        reported sequence. A sample 0 whose prompt is now in the prefix cache releases the
+        request's other samples."""
+        requests: dict[str, Request] = {}
+        for seq in reported:
+            request = self._requests.get(seq.request_id)
+            if request is not None:
+                requests.setdefault(seq.request_id, request)
+        outputs = []
+        for request in requests.values():
+            first = request.seqs[0]
+            if request.held and (first.num_output_tokens > 0 or first.is_finished):
+                self.scheduler.add_next(request.held)
+                request.held = []
+            if request.is_finished and not request.held:
+                del self._requests[request.request_id]
+            outputs.append(RequestOutput(request))
+        return outputs
 
     def close(self) -> None:
         self.runner.close()

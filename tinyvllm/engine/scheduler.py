@@ -1,4 +1,5 @@
-"""Scheduler: which sequences run in the next step, and what their new tokens do to them.
+"""Scheduler: which sequences run in the next step (what their new tokens do to them — text,
+stop conditions, logprobs — is engine/output_processor.py's).
 
 Every step is either ONE prefill batch or ONE decode step (never mixed), prefill first:
   prefill   admit waiting sequences in arrival order while they fit the token budget
@@ -18,7 +19,6 @@ batch runs to completion before the next starts.
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -27,6 +27,7 @@ import numpy as np
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
 
 
@@ -51,20 +52,19 @@ class ScheduledBatch:
         return ForwardBatch.build(new_tokens, context_lens, [s.block_table for s in seqs],
                                   block_size, self.is_prefill)
 
-    def sampling_batch(self) -> SamplingBatch:
-        p = [s.params for s in self.seqs]
-        return SamplingBatch.build([x.temperature for x in p], [x.top_k for x in p],
-                                   [x.top_p for x in p], [s.seed for s in self.seqs],
-                                   [len(s.token_ids) - s.num_prompt_tokens for s in self.seqs])
+    def sampling_batch(self, eos_token_ids=()) -> SamplingBatch:
+        """The step's sampler inputs (engine/batch.py): the plain arrays, plus the sparse logit
+        edits (penalties, logit_bias, min_tokens' bans of eos_token_ids and stop ids), min_p
+        and logprob requests of the rows that use them."""
+        return SamplingBatch.from_sequences(self.seqs, eos_token_ids)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, context_limit: int,
-                 eos_token_ids: tuple[int, ...]):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 output_processor: OutputProcessor):
         self.config = config
         self.block_manager = block_manager
-        self.context_limit = context_limit
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.output_processor = output_processor     # what a new token does (text, stops, logprobs)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []        # in admission order: oldest first
         self._finished_unreported: list[Sequence] = []   # aborted, or out of KV cache
@@ -72,6 +72,15 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def report_finished(self, seq: Sequence) -> None:
+        """A sequence finished outside the queues (a held sample aborted): report it next step."""
+        self._finished_unreported.append(seq)
+
+    def add_next(self, seqs: list[Sequence]) -> None:
+        """Queue sequences ahead of every waiting one (the samples of an admitted request, whose
+        prompt blocks are in the prefix cache right now)."""
+        self.waiting.extendleft(reversed(seqs))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._finished_unreported)
@@ -152,12 +161,13 @@ class Scheduler:
         if batch is None:
             return updated
         # one pass of plain Python per sequence: this runs for every sequence on every step
+        append_token = self.output_processor.append_token
         for seq, token in zip(batch.seqs, np.asarray(token_ids).tolist()):
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             if seq.num_cached_tokens < len(seq.token_ids) or seq.status.is_finished:
                 continue                      # a prompt chunk (no token yet), or aborted
-            self._append_token(seq, token)
+            append_token(seq, token)
             if seq.status.is_finished:
                 self.running.remove(seq)
                 self.block_manager.free(seq)
@@ -167,46 +177,8 @@ class Scheduler:
                 self.block_manager.publish(seq)
         return updated
 
-    def _append_token(self, seq: Sequence, token: int) -> None:
-        seq.token_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = time.perf_counter()
-        params = seq.params
-        if token in seq.stop_token_ids:
-            return self._finish_text(seq, SequenceStatus.FINISHED_STOPPED, token_is_text=False)
-        if token in self.eos_token_ids and not params.ignore_eos:
-            return self._finish_text(seq, SequenceStatus.FINISHED_EOS, token_is_text=False)
-        if seq.detokenizes_every_step:        # else the text is made when read (sequence.py)
-            piece = seq.detokenizer.add(token)
-            if piece and self._cut_at_stop_string(seq, piece):
-                return seq.finish(SequenceStatus.FINISHED_STOPPED)
-        num_tokens = len(seq.token_ids)
-        if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= self.context_limit:
-            self._finish_text(seq, SequenceStatus.FINISHED_LENGTH, token_is_text=True)
-
-    def _finish_text(self, seq: Sequence, status: SequenceStatus, token_is_text: bool) -> None:
-        """Finish, first releasing text the detokenizer held back (an incomplete character)."""
-        if not seq.detokenizes_every_step:
-            seq.end_text(seq.num_output_tokens - (not token_is_text), flush=True)
-            return seq.finish(status)
-        tail = seq.detokenizer.flush()
-        stopped = bool(tail) and self._cut_at_stop_string(seq, tail)
-        seq.finish(SequenceStatus.FINISHED_STOPPED if stopped else status)
-
-    @staticmethod
-    def _cut_at_stop_string(seq: Sequence, piece: str) -> bool:
-        """Append `piece` to the text; if a stop string now occurs, cut the text before it."""
-        stops = seq.stop_strings
-        start = max(0, len(seq.text) - max((len(s) for s in stops), default=0) + 1)
-        seq.text += piece
-        hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
-        if hits:
-            seq.text = seq.text[:min(hits)]
-        return bool(hits)
-
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self.block_manager.free(seq)
         seq.num_scheduled_tokens = 0
-        seq.end_text(seq.num_output_tokens, flush=False)     # no flush: as the text stood
         seq.finish(status)
         self._finished_unreported.append(seq)

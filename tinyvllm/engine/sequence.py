@@ -1,5 +1,7 @@
-"""Sequence: everything the engine knows about one request, on one object (what the engine
-reports about it after a step is engine/outputs.py's RequestOutput)."""
+"""Request and Sequence: a request (one prompt, one SamplingParams) has n sequences, one per
+sample (SamplingParams.n); a Sequence is everything the engine knows about one sample, and what
+the scheduler schedules. What the engine reports after a step is engine/outputs.py's
+RequestOutput, one per request."""
 from __future__ import annotations
 
 import enum
@@ -12,8 +14,7 @@ from tinyvllm.engine.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"                  # queued; also a preempted sequence waiting to recompute
     RUNNING = "running"                  # prompt is in the KV cache; decoding
-    FINISHED_STOPPED = "stop"            # stop string or stop token id
-    FINISHED_EOS = "eos"                 # the model's end-of-sequence token
+    FINISHED_STOPPED = "stop"            # EOS, a stop token id or a stop string (see stop_reason)
     FINISHED_LENGTH = "length"           # max_tokens, or the context limit
     FINISHED_ABORTED = "abort"           # abort_request()
     FINISHED_ERROR = "error"             # this request alone failed (Sequence.error says why)
@@ -27,8 +28,9 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, detokenizer: IncrementalDetokenizer,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, index: int = 0):
         self.request_id = request_id
+        self.index = index                          # which of the request's n samples
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -47,10 +49,15 @@ class Sequence:
         self.num_prefix_cached_tokens = 0           # prompt tokens the prefix cache served at admission
         self.num_preemptions = 0
         self.error: str | None = None               # why it failed (status FINISHED_ERROR)
+        self.stop_reason: str | int | None = None   # the stop string / stop token id that ended it
+        # logprobs (params.logprobs not None): per generated token, its entry (outputs.Logprob dict)
+        self.logprobs: list[dict] | None = None if params.logprobs is None else []
+        self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
         self.detokenizer = detokenizer
         self.text = ""                              # generated text, stop string cut off
         self.num_emitted_chars = 0                  # text[:num_emitted_chars] has been reported
         self.num_reported_tokens = 0                # output tokens already in a RequestOutput
+        self.finish_reported = False                # its finish is in a RequestOutput
         # Text on demand (sequences without stop strings, see text_reported)
         self.text_pieces: list[str] = []            # the detokenizer's piece for each token fed
         self.num_text_tokens: int | None = None     # once finished: output tokens that are text
@@ -95,6 +102,10 @@ class Sequence:
         return bool(self.stop_strings)
 
     def finish(self, status: SequenceStatus) -> None:
+        """(A finish the output processor did not make — abort, error, out of KV cache — keeps
+        the text as it stood: no flush of the detokenizer.)"""
+        if self.num_text_tokens is None:
+            self.end_text(self.num_output_tokens, flush=False)
         self.status = status
         self.finish_time = time.perf_counter()
 
@@ -102,7 +113,8 @@ class Sequence:
         """(Sequences detokenized every step.) The text not yet reported. While running, the
         last (longest stop string - 1) characters are held back: they might turn out to be the
         start of a stop string."""
-        hold = 0 if self.is_finished else max((len(s) for s in self.stop_strings), default=1) - 1
+        hold = 0 if self.is_finished or self.params.include_stop_str_in_output else \
+            max((len(s) for s in self.stop_strings), default=1) - 1
         end = max(self.num_emitted_chars, len(self.text) - hold)
         new = self.text[self.num_emitted_chars:end]
         self.num_emitted_chars = end
@@ -145,3 +157,27 @@ class Sequence:
         """At a finish (text on demand): which generated tokens are text (a stop token or EOS
         is not), and whether the detokenizer's held-back tail is released."""
         self.num_text_tokens, self.flush_text = num_text_tokens, flush
+
+
+class Request:
+    """One add_request: the prompt, its params, and its n sequences (samples). Sample 0 runs
+    first; with prefix caching on, the other n - 1 wait in `held` until its prompt's KV blocks
+    are computed and published, then start from them (LLMEngine._release_samples)."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, seqs: list[Sequence]):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = seqs[0].prompt_token_ids
+        self.params = params
+        self.seqs = seqs
+        self.held: list[Sequence] = seqs[1:]      # not yet given to the scheduler
+        self.prompt_logprobs: list[dict | None] | None = None
+        self.arrival_time = seqs[0].arrival_time
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.status.is_finished for s in self.seqs)
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id!r}, n={len(self.seqs)}, held={len(self.held)})"

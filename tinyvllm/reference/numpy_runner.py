@@ -39,9 +39,23 @@ class NumpyRunner(ModelRunner):
                  4 * config.num_parameters / 2**20, self.kv_cache.nbytes / 2**20,
                  f"{self.num_kv_blocks:,}")
 
+    supports_logprobs = True
+    supports_prompt_logprobs = True
+
     def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> np.ndarray:
-        ids, self.last_logprobs = sample_step(self.model.forward(batch, self.kv_cache), sampling)
+        # sample_step computes the raw logprobs the batch asks for (last_logprobs) before any
+        # logit processing; _logits stays for step_logits() (tests, prompt logprobs' twin)
+        self._logits = self.model.forward(batch, self.kv_cache)
+        ids, self.last_logprobs = sample_step(self._logits.copy(), sampling)
         return ids
+
+    def step_logits(self) -> np.ndarray:
+        return self._logits
+
+    def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
+        """A dense recompute of the prompt without the cache (ReferenceModel.forward_full): the
+        paged forward keeps only each sequence's last position."""
+        return self.model.forward_full(np.asarray(token_ids, np.int32))
 
     def close(self) -> None:
         self.kv_cache = None

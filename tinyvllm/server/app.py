@@ -158,12 +158,13 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
         for prompt in prompts:
             if isinstance(prompt, list) and any(not 0 <= t < vocab for t in prompt):
                 raise RequestValueError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        params = body.sampling_params(default_max_tokens=16)  # OpenAI's default for completions
+        params = body.sampling_params(default_max_tokens=16,  # OpenAI's default for completions
+                                      defaults=engine.default_sampling_fields)
         ident = R.ResponseIdentity(f"cmpl-{uuid.uuid4().hex}", model, chat=False)
         log_request(ident.id, prompts, params)
         prompts = await encoder.prompts(prompts)
         return await serve(engine_loop, request, ident, prompts, params, bool(body.stream),
-                           body.wants_usage_chunk)
+                           body.wants_usage_chunk, echo=bool(body.echo))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -173,7 +174,8 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
         if room < 1:
             raise RequestValueError(f"the conversation is {len(prompt_ids)} tokens; this model's "
                                     f"context is {context_limit}", "messages")
-        params = body.sampling_params(default_max_tokens=room)  # as vLLM: fill the context
+        params = body.sampling_params(default_max_tokens=room,  # as vLLM: fill the context
+                                      defaults=engine.default_sampling_fields)
         ident = R.ResponseIdentity(f"chatcmpl-{uuid.uuid4().hex}", model, chat=True)
         log_request(ident.id, [prompt_ids], params)
         return await serve(engine_loop, request, ident, [prompt_ids], params, bool(body.stream),

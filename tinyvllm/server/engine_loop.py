@@ -30,7 +30,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tinyvllm.errors import EngineDeadError, InvalidRequestError
-from tinyvllm.server.request_stream import EngineFailure, RequestStream, ServerShuttingDown, StreamEvent
+from tinyvllm.server.request_stream import (
+    EngineFailure,
+    RequestStream,
+    ServerShuttingDown,
+    StreamEvent,
+    snapshot,
+)
 
 log = logging.getLogger("tinyvllm.server")
 
@@ -47,8 +53,7 @@ class _Command:
 
 
 def _snapshot(out) -> StreamEvent:
-    return StreamEvent(out.delta_text or "", len(out.prompt_token_ids), out.num_generated_tokens,
-                       bool(out.finished), out.finish_reason)
+    return snapshot(out)
 
 
 class EngineLoop:

@@ -17,15 +17,39 @@ class ServerShuttingDown(EngineFailure):
     status, code = 503, "server_shutting_down"
 
 
-class StreamEvent(NamedTuple):
-    """A snapshot of one RequestOutput, copied in the engine thread so the handler never reads
-    an object the engine may still be mutating. (A NamedTuple: immutable and cheap to build,
-    one per request per step.)"""
+class SampleEvent(NamedTuple):
+    """What is new in one sample (CompletionOutput) of a request since its previous event."""
+    index: int
     delta_text: str
-    num_prompt_tokens: int
     num_generated_tokens: int
     finished: bool
     finish_reason: str | None
+    delta_token_ids: list | None = None      # with logprobs only: the new tokens ...
+    delta_logprobs: list | None = None       # ... and their {token id: Logprob} entries
+
+
+class StreamEvent(NamedTuple):
+    """A snapshot of one RequestOutput, copied in the engine thread so the handler never reads
+    an object the engine may still be mutating: its samples with something new. (NamedTuples:
+    immutable and cheap to build, one per request per step.)"""
+    samples: tuple[SampleEvent, ...]
+    num_prompt_tokens: int
+    finished: bool                           # every sample has finished
+    prompt_logprobs: list | None = None      # SamplingParams.prompt_logprobs (echo + logprobs)
+    prompt_token_ids: list | None = None
+
+
+def snapshot(out) -> StreamEvent:
+    """The StreamEvent of a RequestOutput (engine thread)."""
+    samples = []
+    for o in out.outputs:
+        if not o.is_new:
+            continue
+        lps = o.delta_logprobs
+        samples.append(SampleEvent(o.index, o.delta_text or "", o.num_generated_tokens, o.finished,
+                                   o.finish_reason, None if lps is None else o.delta_token_ids, lps))
+    return StreamEvent(tuple(samples), len(out.prompt_token_ids), bool(out.finished), out.prompt_logprobs,
+                       out.prompt_token_ids)
 
 
 @dataclass

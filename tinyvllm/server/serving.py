@@ -2,29 +2,34 @@
 the whole text (watching for the client to hang up) or stream it as SSE.
 
 A batch of prompts (/v1/completions with a list) becomes one engine request per prompt, all
-queued at once so they share the same steps; choice i answers prompt i, in a non-streamed
-response and in the streamed chunks alike, and the usage is summed."""
+queued at once so they share the same steps; with n samples per prompt (one engine request of
+n sequences), choice i * n + j is sample j of prompt i, in a non-streamed response and in the
+streamed chunks alike, and the usage is summed (each prompt's tokens counted once)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tinyvllm.server import responses as R
 from tinyvllm.server.engine_loop import EngineFailure, EngineLoop, RequestStream
+from tinyvllm.server.protocol import RequestValueError, context_error
 
 SSE_DONE = R.SSE_DONE.encode()
 
 
 async def serve(engine_loop: EngineLoop, request: Request, ident: R.ResponseIdentity,
-                prompts: list, params, stream: bool, include_usage: bool):
+                prompts: list, params, stream: bool, include_usage: bool, echo: bool = False):
+    """n choices per prompt (SamplingParams.n): choice i * n + j is sample j of prompt i."""
+    if not ident.chat:
+        check_context(engine_loop.engine, prompts, params)
     ids = [ident.id] if len(prompts) == 1 else [f"{ident.id}-{i}" for i in range(len(prompts))]
     streams = await engine_loop.submit_all(list(zip(ids, prompts)), params)   # 400 if refused
+    shape = _Shape(engine_loop.engine, ident, params, prompts if echo else None)
     if stream:
-        events = (_sse_events(streams[0], ident, include_usage) if len(streams) == 1
-                  else _batched_sse_events(streams, ident, include_usage))
-        return _EngineStreamingResponse(engine_loop, streams, events)
+        return _EngineStreamingResponse(engine_loop, streams, _sse_events(streams, shape, include_usage))
     collect = asyncio.ensure_future(asyncio.gather(*(_collect(s) for s in streams)))
     disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -39,14 +44,32 @@ async def serve(engine_loop: EngineLoop, request: Request, ident: R.ResponseIden
     if not collect.done() or collect.cancelled():
         return JSONResponse(R.error_body("client disconnected"), status_code=499)
     results = collect.result()          # re-raises EngineFailure -> 500
-    bodies = [R.full_response(ident, text, last.finish_reason, last.num_prompt_tokens,
-                              last.num_generated_tokens, index=i)
-              for i, (text, last) in enumerate(results)]
-    if len(bodies) > 1:
-        bodies[0]["choices"] = [b["choices"][0] for b in bodies]
-        bodies[0]["usage"] = R.usage(sum(last.num_prompt_tokens for _, last in results),
-                                     sum(last.num_generated_tokens for _, last in results))
-    return bodies[0]
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for i, (samples, last) in enumerate(results):
+        prompt_tokens += last.num_prompt_tokens
+        for j in range(params.n):
+            c = samples[j]
+            completion_tokens += c.num_generated_tokens
+            choices.append(shape.choice(i, j, "".join(c.parts), c.finish_reason, c.token_ids,
+                                        c.logprobs, last))
+    return R.response(ident, choices, prompt_tokens, completion_tokens)
+
+
+def check_context(engine, prompts: list, params) -> None:
+    """As vLLM: a completion whose prompt + max_tokens exceeds the context is a 400."""
+    limit = engine.context_limit
+    for prompt in prompts:
+        n = len(prompt) if isinstance(prompt, list) else len(engine._prompt_ids(prompt)[1])
+        if n < limit and n + params.max_tokens > limit:
+            raise RequestValueError(context_error(limit - n, params.max_tokens, limit, n), "max_tokens")
+
+
+class _Sample:
+    __slots__ = ("parts", "finish_reason", "num_generated_tokens", "token_ids", "logprobs")
+
+    def __init__(self):
+        self.parts, self.finish_reason, self.num_generated_tokens = [], None, 0
+        self.token_ids, self.logprobs = [], None
 
 
 def _retrieve(future: asyncio.Future) -> None:
@@ -55,12 +78,50 @@ def _retrieve(future: asyncio.Future) -> None:
 
 
 async def _collect(stream: RequestStream):
-    parts = []
+    samples: dict[int, _Sample] = collections.defaultdict(_Sample)
     while True:
         event = await stream.next_event()
-        parts.append(event.delta_text)
+        for s in event.samples:
+            c = samples[s.index]
+            c.parts.append(s.delta_text)
+            c.finish_reason, c.num_generated_tokens = s.finish_reason, s.num_generated_tokens
+            if s.delta_logprobs is not None:
+                c.token_ids += s.delta_token_ids
+                c.logprobs = (c.logprobs or []) + s.delta_logprobs
         if event.finished:
-            return "".join(parts), event
+            return samples, event
+
+
+class _Shape:
+    """How one request's choices look: their index, the echoed prompt, the logprobs format."""
+
+    def __init__(self, engine, ident: R.ResponseIdentity, params, echo_prompts: list | None):
+        self.ident, self.n, self.engine = ident, params.n, engine
+        self.k = params.logprobs
+        self.echo = None if echo_prompts is None else [
+            p if isinstance(p, str) else engine.tokenizer.decode(p, skip_special_tokens=False)
+            for p in echo_prompts]
+
+    def index(self, prompt: int, sample: int) -> int:
+        return prompt * self.n + sample
+
+    def prefix(self, prompt: int) -> str:
+        return "" if self.echo is None else self.echo[prompt]
+
+    def choice(self, prompt: int, sample: int, text: str, finish_reason, token_ids, entries,
+               last) -> dict:
+        prefix = self.prefix(prompt)
+        lp = None
+        if self.k is not None and entries is not None:
+            if self.ident.chat:
+                lp = R.chat_logprobs(token_ids, entries, self.k)
+            else:
+                lp = R.completion_logprobs(token_ids, entries, self.k, len(prefix))
+                if self.echo is not None and last.prompt_logprobs is not None:
+                    ids = last.prompt_token_ids
+                    first = self.engine.tokenizer.decode(ids[:1], skip_special_tokens=False)
+                    lp = R.echo_logprobs(first, ids, last.prompt_logprobs, self.k, lp)
+        return R.choice(self.ident, self.index(prompt, sample), prefix + text, finish_reason, lp)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -89,39 +150,32 @@ class _EngineStreamingResponse(StreamingResponse):
                     self.engine_loop.abort(stream.request_id)
 
 
-async def _sse_events(stream: RequestStream, ident: R.ResponseIdentity, include_usage: bool):
-    """The response body of one prompt: every event the stream has pending goes out as one body
-    chunk (SSE allows several `data:` events per chunk), so a stream that fell behind the engine
-    catches up in one write instead of one write per token."""
-    encode = R.StreamEncoder(ident, include_usage)
-    if ident.chat:   # OpenAI opens a chat stream with the role and empty content
-        yield encode.event("", first=True)
-    while True:
-        try:
-            events = await stream.next_events()
-        except EngineFailure as e:
-            yield _failure(e)
-            return
-        parts = []
-        for event in events:
-            if event.finished:
-                parts.append(encode.event(event.delta_text, event.finish_reason))
-                if include_usage:
-                    parts.append(encode.usage(event.num_prompt_tokens, event.num_generated_tokens))
-                parts.append(SSE_DONE)
-                yield b"".join(parts)
-                return
-            if event.delta_text:
-                parts.append(encode.text(event.delta_text))
-        if parts:
-            yield parts[0] if len(parts) == 1 else b"".join(parts)
+async def _sse_events(streams: list[RequestStream], shape: _Shape, include_usage: bool):
+    """The response body: chunks of every choice as they come, each with its index (every event
+    a stream has pending goes out in one body chunk: SSE allows several `data:` events per
+    chunk, so a stream that fell behind catches up in one write); one usage chunk (summed) and
+    [DONE] once every prompt has finished."""
+    ident, n = shape.ident, shape.n
+    encoders: dict[int, R.StreamEncoder] = {}
 
+    def encoder(i: int, j: int) -> R.StreamEncoder:
+        index = shape.index(i, j)
+        enc = encoders.get(index)
+        if enc is None:
+            enc = encoders[index] = R.StreamEncoder(ident, include_usage, index=index)
+        return enc
 
-async def _batched_sse_events(streams: list[RequestStream], ident: R.ResponseIdentity,
-                              include_usage: bool):
-    """The response body of a batch: chunks of every prompt as they come, each with its choice
-    index; one usage chunk (summed) and [DONE] once every prompt has finished."""
-    encoders = [R.StreamEncoder(ident, include_usage, index=i) for i in range(len(streams))]
+    offsets = collections.defaultdict(int)        # text offsets of the completions logprobs
+    first = []
+    for i in range(len(streams)):
+        for j in range(n):
+            if ident.chat:        # OpenAI opens a chat stream with the role and empty content
+                first.append(encoder(i, j).event("", first=True))
+            elif shape.echo is not None:
+                first.append(encoder(i, j).event(shape.prefix(i), first=True))
+                offsets[shape.index(i, j)] = len(shape.prefix(i))
+    if first:
+        yield b"".join(first)
     waiting = {asyncio.ensure_future(s.next_events()): i for i, s in enumerate(streams)}
     prompt_tokens = completion_tokens = 0
     try:
@@ -136,17 +190,29 @@ async def _batched_sse_events(streams: list[RequestStream], ident: R.ResponseIde
                     yield b"".join(parts) + _failure(e)
                     return
                 for event in events:
+                    for s in event.samples:
+                        enc = encoder(i, s.index)
+                        if s.delta_logprobs is not None and shape.k is not None:
+                            index = shape.index(i, s.index)
+                            lp = (R.chat_logprobs(s.delta_token_ids, s.delta_logprobs, shape.k) if ident.chat
+                                  else R.completion_logprobs(s.delta_token_ids, s.delta_logprobs, shape.k,
+                                                             offsets[index]))
+                            offsets[index] += len(s.delta_text)
+                            parts.append(enc.event(s.delta_text, s.finish_reason, logprobs=lp))
+                        elif s.finished:
+                            parts.append(enc.event(s.delta_text, s.finish_reason))
+                        elif s.delta_text:
+                            parts.append(enc.text(s.delta_text))
+                        if s.finished:
+                            completion_tokens += s.num_generated_tokens
                     if event.finished:
-                        parts.append(encoders[i].event(event.delta_text, event.finish_reason))
                         prompt_tokens += event.num_prompt_tokens
-                        completion_tokens += event.num_generated_tokens
-                    elif event.delta_text:
-                        parts.append(encoders[i].text(event.delta_text))
                 if not streams[i].finished:
                     waiting[asyncio.ensure_future(streams[i].next_events())] = i
             if parts:
-                yield b"".join(parts)
-        yield (encoders[0].usage(prompt_tokens, completion_tokens) if include_usage else b"") + SSE_DONE
+                yield parts[0] if len(parts) == 1 else b"".join(parts)
+        usage = encoder(0, 0).usage(prompt_tokens, completion_tokens) if include_usage else b""
+        yield usage + SSE_DONE
     finally:
         for task in waiting:
             task.cancel()

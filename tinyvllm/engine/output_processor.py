@@ -1,0 +1,148 @@
+"""OutputProcessor: what a sampled token does to its sequence — the text, the stop conditions and
+the logprobs — so that the scheduler only schedules.
+
+For every token the scheduler hands it (the sequence's prompt is computed and a token came out):
+  1. append it (and its logprobs entry, when the request asked for logprobs);
+  2. before min_tokens generated tokens nothing stops it but max_tokens and the context (the
+     sampler keeps EOS and stop_token_ids from being sampled until then; engine/batch.py);
+  3. a stop token id (stop_reason = the id) or an EOS token (unless ignore_eos; stop_reason
+     None) finishes it with finish_reason "stop"; the token stays in token_ids but its text is
+     left out, unless include_stop_str_in_output;
+  4. stop strings: the text is detokenized as it grows, and the first stop string to occur
+     ends it (stop_reason = that string); the text is cut before the stop string, or after it
+     with include_stop_str_in_output; tokens after the cut stay in token_ids, as in vLLM;
+  5. max_tokens, or the context limit: finish_reason "length".
+Sequences without stop strings are not detokenized here at all: their text is made when first
+read (Sequence.text_reported), which offline generation does once, at the end.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from tinyvllm.engine.outputs import Logprob
+from tinyvllm.engine.sequence import Sequence, SequenceStatus
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float32 rows -> their log-probabilities, in float64 (x - max - log sum exp(x - max))."""
+    x = np.asarray(logits, np.float64)
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def step_logprobs(logits_rows: np.ndarray, sampled_ids: np.ndarray, k: int):
+    """vLLM V1's default ("raw") logprobs of one step: the log_softmax of the model's logits
+    before any sampling processing (temperature, penalties, top-k/p). logits_rows float32
+    [rows, vocab], sampled_ids int [rows], k >= 0 ->
+        (sampled_logprob float32 [rows], top_ids int32 [rows, k], top_logprobs float32 [rows, k])
+    top_ids in descending logprob order (ties: the lower id first). This is the numpy twin the
+    GPU sampler's logprob output replaces on cuda (same arrays, same order)."""
+    lp = log_softmax(logits_rows)
+    rows = np.arange(lp.shape[0])
+    sampled = lp[rows, np.asarray(sampled_ids, np.int64)].astype(np.float32)
+    if k == 0:
+        return sampled, np.zeros((lp.shape[0], 0), np.int32), np.zeros((lp.shape[0], 0), np.float32)
+    top = np.argsort(-lp, axis=-1, kind="stable")[:, :k]
+    return sampled, top.astype(np.int32), np.take_along_axis(lp, top, axis=-1).astype(np.float32)
+
+
+def sampled_ranks(logits_rows: np.ndarray, sampled_ids: np.ndarray) -> np.ndarray:
+    """vLLM's rank of each sampled token: 1 + the number of tokens with a larger logit."""
+    x = np.asarray(logits_rows, np.float32)
+    chosen = x[np.arange(x.shape[0]), np.asarray(sampled_ids, np.int64)]
+    return (x > chosen[:, None]).sum(axis=-1) + 1
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids, context_limit: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.context_limit = context_limit
+        self._pieces: dict[int, str] = {}          # token id -> its decoded text (logprob entries)
+
+    # -- tokens --------------------------------------------------------------------------------
+    def append_token(self, seq: Sequence, token: int) -> None:
+        """Append one sampled token and apply the stop conditions (the module docstring)."""
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        params = seq.params
+        num_out = len(seq.token_ids) - seq.num_prompt_tokens
+        may_stop = num_out > params.min_tokens or params.min_tokens == 0
+        if may_stop and token in seq.stop_token_ids:
+            seq.stop_reason = token
+            return self._finish_text(seq, SequenceStatus.FINISHED_STOPPED, params.include_stop_str_in_output)
+        if may_stop and token in self.eos_token_ids and not params.ignore_eos:
+            return self._finish_text(seq, SequenceStatus.FINISHED_STOPPED, params.include_stop_str_in_output)
+        if seq.detokenizes_every_step:        # else the text is made when read (sequence.py)
+            piece = seq.detokenizer.add(token)
+            if piece and self._cut_at_stop_string(seq, piece, may_stop):
+                return seq.finish(SequenceStatus.FINISHED_STOPPED)
+        if num_out >= params.max_tokens or len(seq.token_ids) >= self.context_limit:
+            self._finish_text(seq, SequenceStatus.FINISHED_LENGTH, token_is_text=True)
+
+    def _finish_text(self, seq: Sequence, status: SequenceStatus, token_is_text: bool) -> None:
+        """Finish, first releasing text the detokenizer held back (an incomplete character)."""
+        if not seq.detokenizes_every_step:
+            seq.end_text(seq.num_output_tokens - (not token_is_text), flush=True)
+            return seq.finish(status)
+        if token_is_text and status is SequenceStatus.FINISHED_STOPPED:   # the stop token's own text
+            piece = seq.detokenizer.add(seq.token_ids[-1])
+            seq.text += piece
+        tail = seq.detokenizer.flush()
+        stopped = bool(tail) and self._cut_at_stop_string(seq, tail, True)
+        seq.finish(SequenceStatus.FINISHED_STOPPED if stopped else status)
+
+    @staticmethod
+    def _cut_at_stop_string(seq: Sequence, piece: str, may_stop: bool) -> bool:
+        """Append `piece` to the text; if a stop string now occurs, cut the text at it."""
+        stops = seq.stop_strings
+        start = max(0, len(seq.text) - max((len(s) for s in stops), default=0) + 1)
+        seq.text += piece
+        if not may_stop:
+            return False
+        hits = [(i, s) for i, s in ((seq.text.find(s, start), s) for s in stops) if i >= 0]
+        if not hits:
+            return False
+        at, stop = min(hits, key=lambda h: h[0])
+        seq.text = seq.text[:at + len(stop)] if seq.params.include_stop_str_in_output else seq.text[:at]
+        seq.stop_reason = stop
+        return True
+
+    # -- logprobs ------------------------------------------------------------------------------
+    def append_logprobs(self, seq: Sequence, token: int, sampled_logprob: float, rank: int,
+                        top_ids, top_logprobs) -> None:
+        """The entry of the token just sampled, in vLLM's shape: {token_id: Logprob}, the top
+        k first (descending), then the sampled token if it is not among them."""
+        entry = {int(t): Logprob(float(lp), r + 1, self.decoded(int(t)))
+                 for r, (t, lp) in enumerate(zip(top_ids, top_logprobs))}
+        if token not in entry:
+            entry[token] = Logprob(float(sampled_logprob), int(rank), self.decoded(token))
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += float(sampled_logprob)
+
+    def prompt_logprobs(self, prompt_ids: list[int], logits: np.ndarray, k: int) -> list[dict | None]:
+        """vLLM's prompt_logprobs: None for the first prompt token (nothing predicts it), then
+        for each later one its logprob (and the top k) under the logits of the position before.
+        logits: float32 [len(prompt_ids), vocab], the logits at every prompt position."""
+        following = np.asarray(prompt_ids[1:], np.int64)
+        rows = logits[:-1]
+        sampled, top_ids, top_lps = step_logprobs(rows, following, k)
+        ranks = sampled_ranks(rows, following)
+        out: list[dict | None] = [None]
+        for i, token in enumerate(following.tolist()):
+            entry = {int(t): Logprob(float(lp), r + 1, self.decoded(int(t)))
+                     for r, (t, lp) in enumerate(zip(top_ids[i].tolist(), top_lps[i].tolist()))}
+            if token not in entry:
+                entry[token] = Logprob(float(sampled[i]), int(ranks[i]), self.decoded(token))
+            out.append(entry)
+        return out
+
+    def decoded(self, token: int) -> str:
+        """A token's text on its own, as vLLM's Logprob.decoded_token."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return piece
