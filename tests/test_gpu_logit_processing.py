@@ -16,6 +16,8 @@ Tolerances:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -243,7 +245,7 @@ def test_runner_processed_steps_replay_equals_eager_and_twin(tiny):
     rng = np.random.default_rng(12)
     seqs = random_sequences(rng, 3, cfg.vocab_size, plain_fraction=0.0)
     for s, lp in zip(seqs, (3, None, 0)):
-        s.params.logprobs = lp
+        s.params = dataclasses.replace(s.params, logprobs=lp)      # SamplingParams is frozen
     lens = [9, 25, 14]
     tables = [[10, 11], [20, 21, 22], [30, 31]]
     prompt = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]

@@ -342,7 +342,10 @@ def test_cuda_n_samples_share_one_prefill_and_greedy_equals_single(tiny_model_di
         assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
         with pytest.raises(InvalidRequestError, match="prompt_logprobs=1: not supported on cuda"):
             llm.generate("Hi", SamplingParams(prompt_logprobs=1))
-        with pytest.raises(InvalidRequestError, match="logprobs=2: the cuda runner does not return logprobs"):
-            llm.generate("Hi", SamplingParams(logprobs=2))
+        # logprobs come from the GPU sampler: the sampled token's entry and the top 2 per token
+        lp = llm.generate("Hi", SamplingParams(logprobs=2, max_tokens=4, **GREEDY), use_tqdm=False)[0].outputs[0]
+        assert len(lp.logprobs) == len(lp.token_ids) == 4
+        for token, entry in zip(lp.token_ids, lp.logprobs):
+            assert token in entry and entry[token].rank == 1 and entry[token].logprob <= 0   # greedy: top 1
     finally:
         llm.engine.close()
