@@ -2,9 +2,13 @@
 CUDA-graph replay at several batch sizes, the GPU time of a replay alone, and per-op GPU time
 (each op's launches of one step captured into a graph of their own and timed with CUDA events).
 
-    python benchmarks/decode_profile.py [--preset llama-3.2-1b] [--context 256] [--batch 1 8 64 256]
+    python benchmarks/decode_profile.py [--preset llama-3.2-1b | --model DIR] [--context 256]
+                                        [--batch 1 8 64 256] [--compare-fuse]
 
 "weights TB/s" is weight bytes over the graph's GPU time. Prints two tables; run on a GPU machine (the model is written to /tmp if absent).
+--compare-fuse adds, at the smallest batch, the graph time and the per-op table with the fused
+decode GEMVs (gemv+rms_norm, gemv+silu_mul) and with TINYVLLM_FUSE=0's separate kernels, each op
+also per layer (decode graphs recaptured for each setting).
 """
 from __future__ import annotations
 
@@ -91,24 +95,28 @@ def per_op_times(runner, batch, repeats: int = 20) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-3.2-1b")
+    ap.add_argument("--model", default=None, help="a model directory instead of --preset's random weights "
+                                                  "(e.g. the converted SmolLM2-135M-Instruct)")
+    ap.add_argument("--compare-fuse", action="store_true",
+                    help="time the smallest batch with the fused decode GEMVs and without (TINYVLLM_FUSE=0)")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--prefill", type=int, nargs=2, default=[16, 512], metavar=("PROMPTS", "LEN"))
     args = ap.parse_args()
     from tinyvllm.checkpoint.model_writer import write_model
     from tinyvllm.gpu.cuda_runner import CudaRunner
-    path = Path(f"/tmp/tinyvllm-models/{args.preset}")
-    if not (path / "config.json").exists():
+    path = Path(args.model) if args.model else Path(f"/tmp/tinyvllm-models/{args.preset}")
+    if not args.model and not (path / "config.json").exists():
         write_model(path, preset=args.preset)
     cfg = ModelConfig.from_pretrained(path)
     runner = CudaRunner(cfg, load_weights(path, cfg),
-                        EngineConfig(max_num_seqs=max(args.batch), max_num_batched_tokens=args.prefill[0] * args.prefill[1],
+                        EngineConfig(max_num_seqs=max(max(args.batch), args.prefill[0]), max_num_batched_tokens=args.prefill[0] * args.prefill[1],
                                      max_model_len=4096, kv_cache_gb=max(max(args.batch) * args.context, args.prefill[0] * args.prefill[1])
                                      * cfg.kv_bytes_per_token / 2**30 * 1.1 + 0.1))
     print(runner.memory_report())
     rng = np.random.default_rng(0)
     weight_gb = cfg.num_parameters * 2 / 1e9
-    print(f"\n{args.preset}: {weight_gb:.2f} GB of weights, context {args.context}")
+    print(f"\n{args.model or args.preset}: {weight_gb:.2f} GB of weights, context {args.context}")
     print(f"{'batch':>6} {'eager ms':>10} {'graph ms':>10} {'graph GPU ms':>13} {'graph tok/s':>12} {'weights TB/s':>13}")
     profile_batch = None
     for s in args.batch:
@@ -119,6 +127,8 @@ def main() -> None:
               f"{weight_gb / gpu / 1e3:>13.2f}")
         profile_batch = profile_batch or batch
     print_ops(per_op_times(runner, profile_batch), f"one decode step, batch {profile_batch.num_seqs}")
+    if args.compare_fuse:
+        compare_fuse(runner, profile_batch, cfg.num_hidden_layers)
     big = decode_batch(max(args.batch), args.context, runner.engine_cfg.block_size, rng)
     print_ops(per_op_times(runner, big), f"one decode step, batch {big.num_seqs}")
     prompts, plen = args.prefill
@@ -147,14 +157,46 @@ def time_prefill(runner, batch, repeats: int = 5) -> float:
     return float(np.median(times))
 
 
-def print_ops(ops: dict[str, float], what: str) -> None:
+def compare_fuse(runner, batch, num_layers: int) -> None:
+    """Graph GPU time and per-op GPU time of one decode step with the fused decode GEMVs and with
+    the separate rms_norm / silu_mul kernels (runner.ops.fuse, as TINYVLLM_FUSE sets it)."""
+    def recapture():
+        for graph in runner.graphs.values():
+            graph.close()
+        with runner.device.active():
+            runner.capture_decode_graphs()
+
+    was = runner.ops.fuse
+    rows = {}
+    try:
+        for fuse in (False, True):
+            runner.ops.fuse = fuse
+            recapture()
+            graph = time_steps(runner, batch, replay=True)
+            rows[fuse] = (graph, graph_gpu_time(runner, batch), per_op_times(runner, batch))
+    finally:
+        runner.ops.fuse = was
+        recapture()
+    print(f"\nfusion at batch {batch.num_seqs}: {'':<12} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}")
+    for fuse in (False, True):
+        graph, gpu, _ = rows[fuse]
+        print(f"{'fused' if fuse else 'TINYVLLM_FUSE=0':<32} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} "
+              f"{batch.num_seqs / graph:>8,.0f}")
+    for fuse in (False, True):
+        print_ops(rows[fuse][2], f"one decode step, batch {batch.num_seqs}, "
+                                 f"{'fused' if fuse else 'TINYVLLM_FUSE=0'}", per_layer=num_layers)
+
+
+def print_ops(ops: dict[str, float], what: str, per_layer: int = 0) -> None:
     total = sum(ops.values())
     print(f"\nGPU time per op in {what}, each op's launches replayed in a CUDA graph of their own:")
-    print(f"{'op (launches per step)':<34} {'us/step':>9} {'us/launch':>10} {'share':>7}")
+    layer_head = f" {'us/layer':>9}" if per_layer else ""
+    print(f"{'op (launches per step)':<34} {'us/step':>9} {'us/launch':>10} {'share':>7}{layer_head}")
     for name, us in sorted(ops.items(), key=lambda kv: -kv[1]):
         n = int(name.rsplit("(x", 1)[1].rstrip(")"))
-        print(f"{name:<34} {us:>9.1f} {us / n:>10.2f} {us / total:>7.1%}")
-    print(f"{'sum':<34} {total:>9.1f}")
+        layer = f" {us / per_layer:>9.2f}" if per_layer else ""
+        print(f"{name:<34} {us:>9.1f} {us / n:>10.2f} {us / total:>7.1%}{layer}")
+    print(f"{'sum':<34} {total:>9.1f}" + (f" {'':>10} {'':>7} {total / per_layer:>9.2f}" if per_layer else ""))
 
 
 if __name__ == "__main__":

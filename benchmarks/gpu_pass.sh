@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU-machine pass: GEMV tests first (the model uses the GEMV at decode batches <= 8; if it
-# fails, the rest runs with TINYVLLM_GEMV=0 so their results still mean something), then every
+# fails, the rest runs with TINYVLLM_GEMV=0 so their results still mean something), the fused
+# GEMV tests (if they fail, TINYVLLM_FUSE=0), then every
 # other GPU test, then the benchmarks. Logs go to $OUT (or ./gpu-pass-logs).
-#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [bench] [bench-hf] [server-load] [soak]
+#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [bench] [bench-hf] [server-load] [soak]
 # (server-load needs the server extra: fastapi, uvicorn, pydantic, prometheus_client)
 set -u
 OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"
@@ -14,9 +15,13 @@ for step in $steps; do
       timeout 200 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_gemv.py > "$OUT/gemv-tests.log" 2>&1
       rc=$?; log "gemv tests rc=$rc: $(tail -1 "$OUT/gemv-tests.log")"
       [ $rc -eq 0 ] || export TINYVLLM_GEMV=0
+      # the fused decode GEMVs next: if they fail, the rest runs on the separate kernels
+      timeout 200 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_fused.py > "$OUT/fused-tests.log" 2>&1
+      rc=$?; log "fused gemv tests rc=$rc: $(tail -1 "$OUT/fused-tests.log")"
+      [ $rc -eq 0 ] || export TINYVLLM_FUSE=0
       timeout 330 python3 -m pytest -m gpu -q -s -rfE -p no:cacheprovider --deselect tests/test_gpu_gemv.py \
-        tests > "$OUT/gpu-tests.log" 2>&1
-      log "gpu tests rc=$? (TINYVLLM_GEMV=${TINYVLLM_GEMV:-1}): $(tail -1 "$OUT/gpu-tests.log")"
+        --deselect tests/test_gpu_fused.py tests > "$OUT/gpu-tests.log" 2>&1
+      log "gpu tests rc=$? (TINYVLLM_GEMV=${TINYVLLM_GEMV:-1} TINYVLLM_FUSE=${TINYVLLM_FUSE:-0 (default: off)}): $(tail -1 "$OUT/gpu-tests.log")"
       grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -20 | tee -a "$OUT/summary.log"
       grep -hE "per-step|near-tie|mismatches" "$OUT/gpu-tests.log" | tee -a "$OUT/summary.log" ;;
     gemv-bench)
@@ -28,6 +33,13 @@ for step in $steps; do
     profile)
       timeout 200 python3 benchmarks/decode_profile.py > "$OUT/profile.log" 2>&1
       log "decode profile rc=$?"; sed -n '/^llama/,/^$/p' "$OUT/profile.log" | tee -a "$OUT/summary.log" ;;
+    profile-fuse)
+      # batch 1 and 8, fused decode GEMVs vs TINYVLLM_FUSE=0; MODEL=dir profiles that model
+      # (e.g. the converted SmolLM2-135M-Instruct) instead of the 1B preset
+      timeout 300 python3 benchmarks/decode_profile.py --batch 1 8 --compare-fuse ${MODEL:+--model "$MODEL"} \
+        > "$OUT/profile-fuse.log" 2>&1
+      log "decode profile --compare-fuse rc=$?"; sed -n '/^fusion at batch/,/^$/p' "$OUT/profile-fuse.log" \
+        | tee -a "$OUT/summary.log" ;;
     bench)
       timeout 300 python3 -m tinyvllm bench --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
       log "bench rc=$?"; tail -20 "$OUT/bench.log" | tee -a "$OUT/summary.log" ;;

@@ -26,7 +26,12 @@ after the warm-up) and merges their records, for servers faster than one client 
 prompt" shared by all requests, then --unique-tokens ids of the request's own. The warm-up
 sends the plain text prompts, so the measured run starts with nothing cached. The share of
 prompt tokens the server served from its cache is read from each stream's usage chunk
-(usage.prompt_tokens_details.cached_tokens, as OpenAI and vLLM report it) when it has one."""
+(usage.prompt_tokens_details.cached_tokens, as OpenAI and vLLM report it) when it has one.
+
+Whatever the mode, /metrics is scraped after the warm-up and again after the run: the growth of
+the prefix-cache counters (tinyvllm:prefix_cache_queries_total / _hits_total, in tokens; vllm:
+names are read too) is the server's own hit rate over the measured requests, the warm-up left
+out. A server without those counters (or without /metrics) gets no such row."""
 from __future__ import annotations
 
 import argparse
@@ -437,6 +442,59 @@ async def one_request(client: Client, model: str, prompt: str | list[int], args)
     return record
 
 
+PREFIX_CACHE_COUNTERS = ("prefix_cache_queries_total", "prefix_cache_hits_total")
+
+
+def parse_prefix_cache_counters(text: str) -> tuple[float, float] | None:
+    """(queries, hits) from Prometheus text exposition: the tinyvllm: (or vllm:) prefix-cache
+    counters, summed over their label sets (one per served model). None when either is absent."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        brace = line.find("{")
+        if brace >= 0:                       # name{labels} value [timestamp]; labels may hold spaces
+            name, rest = line[:brace], line[line.rindex("}") + 1:]
+        else:
+            name, _, rest = line.partition(" ")
+        base = name.split(":", 1)[1] if name.startswith(("tinyvllm:", "vllm:")) else None
+        if base in PREFIX_CACHE_COUNTERS:
+            fields = rest.split()
+            if not fields:
+                raise ClientError(f"metrics line without a value: {line[:120]!r}")
+            totals[base] = totals.get(base, 0.0) + float(fields[0])
+    if len(totals) < len(PREFIX_CACHE_COUNTERS):
+        return None
+    return tuple(totals[name] for name in PREFIX_CACHE_COUNTERS)
+
+
+async def scrape_prefix_cache(client: Client) -> tuple[float, float] | None:
+    """The server's prefix-cache counters now, or None if /metrics does not give them."""
+    try:
+        status, _, body = await asyncio.wait_for(client.request(client.build("GET", "/metrics")), 30)
+        return parse_prefix_cache_counters(body.decode("utf-8", "replace")) if status == 200 else None
+    except (ClientError, asyncio.TimeoutError, ValueError):
+        return None
+
+
+async def _scrape_once(args) -> tuple[float, float] | None:
+    client = Client(args.url, args.api_key)
+    try:
+        return await scrape_prefix_cache(client)
+    finally:
+        client.close()
+
+
+def prefix_cache_over_run(before, after) -> dict | None:
+    """{"queries", "hits", "hit_rate"}: the counters' growth between two scrapes (hit_rate None
+    when nothing was queried); None when either scrape had no counters."""
+    if before is None or after is None:
+        return None
+    queries, hits = after[0] - before[0], after[1] - before[1]
+    return {"queries": int(queries), "hits": int(hits),
+            "hit_rate": round(hits / queries, 4) if queries > 0 else None}
+
+
 async def first_model(client: Client) -> str:
     try:
         status, _, body = await client.request(client.build("GET", "/v1/models"))
@@ -472,36 +530,39 @@ async def _measured(args, model: str, first: int, count: int, concurrency: int):
     return records, start, end, cpu
 
 
-async def _warm_up(args) -> str:
+async def _warm_up(args):
+    """-> (model, the prefix-cache counters after the warm-up)."""
     client = Client(args.url, args.api_key)
     try:
         model = args.model or await first_model(client)
         for i in range(args.warmup):         # not measured: first calls may compile / allocate
             await one_request(client, model, PROMPTS[i % len(PROMPTS)], args)
+        counters = await scrape_prefix_cache(client)
     finally:
         client.close()
-    return model
+    return model, counters
 
 
 def _child(args, model: str, first: int, count: int, concurrency: int):
     return asyncio.run(_measured(args, model, first, count, concurrency))
 
 
-async def _run_one_process(args) -> tuple[list[RequestRecord], float, float]:
-    model = await _warm_up(args)
+async def _run_one_process(args):
+    model, before = await _warm_up(args)
     records, start, end, cpu = await _measured(args, model, 0, args.num_requests, args.concurrency)
-    return records, end - start, cpu
+    return records, end - start, cpu, prefix_cache_over_run(before, await _scrape_once(args))
 
 
-def run_load(args) -> tuple[list[RequestRecord], float, float]:
-    """(records, elapsed seconds, client CPU seconds of the measured part, all processes)."""
+def run_load(args):
+    """(records, elapsed seconds, client CPU seconds of the measured part, all processes, the
+    server's prefix-cache counts over the measured part: prefix_cache_over_run)."""
     procs = min(getattr(args, "client_procs", 1), args.num_requests, args.concurrency)
     if procs <= 1:
         return asyncio.run(_run_one_process(args))
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    model = asyncio.run(_warm_up(args))
+    model, before = asyncio.run(_warm_up(args))
     # Split requests and concurrency as evenly as possible; the clock (perf_counter, monotonic)
     # is shared by the processes, so the run lasts from the first start to the last end.
     shares = []
@@ -514,7 +575,7 @@ def run_load(args) -> tuple[list[RequestRecord], float, float]:
         results = list(pool.map(_child, *zip(*[(args, model, *s) for s in shares])))
     records = [r for recs, _, _, _ in results for r in recs]
     return (records, max(r[2] for r in results) - min(r[1] for r in results),
-            sum(r[3] for r in results))
+            sum(r[3] for r in results), prefix_cache_over_run(before, asyncio.run(_scrape_once(args))))
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -528,7 +589,7 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def summarize(records: list[RequestRecord], elapsed: float, args) -> dict:
+def summarize(records: list[RequestRecord], elapsed: float, args, prefix_cache: dict | None = None) -> dict:
     ok = [r for r in records if r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     itl = [x for r in ok for x in r.inter_token_s]
@@ -552,6 +613,8 @@ def summarize(records: list[RequestRecord], elapsed: float, args) -> dict:
         # over the requests whose usage reported cached tokens (None: the server reported none)
         "prefix_cache_hit_rate": (round(sum(r.cached_tokens for r in reported) / prompt_tokens, 4)
                                   if reported else None),
+        # the server's /metrics counters over the measured run (None: it has none)
+        "prefix_cache_metrics": prefix_cache,
         "errors": errors[:10],
     }
 
@@ -570,6 +633,10 @@ def print_table(s: dict) -> None:
     if s["shared_prefix_tokens"]:
         rate = s["prefix_cache_hit_rate"]
         rows.append(("prompt tokens from cache", "not in the server's usage" if rate is None else f"{rate:.1%}"))
+    m = s.get("prefix_cache_metrics")
+    if m is not None:
+        rate = "no lookups" if m["hit_rate"] is None else f"{m['hit_rate']:.1%}"
+        rows.append(("prefix-cache hit rate (/metrics)", f"{rate} ({m['hits']:,} / {m['queries']:,} tokens)"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -603,8 +670,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--shared-prefix-tokens must be >= 0")
     require_loopback(args.url)
 
-    records, elapsed, client_cpu = run_load(args)
-    summary = summarize(records, elapsed, args)
+    records, elapsed, client_cpu, prefix_cache = run_load(args)
+    summary = summarize(records, elapsed, args, prefix_cache)
     print_table(summary)
     if args.out:
         with open(args.out, "w") as f:

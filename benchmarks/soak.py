@@ -356,7 +356,7 @@ def classify_mismatches(args, outcomes, reference) -> dict:
     config = ModelConfig.from_pretrained(args.model)
     tokenizer = Tokenizer.from_pretrained(args.model, config)
     model = ReferenceModel(config, load_weights(args.model, config))
-    unexplained, deadline = 0, time.monotonic() + args.classify_timeout
+    unexplained, deadline, details = 0, time.monotonic() + args.classify_timeout, []
     for k, (outcome, (prompt_ids, token_ids, _)) in enumerate(greedy):
         if time.monotonic() > deadline:
             print(f"soak: --classify-timeout: {len(greedy) - k} mismatches left unclassified", file=sys.stderr)
@@ -365,13 +365,19 @@ def classify_mismatches(args, outcomes, reference) -> dict:
         j = 0                                    # first offline token the server's text departs from
         while j < len(token_ids) and outcome.text.startswith(tokenizer.decode(token_ids[:j + 1])):
             j += 1
+        what = f"{outcome.spec.kind} #{outcome.spec.index}"
         if j == len(token_ids):
             unexplained += 1                     # the same tokens, yet another text
+            details.append(f"{what}: the same {j} tokens, another text (UNEXPLAINED)")
             continue
         logits = model.forward_full(list(prompt_ids) + list(token_ids[:j]))[-1]
         second, first = np.partition(np.asarray(logits, np.float64), -2)[-2:]
-        unexplained += float(first - second) >= NEAR_TIE
+        gap = float(first - second)
+        unexplained += gap >= NEAR_TIE
+        details.append(f"{what}: departs at token {j} of {len(token_ids)}, fp32 top-2 gap {gap:.3f}"
+                       + (" (near-tie)" if gap < NEAR_TIE else " (UNEXPLAINED)"))
     report["mismatches_unexplained"] = unexplained
+    report["mismatch_details"] = sorted(details, key=lambda d: "UNEXPLAINED" not in d)[:12]
     return report
 
 

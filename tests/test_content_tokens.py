@@ -68,3 +68,12 @@ def test_a_template_that_rewrites_content_is_refused_when_content_holds_special_
     plain = [{"role": "user", "content": "hello"}]        # no special text: encoded as rendered
     assert encode_chat(tokenizer, plain, shouting(plain), shouting) == \
         tokenizer.backend.encode(shouting(plain), add_special_tokens=False).ids
+
+
+def test_every_chat_entry_point_encodes_content_as_text(tokenizer):
+    """Tokenizer.encode_chat (used by generate --chat, LLM.chat and the server) takes the
+    content-as-text road by default; content_as_text=False is the permissive, trusted road."""
+    messages = [{"role": "system", "content": "Be nice."}, {"role": "user", "content": INJECTION}]
+    safe = tokenizer.encode_chat(messages)
+    assert safe == encoded(tokenizer, messages) and safe.count(START_HEADER) == 3
+    assert tokenizer.encode_chat(messages, content_as_text=False).count(START_HEADER) == 4

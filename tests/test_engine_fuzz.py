@@ -5,10 +5,11 @@ that preemption and chunked prefill happen all the time. Two models: ContextHash
 token is a hash of the context read back through the paged cache: fast, so many examples) and
 the real numpy model (few examples, prompts from a small pool so its reference runs are cached).
 After every rule:
-  - every KV block is either free or in live sequences' block tables, never both; a block in
-    several tables (the prefix cache shares a prompt's full blocks) has exactly that many
-    references and lies below every holder's computed tokens; each table's copy in
-    BlockManager.tables matches it; with no request unfinished, every block is free;
+  - every KV block is either free or held by live sequences' block tables, its reference count
+    the number of tables holding it; a block in more than one table (prefix caching shares them)
+    is published and lies wholly below every holder's computed tokens, so no holder writes it;
+    each table's copy in BlockManager.tables matches it; with no request unfinished, every
+    block is free;
   - each request is reported finished exactly once, and nothing is reported after that;
   - a greedy request that ran to its end has exactly the tokens of the reference model run
     alone, whatever preemptions, chunks and neighbours it went through; an aborted one a
@@ -56,17 +57,18 @@ INVALID = [
 def check_blocks(engine) -> None:
     bm = engine.block_manager
     seqs = list(engine._requests.values())
-    owned = collections.Counter(b for seq in seqs for b in seq.block_table)
-    free = list(bm._free)
-    assert len(free) == len(set(free)) and not owned.keys() & set(free), "a KV block both free and held"
-    assert sorted([*owned, *free]) == list(range(bm.num_blocks)), "KV blocks lost or invented"
-    for block, holders in owned.items():
-        assert bm.ref_count(block) == holders, f"block {block}: {bm.ref_count(block)} references, {holders} holders"
-        if holders > 1:       # shared: full and computed for every holder, so never written again
-            for seq in seqs:
-                if block in seq.block_table:
-                    end = (seq.block_table.index(block) + 1) * bm.block_size
-                    assert end <= seq.num_cached_tokens, f"shared block {block} not computed for {seq}"
+    held = collections.Counter(b for seq in seqs for b in seq.block_table)
+    free = set(bm._free)
+    assert not free & held.keys(), "a held KV block is in the free queue"
+    assert sorted(free | held.keys()) == list(range(bm.num_blocks)), "KV blocks lost or invented"
+    for block, holders in held.items():
+        assert bm.ref_count(block) == holders, f"block {block}: refcount {bm.ref_count(block)}, {holders} tables"
+    for seq in seqs:
+        assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} holds a block twice"
+        for i, block in enumerate(seq.block_table):
+            if held[block] > 1:               # shared: full, computed, never written again
+                assert bm._hash[block] is not None, f"block {block} is shared but not published"
+                assert (i + 1) * bm.block_size <= seq.num_cached_tokens, f"{seq} may write shared block {block}"
     for seq in seqs:
         if seq.is_finished:
             assert not seq.block_table, f"{seq} finished but holds blocks"

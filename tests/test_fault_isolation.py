@@ -138,3 +138,32 @@ def test_a_build_failure_no_row_reproduces_alone_kills_the_engine(tiny_model_dir
     monkeypatch.setattr(scheduler.ScheduledBatch, "sampling_batch", fails_when_batched)
     with pytest.raises(EngineDeadError, match="MemoryError"):
         engine.step()
+
+
+def test_a_dead_engine_fails_everyone_and_stops_the_server_loop(tiny_model_dir, numpy_runner):
+    """server/engine_loop.py: EngineDeadError fails every request in flight with the reason,
+    turns /health red (healthy False), refuses new requests and calls the server's exit hook."""
+    import asyncio
+
+    from tinyvllm.server.engine_loop import EngineLoop
+    from tinyvllm.server.request_stream import EngineFailure
+
+    loop = EngineLoop(make_engine(tiny_model_dir, DyingRunner(numpy_runner, good_steps=2)))
+    reasons = []
+    loop.on_dead = reasons.append
+    loop.start()
+
+    async def scenario():
+        streams = [await loop.submit(f"r{i}", "Hello there", GREEDY) for i in range(3)]
+        for stream in streams:
+            with pytest.raises(EngineFailure, match="illegal memory access"):
+                while not (await stream.next_event()).finished:
+                    pass
+        with pytest.raises(EngineFailure):
+            await loop.submit("late", "Hello", GREEDY)
+    try:
+        asyncio.run(scenario())
+        assert loop.dead and "illegal memory access" in loop.dead and reasons == [loop.dead]
+        assert not loop.healthy
+    finally:
+        loop.stop()

@@ -162,20 +162,20 @@ def test_graph_replay_equals_eager(tiny):
         sampling.step += 1
 
 
-def _decode_run(cfg, runner, rng_seed: int, steps: int = 12):
-    """Prefill 3 prompts, then greedy decode through the graphs; -> per-step logits of row 0."""
+def _decode_run(cfg, runner, rng_seed: int, steps: int = 12, num_seqs: int = 3):
+    """Prefill up to 3 prompts, then greedy decode through the graphs; -> per-step logits."""
     rng = np.random.default_rng(rng_seed)
-    lens = [9, 33, 20]
+    lens = [9, 33, 20][:num_seqs]
     prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in lens]
-    tables = [[40, 41, 42, 43], [50, 51, 52, 53], [60, 61, 62, 63]]
+    tables = [[40, 41, 42, 43], [50, 51, 52, 53], [60, 61, 62, 63]][:num_seqs]
     tokens = runner.execute(ForwardBatch.build(prompts, lens, tables, BLOCK, is_prefill=True),
-                            SamplingBatch.greedy(3))
+                            SamplingBatch.greedy(num_seqs))
     ctx, out = list(lens), []
     for _ in range(steps):
         ctx = [c + 1 for c in ctx]
         tokens = runner.execute(ForwardBatch.build([[int(t)] for t in tokens], ctx, tables, BLOCK, False),
-                                SamplingBatch.greedy(3))
-        out.append(runner.read_logits(3))
+                                SamplingBatch.greedy(num_seqs))
+        out.append(runner.read_logits(num_seqs))
     return out
 
 
@@ -199,4 +199,44 @@ def test_pdl_graphs_equal_plain_graphs(tiny):
         with runner.device.active():
             runner.capture_decode_graphs()
     for step, (a, b) in enumerate(zip(with_pdl, without)):
+        np.testing.assert_array_equal(a, b, err_msg=f"decode step {step}")
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_fused_graphs_equal_unfused_graphs(tiny, num_seqs):
+    """RMSNorm and SiLU*mul fused into the decode GEMVs (gpu/ops.py norm_linear / silu_linear)
+    share the unfused kernels' arithmetic (cuda/common.cuh), so decode graphs captured with the
+    fusion give bitwise the logits of graphs captured with TINYVLLM_FUSE=0's separate kernels."""
+    import os
+    cfg, runner, _, _ = tiny
+    if os.environ.get("TINYVLLM_FUSE") == "0":
+        pytest.skip("TINYVLLM_FUSE=0: this run keeps the fused GEMVs off (their kernel tests failed)")
+    was = runner.ops.fuse           # off by default (opt-in with TINYVLLM_FUSE=1): set it here
+
+    def recapture(fuse: bool) -> None:
+        for graph in runner.graphs.values():
+            graph.close()
+        runner.ops.fuse = fuse
+        with runner.device.active():
+            runner.capture_decode_graphs()
+
+    try:
+        recapture(True)
+        calls, tables = [], [[70 + i] for i in range(num_seqs)]
+        tokens = runner.execute(ForwardBatch.build([[1, 2, 3, 4]] * num_seqs, [4] * num_seqs, tables, BLOCK, True),
+                                SamplingBatch.greedy(num_seqs))
+        runner.ops.observer = lambda op, repeat, details: calls.append(op)
+        try:      # one eager decode step: which ops it launches
+            runner.execute(ForwardBatch.build([[int(t)] for t in tokens], [5] * num_seqs, tables, BLOCK, False),
+                           SamplingBatch.greedy(num_seqs), replay=False)
+        finally:
+            runner.ops.observer = None
+        assert sum(op.startswith("gemv+") for op in calls) == 3 * cfg.num_hidden_layers, calls
+        assert "rms_norm" in calls and "silu_mul" not in calls     # only the final norm stays separate
+        fused = _decode_run(cfg, runner, 11, num_seqs=num_seqs)
+        recapture(False)
+        unfused = _decode_run(cfg, runner, 11, num_seqs=num_seqs)
+    finally:
+        recapture(was)
+    for step, (a, b) in enumerate(zip(fused, unfused)):
         np.testing.assert_array_equal(a, b, err_msg=f"decode step {step}")

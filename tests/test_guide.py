@@ -146,3 +146,30 @@ def test_split_merge_equals_softmax():
     big_m = max(p[0] for p in parts)
     out = sum(np.exp(m - big_m) * o for m, _, o in parts) / sum(np.exp(m - big_m) * ell for m, ell, _ in parts)
     np.testing.assert_allclose(out, _softmax_attention(s, v), rtol=1e-12)
+
+
+def test_split_merge_in_base_2_and_log_sum_exp_form():
+    """Section 21's merge as the decode kernel does it (scores in base 2, a split without tokens
+    has m = -inf and weight 0) and in its log-sum-exp form, both against a plain softmax."""
+    rng = np.random.default_rng(2)
+    s, v = rng.standard_normal(700) * 5, rng.standard_normal((700, 8))
+    log2e = 1 / np.log(2)
+    bounds = [0, 0, 90, 91, 400, 700, 700]          # splits 0 and 5 are empty
+    parts = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        if lo == hi:
+            parts.append((-np.inf, 0.0, np.zeros(8)))
+            continue
+        t = s[lo:hi] * log2e                        # the kernel's base-2 scores
+        m = t.max()
+        e = np.exp2(t - m)
+        parts.append((m, e.sum(), e @ v[lo:hi]))
+    big_m = max(m for m, _, _ in parts)
+    w = np.array([0.0 if m == -np.inf else np.exp2(m - big_m) for m, _, _ in parts])
+    den = sum(wi * ell for wi, (_, ell, _) in zip(w, parts))
+    out = sum(wi / den * o for wi, (_, _, o) in zip(w, parts))
+    np.testing.assert_allclose(out, _softmax_attention(s, v), rtol=1e-12)
+    # log-sum-exp form: each split's normalised output, weighted by exp(lse_s - lse)
+    full = [(m / log2e + np.log(ell), o / ell) for m, ell, o in parts if ell > 0]
+    lse = np.logaddexp.reduce([x for x, _ in full])
+    np.testing.assert_allclose(sum(np.exp(x - lse) * o for x, o in full), _softmax_attention(s, v), rtol=1e-12)

@@ -12,7 +12,10 @@ from tinyvllm.gpu.kernels import CUDA_DIR, kernel_constants, kernel_signatures
 
 def test_signatures_match_the_c_parameter_lists():
     assert kernel_signatures("rmsnorm.cu") == {"rms_norm": "PPPPiif"}
-    assert kernel_signatures("sampling.cu") == {"sample_tokens": "PiPPPPPP"}    # comments inside the list
+    assert kernel_signatures("sampling.cu") == {"sample_tokens": "PiPPPPPPP",   # comments inside the list
+                                                "apply_logit_edits": "PiPi", "step_logprobs": "PiPPiPPPP"}
+    assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiii",               # plain and the two fused
+                                            "gemv_rms_norm_bf16": "PPPPiiifii", "gemv_silu_mul_bf16": "PPPiiiii"}
     (pattern, sig), = kernel_signatures("attention_decode.cu").items()          # a macro-made family
     assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiif"
 
@@ -26,7 +29,7 @@ def test_constants_are_read_with_their_dependencies():
     for table, names in ((ops.EMBEDDING, ["THREADS"]), (ops.RMS_NORM, ["THREADS"]), (ops.ROPE, ["THREADS"]),
                          (ops.SILU, ["THREADS"]), (ops.PREFILL, ["BLOCK_Q", "THREADS"]), (ops.DECODE, ["THREADS"]),
                          (ops.GEMV, ["ROWS_PER_CTA", "STEP_K", "UNROLL", "MAX_K_WARPS"]),
-                         (ops.SAMPLING, ["SAMPLE_THREADS"])):
+                         (ops.SAMPLING, ["SAMPLE_THREADS", "EDIT_THREADS", "EDIT_WORDS", "MAX_TOP_LOGPROBS"])):
         for name in names:
             assert isinstance(table[name], int) and table[name] > 0, name
 
@@ -37,3 +40,9 @@ def test_every_kernel_has_a_launcher():
         for name in kernel_signatures(path.name):
             stem = name.strip("^$").split("_d\\w+")[0]       # attention_decode_d\w+_g\w+ -> attention_decode
             assert f'"{stem}' in launcher_source, f"{path.name}: kernel {name} has no launcher in gpu/ops.py"
+
+
+def test_sampler_constants_agree_with_the_host_side():
+    from tinyvllm.engine.batch import EDIT_WORDS, MAX_LOGPROBS
+    assert ops.SAMPLING["EDIT_WORDS"] == EDIT_WORDS
+    assert ops.SAMPLING["MAX_TOP_LOGPROBS"] == MAX_LOGPROBS

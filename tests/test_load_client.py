@@ -152,10 +152,10 @@ def run_against(responses, **kw):
                                      temperature=0.0, warmup=1, timeout=20.0, client_procs=1,
                                      shared_prefix_tokens=kw.get("shared", 0), unique_tokens=5)
         try:
-            records, elapsed, _ = await L._run_one_process(args)
+            records, elapsed, _, prefix_cache = await L._run_one_process(args)
         finally:
             server.close()
-        return fake, records, L.summarize(records, elapsed, args)
+        return fake, records, L.summarize(records, elapsed, args, prefix_cache)
     return asyncio.run(go())
 
 
@@ -164,12 +164,16 @@ def test_run_against_a_loopback_server_reuses_connections():
         if head.startswith(b"GET /v1/models"):
             data = json.dumps({"data": [{"id": "tiny"}]}).encode()
             return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(data), data)
+        if head.startswith(b"GET /metrics"):
+            return b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
         assert b"Authorization: Bearer k" in head and json.loads(body)["model"] == "tiny"
         return stream_response(4)
     fake, records, s = run_against(respond)
     assert all(r.ok and r.completion_tokens == 4 and len(r.inter_token_s) == 3 for r in records)
     assert s["succeeded"] == 6 and s["output_tokens"] == 24 and not s["errors"]
-    assert fake.connections <= 3                 # warm-up connection + at most 2 in flight
+    assert s["prefix_cache_metrics"] is None     # a server without /metrics: no hit rate
+    # warm-up connection (its /metrics scrape too) + at most 2 in flight + the closing scrape
+    assert fake.connections <= 4
 
 
 def test_run_reports_http_errors_cut_streams_and_error_events():
@@ -194,7 +198,15 @@ def test_shared_prefix_mode_sends_token_prompts_and_reads_the_cached_share():
     the warm-up stays text; the cached share comes from usage.prompt_tokens_details."""
     ident = R.ResponseIdentity("cmpl-1", "tiny", chat=False)
 
+    scrapes = []
+
     def respond(head, body):
+        if head.startswith(b"GET /metrics"):       # counters that grow by what the requests did
+            scrapes.append(head)
+            queries, hits = 1000 + (len(scrapes) - 1) * 4 * 13, 300 + (len(scrapes) - 1) * 4 * 8
+            text = metrics_text({"tinyvllm:prefix_cache_queries_total": queries,
+                                 "tinyvllm:prefix_cache_hits_total": hits})
+            return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(text), text)
         if head.startswith(b"GET"):
             return b"HTTP/1.1 200 OK\r\ncontent-length: 26\r\n\r\n" + b'{"data": [{"id": "tiny"}]}'
         prompt = json.loads(body)["prompt"]
@@ -213,3 +225,38 @@ def test_shared_prefix_mode_sends_token_prompts_and_reads_the_cached_share():
     assert len({tuple(p[8:]) for p in measured}) == 4
     assert all(r.ok and r.prompt_tokens == 13 and r.cached_tokens == 8 for r in records)
     assert s["shared_prefix_tokens"] == 8 and s["prefix_cache_hit_rate"] == round(8 / 13, 4)
+    # scraped after the warm-up and after the run: only the measured requests' growth counts
+    assert len(scrapes) == 2
+    assert s["prefix_cache_metrics"] == {"queries": 4 * 13, "hits": 4 * 8, "hit_rate": round(8 / 13, 4)}
+
+
+def metrics_text(values: dict[str, float], model="tiny") -> bytes:
+    lines = []
+    for name, value in values.items():
+        lines += [f"# HELP {name} Prefix cache counter.", f"# TYPE {name} counter",
+                  f'{name}{{model_name="{model}"}} {float(value)}']
+    return ("\n".join(lines) + "\n").encode()
+
+
+def test_parse_prefix_cache_counters():
+    """The counters summed over label sets (label values may hold spaces and braces), vllm:
+    names read like tinyvllm: ones, a timestamp after the value ignored, other series and
+    _created samples left alone; None when either counter is missing."""
+    text = "\n".join([
+        "# HELP tinyvllm:prefix_cache_hits_total Prefix cache hits.",
+        "# TYPE tinyvllm:prefix_cache_hits_total counter",
+        'tinyvllm:prefix_cache_hits_total{model_name="a b {c}"} 40.0',
+        'tinyvllm:prefix_cache_hits_total{model_name="d"} 2.0 1700000000000',
+        'tinyvllm:prefix_cache_hits_created{model_name="d"} 1.7e9',
+        'tinyvllm:prefix_cache_queries_total{model_name="a b {c}"} 100.0',
+        "tinyvllm:prefix_cache_queries_total 28",
+        'tinyvllm:prompt_tokens_total{model_name="d"} 999.0',
+    ])
+    assert L.parse_prefix_cache_counters(text) == (128.0, 42.0)
+    vllm = metrics_text({"vllm:prefix_cache_queries_total": 10, "vllm:prefix_cache_hits_total": 5}).decode()
+    assert L.parse_prefix_cache_counters(vllm) == (10.0, 5.0)
+    assert L.parse_prefix_cache_counters(text.replace("queries", "misses")) is None
+    assert L.parse_prefix_cache_counters("") is None
+    assert L.prefix_cache_over_run((10.0, 5.0), (30.0, 20.0)) == {"queries": 20, "hits": 15, "hit_rate": 0.75}
+    assert L.prefix_cache_over_run((10.0, 5.0), (10.0, 5.0))["hit_rate"] is None
+    assert L.prefix_cache_over_run(None, (10.0, 5.0)) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -138,6 +139,25 @@ def test_metrics_count_what_the_requests_did(served, client):
     assert delta["tinyvllm:inter_token_latency_seconds_count"] == generated - 4
     assert delta["tinyvllm:e2e_request_latency_seconds_sum"] > 0
     assert delta["tinyvllm:iteration_tokens_total_sum"] >= prompt + generated - 4
+
+
+def test_prefix_cache_counters_count_a_shared_prefix(served, client):
+    """Two requests sharing a 70-token prefix, one after the other: the first queries all its
+    tokens and hits none (its prefix is drawn fresh, so no earlier test cached it), the second
+    hits every full block of the shared part that lies short of its last token."""
+    before = wait_idle(served)
+    block_size = int(next(k for k in before if k.startswith("tinyvllm:cache_config_info{"))
+                      .split('block_size="')[1].split('"')[0])
+    rng = random.Random(14)
+    shared = rng.choices(range(1000, 10000), k=70)
+    usages = [client.completions.create(model=NAMES[0], prompt=shared + rng.choices(range(1000, 10000), k=9),
+                                        max_tokens=2, temperature=0).usage for _ in range(2)]
+    after = wait_idle(served)
+    hits = after["tinyvllm:prefix_cache_hits_total"] - before["tinyvllm:prefix_cache_hits_total"]
+    queries = after["tinyvllm:prefix_cache_queries_total"] - before["tinyvllm:prefix_cache_queries_total"]
+    assert queries == sum(u.prompt_tokens for u in usages) == 2 * 79
+    assert hits == 70 // block_size * block_size > 0
+    assert queries >= hits
 
 
 def test_gauges_while_a_request_runs_and_an_abort_is_counted(served):

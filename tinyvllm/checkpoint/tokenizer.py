@@ -107,11 +107,21 @@ class Tokenizer:
         return self._template(chat_template).render(messages, add_generation_prompt, **template_kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | Path | ChatTemplate | None = None, **template_kwargs) -> list[int]:
-        """apply_chat_template() as token ids. Encoded without adding special tokens, exactly as
-        transformers' apply_chat_template(tokenize=True) does: the template writes its own BOS."""
-        text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **template_kwargs)
-        return self.encode(text, add_special_tokens=False)
+                    chat_template: str | Path | ChatTemplate | None = None, *,
+                    content_as_text: bool = True, **template_kwargs) -> list[int]:
+        """apply_chat_template() as token ids, without adding special tokens (the template writes
+        its own BOS), as transformers' apply_chat_template(tokenize=True) does — except that each
+        message's content is encoded as text (checkpoint/content_tokens.py): only the template's
+        own markup yields control tokens, so a user who writes `<|eot_id|><|start_header_id|>
+        system...` gets that text, not a system turn. content_as_text=False restores transformers'
+        permissive encoding, for trusted callers."""
+        def render(msgs):
+            return self.apply_chat_template(msgs, add_generation_prompt, chat_template, **template_kwargs)
+        text = render(messages)
+        if not content_as_text:
+            return self.encode(text, add_special_tokens=False)
+        from tinyvllm.checkpoint.content_tokens import encode_chat
+        return encode_chat(self, messages, text, render)
 
     def _template(self, chat_template) -> ChatTemplate:
         if isinstance(chat_template, ChatTemplate):

@@ -11,12 +11,15 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
+from tinyvllm.engine.batch import ForwardBatch, SamplingBatch, StepLogprobs
 from tinyvllm.errors import GPUUnavailableError, TinyVLLMError
 
 
 class ModelRunner(ABC):
     num_kv_blocks: int               # KV cache size in blocks of EngineConfig.block_size tokens
+    # Set by every execute(): the raw logprobs of the rows whose SamplingBatch.logprobs asked
+    # for them (rows, sampled logprob and rank, top ids and logprobs), None when none did.
+    last_logprobs: StepLogprobs | None = None
 
     @abstractmethod
     def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> np.ndarray:

@@ -12,9 +12,8 @@ instead of one float per token (see StatsCollector).
 Everything else (cumulative counters, histograms, throughput) is left to the consumers, which
 run off the engine thread: server/metrics.py and StatsLogger below.
 
-Prefix caching hook: whoever looks prompts up in a prefix cache calls
-collector.record_prefix_cache(queried_tokens, hit_tokens) during the step; until then the
-prefix-cache counters stay 0."""
+The prefix-cache counts of a step are the growth of the block manager's running totals
+(BlockManager.prefix_cache_stats, in tokens) since the previous step."""
 from __future__ import annotations
 
 import logging
@@ -91,12 +90,8 @@ class StatsCollector:
         self._batch = None
         self._cohorts: list[tuple[float, int]] = []    # this decode step's (previous token, count)
         self._scheduled_tokens = 0
-        self._prefix_queries = self._prefix_hits = 0
-
-    def record_prefix_cache(self, queries: int, hits: int) -> None:
-        """The prefix-caching hook: prompt tokens looked up / found in the cache this step."""
-        self._prefix_queries += queries
-        self._prefix_hits += hits
+        prefix = block_manager.prefix_cache_stats
+        self._prefix_queries, self._prefix_hits = prefix.queries, prefix.hits   # totals so far
 
     def step_started(self, batch) -> None:
         """After scheduling, before the model runs (while the batch's state is as scheduled)."""
@@ -157,13 +152,15 @@ class StatsCollector:
         finished = ([self._finished(seq, now) for seq in filter(_is_finished, reported)]
                     if something_finished else [])
         preemptions, blocks = self._scheduler.num_preemptions, self._blocks
+        prefix = blocks.prefix_cache_stats
         stats = StepStats(
             now, len(self._scheduler.running), len(self._scheduler.waiting),
             1.0 - blocks.num_free_blocks / blocks.num_blocks, prompt_tokens, generated,
-            self._scheduled_tokens, preemptions - self._num_preemptions, self._prefix_queries,
-            self._prefix_hits, tuple(ttfts), tuple(gaps), tuple(finished))
+            self._scheduled_tokens, preemptions - self._num_preemptions,
+            prefix.queries - self._prefix_queries, prefix.hits - self._prefix_hits,
+            tuple(ttfts), tuple(gaps), tuple(finished))
         self._num_preemptions = preemptions
-        self._prefix_queries = self._prefix_hits = 0
+        self._prefix_queries, self._prefix_hits = prefix.queries, prefix.hits
         self._batch, self._cohorts = None, []
         return stats
 

@@ -93,6 +93,7 @@ INPUTS = [
     BufferSpec("temperature", lambda d: (d.seqs,), F32, "temperature"),
     BufferSpec("top_k", lambda d: (d.seqs,), I32, "top_k"),
     BufferSpec("top_p", lambda d: (d.seqs,), F32, "top_p"),
+    BufferSpec("min_p", lambda d: (d.seqs,), F32, "min_p"),
     BufferSpec("seeds", lambda d: (d.seqs,), U64, "seeds"),
     BufferSpec("steps", lambda d: (d.seqs,), I32, "steps"),
     BufferSpec("block_table_width", lambda d: (1,), I32, "block_table_width"),

@@ -4,6 +4,14 @@ Start-up, once: CUDA context and stream, kernels compiled (cached on disk), the 
 weights, cuBLAS bound to the stream and to a workspace inside the arena, then the KV cache from
 whatever memory is left. Per step: write the batch into the arena's page-locked input mirror,
 one host-to-device copy, the forward pass, sampling, and one copy of S token ids back.
+
+A step whose SamplingBatch has logit edits (penalties, logit_bias, min_tokens) or asks for
+logprobs takes a longer road, and only such a step does: the edits' upload on a copy stream
+(beside the forward), the forward alone (eager, or the decode size's forward-only graph,
+captured on first use), then — eagerly, each launched only when needed — a device copy of the
+raw logits (for logprobs), apply_logit_edits, the same sample_tokens launch as in the graphs,
+and step_logprobs on the copy. The logprobs come back
+in `last_logprobs`; every other step leaves the captured graph path exactly as it was.
 """
 from __future__ import annotations
 
@@ -14,7 +22,7 @@ import numpy as np
 import pycuda.driver as drv  # a missing PyCUDA fails this import: make_runner says so in one line
 
 from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
+from tinyvllm.engine.batch import ForwardBatch, SamplingBatch, StepLogprobs
 from tinyvllm.gpu.arena import CUBLAS_WORKSPACE_BYTES, Arena, ArenaDims, ArenaLayout
 from tinyvllm.gpu.cublas import Cublas
 from tinyvllm.gpu.device_weights import upload_weights
@@ -27,6 +35,40 @@ from tinyvllm.gpu.ops import GpuOps
 
 log = logging.getLogger("tinyvllm.gpu")
 GiB = 2**30
+
+
+class GrowingBuffers:
+    """Device buffers and page-locked host buffers by name, allocated on first use and grown
+    (to the next power of two) when a step needs more: the optional sampler steps' inputs and
+    outputs, whose sizes (edit entries, logprob rows) are unbounded by the arena's dims."""
+
+    def __init__(self):
+        self._device: dict[str, tuple] = {}          # name -> (allocation, its size in bytes)
+        self._host: dict[str, np.ndarray] = {}
+
+    @staticmethod
+    def _size(nbytes: int) -> int:
+        return 1 << max(12, (max(nbytes, 1) - 1).bit_length())
+
+    def device(self, name: str, nbytes: int) -> int:
+        held = self._device.get(name)
+        if held is None or held[1] < nbytes:
+            if held is not None:
+                held[0].free()
+            size = self._size(nbytes)
+            held = self._device[name] = (drv.mem_alloc(size), size)
+        return int(held[0])
+
+    def host(self, name: str, nbytes: int) -> np.ndarray:
+        buf = self._host.get(name)
+        if buf is None or len(buf) < nbytes:
+            buf = self._host[name] = drv.pagelocked_empty(self._size(nbytes), np.uint8)
+        return buf[:nbytes]
+
+    def free(self) -> None:
+        for allocation, _ in self._device.values():
+            allocation.free()
+        self._device, self._host = {}, {}
 
 
 class CudaRunner:
@@ -55,6 +97,10 @@ class CudaRunner:
             self._block_tables_offset = self.arena.layout.inputs["block_tables"].offset
             self._block_tables_flat = self.arena.host_inputs_bytes[self._block_tables_offset:].view(np.int32)
             self.graphs: dict[int, CudaGraph] = {}
+            self.forward_graphs: dict[int, CudaGraph] = {}   # forward only: steps with edits/logprobs
+            self.scratch = GrowingBuffers()
+            self.copy_stream = self.edits_uploaded = None      # made on the first step with edits
+            self.last_logprobs: StepLogprobs | None = None
             self._graph_sizes: list[int] = []
             if not engine_config.enforce_eager:
                 self.capture_decode_graphs()
@@ -86,13 +132,14 @@ class CudaRunner:
         h("temperature")[:S] = sampling.temperature
         h("top_k")[:S] = sampling.top_k
         h("top_p")[:S] = sampling.top_p
+        h("min_p")[:S] = sampling.min_p
         h("seeds")[:S] = sampling.seed
         h("steps")[:S] = sampling.step
         if R > S:
             assert not batch.is_prefill and T == S, "only decode batches are padded"
             for name, value in (("token_ids", 0), ("positions", 0), ("slot_mapping", -1),
                                 ("context_lens", 1), ("temperature", 0.0), ("top_k", -1),
-                                ("top_p", 1.0), ("seeds", 0), ("steps", 0)):
+                                ("top_p", 1.0), ("min_p", 0.0), ("seeds", 0), ("steps", 0)):
                 h(name)[S:R] = value
             h("last_token_idx")[S:R] = np.arange(S, R)
         h("block_table_width")[0] = width
@@ -107,25 +154,106 @@ class CudaRunner:
     def _forward_and_sample(self, step: StepShape) -> None:
         """The device work of one step, as captured into a decode graph."""
         self.model.forward(step)
+        self._sample(step)
+
+    def _sample(self, step: StepShape) -> None:
         v = self.arena.view
         self.ops.sample(v("logits"), step.num_seqs, self.cfg.vocab_size, v("temperature"), v("top_k"),
-                        v("top_p"), v("seeds"), v("steps"), v("sampled_ids"))
+                        v("top_p"), v("seeds"), v("steps"), v("sampled_ids"), min_p=v("min_p"))
 
     def execute(self, batch: ForwardBatch, sampling: SamplingBatch, replay: bool = True) -> np.ndarray:
-        """Forward + sample; returns the int32 [S] next token of each sequence. Decode steps
-        replay the smallest captured graph that holds the batch; replay=False runs the very
-        same (padded) launches eagerly instead, which is how tests check the graphs."""
+        """Forward + sample; returns the int32 [S] next token of each sequence (and sets
+        last_logprobs). Decode steps replay the smallest captured graph that holds the batch;
+        replay=False runs the very same (padded) launches eagerly instead, which is how tests
+        check the graphs."""
         with self.device.active():
             S = batch.num_seqs
             graph_size = None if batch.is_prefill else self._graph_size_for(S)
             step = self._stage_inputs(batch, sampling, rows=graph_size)
-            if graph_size is None or not replay:
-                self._forward_and_sample(step)
+            lp_rows = sampling.logprob_rows if sampling is not None else np.zeros(0, np.int32)
+            if sampling is None or (sampling.edits is None and not len(lp_rows)):   # the plain step
+                if graph_size is None or not replay:
+                    self._forward_and_sample(step)
+                else:
+                    self.graphs[graph_size].launch(self.stream)
+                finish = None
             else:
-                self.graphs[graph_size].launch(self.stream)
+                edits_dev = self._upload_edits(sampling)       # overlaps the forward
+                if graph_size is None or not replay:
+                    self.model.forward(step)
+                else:
+                    self._forward_graph(graph_size, step).launch(self.stream)
+                finish = self._process_and_sample(step, sampling, lp_rows, edits_dev)
             self.arena.download_outputs(S * 4, self.stream)
             self.stream.synchronize()
+            self.last_logprobs = finish() if finish is not None else None
             return self.arena.host("sampled_ids")[:S].copy()
+
+    def _forward_graph(self, size: int, step: StepShape) -> CudaGraph:
+        """The forward-only graph of a decode size, captured the first time a step with edits
+        or logprobs needs it (its kernels were loaded by the full graph's eager warm-up)."""
+        graph = self.forward_graphs.get(size)
+        if graph is None:
+            self.stream.synchronize()
+            with CudaGraph.capture(self.stream) as graph:
+                self.model.forward(step)
+            self.forward_graphs[size] = graph
+        return graph
+
+    def _upload_edits(self, sampling: SamplingBatch) -> int | None:
+        """Start the step's LogitEdits upload on a copy stream, so that it runs beside the
+        forward pass (at batch 256 with ~1,200 distinct tokens per row it is ~10 MB);
+        apply_logit_edits waits for it. -> the device buffer, or None without edits."""
+        edits = sampling.edits
+        if edits is None or not edits.num_entries:
+            return None
+        packed = edits.packed().reshape(-1).view(np.uint8)
+        host = self.scratch.host("edits", packed.nbytes)
+        host[:] = packed
+        dev = self.scratch.device("edits", packed.nbytes)
+        if self.copy_stream is None:
+            self.copy_stream, self.edits_uploaded = drv.Stream(), drv.Event()
+        drv.memcpy_htod_async(dev, host, self.copy_stream)
+        self.edits_uploaded.record(self.copy_stream)
+        return dev
+
+    def _process_and_sample(self, step: StepShape, sampling: SamplingBatch, lp_rows: np.ndarray,
+                            edits_dev: int | None):
+        """After the forward: [raw logits copy] -> [apply_logit_edits] -> sample_tokens ->
+        [step_logprobs], enqueued on the stream. -> a callable that, once the stream is synced,
+        returns the StepLogprobs (or None)."""
+        v, V, buf = self.arena.view, self.cfg.vocab_size, self.scratch
+        R = len(lp_rows)
+        if R:
+            raw_bytes = (int(lp_rows.max()) + 1) * V * 4        # rows up to the last that asked
+            raw = buf.device("raw_logits", raw_bytes)
+            drv.memcpy_dtod_async(raw, int(v("logits")), raw_bytes, self.stream)
+        if edits_dev is not None:
+            self.stream.wait_for_event(self.edits_uploaded)
+            self.ops.apply_logit_edits(v("logits"), V, edits_dev, sampling.edits.num_entries)
+        self._sample(step)
+        if not R:
+            return None
+        k = sampling.logprob_k
+        rows_host = buf.host("logprob_rows", R * 4)
+        rows_host[:] = lp_rows.astype(np.int32).view(np.uint8)
+        rows_dev = buf.device("logprob_rows", R * 4)
+        drv.memcpy_htod_async(rows_dev, rows_host, self.stream)
+        out_bytes = R * (2 + 2 * k) * 4
+        out = buf.device("logprobs_out", out_bytes)
+        self.ops.step_logprobs(raw, V, R, v("sampled_ids"), k, out, out + 4 * R, out + 8 * R,
+                               out + (8 + 4 * k) * R, rows=rows_dev)
+        host_out = buf.host("logprobs_out", out_bytes)
+        drv.memcpy_dtoh_async(host_out, out, self.stream)
+
+        def finish() -> StepLogprobs:
+            words = host_out.view(np.int32)
+            return StepLogprobs(rows=lp_rows.astype(np.int32).copy(),
+                                sampled_logprob=words[:R].view(np.float32).copy(),
+                                sampled_rank=words[R:2 * R].copy(),
+                                top_ids=words[2 * R:(2 + k) * R].reshape(R, k).copy(),
+                                top_logprobs=words[(2 + k) * R:(2 + 2 * k) * R].view(np.float32).reshape(R, k).copy())
+        return finish
 
     # -- CUDA graphs for decode ------------------------------------------------------------------
     def graph_batch_sizes(self) -> list[int]:
@@ -195,9 +323,10 @@ class CudaRunner:
         if getattr(self, "blas", None) is None:
             return
         with self.device.active():
-            for graph in self.graphs.values():
+            for graph in (*self.graphs.values(), *self.forward_graphs.values()):
                 graph.close()
-            self.graphs, self._graph_sizes = {}, []
+            self.graphs, self.forward_graphs, self._graph_sizes = {}, {}, []
+            self.scratch.free()
             self.blas.close()
             self.blas = None
             self.stream.synchronize()

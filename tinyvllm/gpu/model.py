@@ -3,16 +3,19 @@ calls on arena views. No allocation, no numpy, no hidden state: the runner fills
 input views before forward() and reads the logits (or sampled ids) after it.
 
 Per layer (T new tokens; residual stream `hidden` in bf16):
-    normed   = rms_norm(hidden)                         kernel
-    qkv      = normed @ Wqkv^T                          linear (q, k, v fused)
+    normed   = rms_norm(hidden)                         kernel  } norm_linear: one fused GEMV
+    qkv      = normed @ Wqkv^T                          linear  } (q, k, v fused) at decode
     q, cache = rope(qkv) -> paged K/V write             kernel (RoPE fused with the cache write)
     attn_out = attention(q, paged K/V)                  kernel: prefill tiles or split decode
     hidden  += attn_out @ Wo^T                          linear, beta = 1 fuses the residual add
-    normed   = rms_norm(hidden)                         kernel
-    gate_up  = normed @ Wgate_up^T                      linear (gate, up fused)
-    act      = silu(gate) * up                          kernel
-    hidden  += act @ Wdown^T                            linear, beta = 1
+    normed   = rms_norm(hidden)                         kernel  } norm_linear
+    gate_up  = normed @ Wgate_up^T                      linear  } (gate, up fused)
+    act      = silu(gate) * up                          kernel  } silu_linear: one fused GEMV
+    hidden  += act @ Wdown^T                            linear  } at decode, beta = 1
 then the final norm of each sequence's last token and the LM head (fp32 logits, S rows only).
+norm_linear and silu_linear (gpu/ops.py) fold the norm / activation into the GEMV's X load
+when the projection runs on the GEMV (decode, T <= 8) and TINYVLLM_FUSE=1 (opt-in: slower today, perf-notes): 6 launches
+per layer instead of 9, the same bits either way; `normed` and `act` are then untouched.
 
 "linear" is gpu/ops.py's linear(): our GEMV for decode batches of at most 8 tokens, cuBLAS
 else. Every kernel is launched through its typed launcher in gpu/ops.py (the same ones the GPU
@@ -69,16 +72,15 @@ class LlamaModel:
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
         ops.embedding(self.hidden, w.embed, self.token_ids, T, H, c.vocab_size)
         for layer, lw in enumerate(w.layers):
-            ops.rms_norm(self.normed, self.hidden, lw.input_norm, T, H, eps)
-            ops.linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H)
+            ops.norm_linear(self.qkv, self.hidden, lw.input_norm, lw.qkv, T, self.qkv_width, H, eps,
+                            normed=self.normed)
             ops.rope_write_kv(self.qkv, self.kv.k(layer), self.kv.v(layer), self.positions, self.slot_mapping,
                               w.rope_inv_freq, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
             self._attention(step, layer)
             ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True)
-            ops.rms_norm(self.normed, self.hidden, lw.post_norm, T, H, eps)
-            ops.linear(self.gate_up, self.normed, lw.gate_up, T, 2 * I, H)
-            ops.silu_mul(self.act, self.gate_up, T, I)
-            ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True)
+            ops.norm_linear(self.gate_up, self.hidden, lw.post_norm, lw.gate_up, T, 2 * I, H, eps,
+                            normed=self.normed)
+            ops.silu_linear(self.hidden, self.gate_up, lw.down, T, H, I, act=self.act, accumulate=True)
         S = step.num_seqs
         ops.rms_norm(self.final_normed, self.hidden, w.final_norm, S, H, eps, rows=self.last_token_idx)
         ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32")

@@ -3,8 +3,9 @@
 Each launcher owns its kernel's launch geometry, computed from the constants its .cu file
 defines (read by gpu/kernels.py, never copied), and passes the arguments in the kernel's own
 order; the argument types come from the kernel's C signature. Every launch goes through
-`GpuOps._launch` and every projection through `linear()`: an `observer` set on GpuOps sees each
-op once, in order, with a callable that repeats it (benchmarks/decode_profile.py times ops so).
+`GpuOps._launch` and every projection through `linear()` (or a fused norm_linear()/silu_linear(),
+whose details carry "fused"): an `observer` set on GpuOps sees each op once, in order, with a
+callable that repeats it (benchmarks/decode_profile.py times ops so; trace.py prints them).
 
     kernel (gpu/cuda/)                 launcher              numpy twin (tinyvllm/reference/)    GPU test (tests/)
     embedding.cu      embedding_gather embedding()           kernels.embedding                  test_gpu_kernels::test_embedding_gather
@@ -14,8 +15,17 @@ op once, in order, with a callable that repeats it (benchmarks/decode_profile.py
     attention_decode  attention_decode_d{64,128}_g{G}  attention_decode()  kernels.paged_attention  test_gpu_kernels::test_attention_decode
     activation.cu     silu_mul         silu_mul()            kernels.silu_mul                   test_gpu_kernels::test_silu_mul
     gemv.cu           gemv_bf16        gemv() (via linear()) X @ W^T in numpy                   test_gpu_gemv
+    gemv.cu           gemv_rms_norm_bf16  gemv_rms_norm() (via norm_linear())  kernels.rms_norm_linear  test_gpu_fused::test_gemv_rms_norm
+    gemv.cu           gemv_silu_mul_bf16  gemv_silu_mul() (via silu_linear())  kernels.silu_mul_linear  test_gpu_fused::test_gemv_silu_mul
     sampling.cu       sample_tokens    sample()              sampling.sample                    test_gpu_sampling
+    sampling.cu       apply_logit_edits apply_logit_edits()  sampling.apply_edits               test_gpu_logit_processing
+    sampling.cu       step_logprobs    step_logprobs()       sampling.step_logprobs             test_gpu_logit_processing
     (cuBLAS)          cublasGemmEx     linear()              X @ W^T in numpy                   test_gpu_kernels::test_linear
+
+The two fused GEMVs take the small kernel before them into their X load at decode: norm_linear()
+= rms_norm() + linear() and silu_linear() = silu_mul() + linear(), one launch instead of two when
+the projection runs on the GEMV and `fuse` is on (TINYVLLM_FUSE=1; off by default, slower today), the same bits
+either way (common.cuh shares the arithmetic; test_gpu_fused and test_gpu_model check it).
 
 `linear()` is THE projection: Y[m, n] (+)= X[m, k] @ W[n, k]^T, on our GEMV for decode batches of
 at most GEMV_MAX_ROWS rows (cuBLAS reads small matrices at 1.7-2.5 TB/s at M <= 8; the GEMV
@@ -58,7 +68,8 @@ class GpuOps:
     """The launchers, bound to one kernel library, stream, cuBLAS handle and SM count."""
 
     def __init__(self, library: KernelLibrary, stream=None, blas=None, num_sms: int | None = None,
-                 use_gemv: bool | None = None, pdl: bool | None = None):
+                 use_gemv: bool | None = None, pdl: bool | None = None,
+                 fuse: bool | None = None):
         if num_sms is None:
             import pycuda.driver as drv
             num_sms = drv.Context.get_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
@@ -67,6 +78,11 @@ class GpuOps:
         self.use_gemv = os.environ.get("TINYVLLM_GEMV", "1") != "0" if use_gemv is None else use_gemv
         # programmatic dependent launch of our kernels (gpu/kernels.py); TINYVLLM_PDL=0 turns it off
         self.pdl = os.environ.get("TINYVLLM_PDL", "1") != "0" if pdl is None else pdl
+        # RMSNorm and SiLU*mul fused into the GEMV's X load (norm_linear, silu_linear): the same
+        # bits as the separate kernels, fewer launches. Off unless TINYVLLM_FUSE=1: on the H200
+        # the fused GEMVs measured slower than the kernel pairs (batch-1 graph 1.253 vs 1.042 ms
+        # on Llama-1B shapes, docs/perf-notes.md), so they stay opt-in until they win
+        self.fuse = os.environ.get("TINYVLLM_FUSE", "0") == "1" if fuse is None else fuse
         self.stream_handle = stream.handle if stream is not None else 0
         self._gemv_shapes: dict[tuple[int, int, int], tuple] = {}
         # observer(op, repeat, details): called before each op with a zero-argument callable
@@ -144,19 +160,42 @@ class GpuOps:
         self._launch("silu_mul", grid, threads, out, gate_up, num_tokens, inter)
 
     def sample(self, logits, num_seqs: int, vocab_size: int, temperature, top_k, top_p, seeds, steps,
-               out) -> None:
+               out, min_p=0) -> None:
         """One token id per row of fp32 logits (reference/sampling.py defines the algorithm).
-        Non-greedy rows' logits are overwritten with their sampling weights."""
+        Non-greedy rows' logits are overwritten with their sampling weights. min_p: a float32
+        [num_seqs] device array, or 0 (null) for min_p off in every row."""
         if num_seqs:
             self._launch("sample_tokens", num_seqs, SAMPLING["SAMPLE_THREADS"], logits, vocab_size,
-                         temperature, top_k, top_p, seeds, steps, out)
+                         temperature, top_k, top_p, min_p, seeds, steps, out)
+
+    def apply_logit_edits(self, logits, vocab_size: int, edits, num_edits: int) -> None:
+        """LogitEdits (engine/batch.py, uploaded as its packed() int32 [E, EDIT_WORDS]) applied
+        in place to fp32 logits rows: one thread per entry. No entries: no launch."""
+        if num_edits:
+            self._launch("apply_logit_edits", math.ceil(num_edits / SAMPLING["EDIT_THREADS"]),
+                         SAMPLING["EDIT_THREADS"], logits, vocab_size, edits, num_edits)
+
+    def step_logprobs(self, logits, vocab_size: int, num_rows: int, sampled, k: int, sampled_logprob,
+                      sampled_rank, top_ids, top_logprobs, rows=0) -> None:
+        """Raw logprobs of num_rows rows of fp32 logits (reference/sampling.py's step_logprobs):
+        output j reads logits row rows[j] (rows = 0: row j) and its sampled id sampled[that row];
+        top_ids / top_logprobs are [num_rows, k]. One block per output row."""
+        if not 0 <= k <= min(SAMPLING["MAX_TOP_LOGPROBS"], vocab_size):
+            raise ValueError(f"step_logprobs: k must be in 0..{min(SAMPLING['MAX_TOP_LOGPROBS'], vocab_size)}, got {k}")
+        if num_rows:
+            self._launch("step_logprobs", num_rows, SAMPLING["SAMPLE_THREADS"], logits, vocab_size, rows,
+                         sampled, k, sampled_logprob, sampled_rank, top_ids, top_logprobs)
 
     # -- projections -------------------------------------------------------------------------------
+    def on_gemv(self, m: int, n: int, k: int) -> bool:
+        """Whether linear() runs this shape on our GEMV (else cuBLAS)."""
+        return self.use_gemv and n <= GEMV_MAX_N and self.gemv_supports(m, n, k)
+
     def linear(self, y, x, w, m: int, n: int, k: int, *, accumulate: bool = False,
                out_dtype: str = "bfloat16") -> None:
         """Y[m, n] (+)= X[m, k] @ W[n, k]^T, row-major, W as HF stores it [out, in]; accumulate
         adds to Y (beta = 1: the fused residual add). The GEMV for small decode batches, else cuBLAS."""
-        on_gemv = self.use_gemv and n <= GEMV_MAX_N and self.gemv_supports(m, n, k)
+        on_gemv = self.on_gemv(m, n, k)
         if on_gemv:
             run = lambda: self.gemv(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
         else:
@@ -165,6 +204,36 @@ class GpuOps:
             self.observer(f"{'gemv' if on_gemv else 'cublas'} {n}x{k}", self._quietly(run),
                           {"m": m, "n": n, "k": k, "accumulate": accumulate, "out_dtype": out_dtype,
                            "y": y, "x": x, "w": w})
+        self._quietly(run)()
+
+    def norm_linear(self, y, x, norm_weight, w, m: int, n: int, k: int, eps: float, *, normed) -> None:
+        """Y[m, n] = (RMSNorm(x) * norm_weight) @ W^T, x [m, k] the residual stream: one fused
+        GEMV (gemv_rms_norm) when fusing is on and linear() would take the GEMV, else rms_norm()
+        into `normed` [m, k] and linear(). Both give the same bits."""
+        if not (self.fuse and self.on_gemv(m, n, k)):
+            self.rms_norm(normed, x, norm_weight, m, k, eps)
+            self.linear(y, normed, w, m, n, k)
+            return
+        run = lambda: self.gemv_rms_norm(y, x, norm_weight, w, m, n, k, eps)  # noqa: E731
+        if self.observer is not None:
+            self.observer(f"gemv+rms_norm {n}x{k}", self._quietly(run),
+                          {"m": m, "n": n, "k": k, "accumulate": False, "out_dtype": "bfloat16", "y": y, "x": x,
+                           "w": w, "fused": "rms_norm", "norm_weight": norm_weight})
+        self._quietly(run)()
+
+    def silu_linear(self, y, gate_up, w, m: int, n: int, inter: int, *, act, accumulate: bool = False) -> None:
+        """Y[m, n] (+)= (silu(gate) * up) @ W^T over the fused gate_up rows [m, 2 * inter]: one
+        fused GEMV (gemv_silu_mul) when fusing is on and linear() would take the GEMV, else
+        silu_mul() into `act` [m, inter] and linear(). Both give the same bits."""
+        if not (self.fuse and self.on_gemv(m, n, inter)):
+            self.silu_mul(act, gate_up, m, inter)
+            self.linear(y, act, w, m, n, inter, accumulate=accumulate)
+            return
+        run = lambda: self.gemv_silu_mul(y, gate_up, w, m, n, inter, accumulate=accumulate)  # noqa: E731
+        if self.observer is not None:
+            self.observer(f"gemv+silu_mul {n}x{inter}", self._quietly(run),
+                          {"m": m, "n": n, "k": inter, "accumulate": accumulate, "out_dtype": "bfloat16", "y": y,
+                           "x": gate_up, "w": w, "fused": "silu_mul"})
         self._quietly(run)()
 
     def _quietly(self, run):
@@ -205,19 +274,42 @@ class GpuOps:
             self._gemv_shapes[(n, k, kw)] = shape
         return shape
 
+    def _gemv_args(self, what: str, x, w, m: int, n: int, k: int, out_dtype: str, k_warps, *more):
+        """Checks shared by the three GEMV launchers -> (grid, block, shared bytes, x, w)."""
+        if not self.gemv_supports(m, n, k):
+            raise ValueError(f"{what}: unsupported shape m={m}, n={n}, k={k} (needs 1 <= m <= {GEMV_MAX_ROWS}, "
+                             f"n >= 1, k % 8 == 0, 8 <= k < {GEMV_MAX_K}); use cuBLAS")
+        if out_dtype not in OUT_DTYPES:
+            raise ValueError(f"{what}: out_dtype must be one of {sorted(OUT_DTYPES)}, got {out_dtype!r}")
+        x_ptr, w_ptr = int(x), int(w)
+        if (x_ptr | w_ptr) & 15 or any(int(p) & 15 for p in more):
+            names = ", ".join(f"{p:#x}" for p in (x_ptr, w_ptr, *map(int, more)))
+            raise ValueError(f"{what}: x, w (and the norm weight) must be 16-byte aligned ({names})")
+        return (*self.gemv_launch_shape(n, k, k_warps), x_ptr, w_ptr)
+
     def gemv(self, y, x, w, m: int, n: int, k: int, *, accumulate: bool = False,
              out_dtype: str = "bfloat16", k_warps: int | None = None) -> None:
         """linear()'s small-batch path: the same arguments and meaning as Cublas.matmul, for
         1 <= m <= 8 and k % 8 == 0 with x and w 16-byte aligned. Streams W once with 16-byte
         loads, maths on the tensor cores (gemv.cu's header has the layout)."""
-        if not self.gemv_supports(m, n, k):
-            raise ValueError(f"gemv: unsupported shape m={m}, n={n}, k={k} (needs 1 <= m <= {GEMV_MAX_ROWS}, "
-                             f"n >= 1, k % 8 == 0, 8 <= k < {GEMV_MAX_K}); use cuBLAS")
-        if out_dtype not in OUT_DTYPES:
-            raise ValueError(f"gemv: out_dtype must be one of {sorted(OUT_DTYPES)}, got {out_dtype!r}")
-        x_ptr, w_ptr = int(x), int(w)
-        if (x_ptr | w_ptr) & 15:
-            raise ValueError(f"gemv: x and w must be 16-byte aligned (x={x_ptr:#x}, w={w_ptr:#x})")
-        grid, block, shared = self.gemv_launch_shape(n, k, k_warps)
+        grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps)
         self._launch("gemv_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, OUT_DTYPES[out_dtype],
+                     int(accumulate), shared_bytes=shared)
+
+    def gemv_rms_norm(self, y, x, norm_weight, w, m: int, n: int, k: int, eps: float, *,
+                      accumulate: bool = False, out_dtype: str = "bfloat16", k_warps: int | None = None) -> None:
+        """gemv() of bf16(RMSNorm(x) * norm_weight), x [m, k], norm_weight [k]: the bits of
+        rms_norm() then gemv(), in one launch (each CTA recomputes the rows' norms; gemv.cu)."""
+        grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv_rms_norm", x, w, m, n, k, out_dtype,
+                                                            k_warps, norm_weight)
+        self._launch("gemv_rms_norm_bf16", grid, block, int(y), x_ptr, int(norm_weight), w_ptr, m, n, k,
+                     float(eps), OUT_DTYPES[out_dtype], int(accumulate), shared_bytes=shared)
+
+    def gemv_silu_mul(self, y, gate_up, w, m: int, n: int, k: int, *, accumulate: bool = False,
+                      out_dtype: str = "bfloat16", k_warps: int | None = None) -> None:
+        """gemv() of bf16(silu(gate) * up) over gate_up [m, 2k] (gate in columns [0, k), up in
+        [k, 2k)): the bits of silu_mul() then gemv(), in one launch."""
+        grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv_silu_mul", gate_up, w, m, n, k, out_dtype,
+                                                            k_warps)
+        self._launch("gemv_silu_mul_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, OUT_DTYPES[out_dtype],
                      int(accumulate), shared_bytes=shared)

@@ -10,7 +10,7 @@ from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.reference.model import ReferenceModel
-from tinyvllm.reference.sampling import sample
+from tinyvllm.reference.sampling import sample_step
 
 NUMPY_KV_CACHE_BYTES = 256 << 20     # default KV cache of the CPU backend (float32)
 log = logging.getLogger("tinyvllm.reference")
@@ -40,7 +40,8 @@ class NumpyRunner(ModelRunner):
                  f"{self.num_kv_blocks:,}")
 
     def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> np.ndarray:
-        return sample(self.model.forward(batch, self.kv_cache), sampling)
+        ids, self.last_logprobs = sample_step(self.model.forward(batch, self.kv_cache), sampling)
+        return ids
 
     def close(self) -> None:
         self.kv_cache = None

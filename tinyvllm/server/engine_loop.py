@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tinyvllm.errors import InvalidRequestError
+from tinyvllm.errors import EngineDeadError, InvalidRequestError
 from tinyvllm.server.request_stream import EngineFailure, RequestStream, ServerShuttingDown, StreamEvent
 
 log = logging.getLogger("tinyvllm.server")
@@ -63,6 +63,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="tinyvllm-engine", daemon=True)
         self.consecutive_failures = 0
         self._closed = False
+        self.dead: str | None = None                       # why the engine died, once it has
+        self.on_dead: Callable[[str], None] | None = None  # the server's "exit non-zero" hook
 
     # ---- called from the asyncio side (or any thread) ----------------------------------------
 
@@ -91,7 +93,7 @@ class EngineLoop:
 
     @property
     def healthy(self) -> bool:
-        return self.alive and self.consecutive_failures < 3
+        return self.alive and self.dead is None and self.consecutive_failures < 3
 
     async def submit(self, request_id: str, prompt, params) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Raises InvalidRequestError."""
@@ -212,6 +214,19 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except EngineDeadError as e:
+            # The engine cannot run another step (a CUDA error: the context is lost). Fail
+            # everything in flight now, refuse what comes next, turn /health red and ask the
+            # server to exit non-zero so that a supervisor restarts it: never a half-working server.
+            self.dead = str(e)
+            log.error("%s; failing the %d requests in flight and stopping the server",
+                      e, len(self._streams))
+            self._fail_all(EngineFailure(str(e)))
+            with self._wakeup:
+                self._stopping = True
+            if self.on_dead is not None:
+                self.on_dead(self.dead)
+            return
         except Exception as e:
             self.consecutive_failures += 1
             log.exception("engine.step() failed; failing the %d requests in flight",

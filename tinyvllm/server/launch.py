@@ -136,6 +136,7 @@ def _serve_until_stopped(options: ServeOptions) -> int:
     # covers the model load: SIGTERM then stops the start-up, with status 0 too.)
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+    engine_loop = None
     try:
         app, engine_loop = build_server(options)
         log.info("serving %s on http://%s:%d/v1", ", ".join(repr(n) for n in options.model_names),
@@ -144,8 +145,11 @@ def _serve_until_stopped(options: ServeOptions) -> int:
         config = uvicorn.Config(app, host=options.host, port=options.port,
                                 log_level=options.uvicorn_log_level,
                                 timeout_graceful_shutdown=options.graceful_shutdown_s + 5)
+        server = DrainingServer(config)
+        # a dead engine (EngineLoop.dead) stops the server; it then exits 1, below
+        engine_loop.on_dead = lambda why: setattr(server, "should_exit", True)
         try:
-            DrainingServer(config).run()
+            server.run()
         except KeyboardInterrupt:   # re-raised by uvicorn once it has shut down
             pass
     except _Terminated:
@@ -153,5 +157,8 @@ def _serve_until_stopped(options: ServeOptions) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+    if engine_loop is not None and engine_loop.dead:
+        log.error("server stopped: the engine died (%s); exit status 1", engine_loop.dead)
+        return 1
     log.info("server stopped")
     return 0

@@ -20,7 +20,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) silu_mul(bf16* __restrict_
         load_bf16x8(gate_up + t * 2 * inter + c, g);
         load_bf16x8(gate_up + t * 2 * inter + inter + c, u);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) g[i] = g[i] / (1.0f + __expf(-g[i])) * u[i];
+        for (int i = 0; i < 8; ++i) g[i] = silu_times(g[i], u[i]);   // gemv.cu's fused X load too
         store_bf16x8(out + t * inter + c, g);
     }
 }

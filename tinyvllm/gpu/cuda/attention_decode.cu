@@ -32,6 +32,9 @@
 // Shared memory is dynamic: SMEM_BYTES_PER_DIM * head_dim bytes (the launcher passes it).
 // K/V rows sit in it with their 16-byte chunks XOR-swizzled by (row % 8), so the 8 rows an
 // ldmatrix phase reads fall in distinct banks.
+//
+// PDL-aware: launched with programmatic stream serialization; every block waits for the
+// producer first and lets the consumer launch at once (see decode_attention's first lines).
 #include <math_constants.h>
 #include "common.cuh"
 
@@ -94,9 +97,9 @@ __device__ __forceinline__ float ex2(float x) {   // 2^x; 2^-inf = 0
 
 template <int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void decode_attention(
-    bf16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_ml,
-    int* __restrict__ split_counters, const bf16* __restrict__ q, int q_row_stride, const bf16* __restrict__ k_cache,
-    const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ block_table_width,
+    bf16* out, float* __restrict__ partial_out, float* __restrict__ partial_ml,
+    int* __restrict__ split_counters, const bf16* q, int q_row_stride, const bf16* k_cache,
+    const bf16* v_cache, const int* __restrict__ block_tables, const int* __restrict__ block_table_width,
     const int* __restrict__ context_lens, int block_size, int num_kv_heads, float scale) {
     static_assert(GROUP >= 1 && GROUP <= 8, "the query heads of a group are one MMA n-tile of 8");
     static_assert(HEAD_DIM % 64 == 0, "rows are whole 8 x 16-byte swizzle groups");
@@ -108,6 +111,12 @@ __device__ __forceinline__ void decode_attention(
     constexpr int COPIES = STEP * CHUNKS / 32;       // 16-byte copies per lane per tensor per step
     static_assert(WARPS * STAGES * STAGE_BYTES == SMEM_BYTES_PER_DIM * HEAD_DIM, "launcher's size");
     extern __shared__ __align__(128) unsigned char smem[];
+    // PDL (common.cuh): q and the new token's K/V are rope_write_kv's output, and `out` may still
+    // be read by the previous layer's o projection, so wait before anything else (those pointers
+    // carry no __restrict__, so no read-only load of them can be hoisted above the wait). The o
+    // projection that follows may then launch and start streaming its weights under this kernel.
+    wait_for_producer();
+    allow_consumer();
 
     const int seq = blockIdx.x / num_kv_heads, kv_head = blockIdx.x % num_kv_heads, split = blockIdx.z;
     const int num_q_heads = num_kv_heads * GROUP;

@@ -36,6 +36,22 @@ __device__ __forceinline__ void load_bf16x8(const bf16* src, float out[8]) {
     unpack_bf16x8(*reinterpret_cast<const uint4*>(src), out);
 }
 
+// Eight bf16 values an earlier kernel wrote: a plain (coherent, never .nc) load that asm volatile
+// keeps after wait_for_producer() whatever the pointer's qualifiers.
+__device__ __forceinline__ uint4 load_fresh(const bf16* p) {
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// Two floats rounded to bf16 (nearest even) and packed as one 32-bit word, lo in the low half:
+// the memory order of store_bf16x8, so a packed quad equals what a load of the stored row gives.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+    const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&p);
+}
+
 __device__ __forceinline__ void store_bf16x8(bf16* dst, const float in[8]) {
     bf16x8 v;
 #pragma unroll
@@ -65,4 +81,48 @@ __device__ __forceinline__ float block_sum(float x) {
     __syncthreads();
     x = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.0f;
     return warp_sum(x);
+}
+
+// ---- RMSNorm and SwiGLU arithmetic, shared by the standalone kernels and the fused GEMV --------
+// gemv.cu fuses rms_norm into the qkv / gate_up GEMV's X load and silu_mul into the down GEMV's.
+// The fused kernels produce the same bits as the unfused pair because both sides call these
+// functions: the same operations in the same order, with the roundings written out (__fmaf_rn,
+// __fmul_rn, ...) so that no contraction choice of the compiler can differ between the files.
+
+// rms_norm's sum of squares of one row is a block_sum over NORM_THREADS threads in which thread
+// vt first sums, in this order, the chunks c = 8 vt, 8 vt + 8 NORM_THREADS, ... (8 values each,
+// in order). The fused GEMV replays exactly this tree (gemv.cu's cta_inv_rms).
+constexpr int NORM_THREADS = 256;
+
+// One chunk's step of that sum: sum_sq += v0^2, then v1^2, ... v7^2 (fma, in order).
+__device__ __forceinline__ float norm_add_chunk(float sum_sq, const uint4& raw) {
+    float v[8];
+    unpack_bf16x8(raw, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum_sq = __fmaf_rn(v[i], v[i], sum_sq);
+    return sum_sq;
+}
+
+__device__ __forceinline__ float norm_partial_sum(const bf16* row, int hidden, int vt) {
+    float sum_sq = 0.0f;
+    for (int c = vt * 8; c < hidden; c += NORM_THREADS * 8) sum_sq = norm_add_chunk(sum_sq, load_fresh(row + c));
+    return sum_sq;
+}
+
+__device__ __forceinline__ float norm_inv_rms(float sum_sq, int hidden, float eps) {
+    return rsqrtf(__fadd_rn(__fdiv_rn(sum_sq, (float)hidden), eps));
+}
+
+// One normalised value before its bf16 rounding: (x * inv_rms) * weight.
+__device__ __forceinline__ float norm_apply(float x, float inv_rms, float weight) {
+    return __fmul_rn(__fmul_rn(x, inv_rms), weight);
+}
+
+// silu(gate) * up before its bf16 rounding: gate / (1 + e^-gate) * up. Fast intrinsics: __expf
+// (ex2.approx, 2 ulp + 2^-21 relative near 0) and __fdividef (rcp.approx then a multiply, 2 ulp),
+// far below the 2^-9 of the bf16 rounding that follows; IEEE division's slow-path call would
+// cost the fused GEMV registers it does not have. For gate < -88, e^-gate = inf and gate * 0 =
+// -0, the right limit (__fdividef's 0 for divisors in (2^126, 2^128) is the same limit).
+__device__ __forceinline__ float silu_times(float gate, float up) {
+    return __fmul_rn(__fdividef(gate, __fadd_rn(1.0f, __expf(-gate))), up);
 }

@@ -7,6 +7,7 @@
 #include "common.cuh"
 
 constexpr int THREADS = 256;   // block size (gpu/ops.py launches with it)
+static_assert(THREADS == NORM_THREADS, "norm_partial_sum's order assumes one thread per NORM_THREADS lane");
 
 extern "C" __global__ void __launch_bounds__(THREADS) rms_norm(bf16* __restrict__ out, const bf16* in,
                                     const bf16* __restrict__ weight, const int* __restrict__ rows,
@@ -16,18 +17,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_norm(bf16* __restrict_
     const int r = blockIdx.x;
     if (r >= num_rows) return;
     const bf16* x = in + (size_t)(rows ? rows[r] : r) * hidden;
-    float v[8], w[8], sum_sq = 0.0f;
-    for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {
-        load_bf16x8(x + c, v);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sum_sq += v[i] * v[i];
-    }
-    const float scale = rsqrtf(block_sum(sum_sq) / hidden + eps);
+    // common.cuh's norm_* helpers: the fused GEMV (gemv.cu) recomputes this norm bit for bit
+    const float scale = norm_inv_rms(block_sum(norm_partial_sum(x, hidden, threadIdx.x)), hidden, eps);
+    float v[8], w[8];
     for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {  // second read hits L1/L2
-        load_bf16x8(x + c, v);
+        unpack_bf16x8(load_fresh(x + c), v);
         load_bf16x8(weight + c, w);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = v[i] * scale * w[i];
+        for (int i = 0; i < 8; ++i) v[i] = norm_apply(v[i], scale, w[i]);
         store_bf16x8(out + (size_t)r * hidden + c, v);
     }
 }

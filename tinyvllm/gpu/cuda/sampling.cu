@@ -1,6 +1,11 @@
 // Sampling: one thread block per sequence turns a row of fp32 logits into one token id.
 // The algorithm is defined in tinyvllm/reference/sampling.py (module docstring); this file is its CUDA
-// twin, written op for op so that both pick the same token.
+// twin, written op for op so that both pick the same token. Two optional kernels surround it, each
+// launched only for a step that needs it (so a plain step runs sample_tokens alone, as before):
+//   apply_logit_edits   before: min_tokens, logit_bias and the penalties as sparse in-place edits
+//                       of listed (row, token) logits (engine/batch.py's LogitEdits), one thread each
+//   step_logprobs       after, on a copy of the raw logits: log-softmax of the sampled token, its
+//                       rank, and the top-k ids and log-probs of each row that asked
 //
 // Launch: grid = (num_seqs), block = (SAMPLE_THREADS = 1024), no dynamic shared memory.
 // Passes over the row (vocab = 128256 -> 126 elements per thread):
@@ -19,6 +24,9 @@ constexpr int SAMPLE_THREADS = 1024;
 constexpr int NUM_WARPS = SAMPLE_THREADS / 32;
 constexpr unsigned FULL_MASK = 0xffffffffu;
 constexpr float MASS_SCALE = 1099511627776.0f;   // 2^40
+constexpr int EDIT_THREADS = 256;                  // apply_logit_edits: one thread per entry
+constexpr int EDIT_WORDS = 8;                      // 4-byte words per LogitEdit (engine/batch.py)
+constexpr int MAX_TOP_LOGPROBS = 20;               // step_logprobs' largest k
 
 typedef unsigned long long u64;
 
@@ -50,6 +58,13 @@ __device__ __forceinline__ float weight_exp(float x, float m, float inv_t) {
 }
 
 __device__ __forceinline__ u64 mass_of(float e) { return __float2ull_rn(__fmul_rn(e, MASS_SCALE)); }
+
+// A float's bits remapped so that unsigned integer order is float order (negatives too):
+// reference/sampling.py's ordered_keys. For e >= 0 the plain bits already are.
+__device__ __forceinline__ unsigned ordered_key(float v) {
+    const unsigned u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
 
 // ---- block-wide helpers (all threads of the block must call them) --------------------------
 struct Scratch {
@@ -124,10 +139,12 @@ __device__ __forceinline__ bool block_argmax(const float* x, int vocab, float* b
     return broken || bv == -INFINITY;
 }
 
-// Largest key t (the bits of a non-negative float e, so integer order = float order) such that
-// sum(weight_i for key_i >= t) >= target, where weight_i = mass_of(e_i) or 1 (counting: the
-// target-th largest key). Requires 0 < target <= total weight. Four 8-bit digit passes; each
-// builds a 256-bin histogram of the tokens whose higher digits match the prefix found so far.
+// Largest key t (the bits of a non-negative float e, so integer order = float order; with
+// ORDERED, ordered_key of any float) such that sum(weight_i for key_i >= t) >= target, where
+// weight_i = mass_of(e_i) or 1 (counting: the target-th largest key). Requires 0 < target <=
+// total weight. Four 8-bit digit passes; each builds a 256-bin histogram of the tokens whose
+// higher digits match the prefix found so far.
+template <bool ORDERED>
 __device__ unsigned radix_select(const float* e, int vocab, bool weigh_by_mass, u64 target, Scratch& s) {
     const int lane = threadIdx.x & 31;
     unsigned prefix = 0;
@@ -144,7 +161,7 @@ __device__ unsigned radix_select(const float* e, int vocab, bool weigh_by_mass, 
             u64 w = 0;
             if (i < vocab) {
                 const float v = e[i];
-                const unsigned key = __float_as_uint(v);
+                const unsigned key = ORDERED ? ordered_key(v) : __float_as_uint(v);
                 match = (key & high_mask) == prefix;
                 digit = match ? (key >> shift) & 255u : 256u;
                 w = weigh_by_mass ? mass_of(v) : 1ull;
@@ -193,6 +210,7 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
               const float* __restrict__ temperature,  // [num_seqs]; <= 0: greedy
               const int* __restrict__ top_k,          // [num_seqs]; <= 0 or >= vocab: off
               const float* __restrict__ top_p,        // [num_seqs]; >= 1: off
+              const float* __restrict__ min_p,        // [num_seqs]; <= 0: off; null: all off
               const u64* __restrict__ seed,           // [num_seqs]
               const int* __restrict__ step,           // [num_seqs]; tokens generated so far
               int* __restrict__ out)                  // [num_seqs] sampled token ids
@@ -213,21 +231,25 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
     }
 
     const float inv_t = __frcp_rn(temp);
+    // min_p: e = p_i / p_max exactly, so "p_i < min_p * p_max" is e < min_p; the mass top-p
+    // divides is that of the survivors (min_p comes first, as in vLLM). min_p = 0 keeps all.
+    const float pmin = min_p != nullptr ? fminf(fmaxf(min_p[row], 0.0f), 1.0f) : 0.0f;   // as SamplingBatch clamps
     u64 local = 0;
     for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
         const float e = weight_exp(x[i], m, inv_t);
         x[i] = e;                                         // later passes read e, not logits
-        local += mass_of(e);
+        if (e >= pmin) local += mass_of(e);
     }
     const u64 z = block_sum(local, s);                    // its barrier publishes the writes
 
-    float tau = 0.0f;
+    float tau = pmin;
     const int k = top_k[row];
-    if (k > 0 && k < vocab) tau = __uint_as_float(radix_select(x, vocab, false, (u64)k, s));
+    if (k > 0 && k < vocab) tau = fmaxf(tau, __uint_as_float(radix_select<false>(x, vocab, false, (u64)k, s)));
     const float p = top_p[row];
     if (p < 1.0f) {
+        // target <= z: the threshold found is >= the smallest survivor's e, so >= pmin
         const u64 target = (u64)ceil((double)p * __ull2double_rn(z));
-        tau = fmaxf(tau, __uint_as_float(radix_select(x, vocab, true, target, s)));
+        tau = fmaxf(tau, __uint_as_float(radix_select<false>(x, vocab, true, target, s)));
     }
 
     // Inverse CDF in index order: thread t owns the contiguous chunk [t*chunk, (t+1)*chunk).
@@ -249,5 +271,144 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
             if (e >= tau) acc += mass_of(e);
             if (acc > r) { out[row] = i; break; }
         }
+    }
+}
+
+
+// ---- logit processing: sparse in-place edits ----------------------------------------------
+// One entry per (row, token), unique: no two threads touch one logit. The five operations are
+// LogitEdits' (engine/batch.py), each rounded on its own like numpy's fp32 ops. A NaN or +inf
+// logit is left as it is, so that the sampler still sees the row as broken.
+struct LogitEdit {
+    int row, token, forbid;
+    float bias, rep, freq, pres;
+    int unused;
+};
+static_assert(sizeof(LogitEdit) == EDIT_WORDS * 4, "LogitEdit must match engine/batch.py's packing");
+
+extern "C" __global__ void __launch_bounds__(EDIT_THREADS)
+apply_logit_edits(float* __restrict__ logits,           // [rows, vocab], edited in place
+                  int vocab,
+                  const LogitEdit* __restrict__ edits,  // [num_edits]
+                  int num_edits)
+{
+    wait_for_producer();   // the logits are the LM head's output
+    allow_consumer();
+    const int i = blockIdx.x * EDIT_THREADS + threadIdx.x;
+    if (i >= num_edits) return;
+    const LogitEdit e = edits[i];
+    if (e.token < 0 || e.token >= vocab) return;
+    float* at = logits + (size_t)e.row * vocab + e.token;
+    const float x = *at;
+    if (!(x < INFINITY)) return;
+    float y = e.forbid ? -INFINITY : x;
+    y = __fadd_rn(y, e.bias);
+    y = y > 0.0f ? __fdiv_rn(y, e.rep) : __fmul_rn(y, e.rep);
+    y = __fsub_rn(y, e.freq);
+    y = __fsub_rn(y, e.pres);
+    *at = y;
+}
+
+// ---- raw logprobs ---------------------------------------------------------------------------
+// One block per output row j, reading logits row r = rows[j] (rows null: r = j), sampled[r]:
+//   lse = fp32(m + log(sum exp(x - m))), the sum in double (per-thread partials, then warps)
+//   sampled_logprob[j] = x_s - lse, sampled_rank[j] = #{i : x_i >= x_s} (NaN / 0 when the id
+//   is outside the vocabulary, as a broken row's -1 is)
+//   top k: radix select of the k-th largest ordered key t; keys > t are all in, keys == t fill
+//   the rest lowest index first (a chunked scan), then thread 0 sorts the k (key desc, index asc).
+// reference/sampling.py's step_logprobs is the twin.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+step_logprobs(const float* __restrict__ logits,     // [*, vocab] raw logits
+              int vocab,
+              const int* __restrict__ rows,         // [num_rows] logits row of each output; null: j
+              const int* __restrict__ sampled,      // indexed by logits row
+              int k,                                // 0..MAX_TOP_LOGPROBS, <= vocab
+              float* __restrict__ sampled_logprob,  // [num_rows]
+              int* __restrict__ sampled_rank,       // [num_rows]
+              int* __restrict__ top_ids,            // [num_rows, k]
+              float* __restrict__ top_logprobs)     // [num_rows, k]
+{
+    wait_for_producer();   // the sampled ids are the sampler's output
+    allow_consumer();
+    __shared__ Scratch s;
+    __shared__ double warp_sum[NUM_WARPS];
+    __shared__ unsigned cand_key[MAX_TOP_LOGPROBS];
+    __shared__ int cand_idx[MAX_TOP_LOGPROBS];
+    __shared__ int num_above;
+    const int j = blockIdx.x;
+    const int r = rows != nullptr ? rows[j] : j;
+    const float* x = logits + (size_t)r * vocab;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+    float m;
+    int argmax;
+    block_argmax(x, vocab, &m, &argmax, s);
+    double part = 0.0;
+    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) part += exp((double)x[i] - (double)m);
+    for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(FULL_MASK, part, o);
+    if (lane == 0) warp_sum[warp] = part;
+    __syncthreads();
+    double total = 0.0;
+    for (int w = 0; w < NUM_WARPS; ++w) total += warp_sum[w];
+    const float lse = __double2float_rn((double)m + log(total));
+
+    const int sid = sampled[r];
+    const bool valid = sid >= 0 && sid < vocab;
+    const float xs = valid ? x[sid] : 0.0f;
+    u64 local = 0;
+    if (valid)
+        for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) local += x[i] >= xs;
+    const u64 rank = block_sum(local, s);
+    if (threadIdx.x == 0) {
+        sampled_logprob[j] = valid ? __fsub_rn(xs, lse) : __int_as_float(0x7fc00000);
+        sampled_rank[j] = valid ? (int)rank : 0;
+        num_above = 0;
+    }
+    if (k <= 0) return;
+
+    const unsigned t = radix_select<true>(x, vocab, false, (u64)k, s);   // ends with a barrier
+    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        const unsigned key = ordered_key(x[i]);
+        if (key > t) {                                   // fewer than k of these
+            const int slot = atomicAdd(&num_above, 1);
+            cand_key[slot] = key;
+            cand_idx[slot] = i;
+        }
+    }
+    __syncthreads();
+    const int need = k - num_above;                      // >= 1 ties at t, lowest index first
+    const int chunk = (vocab + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
+    const int begin = min(threadIdx.x * chunk, vocab), end = min(begin + chunk, vocab);
+    u64 ties = 0;
+    for (int i = begin; i < end; ++i) ties += ordered_key(x[i]) == t;
+    u64 all_ties;
+    u64 before = block_exclusive_scan(ties, &all_ties, s);
+    for (int i = begin; i < end && before < (u64)need; ++i) {
+        if (ordered_key(x[i]) == t) {
+            cand_key[num_above + before] = t;
+            cand_idx[num_above + before] = i;
+            ++before;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int a = 1; a < k; ++a) {                    // insertion sort: key desc, index asc
+            const unsigned key = cand_key[a];
+            const int idx = cand_idx[a];
+            int b = a - 1;
+            while (b >= 0 && (cand_key[b] < key || (cand_key[b] == key && cand_idx[b] > idx))) {
+                cand_key[b + 1] = cand_key[b];
+                cand_idx[b + 1] = cand_idx[b];
+                --b;
+            }
+            cand_key[b + 1] = key;
+            cand_idx[b + 1] = idx;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < k) {
+        const int idx = cand_idx[threadIdx.x];
+        top_ids[(size_t)j * k + threadIdx.x] = idx;
+        top_logprobs[(size_t)j * k + threadIdx.x] = __fsub_rn(x[idx], lse);
     }
 }
