@@ -33,6 +33,13 @@ def _content_backends(tokenizer):
     return as_text, re.compile("|".join(map(re.escape, specials))) if specials else None
 
 
+def prepare(tokenizer) -> None:
+    """Make this tokenizer's clone now. Cloning serializes the whole tokenizer (about a second
+    for Llama 3's) while holding the GIL: a server does it at start, not in its first chat
+    request, where it would stall every other thread."""
+    _content_backends(tokenizer)
+
+
 def encode(backend, text: str) -> list[int]:
     """encode_batch of one text: unlike encode(), it releases the GIL while it works."""
     return backend.encode_batch([text], add_special_tokens=False)[0].ids if text else []

@@ -16,6 +16,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from tinyvllm.checkpoint import content_tokens
 from tinyvllm.engine.limits import check_text
 from tinyvllm.engine.llm_engine import TokenizedPrompt
 from tinyvllm.errors import InvalidRequestError
@@ -27,6 +28,7 @@ MAX_WORKERS = 4
 class PromptEncoder:
     def __init__(self, engine, workers: int | None = None):
         self.tokenizer = engine.tokenizer
+        content_tokens.prepare(self.tokenizer)    # its one-time cost here, not in a request
         self.max_prompt_bytes = engine.max_prompt_bytes
         self.vocab_size = engine.model_config.vocab_size
         workers = workers or max(1, min(MAX_WORKERS, (os.cpu_count() or 2) - 1))
