@@ -49,7 +49,7 @@ HUGE_PROMPT_BYTES = [0]  # the longest prompt text the server admits, from the o
 NEAR_TIE = 0.25          # as tests/test_gpu_engine.py: about twice the largest bf16 logit error
 BAD_BODIES = [           # (description, body or raw bytes): each must get a 4xx
     ("temperature -1", {"temperature": -1}), ("top_p 0", {"top_p": 0}), ("max_tokens 0", {"max_tokens": 0}),
-    ("top_k 2**31", {"top_k": 2**31}), ("seed -1", {"seed": -1}), ("n 2", {"n": 2}),
+    ("top_k 2**31", {"top_k": 2**31}), ("seed -1", {"seed": -1}), ("n 0", {"n": 0}),
     ("stop_token_ids -5", {"stop_token_ids": [-5]}), ("unknown model", {"model": "nope"}),
     ("token id past the vocabulary", {"prompt": [10**9]}), ("empty prompt", {"prompt": ""}),
     ("lone surrogate", b'{"model": "soak", "prompt": "\\ud800", "max_tokens": 4}'),

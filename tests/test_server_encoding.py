@@ -120,7 +120,7 @@ def test_engine_takes_a_tokenized_prompt_as_it_is(tiny_model_dir):
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done["ids"].prompt_token_ids == done["text"].prompt_token_ids == ids
-    assert done["ids"].token_ids == done["text"].token_ids
+    assert done["ids"].outputs[0].token_ids == done["text"].outputs[0].token_ids
     assert done["ids"].prompt == "The capital of France is"
     with pytest.raises(InvalidRequestError, match="token ids must be in"):
         engine.add_request("bad", TokenizedPrompt("x", (engine.model_config.vocab_size,)), params)

@@ -52,7 +52,7 @@ def canary_text(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), **ENGINE_OPTIONS)
     try:
         out = llm.generate([CANARY_PROMPT], SamplingParams(temperature=0.0, max_tokens=CANARY_TOKENS,
-                                                             ignore_eos=True))[0]
+                                                             ignore_eos=True))[0].outputs[0]
     finally:
         llm.engine.close()
     assert len(out.token_ids) == CANARY_TOKENS
@@ -151,7 +151,6 @@ SAMPLING_FIELDS = {
     "min_tokens": (st.just(0), [1, 4, -1, 2**31, None, "1"]),
     "logit_bias": (st.just({}), [None, {"5": 1}, {"5": 101}, {"-1": 1}, {str(VOCAB): 1}, {"x": "y"}, [1],
                                  {str(i): 1 for i in range(1100)}]),
-    "top_logprobs": (st.just(0), [None, 1, 20, 21, -1]),
     "user": (SMALL_TEXT, ["", 5, None, *SURROGATES]),
     "skip_special_tokens": (st.just(True), [False, None, "no"]),
     "include_stop_str_in_output": (st.just(False), [True, None, 1]),
@@ -165,6 +164,8 @@ COMPLETION_FIELDS = {
 CHAT_FIELDS = {
     "max_completion_tokens": (st.nothing(), [None, 0, 3, 2**31, -1, "3"]),
     "logprobs": (st.just(False), [None, True, 0, 1, "1"]),
+    # vLLM refuses top_logprobs (even 0) unless logprobs is true: never in a valid body
+    "top_logprobs": (st.nothing(), [None, 0, 1, 20, 21, -1]),
     "tools": (st.just([]), [None, [{"type": "function", "function": {"name": "f"}}], "x"]),
     "tool_choice": (st.nothing(), [None, "none", "auto", 5]),
     "response_format": (st.just({"type": "text"}), [None, {"type": "json_object"}, {"type": 5}, "text", []]),

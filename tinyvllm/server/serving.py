@@ -92,15 +92,25 @@ async def _collect(stream: RequestStream):
             return samples, event
 
 
+def _prompt_text(engine, prompt) -> str:
+    """What echo repeats: the prompt's own text, or its ids decoded (a token-id prompt). Server
+    prompts arrive encoded already (llm_engine.TokenizedPrompt: server/encoding.py)."""
+    if isinstance(prompt, str):
+        return prompt
+    text = getattr(prompt, "text", None)
+    if text is not None:
+        return text
+    ids = getattr(prompt, "token_ids", prompt)
+    return engine.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
 class _Shape:
     """How one request's choices look: their index, the echoed prompt, the logprobs format."""
 
     def __init__(self, engine, ident: R.ResponseIdentity, params, echo_prompts: list | None):
         self.ident, self.n, self.engine = ident, params.n, engine
         self.k = params.logprobs
-        self.echo = None if echo_prompts is None else [
-            p if isinstance(p, str) else engine.tokenizer.decode(p, skip_special_tokens=False)
-            for p in echo_prompts]
+        self.echo = None if echo_prompts is None else [_prompt_text(engine, p) for p in echo_prompts]
 
     def index(self, prompt: int, sample: int) -> int:
         return prompt * self.n + sample
