@@ -149,3 +149,22 @@ def test_stop_takes_one_string_and_leaves_the_prompt_alone(tiny_model_dir, capsy
     code, out, err = generate(capsys, "--model", str(tiny_model_dir), *CPU, "--max-tokens", "2",
                               "--stop", "zzz", "Hello there")
     assert code == 0 and "1 requests" in err
+
+
+def test_sampling_feature_flags_give_the_offline_api_s_text(tiny_model_dir, capsys):
+    """--repetition-penalty / --presence-penalty / --frequency-penalty / --min-p / --min-tokens
+    reach SamplingParams: the printed text is LLM.generate's with the same fields."""
+    from tinyvllm import LLM, SamplingParams
+    flags = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, min_p=0.05, min_tokens=3)
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+    code, out, _ = generate(capsys, "--model", str(tiny_model_dir), *CPU, "--max-tokens", "8",
+                            "--temperature", "0", "--ignore-eos", *args, "Hello world")
+    llm = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64, max_model_len=1024)
+    try:
+        expected = llm.generate("Hello world", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                             **flags), use_tqdm=False)[0].outputs[0].text
+        plain = llm.generate("Hello world", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].text
+    finally:
+        llm.engine.close()
+    assert code == 0 and out.rstrip("\n") == expected and expected != plain

@@ -92,8 +92,11 @@ def _cmd_generate(args) -> int:
     from tinyvllm.engine.llm_engine import LLMEngine
     from tinyvllm.engine.sampling_params import SamplingParams
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
-                            ignore_eos=args.ignore_eos).validate()
+                            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
+                            min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
+                            presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty,
+                            repetition_penalty=args.repetition_penalty).validate()
     prompts = _read_prompts(args)
     options = engine_options_from_args(args)
     if args.scheduling is not None:
@@ -216,6 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--min-p", type=float, default=0.0,
+                     help="drop tokens below min_p x the top probability (0 = off)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], over the output")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], over the output")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="> 0, over prompt + output (1 = off)")
+    gen.add_argument("--min-tokens", type=int, default=0, help="no EOS / stop before this many tokens")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed of every request")
     gen.add_argument("--stop", action="append", default=None, metavar="STR",
                      help="a stop string (not printed); repeat the flag for several")
