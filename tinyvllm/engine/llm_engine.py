@@ -49,7 +49,7 @@ from tinyvllm.engine.limits import (
     longest_token_bytes,
     max_prompt_bytes,
 )
-from tinyvllm.engine.model_runner import ModelRunner, make_runner
+from tinyvllm.engine.model_runner import ModelRunner, logprobs_of_rows, make_runner
 from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.engine.outputs import RequestOutput
 from tinyvllm.engine.sampling_params import SamplingParams
@@ -344,7 +344,7 @@ class LLMEngine:
             return
         sampled_ids = np.asarray(tokens)[rows]
         k = max(batch.seqs[i].params.logprobs for i in rows)
-        sampled, ranks, top_ids, top_lps = self.runner.step_logprobs(rows, sampled_ids, k)
+        sampled, ranks, top_ids, top_lps = logprobs_of_rows(self.runner.last_logprobs, rows, k)
         for j, i in enumerate(rows):
             seq = batch.seqs[i]
             kk = seq.params.logprobs

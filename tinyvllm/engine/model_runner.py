@@ -33,27 +33,6 @@ class ModelRunner(ABC):
     supports_logprobs: bool = False
     supports_prompt_logprobs: bool = False
 
-    def step_logits(self) -> np.ndarray:
-        """float32 [S, vocab]: the logits of the last execute(), as the model produced them
-        (before the sampler), row i for sequence i."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no logits")
-
-    def step_logprobs(self, rows: list[int], sampled_ids: np.ndarray, k: int):
-        """The logprobs of the last execute()'s sampled tokens, for batch rows `rows` ->
-        (sampled_logprob float32 [R], sampled_rank int [R], top_ids int32 [R, k],
-        top_logprobs float32 [R, k]): vLLM V1's raw logprobs (log_softmax of the model's
-        logits), top ids in descending order. This default computes them on the host from
-        step_logits() (output_processor.step_logprobs, the numpy twin) unless the sampler already
-        returned them in `last_logprobs` (both runners' samplers do, for the rows whose
-        SamplingBatch asked: engine/batch.py StepLogprobs)."""
-        last = getattr(self, "last_logprobs", None)
-        if last is not None:
-            return logprobs_of_rows(last, rows, k)
-        from tinyvllm.engine.output_processor import sampled_ranks, step_logprobs
-        logits = self.step_logits()[rows]
-        sampled, top_ids, top_lps = step_logprobs(logits, sampled_ids, k)
-        return sampled, sampled_ranks(logits, sampled_ids), top_ids, top_lps
-
     def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
         """float32 [len(token_ids), vocab]: the logits at every position of a prompt."""
         raise NotImplementedError(f"{type(self).__name__} computes no prompt logits")
@@ -62,9 +41,12 @@ class ModelRunner(ABC):
         """Release the backend's memory. The runner is unusable afterwards."""
 
 
-def logprobs_of_rows(last, rows: list[int], k: int):
-    """ModelRunner.step_logprobs's answer taken from the sampler's StepLogprobs (`last`, whose
-    row j is batch row last.rows[j]) for the batch rows `rows`, top-k columns cut to k."""
+def logprobs_of_rows(last: StepLogprobs | None, rows: list[int], k: int):
+    """The logprobs of batch rows `rows`, out of a runner's last_logprobs (`last`, whose row j is
+    batch row last.rows[j]) -> (sampled_logprob float32 [R], sampled_rank int32 [R], top_ids
+    int32 [R, k], top_logprobs float32 [R, k]), top-k columns cut to k."""
+    if last is None:
+        raise RuntimeError("the last step computed no logprobs")
     where = {int(r): j for j, r in enumerate(last.rows)}
     missing = [r for r in rows if r not in where]
     if missing:

@@ -23,7 +23,6 @@ import pycuda.driver as drv  # a missing PyCUDA fails this import: make_runner s
 
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch, StepLogprobs
-from tinyvllm.engine.model_runner import logprobs_of_rows
 from tinyvllm.gpu.arena import CUBLAS_WORKSPACE_BYTES, Arena, ArenaDims, ArenaLayout
 from tinyvllm.gpu.cublas import Cublas
 from tinyvllm.gpu.device_weights import upload_weights
@@ -78,12 +77,6 @@ class CudaRunner:
     # forward does not keep (it computes the LM head for each sequence's last position only)
     supports_logprobs = True
     supports_prompt_logprobs = False
-
-    def step_logprobs(self, rows: list[int], sampled_ids: np.ndarray, k: int):
-        """The last execute()'s logprobs for batch rows `rows` (engine/model_runner.py's shape)."""
-        if self.last_logprobs is None:
-            raise RuntimeError("the last step computed no logprobs")
-        return logprobs_of_rows(self.last_logprobs, rows, k)
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig):
         self.cfg, self.engine_cfg = config, engine_config

@@ -43,14 +43,10 @@ class NumpyRunner(ModelRunner):
     supports_prompt_logprobs = True
 
     def execute(self, batch: ForwardBatch, sampling: SamplingBatch) -> np.ndarray:
-        # sample_step computes the raw logprobs the batch asks for (last_logprobs) before any
-        # logit processing; _logits stays for step_logits() (tests, prompt logprobs' twin)
-        self._logits = self.model.forward(batch, self.kv_cache)
-        ids, self.last_logprobs = sample_step(self._logits.copy(), sampling)
+        # sample_step keeps the raw logits of the rows that ask for logprobs (last_logprobs)
+        # before it edits the rest in place
+        ids, self.last_logprobs = sample_step(self.model.forward(batch, self.kv_cache), sampling)
         return ids
-
-    def step_logits(self) -> np.ndarray:
-        return self._logits
 
     def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
         """A dense recompute of the prompt without the cache (ReferenceModel.forward_full): the
