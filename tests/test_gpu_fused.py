@@ -108,14 +108,21 @@ def _norm_case(gpu, rng, m, n, k, out_dtype, accumulate, k_warps=None):
     gpu.gemv_rms_norm(fused.ptr, d_x, d_nw, d_w, m, n, k, EPS, **kw)
     gpu.rms_norm(normed, d_x, d_nw, m, k, EPS)
     gpu.gemv(unfused.ptr, normed, d_w, m, n, k, **kw)
+    got = _fused_output_equal_to_pair(fused, unfused, "rms_norm + gemv")
+    operand = ref.rms_norm_operand(x, norm_w, EPS)
+    want = ref.rms_norm_linear(x, norm_w, w32, EPS) + (fused.buf[1:m + 1].astype(np.float32) if accumulate else 0)
+    _check_twin(got, operand, w32, want, out_dtype)
+
+
+def _fused_output_equal_to_pair(fused, unfused, pair: str):
+    """After both launches: the fused kernel wrote only Y[0:m, 0:n], bit for bit what the
+    kernel pair wrote. -> the fused output."""
     _sync()
     got, guards = fused.read()
     base, _ = unfused.read()
     np.testing.assert_array_equal(*guards, err_msg="wrote outside Y[0:m, 0:n]")
-    np.testing.assert_array_equal(_bits(got), _bits(base), err_msg="fused != rms_norm + gemv")
-    operand = ref.rms_norm_operand(x, norm_w, EPS)
-    want = ref.rms_norm_linear(x, norm_w, w32, EPS) + (fused.buf[1:m + 1].astype(np.float32) if accumulate else 0)
-    _check_twin(got, operand, w32, want, out_dtype)
+    np.testing.assert_array_equal(_bits(got), _bits(base), err_msg=f"fused != {pair}")
+    return got
 
 
 def _silu_case(gpu, rng, m, n, k, out_dtype, accumulate, k_warps=None):
@@ -131,11 +138,7 @@ def _silu_case(gpu, rng, m, n, k, out_dtype, accumulate, k_warps=None):
     gpu.gemv_silu_mul(fused.ptr, d_gu, d_w, m, n, k, **kw)
     gpu.silu_mul(act, d_gu, m, k)
     gpu.gemv(unfused.ptr, act, d_w, m, n, k, **kw)
-    _sync()
-    got, guards = fused.read()
-    base, _ = unfused.read()
-    np.testing.assert_array_equal(*guards, err_msg="wrote outside Y[0:m, 0:n]")
-    np.testing.assert_array_equal(_bits(got), _bits(base), err_msg="fused != silu_mul + gemv")
+    got = _fused_output_equal_to_pair(fused, unfused, "silu_mul + gemv")
     operand = ref.silu_mul_operand(gate_up)
     want = ref.silu_mul_linear(gate_up, w32) + (fused.buf[1:m + 1].astype(np.float32) if accumulate else 0)
     _check_twin(got, operand, w32, want, out_dtype)
