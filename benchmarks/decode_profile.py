@@ -7,7 +7,7 @@ CUDA-graph replay at several batch sizes, the GPU time of a replay alone, and pe
 
 "weights TB/s" is weight bytes over the graph's GPU time. Prints two tables; run on a GPU machine (the model is written to /tmp if absent).
 --compare-fuse adds, at the smallest batch, the graph time and the per-op table with the fused
-decode GEMVs (gemv+rms_norm, gemv+silu_mul) and with TINYVLLM_FUSE=0's separate kernels, each op
+decode layer (gemv_norm_rope_kv, gemv_norm_silu_mul: five launches per layer) and with TINYVLLM_FUSE=0's nine, each op
 also per layer (decode graphs recaptured for each setting).
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a model directory instead of --preset's random weights "
                                                   "(e.g. the converted SmolLM2-135M-Instruct)")
     ap.add_argument("--compare-fuse", action="store_true",
-                    help="time the smallest batch with the fused decode GEMVs and without (TINYVLLM_FUSE=0)")
+                    help="time the smallest batch with the fused decode layer and without (TINYVLLM_FUSE=0)")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--prefill", type=int, nargs=2, default=[16, 512], metavar=("PROMPTS", "LEN"))
@@ -159,7 +159,7 @@ def time_prefill(runner, batch, repeats: int = 5) -> float:
 
 def compare_fuse(runner, batch, num_layers: int) -> None:
     """Graph GPU time and per-op GPU time of one decode step with the fused decode GEMVs and with
-    the separate rms_norm / silu_mul kernels (runner.ops.fuse, as TINYVLLM_FUSE sets it)."""
+    the separate rms_norm / rope_write_kv / silu_mul kernels (runner.ops.fuse, as TINYVLLM_FUSE sets it)."""
     def recapture():
         for graph in runner.graphs.values():
             graph.close()

@@ -21,7 +21,7 @@ for step in $steps; do
       [ $rc -eq 0 ] || export TINYVLLM_FUSE=0
       timeout 330 python3 -m pytest -m gpu -q -s -rfE -p no:cacheprovider --deselect tests/test_gpu_gemv.py \
         --deselect tests/test_gpu_fused.py tests > "$OUT/gpu-tests.log" 2>&1
-      log "gpu tests rc=$? (TINYVLLM_GEMV=${TINYVLLM_GEMV:-1} TINYVLLM_FUSE=${TINYVLLM_FUSE:-0 (default: off)}): $(tail -1 "$OUT/gpu-tests.log")"
+      log "gpu tests rc=$? (TINYVLLM_GEMV=${TINYVLLM_GEMV:-1} TINYVLLM_FUSE=${TINYVLLM_FUSE:-1 (default: on)}): $(tail -1 "$OUT/gpu-tests.log")"
       grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -20 | tee -a "$OUT/summary.log"
       grep -hE "per-step|near-tie|mismatches" "$OUT/gpu-tests.log" | tee -a "$OUT/summary.log" ;;
     gemv-bench)

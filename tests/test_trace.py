@@ -69,7 +69,7 @@ class _FakeCudaRunner:
         self.blas.observer, self.blas.handle = None, ctypes.c_void_p()
         self.blas._one, self.blas._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.blas.lib = type("Lib", (), {"cublasGemmEx": staticmethod(lambda *a: 0)})()
-        self.ops = GpuOps(_Launches(), blas=self.blas, num_sms=132, fuse=True)   # the fused GEMVs (opt-in)
+        self.ops = GpuOps(_Launches(), blas=self.blas, num_sms=132, fuse=True)   # the fused decode layer
         self.model = LlamaModel(config, self.weights, self.arena, self.kv_cache, self.ops)
         self.graphs, self.replays = {1: None, 2: None}, []
 
@@ -116,11 +116,14 @@ def test_gpu_trace_names_every_argument(tiny_model_dir):
     assert "-- layer 1 --" in prefill and "final norm + LM head" in prefill
     # decode: GEMV for the layer projections, split attention, the graph note, the sampler
     assert "linear -> gemv:" in decode and "kernel gemv_bf16" in decode
-    # decode at batch 1 folds the norms and the activation into the GEMVs (gpu/ops.py fuse)
-    assert f"rms_norm + linear -> gemv:  Y[1, {q}] = bf16(RMSNorm(x[1, {config.hidden_size}]) * norm_w)" in decode
-    assert "kernel gemv_rms_norm_bf16" in decode and re.search(r"norm_w\s+R\s+layers\[0\]\.input_norm", decode)
-    assert "silu_mul + linear -> gemv:" in decode and "kernel gemv_silu_mul_bf16" in decode
-    assert "silu_mul  grid" not in decode and decode.count("rms_norm  grid") == 1     # only the final norm
+    # decode at batch 1 runs the fused layer (gpu/model.py): norm + qkv + RoPE/KV write, attention,
+    # o (+ chunk sums), norm + gate_up + silu, down (+ chunk sums)
+    assert "gemv_norm_rope_kv_bf16  grid" in decode and re.search(r"norm_w\s+R\s+layers\[0\]\.input_norm", decode)
+    assert re.search(r"k_cache\s+W\s+kv\.k\(0\)", decode) and re.search(r"ss_in\s+R\s+residual_ss", decode)
+    assert "gemv_norm_silu_mul_bf16  grid" in decode and re.search(r"ss_out\s+W\s+residual_ss", decode)
+    assert decode.count("ss_out  W  residual_ss") == 2 * config.num_hidden_layers        # o and down
+    assert "silu_mul  grid" not in decode and "rope_write_kv" not in decode
+    assert decode.count("rms_norm  grid") == 1     # only the final norm
     assert "attention_decode_d64_g2" in decode and "sample_tokens" in decode
     assert "replays the CUDA graph captured for 1 sequences" in decode
     assert "=== trace ends after 2 steps" in text

@@ -155,20 +155,16 @@ class TracingRunner:
         self._layer_header([w[1]])
         plus = "+" if d["accumulate"] else ""
         where = "gemv" if op.startswith("gemv") else "cuBLAS"
-        # the fused GEMVs (gpu/ops.py norm_linear / silu_linear) build X from x as they load it
-        fused = d.get("fused")
-        operand, kernel = {None: (f"X[{m}, {k}]", "gemv_bf16"),
-                           "rms_norm": (f"bf16(RMSNorm(x[{m}, {k}]) * norm_w)", "gemv_rms_norm_bf16"),
-                           "silu_mul": (f"bf16(silu(gate) * up of x[{m}, {2 * k}])", "gemv_silu_mul_bf16")}[fused]
-        extra = [f"      norm_w  R  {self.names.pointer(d['norm_weight'])[0]}"] if fused == "rms_norm" else []
-        self._say(f"[{self.count}] {'linear' if fused is None else fused + ' + linear'} -> {where}:  "
-                  f"Y[{m}, {n}] {plus}= {operand} @ W[{n}, {k}]^T"
+        # the fused decode layer's o / down GEMVs also store the new residual rows' norm chunk sums
+        extra = [f"      ss_out  W  {self.names.pointer(d['ss_out'])[0]}  (RMSNorm chunk sums of Y's rows)"] \
+            if d.get("ss_out") else []
+        self._say(f"[{self.count}] linear -> {where}:  Y[{m}, {n}] {plus}= X[{m}, {k}] @ W[{n}, {k}]^T"
                   f"   ({d['out_dtype']} out{', beta = 1: the residual add' if d['accumulate'] else ''})",
                   f"      y  W  {self.names.pointer(d['y'])[0]}", f"      x  R  {self.names.pointer(d['x'])[0]}",
                   f"      w  R  {w[0]}", *extra)
         if where == "gemv":
             grid, block, shared = self.inner.ops.gemv_launch_shape(n, k)
-            self._say(f"      kernel {kernel}  grid {grid} block {block} shared {shared:,} B")
+            self._say(f"      kernel gemv_bf16  grid {grid} block {block} shared {shared:,} B")
 
     def _on_gemm(self, a: dict) -> None:
         name = lambda key: CUBLAS_NAMES[key].get(a[key], a[key])  # noqa: E731

@@ -3,19 +3,24 @@ calls on arena views. No allocation, no numpy, no hidden state: the runner fills
 input views before forward() and reads the logits (or sampled ids) after it.
 
 Per layer (T new tokens; residual stream `hidden` in bf16):
-    normed   = rms_norm(hidden)                         kernel  } norm_linear: one fused GEMV
-    qkv      = normed @ Wqkv^T                          linear  } (q, k, v fused) at decode
+    normed   = rms_norm(hidden)                         kernel
+    qkv      = normed @ Wqkv^T                          linear (q, k, v fused)
     q, cache = rope(qkv) -> paged K/V write             kernel (RoPE fused with the cache write)
     attn_out = attention(q, paged K/V)                  kernel: prefill tiles or split decode
     hidden  += attn_out @ Wo^T                          linear, beta = 1 fuses the residual add
-    normed   = rms_norm(hidden)                         kernel  } norm_linear
-    gate_up  = normed @ Wgate_up^T                      linear  } (gate, up fused)
-    act      = silu(gate) * up                          kernel  } silu_linear: one fused GEMV
-    hidden  += act @ Wdown^T                            linear  } at decode, beta = 1
+    normed   = rms_norm(hidden)                         kernel
+    gate_up  = normed @ Wgate_up^T                      linear (gate, up fused)
+    act      = silu(gate) * up                          kernel
+    hidden  += act @ Wdown^T                            linear, beta = 1
 then the final norm of each sequence's last token and the LM head (fp32 logits, S rows only).
-norm_linear and silu_linear (gpu/ops.py) fold the norm / activation into the GEMV's X load
-when the projection runs on the GEMV (decode, T <= 8) and TINYVLLM_FUSE=1 (opt-in: slower today, perf-notes): 6 launches
-per layer instead of 9, the same bits either way; `normed` and `act` are then untouched.
+
+At decode (every projection on our GEMV, T <= 8) the same nine steps run as five launches
+(_decode_layer_fused; TINYVLLM_FUSE=0 keeps the nine, with the same bits): the norm moves into
+the qkv / gate_up GEMVs' X load, RoPE + cache write into the qkv GEMV's epilogue, silu_mul
+into the gate_up GEMV's epilogue; the GEMVs that write `hidden` (and the embedding) also store
+its rows' RMSNorm chunk sums (`residual_ss`), so a fused norm adds ceil(H / 16) numbers instead
+of re-reading the row. `normed`, `gate_up` are then untouched. A batch-1 step is launch-bound
+(docs/perf-notes.md): four fewer launches per layer is the point.
 
 "linear" is gpu/ops.py's linear(): our GEMV for decode batches of at most 8 tokens, cuBLAS
 else. Every kernel is launched through its typed launcher in gpu/ops.py (the same ones the GPU
@@ -58,6 +63,7 @@ class LlamaModel:
         v = arena.view
         self.hidden, self.normed, self.qkv, self.attn_out = v("hidden"), v("normed"), v("qkv"), v("attn_out")
         self.gate_up, self.act, self.final_normed, self.logits = v("gate_up"), v("act"), v("final_normed"), v("logits")
+        self.residual_ss = v("residual_ss")
         self.partial_out, self.partial_ml = v("decode_partial_out"), v("decode_partial_ml")
         self.split_counters = v("decode_split_counters")
         self.token_ids, self.positions, self.slot_mapping = v("token_ids"), v("positions"), v("slot_mapping")
@@ -70,20 +76,39 @@ class LlamaModel:
         the arena's `logits` view, fp32 [num_seqs, vocab]."""
         c, w, ops = self.cfg, self.w, self.ops
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
-        ops.embedding(self.hidden, w.embed, self.token_ids, T, H, c.vocab_size)
+        fused = not step.is_prefill and ops.fuses_decode(T, H, self.qkv_width, I, c.head_dim)
+        ops.embedding(self.hidden, w.embed, self.token_ids, T, H, c.vocab_size,
+                      ss_out=self.residual_ss if fused else 0)
         for layer, lw in enumerate(w.layers):
-            ops.norm_linear(self.qkv, self.hidden, lw.input_norm, lw.qkv, T, self.qkv_width, H, eps,
-                            normed=self.normed)
+            if fused:
+                self._decode_layer_fused(step, layer, lw)
+                continue
+            ops.rms_norm(self.normed, self.hidden, lw.input_norm, T, H, eps)
+            ops.linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H)
             ops.rope_write_kv(self.qkv, self.kv.k(layer), self.kv.v(layer), self.positions, self.slot_mapping,
                               w.rope_inv_freq, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
             self._attention(step, layer)
             ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True)
-            ops.norm_linear(self.gate_up, self.hidden, lw.post_norm, lw.gate_up, T, 2 * I, H, eps,
-                            normed=self.normed)
-            ops.silu_linear(self.hidden, self.gate_up, lw.down, T, H, I, act=self.act, accumulate=True)
+            ops.rms_norm(self.normed, self.hidden, lw.post_norm, T, H, eps)
+            ops.linear(self.gate_up, self.normed, lw.gate_up, T, 2 * I, H)
+            ops.silu_mul(self.act, self.gate_up, T, I)
+            ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True)
         S = step.num_seqs
         ops.rms_norm(self.final_normed, self.hidden, w.final_norm, S, H, eps, rows=self.last_token_idx)
         ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32")
+
+    def _decode_layer_fused(self, step: StepShape, layer: int, lw) -> None:
+        """One layer in five launches; the comments name the unfused steps each one replaces."""
+        c, w, ops = self.cfg, self.w, self.ops
+        T, H, I, eps, ss = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps, self.residual_ss
+        ops.gemv_norm_rope_kv(self.qkv, self.hidden, lw.input_norm, ss, lw.qkv, T, self.qkv_width, H, eps,  # norm, qkv, rope
+                              self.kv.k(layer), self.kv.v(layer), self.positions, self.slot_mapping, w.rope_inv_freq,
+                              num_q_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                              head_dim=c.head_dim)
+        self._attention(step, layer)
+        ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True, ss_out=ss)
+        ops.gemv_norm_silu_mul(self.act, self.hidden, lw.post_norm, ss, lw.gate_up, T, 2 * I, H, eps)  # norm, gate_up, silu
+        ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True, ss_out=ss)
 
     def _attention(self, step: StepShape, layer: int) -> None:
         c = self.cfg

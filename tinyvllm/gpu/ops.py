@@ -3,8 +3,8 @@
 Each launcher owns its kernel's launch geometry, computed from the constants its .cu file
 defines (read by gpu/kernels.py, never copied), and passes the arguments in the kernel's own
 order; the argument types come from the kernel's C signature. Every launch goes through
-`GpuOps._launch` and every projection through `linear()` (or a fused norm_linear()/silu_linear(),
-whose details carry "fused"): an `observer` set on GpuOps sees each op once, in order, with a
+`GpuOps._launch` and every projection through `linear()` (the fused decode GEMVs are launches of
+their own kernels): an `observer` set on GpuOps sees each op once, in order, with a
 callable that repeats it (benchmarks/decode_profile.py times ops so; trace.py prints them).
 
     kernel (gpu/cuda/)                 launcher              numpy twin (tinyvllm/reference/)    GPU test (tests/)
@@ -15,17 +15,19 @@ callable that repeats it (benchmarks/decode_profile.py times ops so; trace.py pr
     attention_decode  attention_decode_d{64,128}_g{G}  attention_decode()  kernels.paged_attention  test_gpu_kernels::test_attention_decode
     activation.cu     silu_mul         silu_mul()            kernels.silu_mul                   test_gpu_kernels::test_silu_mul
     gemv.cu           gemv_bf16        gemv() (via linear()) X @ W^T in numpy                   test_gpu_gemv
-    gemv.cu           gemv_rms_norm_bf16  gemv_rms_norm() (via norm_linear())  kernels.rms_norm_linear  test_gpu_fused::test_gemv_rms_norm
-    gemv.cu           gemv_silu_mul_bf16  gemv_silu_mul() (via silu_linear())  kernels.silu_mul_linear  test_gpu_fused::test_gemv_silu_mul
+    gemv.cu           gemv_norm_rope_kv_bf16  gemv_norm_rope_kv()  rms_norm, linear, apply_rope + write_kv  test_gpu_fused::test_norm_rope_kv
+    gemv.cu           gemv_norm_silu_mul_bf16 gemv_norm_silu_mul() rms_norm, linear, silu_mul  test_gpu_fused::test_norm_silu_mul
     sampling.cu       sample_tokens    sample()              sampling.sample                    test_gpu_sampling
     sampling.cu       apply_logit_edits apply_logit_edits()  sampling.apply_edits               test_gpu_logit_processing
     sampling.cu       step_logprobs    step_logprobs()       sampling.step_logprobs             test_gpu_logit_processing
     (cuBLAS)          cublasGemmEx     linear()              X @ W^T in numpy                   test_gpu_kernels::test_linear
 
-The two fused GEMVs take the small kernel before them into their X load at decode: norm_linear()
-= rms_norm() + linear() and silu_linear() = silu_mul() + linear(), one launch instead of two when
-the projection runs on the GEMV and `fuse` is on (TINYVLLM_FUSE=1; off by default, slower today), the same bits
-either way (common.cuh shares the arithmetic; test_gpu_fused and test_gpu_model check it).
+The fused decode layer (`fuse`, on by default; TINYVLLM_FUSE=0 turns it off): when every
+projection of a step runs on the GEMV (decode, m <= 8), a layer is five launches instead of nine —
+gemv_norm_rope_kv (rms_norm + qkv + rope_write_kv), attention, gemv o (+ residual, + the chunk
+sums of the new residual row), gemv_norm_silu_mul (rms_norm + gate_up + silu_mul), gemv down
+(+ residual, + chunk sums); embedding() stores the first chunk sums. Same bits as the nine
+(common.cuh shares the arithmetic; test_gpu_fused and test_gpu_model check it).
 
 `linear()` is THE projection: Y[m, n] (+)= X[m, k] @ W[n, k]^T, on our GEMV for decode batches of
 at most GEMV_MAX_ROWS rows (cuBLAS reads small matrices at 1.7-2.5 TB/s at M <= 8; the GEMV
@@ -78,11 +80,9 @@ class GpuOps:
         self.use_gemv = os.environ.get("TINYVLLM_GEMV", "1") != "0" if use_gemv is None else use_gemv
         # programmatic dependent launch of our kernels (gpu/kernels.py); TINYVLLM_PDL=0 turns it off
         self.pdl = os.environ.get("TINYVLLM_PDL", "1") != "0" if pdl is None else pdl
-        # RMSNorm and SiLU*mul fused into the GEMV's X load (norm_linear, silu_linear): the same
-        # bits as the separate kernels, fewer launches. Off unless TINYVLLM_FUSE=1: on the H200
-        # the fused GEMVs measured slower than the kernel pairs (batch-1 graph 1.253 vs 1.042 ms
-        # on Llama-1B shapes, docs/perf-notes.md), so they stay opt-in until they win
-        self.fuse = os.environ.get("TINYVLLM_FUSE", "0") == "1" if fuse is None else fuse
+        # the fused decode layer (module docstring; model.py); TINYVLLM_FUSE=0 runs the nine
+        # separate launches per layer instead (the same bits)
+        self.fuse = os.environ.get("TINYVLLM_FUSE", "1") != "0" if fuse is None else fuse
         self.stream_handle = stream.handle if stream is not None else 0
         self._gemv_shapes: dict[tuple[int, int, int], tuple] = {}
         # observer(op, repeat, details): called before each op with a zero-argument callable
@@ -101,13 +101,17 @@ class GpuOps:
         launch()
 
     # -- one launcher per kernel, in the order the model calls them ------------------------------
-    def embedding(self, out, table, token_ids, num_tokens: int, hidden: int, vocab_size: int) -> None:
-        """out[t] = table[token_ids[t]] (bf16 rows; an id outside the vocab gives a zero row)."""
+    def embedding(self, out, table, token_ids, num_tokens: int, hidden: int, vocab_size: int,
+                  ss_out=0) -> None:
+        """out[t] = table[token_ids[t]] (bf16 rows; an id outside the vocab gives a zero row).
+        ss_out: 0, or fp32 [num_tokens, ceil(hidden / 16)] for each row's RMSNorm chunk sums."""
         self._launch("embedding_gather", num_tokens, EMBEDDING["THREADS"], out, table, token_ids,
-                     num_tokens, hidden, vocab_size)
+                     num_tokens, hidden, vocab_size, ss_out)
 
     def rms_norm(self, out, x, weight, num_rows: int, hidden: int, eps: float, rows=0) -> None:
         """out[r] = RMSNorm(x[rows[r] if rows else r]) * weight; one block per output row."""
+        if hidden > RMS_NORM["MAX_HIDDEN"]:
+            raise ValueError(f"rms_norm: hidden {hidden} is above the kernel's MAX_HIDDEN {RMS_NORM['MAX_HIDDEN']}")
         self._launch("rms_norm", num_rows, RMS_NORM["THREADS"], out, x, weight, rows, num_rows, hidden, eps)
 
     def rope_write_kv(self, qkv, k_cache, v_cache, positions, slot_mapping, inv_freq, num_tokens: int,
@@ -192,49 +196,30 @@ class GpuOps:
         return self.use_gemv and n <= GEMV_MAX_N and self.gemv_supports(m, n, k)
 
     def linear(self, y, x, w, m: int, n: int, k: int, *, accumulate: bool = False,
-               out_dtype: str = "bfloat16") -> None:
+               out_dtype: str = "bfloat16", ss_out=0) -> None:
         """Y[m, n] (+)= X[m, k] @ W[n, k]^T, row-major, W as HF stores it [out, in]; accumulate
-        adds to Y (beta = 1: the fused residual add). The GEMV for small decode batches, else cuBLAS."""
+        adds to Y (beta = 1: the fused residual add). The GEMV for small decode batches, else cuBLAS.
+        ss_out (GEMV only: the fused decode layer): Y's rows' RMSNorm chunk sums, as gemv()."""
         on_gemv = self.on_gemv(m, n, k)
+        if ss_out and not on_gemv:
+            raise ValueError(f"linear: ss_out needs the GEMV, and {m}x{n}x{k} runs on cuBLAS")
         if on_gemv:
-            run = lambda: self.gemv(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
+            run = lambda: self.gemv(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype,  # noqa: E731
+                                    ss_out=ss_out)
         else:
             run = lambda: self.blas.matmul(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
         if self.observer is not None:
             self.observer(f"{'gemv' if on_gemv else 'cublas'} {n}x{k}", self._quietly(run),
                           {"m": m, "n": n, "k": k, "accumulate": accumulate, "out_dtype": out_dtype,
-                           "y": y, "x": x, "w": w})
+                           "y": y, "x": x, "w": w, "ss_out": ss_out})
         self._quietly(run)()
 
-    def norm_linear(self, y, x, norm_weight, w, m: int, n: int, k: int, eps: float, *, normed) -> None:
-        """Y[m, n] = (RMSNorm(x) * norm_weight) @ W^T, x [m, k] the residual stream: one fused
-        GEMV (gemv_rms_norm) when fusing is on and linear() would take the GEMV, else rms_norm()
-        into `normed` [m, k] and linear(). Both give the same bits."""
-        if not (self.fuse and self.on_gemv(m, n, k)):
-            self.rms_norm(normed, x, norm_weight, m, k, eps)
-            self.linear(y, normed, w, m, n, k)
-            return
-        run = lambda: self.gemv_rms_norm(y, x, norm_weight, w, m, n, k, eps)  # noqa: E731
-        if self.observer is not None:
-            self.observer(f"gemv+rms_norm {n}x{k}", self._quietly(run),
-                          {"m": m, "n": n, "k": k, "accumulate": False, "out_dtype": "bfloat16", "y": y, "x": x,
-                           "w": w, "fused": "rms_norm", "norm_weight": norm_weight})
-        self._quietly(run)()
-
-    def silu_linear(self, y, gate_up, w, m: int, n: int, inter: int, *, act, accumulate: bool = False) -> None:
-        """Y[m, n] (+)= (silu(gate) * up) @ W^T over the fused gate_up rows [m, 2 * inter]: one
-        fused GEMV (gemv_silu_mul) when fusing is on and linear() would take the GEMV, else
-        silu_mul() into `act` [m, inter] and linear(). Both give the same bits."""
-        if not (self.fuse and self.on_gemv(m, n, inter)):
-            self.silu_mul(act, gate_up, m, inter)
-            self.linear(y, act, w, m, n, inter, accumulate=accumulate)
-            return
-        run = lambda: self.gemv_silu_mul(y, gate_up, w, m, n, inter, accumulate=accumulate)  # noqa: E731
-        if self.observer is not None:
-            self.observer(f"gemv+silu_mul {n}x{inter}", self._quietly(run),
-                          {"m": m, "n": n, "k": inter, "accumulate": accumulate, "out_dtype": "bfloat16", "y": y,
-                           "x": gate_up, "w": w, "fused": "silu_mul"})
-        self._quietly(run)()
+    def fuses_decode(self, m: int, hidden: int, qkv_width: int, inter: int, head_dim: int) -> bool:
+        """Whether a step of m tokens runs the fused decode layer: fusing is on and every
+        projection of the layer runs on the GEMV (the fused kernels are GEMVs)."""
+        return (self.fuse and head_dim % GEMV["ROWS_PER_CTA"] == 0 and inter % 8 == 0
+                and all(self.on_gemv(m, n, k) for n, k in
+                        ((qkv_width, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter))))
 
     def _quietly(self, run):
         """`run` with the observer told nothing of the kernels inside it (linear is one op)."""
@@ -288,28 +273,42 @@ class GpuOps:
         return (*self.gemv_launch_shape(n, k, k_warps), x_ptr, w_ptr)
 
     def gemv(self, y, x, w, m: int, n: int, k: int, *, accumulate: bool = False,
-             out_dtype: str = "bfloat16", k_warps: int | None = None) -> None:
+             out_dtype: str = "bfloat16", k_warps: int | None = None, ss_out=0) -> None:
         """linear()'s small-batch path: the same arguments and meaning as Cublas.matmul, for
         1 <= m <= 8 and k % 8 == 0 with x and w 16-byte aligned. Streams W once with 16-byte
-        loads, maths on the tensor cores (gemv.cu's header has the layout)."""
+        loads, maths on the tensor cores (gemv.cu's header has the layout). ss_out: 0, or fp32
+        [m, ceil(n / 16)] for the stored Y rows' RMSNorm chunk sums (bf16 out only)."""
         grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps)
+        if ss_out and out_dtype != "bfloat16":
+            raise ValueError("gemv: ss_out (the RMSNorm chunk sums of Y) needs bf16 out")
         self._launch("gemv_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, OUT_DTYPES[out_dtype],
-                     int(accumulate), shared_bytes=shared)
+                     int(accumulate), ss_out, shared_bytes=shared)
 
-    def gemv_rms_norm(self, y, x, norm_weight, w, m: int, n: int, k: int, eps: float, *,
-                      accumulate: bool = False, out_dtype: str = "bfloat16", k_warps: int | None = None) -> None:
-        """gemv() of bf16(RMSNorm(x) * norm_weight), x [m, k], norm_weight [k]: the bits of
-        rms_norm() then gemv(), in one launch (each CTA recomputes the rows' norms; gemv.cu)."""
-        grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv_rms_norm", x, w, m, n, k, out_dtype,
+    def gemv_norm_rope_kv(self, qkv, x, norm_weight, ss_in, w, m: int, n: int, k: int, eps: float,
+                          k_cache, v_cache, positions, slot_mapping, inv_freq, *, num_q_heads: int,
+                          num_kv_heads: int, head_dim: int, k_warps: int | None = None) -> None:
+        """The decode qkv projection with its neighbours inside: qkv = bf16(RMSNorm(x) *
+        norm_weight) @ W^T, then RoPE on q (in place) and k, and k, v into the paged cache at
+        slot_mapping: the bits of rms_norm(), gemv() and rope_write_kv(). x: the residual stream
+        [m, k]; ss_in: its chunk sums [m, ceil(k / 16)] (embedding() / gemv(ss_out=))."""
+        if n != (num_q_heads + 2 * num_kv_heads) * head_dim or head_dim % GEMV["ROWS_PER_CTA"]:
+            raise ValueError(f"gemv_norm_rope_kv: n = {n} must be (q heads + 2 kv heads) * head_dim with "
+                             f"head_dim % {GEMV['ROWS_PER_CTA']} == 0 (heads {num_q_heads}/{num_kv_heads}, "
+                             f"head_dim {head_dim})")
+        grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv_norm_rope_kv", x, w, m, n, k, "bfloat16",
                                                             k_warps, norm_weight)
-        self._launch("gemv_rms_norm_bf16", grid, block, int(y), x_ptr, int(norm_weight), w_ptr, m, n, k,
-                     float(eps), OUT_DTYPES[out_dtype], int(accumulate), shared_bytes=shared)
+        self._launch("gemv_norm_rope_kv_bf16", grid, block, int(qkv), x_ptr, int(norm_weight), ss_in, w_ptr,
+                     m, n, k, float(eps), k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads,
+                     num_kv_heads, head_dim, shared_bytes=shared)
 
-    def gemv_silu_mul(self, y, gate_up, w, m: int, n: int, k: int, *, accumulate: bool = False,
-                      out_dtype: str = "bfloat16", k_warps: int | None = None) -> None:
-        """gemv() of bf16(silu(gate) * up) over gate_up [m, 2k] (gate in columns [0, k), up in
-        [k, 2k)): the bits of silu_mul() then gemv(), in one launch."""
-        grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv_silu_mul", gate_up, w, m, n, k, out_dtype,
-                                                            k_warps)
-        self._launch("gemv_silu_mul_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, OUT_DTYPES[out_dtype],
-                     int(accumulate), shared_bytes=shared)
+    def gemv_norm_silu_mul(self, act, x, norm_weight, ss_in, w, m: int, n: int, k: int, eps: float, *,
+                           k_warps: int | None = None) -> None:
+        """The decode gate_up projection with its neighbours inside: act [m, n/2] = silu(gate) *
+        up of bf16(RMSNorm(x) * norm_weight) @ W^T, W = gate_up [n, k] (gate rows first): the
+        bits of rms_norm(), gemv() and silu_mul(). ss_in as gemv_norm_rope_kv()."""
+        if n % 16:
+            raise ValueError(f"gemv_norm_silu_mul: n = 2 * intermediate = {n} must be a multiple of 16")
+        grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv_norm_silu_mul", x, w, m, n, k, "bfloat16",
+                                                            k_warps, norm_weight)
+        self._launch("gemv_norm_silu_mul_bf16", grid, block, int(act), x_ptr, int(norm_weight), ss_in, w_ptr,
+                     m, n, k, float(eps), shared_bytes=shared)

@@ -65,28 +65,28 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return gate * sigmoid * as_f32(up)
 
 
-# ---- the fused GEMVs (gpu/cuda/gemv.cu): the operand each one builds, then linear() ----------
-# On the GPU each fused kernel gives exactly the bits of its unfused kernel pair (common.cuh
-# shares the arithmetic). These twins write the kernels' own formulas (inverse RMS as a factor,
-# silu as gate / (1 + e^-gate)), which differ from rms_norm / silu_mul above only in fp32
-# rounding, and round the operand to bf16 as the kernels feed it to the tensor cores.
+# ---- the kernels' own formulas for the norm and silu operands (gpu/cuda/common.cuh) -----------
+# On the GPU the fused decode GEMVs (gemv.cu) give exactly the bits of the unfused kernel chain
+# (common.cuh shares the arithmetic). These twins write the kernels' formulas (inverse RMS as a
+# factor, silu as gate / (1 + e^-gate)), which differ from rms_norm / silu_mul above only in
+# fp32 rounding, and round the operand to bf16 as the kernels feed it to the tensor cores.
 
 def rms_norm_operand(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """bf16((x * inv_rms) * weight), inv_rms = 1 / sqrt(mean(x^2) + eps) per row: gemv_rms_norm's
-    X operand (= what rms_norm stores)."""
+    """bf16((x * inv_rms) * weight), inv_rms = 1 / sqrt(mean(x^2) + eps) per row: the fused
+    norm GEMVs' X operand (= what rms_norm stores)."""
     x = as_f32(x)
     inv_rms = np.float32(1) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
     return bf16_round((x * inv_rms) * as_f32(weight))
 
 
 def rms_norm_linear(x: np.ndarray, norm_weight: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """gemv_rms_norm_bf16: Y = bf16(RMSNorm(x) * norm_weight) @ W^T, x the residual stream [m, k]."""
+    """Y = bf16(RMSNorm(x) * norm_weight) @ W^T, x the residual stream [m, k] (the fused norm GEMVs' product)."""
     return linear(rms_norm_operand(x, norm_weight, eps), w)
 
 
 def silu_mul_operand(gate_up: np.ndarray) -> np.ndarray:
-    """bf16(gate / (1 + e^-gate) * up) over [..., 2 * inter] rows (gate first): gemv_silu_mul's X
-    operand (= what silu_mul stores). e^-gate overflows to inf for gate < -88: gate / inf = -0."""
+    """bf16(gate / (1 + e^-gate) * up) over [..., 2 * inter] rows (gate first): what silu_mul
+    and gemv_norm_silu_mul_bf16's epilogue store. e^-gate overflows to inf for gate < -88: gate / inf = -0."""
     gate_up = as_f32(gate_up)
     inter = gate_up.shape[-1] // 2
     gate, up = gate_up[..., :inter], gate_up[..., inter:]
@@ -95,7 +95,7 @@ def silu_mul_operand(gate_up: np.ndarray) -> np.ndarray:
 
 
 def silu_mul_linear(gate_up: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """gemv_silu_mul_bf16: Y = bf16(silu(gate) * up) @ W^T over the fused gate_up rows."""
+    """Y = bf16(silu(gate) * up) @ W^T over the fused gate_up rows (silu_mul, then linear)."""
     return linear(silu_mul_operand(gate_up), w)
 
 

@@ -71,42 +71,52 @@ __device__ __forceinline__ float warp_max(float x) {
     return x;
 }
 
-// Sum over the whole block; every thread gets the result. blockDim.x must be a multiple of 32.
-__device__ __forceinline__ float block_sum(float x) {
-    __shared__ float partial[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    x = warp_sum(x);
-    __syncthreads();  // partial[] may still be read by a previous call
-    if (lane == 0) partial[warp] = x;
-    __syncthreads();
-    x = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.0f;
-    return warp_sum(x);
-}
+// ---- RMSNorm, RoPE and SwiGLU arithmetic, shared by the standalone kernels and the fused GEMVs ---
+// At decode gemv.cu folds rms_norm into the qkv / gate_up GEMVs' X load, RoPE with the KV-cache
+// write into the qkv GEMV's epilogue and silu_mul into the gate_up GEMV's epilogue. A fused
+// kernel gives the bits of the kernels it replaces because both sides call these functions: the
+// same operations in the same order, the roundings written out (__fmul_rn, __fadd_rn, ...) so
+// that no contraction choice of the compiler can differ between files.
+//
+// RMSNorm's sum of squares is taken in chunks of SS_CHUNK = 16 columns, in one fixed tree, and
+// the chunk sums are then added in one fixed order. The chunks are what makes the fusion cheap:
+// the GEMV that writes the residual stream (o, down; embedding_gather at the start of a step)
+// owns whole chunks of it (16 outputs per CTA), so its epilogue stores each row's chunk sums
+// next to the row ("residual_ss" in the arena, [rows, ceil(hidden / 16)] fp32) and the next
+// GEMV's norm only adds ceil(hidden / 16) numbers instead of re-reading the row in every CTA
+// (that earlier design measured slower than the separate kernel; docs/perf-notes.md).
+constexpr int SS_CHUNK = 16;
 
-// ---- RMSNorm and SwiGLU arithmetic, shared by the standalone kernels and the fused GEMV --------
-// gemv.cu fuses rms_norm into the qkv / gate_up GEMV's X load and silu_mul into the down GEMV's.
-// The fused kernels produce the same bits as the unfused pair because both sides call these
-// functions: the same operations in the same order, with the roundings written out (__fmaf_rn,
-// __fmul_rn, ...) so that no contraction choice of the compiler can differ between the files.
-
-// rms_norm's sum of squares of one row is a block_sum over NORM_THREADS threads in which thread
-// vt first sums, in this order, the chunks c = 8 vt, 8 vt + 8 NORM_THREADS, ... (8 values each,
-// in order). The fused GEMV replays exactly this tree (gemv.cu's cta_inv_rms).
-constexpr int NORM_THREADS = 256;
-
-// One chunk's step of that sum: sum_sq += v0^2, then v1^2, ... v7^2 (fma, in order).
-__device__ __forceinline__ float norm_add_chunk(float sum_sq, const uint4& raw) {
-    float v[8];
-    unpack_bf16x8(raw, v);
+// The chunk tree over v[0..15] (missing columns are 0): pairs (j, j+8), then (j, j+4), (j, j+2),
+// (0, 1) — the xor-8/4/2/1 butterfly of half_warp_sum_sq below, in one thread.
+__device__ __forceinline__ float chunk_sum_sq(const float v[SS_CHUNK]) {
+    float s[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) sum_sq = __fmaf_rn(v[i], v[i], sum_sq);
-    return sum_sq;
+    for (int j = 0; j < 8; ++j) s[j] = __fadd_rn(__fmul_rn(v[j], v[j]), __fmul_rn(v[j + 8], v[j + 8]));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s[j] = __fadd_rn(s[j], s[j + 4]);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) s[j] = __fadd_rn(s[j], s[j + 2]);
+    return __fadd_rn(s[0], s[1]);
 }
 
-__device__ __forceinline__ float norm_partial_sum(const bf16* row, int hidden, int vt) {
-    float sum_sq = 0.0f;
-    for (int c = vt * 8; c < hidden; c += NORM_THREADS * 8) sum_sq = norm_add_chunk(sum_sq, load_fresh(row + c));
-    return sum_sq;
+// The same tree when lane l of a half warp holds column l % 16 of the chunk: each butterfly step
+// adds the same two partial sums as chunk_sum_sq (in the other order in half the lanes; fp32
+// addition commutes exactly), so every lane ends with chunk_sum_sq's bits. All 32 lanes call it.
+__device__ __forceinline__ float half_warp_sum_sq(float v) {
+    float s = __fmul_rn(v, v);
+#pragma unroll
+    for (int offset = 8; offset > 0; offset >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, offset));
+    return s;
+}
+
+// A row's sum of squares from its chunk sums p[0..chunks): lane l adds p[l], p[l + 32], ... in
+// order, then the lanes' sums meet in warp_sum's butterfly. Every lane gets the total. All 32
+// lanes call it; p may be global (written by the previous kernel: a plain load) or shared.
+__device__ __forceinline__ float sum_of_chunk_sums(const float* p, int chunks, int lane) {
+    float s = 0.0f;
+    for (int c = lane; c < chunks; c += 32) s = __fadd_rn(s, p[c]);
+    return warp_sum(s);
 }
 
 __device__ __forceinline__ float norm_inv_rms(float sum_sq, int hidden, float eps) {
@@ -116,6 +126,19 @@ __device__ __forceinline__ float norm_inv_rms(float sum_sq, int hidden, float ep
 // One normalised value before its bf16 rounding: (x * inv_rms) * weight.
 __device__ __forceinline__ float norm_apply(float x, float inv_rms, float weight) {
     return __fmul_rn(__fmul_rn(x, inv_rms), weight);
+}
+
+// The value a bf16 store then load gives: the GEMV's output as the next kernel would read it.
+__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// RoPE of one (x1, x2) = (x[i], x[i + head_dim / 2]) pair at position pos, before the bf16
+// rounding: the angle pos * inv_freq[i] in fp32 with the full-range sincosf (positions reach
+// 131072), then the rotation with its products and sums rounded one by one.
+__device__ __forceinline__ void rope_rotate(float x1, float x2, float pos, float inv_freq, float& y1, float& y2) {
+    float sin_a, cos_a;
+    sincosf(__fmul_rn(pos, inv_freq), &sin_a, &cos_a);
+    y1 = __fsub_rn(__fmul_rn(x1, cos_a), __fmul_rn(x2, sin_a));
+    y2 = __fadd_rn(__fmul_rn(x2, cos_a), __fmul_rn(x1, sin_a));
 }
 
 // silu(gate) * up before its bf16 rounding: gate / (1 + e^-gate) * up. Fast intrinsics: __expf

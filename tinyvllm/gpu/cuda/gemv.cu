@@ -44,10 +44,20 @@
 // it touches X or Y. That is a no-op for an ordinary launch; under programmatic dependent launch
 // the weight stream starts while the previous kernel (which produces X) is still finishing.
 // It calls allow_consumer() first thing, so the next kernel can be resident before this one ends.
-// Three entry points share this body and differ only in how X is loaded (XLoad below):
-// gemv_bf16 (X as stored), gemv_rms_norm_bf16 (X = RMSNorm of the residual stream, computed per
-// CTA; its wait comes before the loop, after L2 prefetches of the first W batch) and
-// gemv_silu_mul_bf16 (X = silu(gate) * up from the gate_up rows). ptxas: 64 registers, no spills.
+// Three entry points share this body; they differ in how X is loaded and how Y is stored:
+//   gemv_bf16            X as stored; Y stored (or added: the residual add), optionally with the
+//                        stored rows' RMSNorm chunk sums (ss_out, common.cuh) for the next norm.
+//   gemv_norm_rope_kv    X = RMSNorm of the residual stream (from its chunk sums, ss_in); the
+//                        epilogue applies RoPE to q and k and writes k and v to the paged cache:
+//                        the qkv projection of a decode step, rms_norm and rope_write_kv inside.
+//   gemv_norm_silu_mul   X = RMSNorm as above; the epilogue stores silu(gate) * up: the gate_up
+//                        projection, rms_norm and silu_mul inside.
+// An epilogue that combines two outputs needs both in one CTA, so the fused modes pick the
+// CTA's 16 W rows as two runs of 8 that belong together (cta_tile below): gate rows j..j+7 with
+// up rows I+j..I+j+7, or head-dim rows i..i+7 of one head with their RoPE partners i+D/2..;
+// partners then sit 8 lanes apart in the epilogue (one shuffle). Each output's dot product is
+// the same code in every mode, so a fused kernel gives the bits of its kernel chain
+// (tests/test_gpu_fused.py checks that). ptxas: 64 registers, no spills.
 // -DGEMV_L2_PREFETCH=1 adds the .L2::256B prefetch hint to the W loads (benchmarks/gemv_bench.py
 // compares both; the default build has no hint).
 #include "common.cuh"
@@ -102,72 +112,53 @@ __device__ __forceinline__ void mma_pair(float acc[4], const uint4& p, const uin
     mma_bf16(acc, p.z, q.z, p.w, q.w, v.z, v.w);
 }
 
-// How a kernel gets its X operand (B = X^T): the three GEMVs differ only in that load.
-//   plain     X itself.
-//   rms_norm  bf16(RMSNorm(x) * norm_w), x the residual stream: each CTA first recomputes the
-//             inverse RMS of its <= 8 rows (cta_inv_rms), then scales every X chunk as it loads it
-//             and rounds it to bf16 — the very value rms_norm would have stored (common.cuh).
-//   silu_mul  bf16(silu(gate) * up) from the fused gate_up rows [m, 2k]: what silu_mul stores.
-// The W stream, the mma order and the epilogue are the same code, so each fused kernel gives the
-// bits of the unfused kernel pair (tests/test_gpu_fused.py checks that).
-enum class XLoad { plain, rms_norm, silu_mul };
+// How a kernel gets its X operand (B = X^T) and what its epilogue does with Y.
+enum class XLoad { plain, rms_norm };
+enum class Epilogue { store, rope_kv, silu_mul };
 
-// The inverse RMS of x row g = lane / 4 (0 for lanes past m), computed by the whole CTA in the
-// order rms_norm's block of NORM_THREADS threads uses (common.cuh's norm_partial_sum): "virtual
-// warp" vw of that block sums threads 32 vw .. 32 vw + 31 with one warp_sum, and block_sum adds
-// the 8 warp totals with a second warp_sum over lanes 0..7. Here the (row, vw) sums are spread
-// over the CTA's warps, meet in shared memory, and every warp does the second stage itself.
-// xor-butterfly sums leave the same value in every lane (fp addition commutes), so lane 0's
-// copy, which block_sum stores, is any lane's. A virtual warp whose chunks all lie past the row
-// sums to 0 in rms_norm too, and adding +0 to a sum of squares changes no bit: it is skipped.
-// Must be reached by every thread of the CTA (one __syncthreads).
-__device__ __forceinline__ float cta_inv_rms(const bf16* x, int m, int k, float eps, int lane,
-                                             int warp, int warps) {
-    constexpr int VIRTUAL_WARPS = NORM_THREADS / 32;
-    constexpr int GROUP = 4;   // tasks whose loads a warp has in flight together
-    static_assert(VIRTUAL_WARPS <= 32, "the second stage sums the virtual warps in one warp");
-    __shared__ float part[8][VIRTUAL_WARPS];   // [x row][virtual warp]
-    const int rows = m < 8 ? m : 8;
-    const int tasks = rows * VIRTUAL_WARPS;
-    // Task j of this warp is warp + j * warps: (row, vw) = (task / 8, task % 8). A group's chunk
-    // loads are issued before any of its sums, each sum still visits its chunks in order.
-    for (int j0 = 0; warp + j0 * warps < tasks; j0 += GROUP) {                   // warp-uniform
-        float s[GROUP];
-        const bf16* row[GROUP];
-        int vt[GROUP];
-        bool live[GROUP];
-#pragma unroll
-        for (int j = 0; j < GROUP; ++j) {
-            const int task = warp + (j0 + j) * warps;
-            live[j] = task < tasks && (task % VIRTUAL_WARPS) * 32 * 8 < k;
-            row[j] = x + (size_t)(live[j] ? task / VIRTUAL_WARPS : 0) * k;
-            vt[j] = (task % VIRTUAL_WARPS) * 32 + lane;
-            s[j] = 0.0f;
-        }
-        for (int c = 0; c < k; c += NORM_THREADS * 8) {
-            uint4 raw[GROUP];
-#pragma unroll
-            for (int j = 0; j < GROUP; ++j) {
-                raw[j] = make_uint4(0u, 0u, 0u, 0u);
-                if (live[j] && c + vt[j] * 8 < k) raw[j] = load_fresh(row[j] + c + vt[j] * 8);
-            }
-#pragma unroll
-            for (int j = 0; j < GROUP; ++j)
-                if (live[j] && c + vt[j] * 8 < k) s[j] = norm_add_chunk(s[j], raw[j]);
-        }
-#pragma unroll
-        for (int j = 0; j < GROUP; ++j) {
-            const int task = warp + (j0 + j) * warps;
-            if (task >= tasks) break;                    // warp-uniform
-            const float total = live[j] ? warp_sum(s[j]) : 0.0f;
-            if (lane == 0) part[task / VIRTUAL_WARPS][task % VIRTUAL_WARPS] = total;
-        }
+// The norm of the X load: x is the residual stream, ss its rows' chunk sums [m, ceil(k/16)].
+struct NormArgs {
+    const bf16* weight;   // [k]
+    const float* ss;
+    float eps;
+};
+
+// What the RoPE + KV-write epilogue needs besides Y (= the qkv rows [m, n], n = (Hq + 2 Hkv) D).
+struct RopeArgs {
+    bf16* k_cache;
+    bf16* v_cache;           // [slots, Hkv, D]
+    const int* positions;    // [m]
+    const int* slot_mapping; // [m]; < 0: padding, nothing written to the cache
+    const float* inv_freq;   // [D / 2]
+    int num_q_heads, num_kv_heads, head_dim;
+};
+
+// The CTA's 16 W rows: row_a + 0..7 (tile columns 0..7) and row_b + 0..7 (columns 8..15).
+struct Tile {
+    int row_a, row_b;
+};
+
+template <Epilogue EPI>
+__device__ __forceinline__ Tile cta_tile(int cta, int n, int head_dim) {
+    if constexpr (EPI == Epilogue::store) {
+        return {cta * ROWS_PER_CTA, cta * ROWS_PER_CTA + 8};
+    } else if constexpr (EPI == Epilogue::silu_mul) {         // gate rows [0, n/2), up rows [n/2, n)
+        return {cta * 8, n / 2 + cta * 8};
+    } else {                                                  // head_dim / 16 CTAs per head
+        const int per_head = head_dim / ROWS_PER_CTA;
+        const int a = (cta / per_head) * head_dim + (cta % per_head) * 8;
+        return {a, a + head_dim / 2};
     }
-    __syncthreads();
+}
+
+// The inverse RMS of x row g = lane / 4 from its chunk sums (0 for lanes past m). Warp-wide.
+__device__ __forceinline__ float lane_inv_rms(const NormArgs& norm, int m, int k, int lane) {
+    const int chunks = (k + SS_CHUNK - 1) / SS_CHUNK;
+    const int rows = m < 8 ? m : 8;
     float mine = 0.0f;
     for (int r = 0; r < rows; ++r) {
-        const float total = warp_sum(lane < VIRTUAL_WARPS ? part[r][lane] : 0.0f);
-        if (lane >> 2 == r) mine = norm_inv_rms(total, k, eps);
+        const float total = sum_of_chunk_sums(norm.ss + (size_t)r * chunks, chunks, lane);
+        if (lane >> 2 == r) mine = norm_inv_rms(total, k, norm.eps);
     }
     return mine;
 }
@@ -187,63 +178,32 @@ __device__ __forceinline__ uint4 normalize(const uint4& x_raw, const uint4& w_ra
                       pack_bf16x2(norm_apply(v[6], inv_rms, nw[6]), norm_apply(v[7], inv_rms, nw[7])));
 }
 
-__device__ __forceinline__ uint4 swiglu(const uint4& gate_raw, const uint4& up_raw) {
-    float g[8], u[8];
-    unpack_bf16x8(gate_raw, g);
-    unpack_bf16x8(up_raw, u);
-    return make_uint4(pack_bf16x2(silu_times(g[0], u[0]), silu_times(g[1], u[1])),
-                      pack_bf16x2(silu_times(g[2], u[2]), silu_times(g[3], u[3])),
-                      pack_bf16x2(silu_times(g[4], u[4]), silu_times(g[5], u[5])),
-                      pack_bf16x2(silu_times(g[6], u[6]), silu_times(g[7], u[7])));
-}
-
-__device__ __forceinline__ void prefetch_l2(const bf16* p) {
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-}
-
-// y: [m, n] bf16 (out_f32 = 0) or fp32 (out_f32 = 1), row stride n; w: [n, k] bf16; x per MODE:
-// [m, k] bf16 (plain, rms_norm; norm_w [k]) or gate_up [m, 2k] bf16 (silu_mul).
-// accumulate = 1: y += x @ w^T (fp32 sum of the old value and the product, rounded once).
-template <XLoad MODE>
+// y: per EPI (store: [m, n] bf16 or fp32 (out_f32), row stride n; rope_kv: the qkv rows [m, n];
+// silu_mul: act [m, n/2]); w: [n, k] bf16; x: [m, k] bf16 (rms_norm: the residual stream).
+// accumulate = 1 (store): y += x @ w^T (fp32 sum of the old value and the product, rounded once).
+// ss_out (store, bf16 out, may be null): ss_out[row, cta] = chunk sum of the stored Y row.
+template <XLoad MODE, Epilogue EPI>
 __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __restrict__ x,
-                                          const bf16* __restrict__ norm_w, const bf16* __restrict__ w,
-                                          int m, int n, int k, float eps, int out_f32, int accumulate) {
+                                          const NormArgs& norm, const bf16* __restrict__ w,
+                                          int m, int n, int k, int out_f32, int accumulate,
+                                          float* __restrict__ ss_out, const RopeArgs& rope) {
     extern __shared__ float partial[];   // [warps][8 rows of x][16 columns of the CTA]
     allow_consumer();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * ROWS_PER_CTA;
+    const Tile tile = cta_tile<EPI>(blockIdx.x, n, rope.head_dim);
     const int steps = (k + STEP_K - 1) / STEP_K;
     // k < 2^26 (checked in Python), so steps * warps < 2^26 fits an int.
     const int s_begin = warp * steps / warps, s_end = (warp + 1) * steps / warps;
 
-    // This lane's two W rows (n0 + g, n0 + 8 + g) and its X row g; pointers of rows that do not
-    // exist are clamped to row 0 and never dereferenced. silu_mul's X rows are gate_up rows
-    // (gate at column kk, up at k + kk).
-    const bool w_ok0 = n0 + g < n, w_ok1 = n0 + 8 + g < n, x_ok = g < m;
-    const size_t x_stride = MODE == XLoad::silu_mul ? 2 * (size_t)k : (size_t)k;
-    const bf16* w0 = w + (size_t)(w_ok0 ? n0 + g : 0) * k + 8 * t;
-    const bf16* w1 = w + (size_t)(w_ok1 ? n0 + 8 + g : 0) * k + 8 * t;
-    const bf16* xr = x + (x_ok ? g : 0) * x_stride + 8 * t;
+    // This lane's two W rows (tile.row_a + g, tile.row_b + g) and its X row g; pointers of rows
+    // that do not exist are clamped to row 0 and never dereferenced.
+    const bool w_ok0 = tile.row_a + g < n, w_ok1 = tile.row_b + g < n, x_ok = g < m;
+    const bf16* w0 = w + (size_t)(w_ok0 ? tile.row_a + g : 0) * k + 8 * t;
+    const bf16* w1 = w + (size_t)(w_ok1 ? tile.row_b + g : 0) * k + 8 * t;
+    const bf16* xr = x + (x_ok ? g : 0) * (size_t)k + 8 * t;
 
     float inv_rms = 0.0f;
-    if constexpr (MODE == XLoad::rms_norm) {
-        // The norm needs all of X before the first X chunk, so the wait comes before the loop.
-        // Holding this warp's first W loads in registers across the prologue would cost
-        // registers the 64-register cap does not have; L2 prefetches start the same HBM traffic
-        // under the previous kernel's tail, and the loop's first loads then hit L2.
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int kk = (s_begin + u) * STEP_K;
-            if (s_begin + u < s_end && kk + 8 * t < k) {
-                if (w_ok0) prefetch_l2(w0 + kk);
-                if (w_ok1) prefetch_l2(w1 + kk);
-            }
-        }
-        wait_for_producer();   // x is the residual stream the previous kernel wrote
-        inv_rms = cta_inv_rms(x, m, k, eps, lane, warp, warps);
-    }
-
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int s0 = s_begin; s0 < s_end; s0 += UNROLL) {
         uint4 wv0[UNROLL], wv1[UNROLL], xv[UNROLL];
@@ -255,9 +215,11 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             if (in && w_ok0) wv0[u] = load_stream(w0 + kk);
             if (in && w_ok1) wv1[u] = load_stream(w1 + kk);
         }
-        if (MODE != XLoad::rms_norm && s0 == s_begin) wait_for_producer();   // X is the previous kernel's output
-        // Fused modes convert X chunk by chunk, each just before its mmas: 8 raw X/norm-weight
-        // (or gate/up) quads in flight next to the 8 W quads would not fit 64 registers.
+        if (s0 == s_begin) {
+            wait_for_producer();   // X (and the norm's chunk sums) are the previous kernel's output
+            // the chunk sums are ceil(k/16) floats per row: one L2 round trip, under the W loads
+            if constexpr (MODE == XLoad::rms_norm) inv_rms = lane_inv_rms(norm, m, k, lane);
+        }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int kk = (s0 + u) * STEP_K;
@@ -266,13 +228,11 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             if (in && x_ok) {
                 if constexpr (MODE == XLoad::plain) {
                     xv[u] = load_cached(xr + kk);
-                } else if constexpr (MODE == XLoad::rms_norm) {
-                    xv[u] = normalize(load_cached(xr + kk), load_weight(norm_w + 8 * t + kk), inv_rms);
-                } else {
-                    xv[u] = swiglu(load_cached(xr + kk), load_cached(xr + k + kk));
+                } else {   // converted chunk by chunk, each just before its mmas (64-register cap)
+                    xv[u] = normalize(load_cached(xr + kk), load_weight(norm.weight + 8 * t + kk), inv_rms);
                 }
             }
-            if constexpr (MODE != XLoad::plain) mma_pair(acc, wv0[u], wv1[u], xv[u]);
+            if constexpr (MODE == XLoad::rms_norm) mma_pair(acc, wv0[u], wv1[u], xv[u]);
         }
         if constexpr (MODE == XLoad::plain) {
 #pragma unroll
@@ -281,8 +241,8 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
     }
     wait_for_producer();   // warps without steps: Y is read/written below
 
-    // Lane (g, t) holds Y[2t][n0+g], Y[2t+1][n0+g], Y[2t][n0+8+g], Y[2t+1][n0+8+g] (this warp's
-    // share of K); partial[warp][row][column] with row = x row, column = n - n0.
+    // Lane (g, t) holds tile columns g and 8 + g of x rows 2t and 2t+1 (this warp's share of K);
+    // partial[warp][row][column].
     float* mine = partial + warp * (8 * ROWS_PER_CTA) + 2 * t * ROWS_PER_CTA + g;
     mine[0] = acc[0];
     mine[ROWS_PER_CTA] = acc[1];
@@ -290,19 +250,63 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
     mine[ROWS_PER_CTA + 8] = acc[3];
     __syncthreads();
 
+    // Thread i of a pass owns (x row i / 16, tile column i % 16): a half warp holds one row's 16
+    // columns, so partners (column c and c + 8) are 8 lanes apart. The passes are block-uniform
+    // and every lane takes part in the shuffles; rows*16 is a multiple of 16, so a half warp is
+    // all live or all not.
     const int rows = m < 8 ? m : 8;   // m <= 8 is checked in Python; never read past the tile
-    for (int i = threadIdx.x; i < rows * ROWS_PER_CTA; i += blockDim.x) {
-        const int row = i / ROWS_PER_CTA, col = n0 + i % ROWS_PER_CTA;
-        if (col >= n) continue;
+    for (int i0 = 0; i0 < rows * ROWS_PER_CTA; i0 += blockDim.x) {
+        const int i = i0 + threadIdx.x;
+        const bool live = i < rows * ROWS_PER_CTA;
+        const int row = live ? i / ROWS_PER_CTA : 0, col = i % ROWS_PER_CTA;
+        const int out = col < 8 ? tile.row_a + col : tile.row_b + col - 8;   // the W row = Y column
+        const bool in_n = live && out < n;
         float sum = 0.f;
-        for (int v = 0; v < warps; ++v) sum += partial[v * (8 * ROWS_PER_CTA) + i];
-        const size_t at = (size_t)row * n + col;
-        if (out_f32) {
-            float* yf = static_cast<float*>(y);
-            yf[at] = accumulate ? yf[at] + sum : sum;
+        if (in_n)
+            for (int v = 0; v < warps; ++v) sum += partial[v * (8 * ROWS_PER_CTA) + i];
+        if constexpr (EPI == Epilogue::store) {
+            const size_t at = (size_t)row * n + out;
+            float stored = 0.0f;
+            if (in_n && out_f32) {
+                float* yf = static_cast<float*>(y);
+                yf[at] = accumulate ? yf[at] + sum : sum;
+            } else if (in_n) {
+                bf16* yb = static_cast<bf16*>(y);
+                const bf16 value = __float2bfloat16(accumulate ? __bfloat162float(yb[at]) + sum : sum);
+                yb[at] = value;
+                stored = __bfloat162float(value);
+            }
+            if (ss_out != nullptr) {                            // kernel argument: block-uniform
+                const float ss = half_warp_sum_sq(stored);      // columns past n count as 0
+                if (live && col == 0) ss_out[(size_t)row * gridDim.x + blockIdx.x] = ss;
+            }
         } else {
+            // Both fused epilogues read the product as the unfused chain's next kernel would:
+            // rounded to bf16. The partner of column c is column c ^ 8 (the other run).
+            const float value = bf16_round(sum);
+            const float partner = __shfl_xor_sync(0xffffffffu, value, 8);
             bf16* yb = static_cast<bf16*>(y);
-            yb[at] = __float2bfloat16(accumulate ? __bfloat162float(yb[at]) + sum : sum);
+            if constexpr (EPI == Epilogue::silu_mul) {         // value = gate (col < 8), partner = up
+                if (in_n && col < 8) yb[(size_t)row * (n / 2) + out] = __float2bfloat16(silu_times(value, partner));
+            } else if (in_n) {
+                const int D = rope.head_dim, half = D / 2, kv_row = rope.num_kv_heads * D;
+                const int head = out / D, d = out % D;
+                yb[(size_t)row * n + out] = __float2bfloat16(value);   // qkv as the GEMV stores it
+                const int slot = rope.slot_mapping[row];
+                if (head < rope.num_q_heads + rope.num_kv_heads) {     // q or k: rotate the pair
+                    float y1, y2;
+                    rope_rotate(col < 8 ? value : partner, col < 8 ? partner : value,
+                                (float)rope.positions[row], rope.inv_freq[d % half], y1, y2);
+                    const bf16 rotated = __float2bfloat16(col < 8 ? y1 : y2);
+                    if (head < rope.num_q_heads)
+                        yb[(size_t)row * n + out] = rotated;            // q: rotated in place
+                    else if (slot >= 0)
+                        rope.k_cache[(size_t)slot * kv_row + (head - rope.num_q_heads) * D + d] = rotated;
+                } else if (slot >= 0) {
+                    rope.v_cache[(size_t)slot * kv_row + (head - rope.num_q_heads - rope.num_kv_heads) * D + d] =
+                        __float2bfloat16(value);
+                }
+            }
         }
     }
 }
@@ -310,24 +314,33 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
 }  // namespace
 
 // Y (+)= X @ W^T. y: [m, n] bf16 (out_f32 = 0) or fp32 (out_f32 = 1); x: [m, k]; w: [n, k].
+// ss_out: null, or (bf16 out) [m, ceil(n/16)] fp32 for the stored rows' RMSNorm chunk sums.
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_bf16(void* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
-          int m, int n, int k, int out_f32, int accumulate) {
-    gemv_body<XLoad::plain>(y, x, nullptr, w, m, n, k, 0.0f, out_f32, accumulate);
+          int m, int n, int k, int out_f32, int accumulate, float* __restrict__ ss_out) {
+    gemv_body<XLoad::plain, Epilogue::store>(y, x, NormArgs{}, w, m, n, k, out_f32, accumulate, ss_out,
+                                             RopeArgs{});
 }
 
-// Y (+)= (RMSNorm(x) * norm_w) @ W^T with the norm output rounded to bf16 (= rms_norm, then
-// gemv_bf16). x: the residual stream [m, k]; norm_w: [k].
+// qkv = bf16(RMSNorm(x) * norm_w) @ W^T, then RoPE on its q and k heads (q rotated in place; k
+// rotated into k_cache, v into v_cache at slot_mapping): rms_norm, gemv_bf16 and rope_write_kv in
+// one launch, the same bits. x: the residual stream [m, k]; ss_in: its chunk sums [m, ceil(k/16)].
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_rms_norm_bf16(void* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
-                   const bf16* __restrict__ w, int m, int n, int k, float eps, int out_f32, int accumulate) {
-    gemv_body<XLoad::rms_norm>(y, x, norm_w, w, m, n, k, eps, out_f32, accumulate);
+gemv_norm_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
+                       const float* ss_in, const bf16* __restrict__ w, int m, int n, int k, float eps,
+                       bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                       const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                       int num_q_heads, int num_kv_heads, int head_dim) {
+    gemv_body<XLoad::rms_norm, Epilogue::rope_kv>(
+        qkv, x, NormArgs{norm_w, ss_in, eps}, w, m, n, k, 0, 0, nullptr,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim});
 }
 
-// Y (+)= (silu(gate) * up) @ W^T with the activation rounded to bf16 (= silu_mul, then
-// gemv_bf16). gate_up: [m, 2k], gate in columns [0, k), up in [k, 2k).
+// act = silu(gate) * up of gate_up = bf16(RMSNorm(x) * norm_w) @ W^T, W = [gate; up] ([n, k], gate
+// rows first): rms_norm, gemv_bf16 and silu_mul in one launch, the same bits. act: [m, n/2].
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_silu_mul_bf16(void* __restrict__ y, const bf16* __restrict__ gate_up, const bf16* __restrict__ w,
-                   int m, int n, int k, int out_f32, int accumulate) {
-    gemv_body<XLoad::silu_mul>(y, gate_up, nullptr, w, m, n, k, 0.0f, out_f32, accumulate);
+gemv_norm_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
+                        const float* ss_in, const bf16* __restrict__ w, int m, int n, int k, float eps) {
+    gemv_body<XLoad::rms_norm, Epilogue::silu_mul>(act, x, NormArgs{norm_w, ss_in, eps}, w, m, n, k, 0, 0,
+                                                   nullptr, RopeArgs{});
 }

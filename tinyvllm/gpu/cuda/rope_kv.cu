@@ -2,7 +2,8 @@
 // For token t: rotate its q heads in place inside the fused qkv row, rotate its k heads and write
 // them, with its v heads, to the paged cache at slot_mapping[t] (slot < 0: padding, no write).
 // Pairs are (i, i + head_dim/2) — the "rotate half" convention of HF Llama checkpoints.
-// The angle is computed in fp32 with a full-range sincosf (positions reach 131072).
+// The rotation is common.cuh's rope_rotate (full-range sincosf, each rounding written out), which
+// the qkv GEMV's fused epilogue (gemv.cu, decode) also calls: both give the same bits.
 // Launch: one block per token, threads over (head, pair) and then over the v row.
 #include "common.cuh"
 
@@ -27,13 +28,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) rope_write_kv(bf16* __rest
 
     for (int p = threadIdx.x; p < (num_q_heads + num_kv_heads) * half; p += blockDim.x) {
         const int head = p / half, i = p % half;
-        float sin_a, cos_a;
-        sincosf(pos * inv_freq[i], &sin_a, &cos_a);
         const bool is_q = head < num_q_heads;
         const bf16* x = is_q ? q + head * head_dim : k + (head - num_q_heads) * head_dim;
         const float x1 = __bfloat162float(x[i]), x2 = __bfloat162float(x[i + half]);
-        const bf16 y1 = __float2bfloat16(x1 * cos_a - x2 * sin_a);
-        const bf16 y2 = __float2bfloat16(x2 * cos_a + x1 * sin_a);
+        float r1, r2;
+        rope_rotate(x1, x2, pos, inv_freq[i], r1, r2);
+        const bf16 y1 = __float2bfloat16(r1), y2 = __float2bfloat16(r2);
         bf16* dst;
         if (is_q) {
             dst = q + head * head_dim;
