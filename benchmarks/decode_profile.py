@@ -157,34 +157,38 @@ def time_prefill(runner, batch, repeats: int = 5) -> float:
     return float(np.median(times))
 
 
+FUSE_CONFIGS = [("TINYVLLM_FUSE=0", False, "auto"), ("fused, TINYVLLM_FUSE_NORM=none", True, "none"),
+                ("fused (default: norm auto)", True, "auto"), ("fused, TINYVLLM_FUSE_NORM=all", True, "all")]
+
+
 def compare_fuse(runner, batch, num_layers: int) -> None:
-    """Graph GPU time and per-op GPU time of one decode step with the fused decode GEMVs and with
-    the separate rms_norm / rope_write_kv / silu_mul kernels (runner.ops.fuse, as TINYVLLM_FUSE sets it)."""
+    """Graph time and GPU time of one decode step for each fusion setting (runner.ops.fuse and
+    fuse_norm, as TINYVLLM_FUSE / TINYVLLM_FUSE_NORM set them), and the per-op tables of the
+    nine-launch layer and of the default."""
     def recapture():
         for graph in runner.graphs.values():
             graph.close()
         with runner.device.active():
             runner.capture_decode_graphs()
 
-    was = runner.ops.fuse
+    was = runner.ops.fuse, runner.ops.fuse_norm
     rows = {}
     try:
-        for fuse in (False, True):
-            runner.ops.fuse = fuse
+        for name, fuse, fuse_norm in FUSE_CONFIGS:
+            runner.ops.fuse, runner.ops.fuse_norm = fuse, fuse_norm
             recapture()
             graph = time_steps(runner, batch, replay=True)
-            rows[fuse] = (graph, graph_gpu_time(runner, batch), per_op_times(runner, batch))
+            ops = per_op_times(runner, batch) if name in (FUSE_CONFIGS[0][0], FUSE_CONFIGS[2][0]) else None
+            rows[name] = (graph, graph_gpu_time(runner, batch), ops)
     finally:
-        runner.ops.fuse = was
+        runner.ops.fuse, runner.ops.fuse_norm = was
         recapture()
     print(f"\nfusion at batch {batch.num_seqs}: {'':<12} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}")
-    for fuse in (False, True):
-        graph, gpu, _ = rows[fuse]
-        print(f"{'fused' if fuse else 'TINYVLLM_FUSE=0':<32} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} "
-              f"{batch.num_seqs / graph:>8,.0f}")
-    for fuse in (False, True):
-        print_ops(rows[fuse][2], f"one decode step, batch {batch.num_seqs}, "
-                                 f"{'fused' if fuse else 'TINYVLLM_FUSE=0'}", per_layer=num_layers)
+    for name, (graph, gpu, _) in rows.items():
+        print(f"{name:<32} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}")
+    for name, (_, _, ops) in rows.items():
+        if ops is not None:
+            print_ops(ops, f"one decode step, batch {batch.num_seqs}, {name}", per_layer=num_layers)
 
 
 def print_ops(ops: dict[str, float], what: str, per_layer: int = 0) -> None:

@@ -1,6 +1,6 @@
-"""The fused decode layer's kernels (cuda/gemv.cu: gemv_norm_rope_kv_bf16, gemv_norm_silu_mul_bf16,
-and gemv_bf16 / embedding_gather with ss_out) against the unfused kernel chains they replace and
-against numpy.
+"""The fused decode layer's kernels (cuda/gemv.cu: gemv_[norm_]rope_kv_bf16,
+gemv_[norm_]silu_mul_bf16, and gemv_bf16 / embedding_gather with ss_out) against the unfused
+kernel chains they replace and against numpy.
 
 1. Chunk sums (new quantity): ss_out[r, c] of gemv_bf16 and embedding_gather against the sum of
    squares of the stored row's columns 16c .. 16c + 15 in float64. 16 non-negative terms, each
@@ -129,10 +129,22 @@ def _norm_weight(rng, k):
     return norm_w, DeviceArray(np.concatenate([norm_w, np.full(8, np.nan, np.float32).astype(norm_w.dtype)]))
 
 
+def _fused_x(gpu, hidden, d_nw, ss, m, k, norm_inside: bool, dtype):
+    """(X, norm) of a fused GEMV: the residual stream with its norm inside the GEMV, or the
+    separate rms_norm's output (the layout fuses_norm() picks for grids of many CTAs)."""
+    from gpu_helpers import DeviceArray
+    if norm_inside:
+        return hidden, (d_nw, ss, EPS)
+    normed = DeviceArray.poisoned((m, k), dtype)
+    gpu.rms_norm(normed, hidden, d_nw, m, k, EPS)
+    return normed, None
+
+
+@pytest.mark.parametrize("norm_inside", [True, False], ids=["norm", "plain"])
 @pytest.mark.parametrize("producer", ["gemv", "embedding"])
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
 @pytest.mark.parametrize("k,inter", SILU_SHAPES, ids=lambda v: str(v))
-def test_norm_silu_mul(gpu, rng, k, inter, m, producer, k_warps=None):
+def test_silu_mul(gpu, rng, k, inter, m, producer, norm_inside, k_warps=None):
     from gpu_helpers import DeviceArray
     hidden, ss, stored = _residual(gpu, rng, m, k, producer)
     norm_w, d_nw = _norm_weight(rng, k)
@@ -141,7 +153,8 @@ def test_norm_silu_mul(gpu, rng, k, inter, m, producer, k_warps=None):
     normed = DeviceArray.poisoned((m, k), stored.dtype)
     gate_up = DeviceArray.poisoned((m, 2 * inter), stored.dtype)
     act = DeviceArray.poisoned((m, inter), stored.dtype)
-    gpu.gemv_norm_silu_mul(fused.ptr + inter * 2, hidden, d_nw, ss, d_w, m, 2 * inter, k, EPS, k_warps=k_warps)
+    x, norm = _fused_x(gpu, hidden, d_nw, ss, m, k, norm_inside, stored.dtype)
+    gpu.gemv_silu_mul(fused.ptr + inter * 2, x, d_w, m, 2 * inter, k, norm=norm, k_warps=k_warps)
     gpu.rms_norm(normed, hidden, d_nw, m, k, EPS)
     gpu.gemv(gate_up, normed, d_w, m, 2 * inter, k, k_warps=k_warps)
     gpu.silu_mul(act, gate_up, m, inter)
@@ -156,16 +169,18 @@ def test_norm_silu_mul(gpu, rng, k, inter, m, producer, k_warps=None):
 
 @pytest.mark.parametrize("k_warps", [1, 3, 8, 32])
 @pytest.mark.parametrize("m,k,inter", [(1, 2048, 8192), (8, 576, 1536), (5, 264, 136)])
-def test_norm_silu_mul_split_k(gpu, rng, m, k, inter, k_warps):
+def test_silu_mul_split_k(gpu, rng, m, k, inter, k_warps):
     """Every split of K, including more warps than steps (warps that only take part in the
     epilogue)."""
-    test_norm_silu_mul(gpu, rng, k, inter, m, "gemv", k_warps=k_warps)
+    test_silu_mul(gpu, rng, k, inter, m, "gemv", True, k_warps=k_warps)
+    test_silu_mul(gpu, rng, k, inter, m, "gemv", False, k_warps=k_warps)
 
 
+@pytest.mark.parametrize("norm_inside", [True, False], ids=["norm", "plain"])
 @pytest.mark.parametrize("producer", ["gemv", "embedding"])
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
 @pytest.mark.parametrize("k,hq,hkv,d", ROPE_SHAPES, ids=lambda v: str(v))
-def test_norm_rope_kv(gpu, rng, k, hq, hkv, d, m, producer, k_warps=None):
+def test_rope_kv(gpu, rng, k, hq, hkv, d, m, producer, norm_inside, k_warps=None):
     import dataclasses
 
     from gpu_helpers import DeviceArray
@@ -187,8 +202,9 @@ def test_norm_rope_kv(gpu, rng, k, hq, hkv, d, m, producer, k_warps=None):
         qkv = DeviceArray.poisoned((m + 2, n), stored.dtype)
         caches = [DeviceArray.poisoned((4, 16, hkv, d), stored.dtype) for _ in range(2)]
         if path == "fused":
-            gpu.gemv_norm_rope_kv(qkv.ptr + n * 2, hidden, d_nw, ss, d_w, m, n, k, EPS, *caches, d_pos, d_slots,
-                                  inv_freq, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, k_warps=k_warps)
+            x, norm = _fused_x(gpu, hidden, d_nw, ss, m, k, norm_inside, stored.dtype)
+            gpu.gemv_rope_kv(qkv.ptr + n * 2, x, d_w, m, n, k, *caches, d_pos, d_slots, inv_freq,
+                             num_q_heads=hq, num_kv_heads=hkv, head_dim=d, norm=norm, k_warps=k_warps)
         else:
             normed = DeviceArray.poisoned((m, k), stored.dtype)
             gpu.rms_norm(normed, hidden, d_nw, m, k, EPS)
@@ -214,28 +230,37 @@ def test_norm_rope_kv(gpu, rng, k, hq, hkv, d, m, producer, k_warps=None):
 
 @pytest.mark.parametrize("k_warps", [1, 3, 8, 32])
 @pytest.mark.parametrize("m,k,hq,hkv,d", [(1, 2048, 32, 8, 64), (8, 576, 9, 3, 64), (3, 264, 2, 1, 64)])
-def test_norm_rope_kv_split_k(gpu, rng, m, k, hq, hkv, d, k_warps):
-    test_norm_rope_kv(gpu, rng, k, hq, hkv, d, m, "gemv", k_warps=k_warps)
+def test_rope_kv_split_k(gpu, rng, m, k, hq, hkv, d, k_warps):
+    test_rope_kv(gpu, rng, k, hq, hkv, d, m, "gemv", True, k_warps=k_warps)
+    test_rope_kv(gpu, rng, k, hq, hkv, d, m, "gemv", False, k_warps=k_warps)
 
 
 def test_fused_launchers_reject(gpu):
     kw = dict(num_q_heads=2, num_kv_heads=1, head_dim=64)
     with pytest.raises(ValueError, match="head_dim"):
-        gpu.gemv_norm_rope_kv(0, 0, 0, 0, 0, 1, 250, 64, EPS, 0, 0, 0, 0, 0, **kw)     # n != (2 + 2) * 64
+        gpu.gemv_rope_kv(0, 0, 0, 1, 250, 64, 0, 0, 0, 0, 0, **kw)                  # n != (2 + 2) * 64
     with pytest.raises(ValueError, match="unsupported shape"):
-        gpu.gemv_norm_rope_kv(0, 0, 0, 0, 0, 9, 256, 64, EPS, 0, 0, 0, 0, 0, **kw)     # m = 9
+        gpu.gemv_rope_kv(0, 0, 0, 9, 256, 64, 0, 0, 0, 0, 0, norm=(0, 0, EPS), **kw)  # m = 9
     with pytest.raises(ValueError, match="16-byte aligned"):
-        gpu.gemv_norm_silu_mul(0, 0, 8, 0, 0, 1, 32, 16, EPS)                            # the norm weight
+        gpu.gemv_silu_mul(0, 0, 0, 1, 32, 16, norm=(8, 0, EPS))                       # the norm weight
     with pytest.raises(ValueError, match="multiple of 16"):
-        gpu.gemv_norm_silu_mul(0, 0, 0, 0, 0, 1, 40, 16, EPS)
+        gpu.gemv_silu_mul(0, 0, 0, 1, 40, 16)
     with pytest.raises(ValueError, match="bf16 out"):
         gpu.gemv(0, 0, 0, 1, 16, 16, out_dtype="float32", ss_out=16)
 
 
 def test_fuses_decode(gpu):
-    """The fused layer runs when fusing is on and every projection is on the GEMV (m <= 8)."""
-    was = gpu.fuse
+    """The fused layer runs when fusing is on and every projection is on the GEMV (m <= 8); the
+    norm goes inside a GEMV of few CTAs only (unless TINYVLLM_FUSE_NORM says all / none)."""
+    was = gpu.fuse, gpu.fuse_norm
     try:
+        gpu.fuse_norm = "auto"
+        assert gpu.fuses_norm(3072, 2048) and gpu.fuses_norm(3072, 576)   # 1B qkv, SmolLM2 gate_up
+        assert not gpu.fuses_norm(16384, 2048)                          # 1B gate_up: 1024 CTAs
+        gpu.fuse_norm = "all"
+        assert gpu.fuses_norm(16384, 2048)
+        gpu.fuse_norm = "none"
+        assert not gpu.fuses_norm(960, 576)
         gpu.fuse = True
         assert gpu.fuses_decode(8, 576, 960, 1536, 64) == gpu.use_gemv
         assert not gpu.fuses_decode(9, 576, 960, 1536, 64)        # cuBLAS's
@@ -243,4 +268,4 @@ def test_fuses_decode(gpu):
         gpu.fuse = False
         assert not gpu.fuses_decode(1, 576, 960, 1536, 64)
     finally:
-        gpu.fuse = was
+        gpu.fuse, gpu.fuse_norm = was

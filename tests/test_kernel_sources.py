@@ -15,8 +15,9 @@ def test_signatures_match_the_c_parameter_lists():
     assert kernel_signatures("sampling.cu") == {"sample_tokens": "PiPPPPPPP",   # comments inside the list
                                                 "apply_logit_edits": "PiPi", "step_logprobs": "PiPPiPPPP"}
     assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiiiP",              # plain and the two fused
+                                            "gemv_rope_kv_bf16": "PPPiiiPPPPPiii",
                                             "gemv_norm_rope_kv_bf16": "PPPPPiiifPPPPPiii",
-                                            "gemv_norm_silu_mul_bf16": "PPPPPiiif"}
+                                            "gemv_silu_mul_bf16": "PPPiii", "gemv_norm_silu_mul_bf16": "PPPPPiiif"}
     (pattern, sig), = kernel_signatures("attention_decode.cu").items()          # a macro-made family
     assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiif"
 

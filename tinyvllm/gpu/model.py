@@ -14,13 +14,13 @@ Per layer (T new tokens; residual stream `hidden` in bf16):
     hidden  += act @ Wdown^T                            linear, beta = 1
 then the final norm of each sequence's last token and the LM head (fp32 logits, S rows only).
 
-At decode (every projection on our GEMV, T <= 8) the same nine steps run as five launches
-(_decode_layer_fused; TINYVLLM_FUSE=0 keeps the nine, with the same bits): the norm moves into
-the qkv / gate_up GEMVs' X load, RoPE + cache write into the qkv GEMV's epilogue, silu_mul
-into the gate_up GEMV's epilogue; the GEMVs that write `hidden` (and the embedding) also store
-its rows' RMSNorm chunk sums (`residual_ss`), so a fused norm adds ceil(H / 16) numbers instead
-of re-reading the row. `normed`, `gate_up` are then untouched. A batch-1 step is launch-bound
-(docs/perf-notes.md): four fewer launches per layer is the point.
+At decode (every projection on our GEMV, T <= 8) the same nine steps run as five to seven
+launches (_decode_layer_fused; TINYVLLM_FUSE=0 keeps the nine, with the same bits): RoPE +
+cache write move into the qkv GEMV's epilogue, silu_mul into the gate_up GEMV's epilogue, and
+the norm into the qkv / gate_up GEMVs' X load where ops.fuses_norm says that pays; the GEMVs
+that write `hidden` (and the embedding) store its rows' RMSNorm chunk sums (`residual_ss`), so
+a fused norm adds ceil(H / 16) numbers instead of re-reading the row. A batch-1 step is
+launch-bound (docs/perf-notes.md): fewer launches per layer is the point.
 
 "linear" is gpu/ops.py's linear(): our GEMV for decode batches of at most 8 tokens, cuBLAS
 else. Every kernel is launched through its typed launcher in gpu/ops.py (the same ones the GPU
@@ -98,16 +98,26 @@ class LlamaModel:
         ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32")
 
     def _decode_layer_fused(self, step: StepShape, layer: int, lw) -> None:
-        """One layer in five launches; the comments name the unfused steps each one replaces."""
+        """One layer in five to seven launches (the norms go inside the GEMVs where
+        ops.fuses_norm says it pays); the same bits as the nine of forward()."""
         c, w, ops = self.cfg, self.w, self.ops
         T, H, I, eps, ss = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps, self.residual_ss
-        ops.gemv_norm_rope_kv(self.qkv, self.hidden, lw.input_norm, ss, lw.qkv, T, self.qkv_width, H, eps,  # norm, qkv, rope
-                              self.kv.k(layer), self.kv.v(layer), self.positions, self.slot_mapping, w.rope_inv_freq,
-                              num_q_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-                              head_dim=c.head_dim)
+
+        def normed_input(norm_weight, n: int):
+            """(X, norm) for the next GEMV: the residual stream and its norm, or `normed`."""
+            if ops.fuses_norm(n, H):
+                return self.hidden, (norm_weight, ss, eps)
+            ops.rms_norm(self.normed, self.hidden, norm_weight, T, H, eps)
+            return self.normed, None
+
+        x, norm = normed_input(lw.input_norm, self.qkv_width)
+        ops.gemv_rope_kv(self.qkv, x, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),  # qkv, rope
+                         self.positions, self.slot_mapping, w.rope_inv_freq, num_q_heads=c.num_attention_heads,
+                         num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, norm=norm)
         self._attention(step, layer)
         ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True, ss_out=ss)
-        ops.gemv_norm_silu_mul(self.act, self.hidden, lw.post_norm, ss, lw.gate_up, T, 2 * I, H, eps)  # norm, gate_up, silu
+        x, norm = normed_input(lw.post_norm, 2 * I)
+        ops.gemv_silu_mul(self.act, x, lw.gate_up, T, 2 * I, H, norm=norm)                           # gate_up, silu
         ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True, ss_out=ss)
 
     def _attention(self, step: StepShape, layer: int) -> None:

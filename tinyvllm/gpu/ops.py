@@ -15,19 +15,20 @@ callable that repeats it (benchmarks/decode_profile.py times ops so; trace.py pr
     attention_decode  attention_decode_d{64,128}_g{G}  attention_decode()  kernels.paged_attention  test_gpu_kernels::test_attention_decode
     activation.cu     silu_mul         silu_mul()            kernels.silu_mul                   test_gpu_kernels::test_silu_mul
     gemv.cu           gemv_bf16        gemv() (via linear()) X @ W^T in numpy                   test_gpu_gemv
-    gemv.cu           gemv_norm_rope_kv_bf16  gemv_norm_rope_kv()  rms_norm, linear, apply_rope + write_kv  test_gpu_fused::test_norm_rope_kv
-    gemv.cu           gemv_norm_silu_mul_bf16 gemv_norm_silu_mul() rms_norm, linear, silu_mul  test_gpu_fused::test_norm_silu_mul
+    gemv.cu           gemv_[norm_]rope_kv_bf16   gemv_rope_kv()   [rms_norm,] linear, apply_rope + write_kv  test_gpu_fused::test_rope_kv
+    gemv.cu           gemv_[norm_]silu_mul_bf16  gemv_silu_mul()  [rms_norm,] linear, silu_mul  test_gpu_fused::test_silu_mul
     sampling.cu       sample_tokens    sample()              sampling.sample                    test_gpu_sampling
     sampling.cu       apply_logit_edits apply_logit_edits()  sampling.apply_edits               test_gpu_logit_processing
     sampling.cu       step_logprobs    step_logprobs()       sampling.step_logprobs             test_gpu_logit_processing
     (cuBLAS)          cublasGemmEx     linear()              X @ W^T in numpy                   test_gpu_kernels::test_linear
 
 The fused decode layer (`fuse`, on by default; TINYVLLM_FUSE=0 turns it off): when every
-projection of a step runs on the GEMV (decode, m <= 8), a layer is five launches instead of nine —
-gemv_norm_rope_kv (rms_norm + qkv + rope_write_kv), attention, gemv o (+ residual, + the chunk
-sums of the new residual row), gemv_norm_silu_mul (rms_norm + gate_up + silu_mul), gemv down
-(+ residual, + chunk sums); embedding() stores the first chunk sums. Same bits as the nine
-(common.cuh shares the arithmetic; test_gpu_fused and test_gpu_model check it).
+projection of a step runs on the GEMV (decode, m <= 8), a layer is five to seven launches instead
+of nine — [rms_norm,] gemv_rope_kv (qkv + rope_write_kv), attention, gemv o (+ residual, + the
+chunk sums of the new residual row), [rms_norm,] gemv_silu_mul (gate_up + silu_mul), gemv down
+(+ residual, + chunk sums); embedding() stores the first chunk sums, and fuses_norm() decides
+where the norm goes inside the GEMV. Same bits as the nine (common.cuh shares the arithmetic;
+test_gpu_fused and test_gpu_model check it).
 
 `linear()` is THE projection: Y[m, n] (+)= X[m, k] @ W[n, k]^T, on our GEMV for decode batches of
 at most GEMV_MAX_ROWS rows (cuBLAS reads small matrices at 1.7-2.5 TB/s at M <= 8; the GEMV
@@ -59,6 +60,7 @@ GEMV_WARPS_PER_SM = 32       # residency at its 64 registers per thread
 # H200, 2026-12-02): the GEMV serves the per-layer projections only.
 GEMV_MAX_N = 32768
 OUT_DTYPES = {"bfloat16": 0, "float32": 1}
+NORM_FUSE_MAX_VALUES = 1 << 20   # fuses_norm(): the most values all CTAs of a GEMV normalise again
 
 
 def _dim3(d) -> tuple[int, int, int]:
@@ -83,6 +85,9 @@ class GpuOps:
         # the fused decode layer (module docstring; model.py); TINYVLLM_FUSE=0 runs the nine
         # separate launches per layer instead (the same bits)
         self.fuse = os.environ.get("TINYVLLM_FUSE", "1") != "0" if fuse is None else fuse
+        self.fuse_norm = os.environ.get("TINYVLLM_FUSE_NORM", "auto")      # fuses_norm()
+        if self.fuse_norm not in ("auto", "all", "none"):
+            raise ValueError(f"TINYVLLM_FUSE_NORM must be auto, all or none, got {self.fuse_norm!r}")
         self.stream_handle = stream.handle if stream is not None else 0
         self._gemv_shapes: dict[tuple[int, int, int], tuple] = {}
         # observer(op, repeat, details): called before each op with a zero-argument callable
@@ -221,6 +226,17 @@ class GpuOps:
                 and all(self.on_gemv(m, n, k) for n, k in
                         ((qkv_width, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter))))
 
+    def fuses_norm(self, n: int, k: int) -> bool:
+        """Whether the fused decode layer folds the RMSNorm before an [n, k] projection into the
+        GEMV's X load (else a separate rms_norm launch). Every CTA normalises all of X again:
+        ceil(n / 16) * k values; the separate norm costs one ~1.4 us launch. Measured on the
+        H200 at batch 1 (docs/perf-notes.md): Llama-1B qkv (192 CTAs x 2048 = 0.4 M) gained,
+        gate_up (1024 x 2048 = 2.1 M) lost ~5 us per launch. fuse_norm: "auto" (that rule),
+        "all", "none" (TINYVLLM_FUSE_NORM)."""
+        if self.fuse_norm in ("all", "none"):
+            return self.fuse_norm == "all"
+        return math.ceil(n / GEMV["ROWS_PER_CTA"]) * k <= NORM_FUSE_MAX_VALUES
+
     def _quietly(self, run):
         """`run` with the observer told nothing of the kernels inside it (linear is one op)."""
         def quiet():
@@ -284,31 +300,39 @@ class GpuOps:
         self._launch("gemv_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, OUT_DTYPES[out_dtype],
                      int(accumulate), ss_out, shared_bytes=shared)
 
-    def gemv_norm_rope_kv(self, qkv, x, norm_weight, ss_in, w, m: int, n: int, k: int, eps: float,
-                          k_cache, v_cache, positions, slot_mapping, inv_freq, *, num_q_heads: int,
-                          num_kv_heads: int, head_dim: int, k_warps: int | None = None) -> None:
-        """The decode qkv projection with its neighbours inside: qkv = bf16(RMSNorm(x) *
-        norm_weight) @ W^T, then RoPE on q (in place) and k, and k, v into the paged cache at
-        slot_mapping: the bits of rms_norm(), gemv() and rope_write_kv(). x: the residual stream
-        [m, k]; ss_in: its chunk sums [m, ceil(k / 16)] (embedding() / gemv(ss_out=))."""
+    def gemv_rope_kv(self, qkv, x, w, m: int, n: int, k: int, k_cache, v_cache, positions, slot_mapping,
+                     inv_freq, *, num_q_heads: int, num_kv_heads: int, head_dim: int, norm=None,
+                     k_warps: int | None = None) -> None:
+        """The decode qkv projection with rope_write_kv inside: qkv = X @ W^T, then RoPE on q (in
+        place) and k, and k, v into the paged cache at slot_mapping — the bits of gemv() then
+        rope_write_kv(). norm = (norm_weight, ss_in, eps): X = bf16(RMSNorm(x) * norm_weight)
+        built as it is loaded, x the residual stream [m, k] and ss_in its chunk sums [m,
+        ceil(k / 16)] (embedding() / gemv(ss_out=)) — rms_norm() inside too."""
         if n != (num_q_heads + 2 * num_kv_heads) * head_dim or head_dim % GEMV["ROWS_PER_CTA"]:
-            raise ValueError(f"gemv_norm_rope_kv: n = {n} must be (q heads + 2 kv heads) * head_dim with "
+            raise ValueError(f"gemv_rope_kv: n = {n} must be (q heads + 2 kv heads) * head_dim with "
                              f"head_dim % {GEMV['ROWS_PER_CTA']} == 0 (heads {num_q_heads}/{num_kv_heads}, "
                              f"head_dim {head_dim})")
-        grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv_norm_rope_kv", x, w, m, n, k, "bfloat16",
-                                                            k_warps, norm_weight)
-        self._launch("gemv_norm_rope_kv_bf16", grid, block, int(qkv), x_ptr, int(norm_weight), ss_in, w_ptr,
-                     m, n, k, float(eps), k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads,
-                     num_kv_heads, head_dim, shared_bytes=shared)
+        rope = (k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim)
+        self._fused_gemv("rope_kv", qkv, x, w, m, n, k, norm, k_warps, rope)
 
-    def gemv_norm_silu_mul(self, act, x, norm_weight, ss_in, w, m: int, n: int, k: int, eps: float, *,
-                           k_warps: int | None = None) -> None:
-        """The decode gate_up projection with its neighbours inside: act [m, n/2] = silu(gate) *
-        up of bf16(RMSNorm(x) * norm_weight) @ W^T, W = gate_up [n, k] (gate rows first): the
-        bits of rms_norm(), gemv() and silu_mul(). ss_in as gemv_norm_rope_kv()."""
+    def gemv_silu_mul(self, act, x, w, m: int, n: int, k: int, *, norm=None, k_warps: int | None = None) -> None:
+        """The decode gate_up projection with silu_mul inside: act [m, n/2] = silu(gate) * up of
+        X @ W^T, W = gate_up [n, k] (gate rows first) — the bits of gemv() then silu_mul().
+        norm as gemv_rope_kv()."""
         if n % 16:
-            raise ValueError(f"gemv_norm_silu_mul: n = 2 * intermediate = {n} must be a multiple of 16")
-        grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv_norm_silu_mul", x, w, m, n, k, "bfloat16",
-                                                            k_warps, norm_weight)
-        self._launch("gemv_norm_silu_mul_bf16", grid, block, int(act), x_ptr, int(norm_weight), ss_in, w_ptr,
-                     m, n, k, float(eps), shared_bytes=shared)
+            raise ValueError(f"gemv_silu_mul: n = 2 * intermediate = {n} must be a multiple of 16")
+        self._fused_gemv("silu_mul", act, x, w, m, n, k, norm, k_warps, ())
+
+    _FUSED_GEMVS = {("rope_kv", False): "gemv_rope_kv_bf16", ("rope_kv", True): "gemv_norm_rope_kv_bf16",
+                    ("silu_mul", False): "gemv_silu_mul_bf16", ("silu_mul", True): "gemv_norm_silu_mul_bf16"}
+
+    def _fused_gemv(self, epilogue: str, y, x, w, m, n, k, norm, k_warps, extra) -> None:
+        kernel = self._FUSED_GEMVS[epilogue, norm is not None]
+        grid, block, shared, x_ptr, w_ptr = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps,
+                                                            *([norm[0]] if norm else []))
+        if norm:    # (..., x, norm_w, ss_in, w, m, n, k, eps, ...)
+            norm_weight, ss_in, eps = norm
+            self._launch(kernel, grid, block, int(y), x_ptr, int(norm_weight), ss_in, w_ptr, m, n, k, float(eps),
+                         *extra, shared_bytes=shared)
+        else:
+            self._launch(kernel, grid, block, int(y), x_ptr, w_ptr, m, n, k, *extra, shared_bytes=shared)

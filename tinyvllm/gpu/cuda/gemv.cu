@@ -44,14 +44,16 @@
 // it touches X or Y. That is a no-op for an ordinary launch; under programmatic dependent launch
 // the weight stream starts while the previous kernel (which produces X) is still finishing.
 // It calls allow_consumer() first thing, so the next kernel can be resident before this one ends.
-// Three entry points share this body; they differ in how X is loaded and how Y is stored:
+// Five entry points share this body; they differ in how X is loaded and how Y is stored:
 //   gemv_bf16            X as stored; Y stored (or added: the residual add), optionally with the
 //                        stored rows' RMSNorm chunk sums (ss_out, common.cuh) for the next norm.
-//   gemv_norm_rope_kv    X = RMSNorm of the residual stream (from its chunk sums, ss_in); the
-//                        epilogue applies RoPE to q and k and writes k and v to the paged cache:
-//                        the qkv projection of a decode step, rms_norm and rope_write_kv inside.
-//   gemv_norm_silu_mul   X = RMSNorm as above; the epilogue stores silu(gate) * up: the gate_up
-//                        projection, rms_norm and silu_mul inside.
+//   gemv_rope_kv         the epilogue applies RoPE to q and k and writes k and v to the paged
+//                        cache: the qkv projection of a decode step with rope_write_kv inside.
+//   gemv_silu_mul        the epilogue stores silu(gate) * up: gate_up with silu_mul inside.
+//   gemv_norm_rope_kv,   the same two with X = RMSNorm of the residual stream, built as X is
+//   gemv_norm_silu_mul   loaded from the row's chunk sums (ss_in): rms_norm inside too. Every CTA
+//                        normalises all of X again, so this pays only for grids of few CTAs
+//                        (gpu/ops.py decides; docs/perf-notes.md has the measurements).
 // An epilogue that combines two outputs needs both in one CTA, so the fused modes pick the
 // CTA's 16 W rows as two runs of 8 that belong together (cta_tile below): gate rows j..j+7 with
 // up rows I+j..I+j+7, or head-dim rows i..i+7 of one head with their RoPE partners i+D/2..;
@@ -191,18 +193,23 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
     allow_consumer();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const Tile tile = cta_tile<EPI>(blockIdx.x, n, rope.head_dim);
+    const Tile w_tile = cta_tile<EPI>(blockIdx.x, n, rope.head_dim);
     const int steps = (k + STEP_K - 1) / STEP_K;
     // k < 2^26 (checked in Python), so steps * warps < 2^26 fits an int.
     const int s_begin = warp * steps / warps, s_end = (warp + 1) * steps / warps;
 
-    // This lane's two W rows (tile.row_a + g, tile.row_b + g) and its X row g; pointers of rows
-    // that do not exist are clamped to row 0 and never dereferenced.
-    const bool w_ok0 = tile.row_a + g < n, w_ok1 = tile.row_b + g < n, x_ok = g < m;
-    const bf16* w0 = w + (size_t)(w_ok0 ? tile.row_a + g : 0) * k + 8 * t;
-    const bf16* w1 = w + (size_t)(w_ok1 ? tile.row_b + g : 0) * k + 8 * t;
+    // This lane's two W rows (row_a + g, row_b + g) and its X row g; pointers of rows that do not
+    // exist are clamped to row 0 and never dereferenced.
+    const bool w_ok0 = w_tile.row_a + g < n, w_ok1 = w_tile.row_b + g < n, x_ok = g < m;
+    const bf16* w0 = w + (size_t)(w_ok0 ? w_tile.row_a + g : 0) * k + 8 * t;
+    const bf16* w1 = w + (size_t)(w_ok1 ? w_tile.row_b + g : 0) * k + 8 * t;
     const bf16* xr = x + (x_ok ? g : 0) * (size_t)k + 8 * t;
 
+    // Plain gemv_bf16 loads its UNROLL X chunks together, then runs the mmas; the other modes
+    // take each X chunk to its mmas one by one: the norm's conversion and the two-run tile's
+    // second W pointer need registers that 8 W + 4 X quads in flight leave no room for under
+    // the 64-register cap (ptxas spilled 36-48 bytes otherwise).
+    constexpr bool ONE_BY_ONE = MODE != XLoad::plain || EPI != Epilogue::store;
     float inv_rms = 0.0f;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int s0 = s_begin; s0 < s_end; s0 += UNROLL) {
@@ -228,13 +235,13 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             if (in && x_ok) {
                 if constexpr (MODE == XLoad::plain) {
                     xv[u] = load_cached(xr + kk);
-                } else {   // converted chunk by chunk, each just before its mmas (64-register cap)
+                } else {
                     xv[u] = normalize(load_cached(xr + kk), load_weight(norm.weight + 8 * t + kk), inv_rms);
                 }
             }
-            if constexpr (MODE == XLoad::rms_norm) mma_pair(acc, wv0[u], wv1[u], xv[u]);
+            if constexpr (ONE_BY_ONE) mma_pair(acc, wv0[u], wv1[u], xv[u]);
         }
-        if constexpr (MODE == XLoad::plain) {
+        if constexpr (!ONE_BY_ONE) {
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) mma_pair(acc, wv0[u], wv1[u], xv[u]);
         }
@@ -255,6 +262,7 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
     // and every lane takes part in the shuffles; rows*16 is a multiple of 16, so a half warp is
     // all live or all not.
     const int rows = m < 8 ? m : 8;   // m <= 8 is checked in Python; never read past the tile
+    const Tile tile = cta_tile<EPI>(blockIdx.x, n, rope.head_dim);   // again: nothing lives across the loop
     for (int i0 = 0; i0 < rows * ROWS_PER_CTA; i0 += blockDim.x) {
         const int i = i0 + threadIdx.x;
         const bool live = i < rows * ROWS_PER_CTA;
@@ -322,9 +330,20 @@ gemv_bf16(void* __restrict__ y, const bf16* __restrict__ x, const bf16* __restri
                                              RopeArgs{});
 }
 
-// qkv = bf16(RMSNorm(x) * norm_w) @ W^T, then RoPE on its q and k heads (q rotated in place; k
-// rotated into k_cache, v into v_cache at slot_mapping): rms_norm, gemv_bf16 and rope_write_kv in
-// one launch, the same bits. x: the residual stream [m, k]; ss_in: its chunk sums [m, ceil(k/16)].
+// qkv = X @ W^T, then RoPE on its q and k heads (q rotated in place; k rotated into k_cache, v into
+// v_cache at slot_mapping): gemv_bf16 and rope_write_kv in one launch, the same bits.
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const bf16* __restrict__ w,
+                  int m, int n, int k, bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                  const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                  int num_q_heads, int num_kv_heads, int head_dim) {
+    gemv_body<XLoad::plain, Epilogue::rope_kv>(
+        qkv, x, NormArgs{}, w, m, n, k, 0, 0, nullptr,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim});
+}
+
+// gemv_rope_kv_bf16 of X = bf16(RMSNorm(x) * norm_w): rms_norm, gemv_bf16 and rope_write_kv in one
+// launch, the same bits. x: the residual stream [m, k]; ss_in: its chunk sums [m, ceil(k/16)].
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_norm_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
                        const float* ss_in, const bf16* __restrict__ w, int m, int n, int k, float eps,
@@ -336,8 +355,16 @@ gemv_norm_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const
         RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim});
 }
 
-// act = silu(gate) * up of gate_up = bf16(RMSNorm(x) * norm_w) @ W^T, W = [gate; up] ([n, k], gate
-// rows first): rms_norm, gemv_bf16 and silu_mul in one launch, the same bits. act: [m, n/2].
+// act = silu(gate) * up of gate_up = X @ W^T, W = [gate; up] ([n, k], gate rows first): gemv_bf16
+// and silu_mul in one launch, the same bits. act: [m, n/2].
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ w,
+                   int m, int n, int k) {
+    gemv_body<XLoad::plain, Epilogue::silu_mul>(act, x, NormArgs{}, w, m, n, k, 0, 0, nullptr, RopeArgs{});
+}
+
+// gemv_silu_mul_bf16 of X = bf16(RMSNorm(x) * norm_w) (ss_in as above): rms_norm, gemv_bf16 and
+// silu_mul in one launch, the same bits.
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_norm_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
                         const float* ss_in, const bf16* __restrict__ w, int m, int n, int k, float eps) {
