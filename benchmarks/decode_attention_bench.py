@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPES = {"1B": (32, 8, 64), "8B": (32, 8, 128)}   # q heads, kv heads, head_dim
+SHAPES = {"1B": (32, 8, 64), "8B": (32, 8, 128), "135M": (9, 3, 64)}   # q heads, kv heads, head_dim
 BLOCK_SIZE = 16
 ROTATE_BYTES = 256 << 20
 MAX_COPIES = 16
@@ -35,8 +35,9 @@ MIN_CALLS = 16
 WARMUP, REPS = 3, 20
 
 
-def bench_case(drv, ops, stream, rng, hq, hkv, d, batch, context) -> tuple[float, float, int]:
-    """(µs per launch, effective TB/s, grid splits) for one shape, batch and context."""
+def bench_case(drv, ops, stream, rng, hq, hkv, d, batch, context, splits=None) -> tuple[float, float, int]:
+    """(µs per launch, effective TB/s, grid splits) for one shape, batch and context; splits:
+    the grid's split count (None: the launcher's choice, as the model runs it)."""
     import ml_dtypes
 
     from tinyvllm.gpu.graphs import CudaGraph
@@ -73,13 +74,13 @@ def bench_case(drv, ops, stream, rng, hq, hkv, d, batch, context) -> tuple[float
     part_out = alloc(batch * hq * MAX_DECODE_SPLITS * d * 4)
     part_ml = alloc(batch * hq * MAX_DECODE_SPLITS * 2 * 4)
     counters = upload(np.zeros(batch * hkv, np.int32))
-    splits = ops.decode_splits(batch, hkv)
+    splits = splits or ops.decode_splits(batch, hkv)
 
     def launch(i):
         k, v = caches[i % copies]
         ops.attention_decode(out, part_out, part_ml, counters, q, hq * d, k, v, tables, width, ctx,
                              num_seqs=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                             block_size=BLOCK_SIZE, scale=1 / math.sqrt(d))
+                             block_size=BLOCK_SIZE, scale=1 / math.sqrt(d), splits=splits)
 
     launch(0)                       # outside the capture: compile, load, shared-memory opt-in
     stream.synchronize()
@@ -107,7 +108,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--context", type=int, nargs="+", default=[256, 1024, 4096])
-    ap.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shape", nargs="+", default=["1B", "8B"], choices=list(SHAPES))
+    ap.add_argument("--splits", type=int, nargs="+", default=[0],
+                    help="grid split counts to time (0: the launcher's choice, the default)")
     args = ap.parse_args()
     import pycuda.driver as drv
 
@@ -126,8 +129,9 @@ def main() -> None:
             hq, hkv, d = SHAPES[shape]
             for batch in args.batch:
                 for context in args.context:
-                    us, tbs, splits = bench_case(drv, ops, stream, rng, hq, hkv, d, batch, context)
-                    print(f"{shape:<5} {batch:>6} {context:>8} {splits:>7} {us:>10.2f} {tbs:>10.2f}", flush=True)
+                    for want in args.splits:
+                        us, tbs, splits = bench_case(drv, ops, stream, rng, hq, hkv, d, batch, context, want or None)
+                        print(f"{shape:<5} {batch:>6} {context:>8} {splits:>7} {us:>10.2f} {tbs:>10.2f}", flush=True)
 
 
 if __name__ == "__main__":

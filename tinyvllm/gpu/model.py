@@ -77,11 +77,13 @@ class LlamaModel:
         c, w, ops = self.cfg, self.w, self.ops
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
         fused = not step.is_prefill and ops.fuses_decode(T, H, self.qkv_width, I, c.head_dim)
+        # the RMSNorm chunk sums of `hidden` are stored only for a norm that goes inside a GEMV
+        norm_in_qkv = fused and ops.fuses_norm(self.qkv_width, H)
         ops.embedding(self.hidden, w.embed, self.token_ids, T, H, c.vocab_size,
-                      ss_out=self.residual_ss if fused else 0)
+                      ss_out=self.residual_ss if norm_in_qkv else 0)
         for layer, lw in enumerate(w.layers):
             if fused:
-                self._decode_layer_fused(step, layer, lw)
+                self._decode_layer_fused(step, layer, lw, last=layer == len(w.layers) - 1)
                 continue
             ops.rms_norm(self.normed, self.hidden, lw.input_norm, T, H, eps)
             ops.linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H)
@@ -97,28 +99,31 @@ class LlamaModel:
         ops.rms_norm(self.final_normed, self.hidden, w.final_norm, S, H, eps, rows=self.last_token_idx)
         ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32")
 
-    def _decode_layer_fused(self, step: StepShape, layer: int, lw) -> None:
+    def _decode_layer_fused(self, step: StepShape, layer: int, lw, last: bool) -> None:
         """One layer in five to seven launches (the norms go inside the GEMVs where
         ops.fuses_norm says it pays); the same bits as the nine of forward()."""
         c, w, ops = self.cfg, self.w, self.ops
-        T, H, I, eps, ss = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps, self.residual_ss
+        T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
+        norm_in_qkv, norm_in_gate_up = ops.fuses_norm(self.qkv_width, H), ops.fuses_norm(2 * I, H)
 
-        def normed_input(norm_weight, n: int):
+        def normed_input(norm_weight, inside: bool):
             """(X, norm) for the next GEMV: the residual stream and its norm, or `normed`."""
-            if ops.fuses_norm(n, H):
-                return self.hidden, (norm_weight, ss, eps)
+            if inside:
+                return self.hidden, (norm_weight, self.residual_ss, eps)
             ops.rms_norm(self.normed, self.hidden, norm_weight, T, H, eps)
             return self.normed, None
 
-        x, norm = normed_input(lw.input_norm, self.qkv_width)
+        x, norm = normed_input(lw.input_norm, norm_in_qkv)
         ops.gemv_rope_kv(self.qkv, x, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),  # qkv, rope
                          self.positions, self.slot_mapping, w.rope_inv_freq, num_q_heads=c.num_attention_heads,
                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, norm=norm)
         self._attention(step, layer)
-        ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True, ss_out=ss)
-        x, norm = normed_input(lw.post_norm, 2 * I)
+        ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True,
+                   ss_out=self.residual_ss if norm_in_gate_up else 0)
+        x, norm = normed_input(lw.post_norm, norm_in_gate_up)
         ops.gemv_silu_mul(self.act, x, lw.gate_up, T, 2 * I, H, norm=norm)                           # gate_up, silu
-        ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True, ss_out=ss)
+        ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True,
+                   ss_out=self.residual_ss if norm_in_qkv and not last else 0)
 
     def _attention(self, step: StepShape, layer: int) -> None:
         c = self.cfg
