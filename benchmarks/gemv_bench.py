@@ -1,6 +1,8 @@
 """Gemv (cuda/gemv.cu) vs cuBLAS at the Llama-3.2-1B decode projections, M in {1, 2, 4, 8}.
 
-    source .gpu/gpu-env.sh && python3 benchmarks/gemv_bench.py
+    source .gpu/gpu-env.sh && python3 benchmarks/gemv_bench.py [--shapes 1b|135m]
+
+(--shapes 135m: the SmolLM2-135M projections and its 49,152 x 576 LM head instead.)
 
 GPU time per call the way PERF-FACTS.md measures cuBLAS: R calls are captured into one CUDA graph
 (driver API through ctypes; PyCUDA has no graph binding), the graph is replayed 3 times to warm
@@ -33,6 +35,13 @@ SHAPES = [  # name, N (out), K (in), accumulate, out dtype
     ("gate_up", 16384, 2048, False, "bfloat16"),
     ("down", 2048, 8192, True, "bfloat16"),
     ("lm_head", 128256, 2048, False, "float32"),
+]
+SHAPES_135M = [
+    ("qkv", 960, 576, False, "bfloat16"),
+    ("o", 576, 576, True, "bfloat16"),
+    ("gate_up", 3072, 576, False, "bfloat16"),
+    ("down", 576, 1536, True, "bfloat16"),
+    ("lm_head", 49152, 576, False, "float32"),
 ]
 LAYERS = 16
 MS = (1, 2, 4, 8)
@@ -104,6 +113,11 @@ def time_calls(drv, stream, enqueue, calls: int) -> float:
 
 
 def main() -> None:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", choices=("1b", "135m"), default="1b")
+    small = ap.parse_args().shapes == "135m"
+    shapes, layers = (SHAPES_135M, 30) if small else (SHAPES, LAYERS)
     import ml_dtypes
     import pycuda.driver as drv
 
@@ -130,7 +144,7 @@ def main() -> None:
 
         rng = np.random.default_rng(0)
         rows = []
-        for name, n, k, accumulate, out_dtype in SHAPES:
+        for name, n, k, accumulate, out_dtype in shapes:
             nbytes = n * k * 2
             copies = max(1, math.ceil(ROTATE_BYTES / nbytes))
             calls = max(copies, MIN_CALLS)
@@ -201,9 +215,9 @@ def main() -> None:
                   f"{t_pf:8.2f} {diff:8.1e}")
         for m in MS:
             per = {name: (t, tb) for name, _, _, mm, t, _, _, _, _, tb, _ in rows if mm == m}
-            ours = LAYERS * sum(per[s][0] for s in ("qkv", "o", "gate_up", "down")) + per["lm_head"][0]
-            theirs = LAYERS * sum(per[s][1] for s in ("qkv", "o", "gate_up", "down")) + per["lm_head"][1]
-            print(f"decode step GEMMs at M={m} (16 layers + lm_head): ours {ours:.0f} us "
+            ours = layers * sum(per[s][0] for s in ("qkv", "o", "gate_up", "down")) + per["lm_head"][0]
+            theirs = layers * sum(per[s][1] for s in ("qkv", "o", "gate_up", "down")) + per["lm_head"][1]
+            print(f"decode step GEMMs at M={m} ({layers} layers + lm_head): ours {ours:.0f} us "
                   f"({1e6 / ours:.0f} steps/s), cuBLAS {theirs:.0f} us ({1e6 / theirs:.0f} steps/s)")
     finally:
         drv.Context.synchronize()
