@@ -162,9 +162,10 @@ def test_attention_prefill_long(gpu, rng, hq, hkv, d, block_size):
 
 
 # The contexts the decode kernel's split and step arithmetic can get wrong: 1 token, either side
-# of one 16-token warp step and of the 64-token minimum split, one past two and four splits, a
-# split count that does not divide the context, and 5,000 (many steps per warp).
-DECODE_CONTEXTS = [1, 15, 16, 17, 63, 64, 65, 128, 129, 257, 1024, 4129, 5000]
+# of one 16-token warp step and of the 64-token minimum split, either side of the one-split
+# limit (256: shorter contexts run one split whatever the grid), a split count that does not
+# divide the context, and 5,000 (many steps per warp).
+DECODE_CONTEXTS = [1, 15, 16, 17, 63, 64, 65, 128, 129, 256, 257, 1024, 4129, 5000]
 # batch -> block size: the 7-sequence batch pages every token separately (a step spans 16 pages)
 DECODE_BATCHES = {1: 16, 7: 1, 256: 32}
 

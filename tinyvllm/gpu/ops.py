@@ -56,6 +56,7 @@ MAX_DECODE_SPLITS = DECODE["MAX_SPLITS"]   # flash-decoding splits per sequence;
 GEMV_MAX_ROWS = 8            # the GEMV's m limit (x rows held in one m16n8k16 tile's n = 8)
 GEMV_MAX_K = 1 << 26         # its int step arithmetic (steps * warps) stays below 2^31
 GEMV_WARPS_PER_SM = 32       # residency at its 64 registers per thread
+GEMV_MIN_STEPS_PER_WARP = 2  # gemv_k_warps(): the fewest 32-wide k steps a warp is left with
 # cuBLAS streams the 525 MB LM head at 4.1 TB/s, our GEMV at 3.8 (benchmarks/gemv_bench.py,
 # H200, 2026-12-02): the GEMV serves the per-layer projections only.
 GEMV_MAX_N = 32768
@@ -253,12 +254,15 @@ class GpuOps:
 
     def gemv_k_warps(self, n: int, k: int) -> int:
         """Warps per CTA splitting K: double while the grid stays within one full wave
-        (num_sms * 32 warps) and every warp keeps at least one full batch of UNROLL steps.
-        Llama-3.2-1B on 132 SMs: qkv, o -> 16; down -> 32; gate_up -> 4; lm_head -> 1."""
+        (num_sms * 32 warps) and every warp keeps at least GEMV_MIN_STEPS_PER_WARP steps.
+        Llama-3.2-1B on 132 SMs: qkv -> 16, o -> 32, down -> 32, gate_up -> 4; SmolLM2-135M:
+        qkv, o, gate_up -> 8, down -> 16. More warps put more of a small matrix in flight at once:
+        at SmolLM2's shapes 8-16 warps of ~2 steps beat 4 of ~4 by 0.6-1.0 us per call
+        (benchmarks/gemv_bench.py --shapes 135m, H200, docs/perf-notes.md)."""
         ctas, steps = math.ceil(n / GEMV["ROWS_PER_CTA"]), math.ceil(k / GEMV["STEP_K"])
         kw = 1
         while (kw < GEMV["MAX_K_WARPS"] and ctas * kw * 2 <= self.num_sms * GEMV_WARPS_PER_SM
-               and steps >= kw * 2 * GEMV["UNROLL"]):
+               and steps >= kw * 2 * GEMV_MIN_STEPS_PER_WARP):
             kw *= 2
         return kw
 

@@ -7,8 +7,9 @@
 // that share one kv head, so each K/V row is read from memory once per GQA group.
 //
 // Splits. The grid's split count is fixed per batch size (a CUDA graph fixes the grid); a
-// sequence uses num_splits = min(max_splits, ceil(context / MIN_SPLIT_TOKENS)) of them, each of
-// per_split tokens (a multiple of STEP), and the surplus blocks leave at once. The count depends
+// sequence uses num_splits = min(max_splits, ceil(context / MIN_SPLIT_TOKENS)) of them (one for
+// a context of at most ONE_SPLIT_TOKENS), each of per_split tokens (a multiple of STEP), and the
+// surplus blocks leave at once. The count depends
 // only on the batch size and the context, never on timing, so results are deterministic.
 //
 // Inside a block each warp owns every WARPS-th step of STEP = 16 tokens of the block's split and
@@ -45,6 +46,11 @@ constexpr int WARPS = THREADS / 32;
 constexpr int STEP = 16;                          // tokens per warp step: the MMA's M
 constexpr int STAGES = 3;                         // cp.async ring depth per warp
 constexpr int MIN_SPLIT_TOKENS = WARPS * STEP;    // a split gives every warp at least one step
+// Contexts up to ONE_SPLIT_TOKENS run in one split: at batch 1 on the H200 one block over 256
+// tokens took 4.07 us (SmolLM2 shapes) / 4.14 us (Llama-1B) against 4.6-4.9 us with the four
+// 64-token splits and their merge (benchmarks/decode_attention_bench.py --splits, perf-notes):
+// the merge's extra round trip through L2 costs more than the parallel blocks save.
+constexpr int ONE_SPLIT_TOKENS = 256;
 constexpr int MAX_SPLITS = 32;                    // the merge gives each split one lane
 constexpr int MERGE_UNROLL = 8;                   // partials each merging thread loads at once
 constexpr int SMEM_BYTES_PER_DIM = WARPS * STAGES * STEP * 2 * 2;   // x head_dim: K and V rows, bf16
@@ -123,7 +129,8 @@ __device__ __forceinline__ void decode_attention(
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
     const int ctx = context_lens[seq];
-    const int wanted = max(1, min(min((int)gridDim.z, MAX_SPLITS), (ctx + MIN_SPLIT_TOKENS - 1) / MIN_SPLIT_TOKENS));
+    const int wanted = ctx <= ONE_SPLIT_TOKENS
+        ? 1 : max(1, min(min((int)gridDim.z, MAX_SPLITS), (ctx + MIN_SPLIT_TOKENS - 1) / MIN_SPLIT_TOKENS));
     const int per_split = max(STEP, ((ctx + wanted - 1) / wanted + STEP - 1) / STEP * STEP);
     const int num_splits = max(1, (ctx + per_split - 1) / per_split);   // no split is left empty
     if (split >= num_splits) return;

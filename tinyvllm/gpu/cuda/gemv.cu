@@ -165,6 +165,8 @@ __device__ __forceinline__ float lane_inv_rms(const NormArgs& norm, int m, int k
     return mine;
 }
 
+__device__ __forceinline__ void prefetch_l1(const bf16* p) { asm volatile("prefetch.global.L1 [%0];" :: "l"(p)); }
+
 // norm weight: written by no kernel, re-read by every CTA: the read-only cached path
 __device__ __forceinline__ uint4 load_weight(const bf16* p) {
     return __ldg(reinterpret_cast<const uint4*>(p));
@@ -223,9 +225,21 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             if (in && w_ok1) wv1[u] = load_stream(w1 + kk);
         }
         if (s0 == s_begin) {
+            // The norm's first chunks of X and of its weight go to L1 while the chunk sums are
+            // summed, so the norm costs one L2 round trip after the wait, not two in a row.
+            if constexpr (MODE == XLoad::rms_norm) {
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u)   // the norm weight is no kernel's output: before the wait
+                    if (s0 + u < s_end && (s0 + u) * STEP_K + 8 * t < k && x_ok)
+                        prefetch_l1(norm.weight + 8 * t + (s0 + u) * STEP_K);
+            }
             wait_for_producer();   // X (and the norm's chunk sums) are the previous kernel's output
-            // the chunk sums are ceil(k/16) floats per row: one L2 round trip, under the W loads
-            if constexpr (MODE == XLoad::rms_norm) inv_rms = lane_inv_rms(norm, m, k, lane);
+            if constexpr (MODE == XLoad::rms_norm) {
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u)
+                    if (s0 + u < s_end && (s0 + u) * STEP_K + 8 * t < k && x_ok) prefetch_l1(xr + (s0 + u) * STEP_K);
+                inv_rms = lane_inv_rms(norm, m, k, lane);   // ceil(k/16) floats per row
+            }
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
