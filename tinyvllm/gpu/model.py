@@ -14,13 +14,15 @@ Per layer (T new tokens; residual stream `hidden` in bf16):
     hidden  += act @ Wdown^T                            linear, beta = 1
 then the final norm of each sequence's last token and the LM head (fp32 logits, S rows only).
 
-At decode (every projection on our GEMV, T <= 8) the same nine steps run as five to seven
-launches (_decode_layer_fused; TINYVLLM_FUSE=0 keeps the nine, with the same bits): RoPE +
-cache write move into the qkv GEMV's epilogue, silu_mul into the gate_up GEMV's epilogue, and
-the norm into the qkv / gate_up GEMVs' X load where ops.fuses_norm says that pays; the GEMVs
-that write `hidden` (and the embedding) store its rows' RMSNorm chunk sums (`residual_ss`), so
-a fused norm adds ceil(H / 16) numbers instead of re-reading the row. A batch-1 step is
-launch-bound (docs/perf-notes.md): fewer launches per layer is the point.
+At decode (every projection on our GEMV, T <= 8) the same nine steps run as seven launches
+(_decode_layer_fused; TINYVLLM_FUSE=0 keeps the nine, with the same bits): RoPE + cache write
+move into the qkv GEMV's epilogue and silu_mul into the gate_up GEMV's epilogue, which removes
+two dependent stages per layer (a batch-1 step is launch-bound: docs/perf-notes.md). The norms
+stay separate launches: under programmatic dependent launch a norm runs while the GEMV after
+it is already streaming its weights, so it costs almost nothing, and folding it into the GEMV
+measured slower. TINYVLLM_FUSE_NORM=auto|all (ops.fuses_norm) folds it in anyway: the GEMVs
+that write `hidden` (and the embedding) then store its rows' RMSNorm chunk sums (`residual_ss`)
+and the next GEMV normalises X as it loads it.
 
 "linear" is gpu/ops.py's linear(): our GEMV for decode batches of at most 8 tokens, cuBLAS
 else. Every kernel is launched through its typed launcher in gpu/ops.py (the same ones the GPU
@@ -100,8 +102,8 @@ class LlamaModel:
         ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32")
 
     def _decode_layer_fused(self, step: StepShape, layer: int, lw, last: bool) -> None:
-        """One layer in five to seven launches (the norms go inside the GEMVs where
-        ops.fuses_norm says it pays); the same bits as the nine of forward()."""
+        """One layer in seven launches (five with the norms inside the GEMVs, ops.fuses_norm);
+        the same bits as the nine of forward()."""
         c, w, ops = self.cfg, self.w, self.ops
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
         norm_in_qkv, norm_in_gate_up = ops.fuses_norm(self.qkv_width, H), ops.fuses_norm(2 * I, H)

@@ -23,11 +23,11 @@ callable that repeats it (benchmarks/decode_profile.py times ops so; trace.py pr
     (cuBLAS)          cublasGemmEx     linear()              X @ W^T in numpy                   test_gpu_kernels::test_linear
 
 The fused decode layer (`fuse`, on by default; TINYVLLM_FUSE=0 turns it off): when every
-projection of a step runs on the GEMV (decode, m <= 8), a layer is five to seven launches instead
-of nine — [rms_norm,] gemv_rope_kv (qkv + rope_write_kv), attention, gemv o (+ residual, + the
-chunk sums of the new residual row), [rms_norm,] gemv_silu_mul (gate_up + silu_mul), gemv down
-(+ residual, + chunk sums); embedding() stores the first chunk sums, and fuses_norm() decides
-where the norm goes inside the GEMV. Same bits as the nine (common.cuh shares the arithmetic;
+projection of a step runs on the GEMV (decode, m <= 8), a layer is seven launches instead
+of nine — rms_norm, gemv_rope_kv (qkv + rope_write_kv), attention, gemv o (+ residual),
+rms_norm, gemv_silu_mul (gate_up + silu_mul), gemv down (+ residual). With TINYVLLM_FUSE_NORM
+(fuses_norm(), opt-in: measured slower) the norms go inside the GEMVs too: the o / down GEMVs
+and embedding() then store the RMSNorm chunk sums of the rows they write. Same bits as the nine (common.cuh shares the arithmetic;
 test_gpu_fused and test_gpu_model check it).
 
 `linear()` is THE projection: Y[m, n] (+)= X[m, k] @ W[n, k]^T, on our GEMV for decode batches of
@@ -86,7 +86,7 @@ class GpuOps:
         # the fused decode layer (module docstring; model.py); TINYVLLM_FUSE=0 runs the nine
         # separate launches per layer instead (the same bits)
         self.fuse = os.environ.get("TINYVLLM_FUSE", "1") != "0" if fuse is None else fuse
-        self.fuse_norm = os.environ.get("TINYVLLM_FUSE_NORM", "auto")      # fuses_norm()
+        self.fuse_norm = os.environ.get("TINYVLLM_FUSE_NORM", "none")      # fuses_norm()
         if self.fuse_norm not in ("auto", "all", "none"):
             raise ValueError(f"TINYVLLM_FUSE_NORM must be auto, all or none, got {self.fuse_norm!r}")
         self.stream_handle = stream.handle if stream is not None else 0
@@ -229,11 +229,14 @@ class GpuOps:
 
     def fuses_norm(self, n: int, k: int) -> bool:
         """Whether the fused decode layer folds the RMSNorm before an [n, k] projection into the
-        GEMV's X load (else a separate rms_norm launch). Every CTA normalises all of X again:
-        ceil(n / 16) * k values; the separate norm costs one ~1.4 us launch. Measured on the
-        H200 at batch 1 (docs/perf-notes.md): Llama-1B qkv (192 CTAs x 2048 = 0.4 M) gained,
-        gate_up (1024 x 2048 = 2.1 M) lost ~5 us per launch. fuse_norm: "auto" (that rule),
-        "all", "none" (TINYVLLM_FUSE_NORM)."""
+        GEMV's X load (from the chunk sums its producer stored) instead of a separate rms_norm
+        launch. Off by default (fuse_norm "none"): measured on the H200 at batch 1, the separate
+        norm costs almost nothing under PDL — it runs while the GEMV after it is already
+        streaming its weights — and the fused one adds a round trip after the GEMV's wait and
+        a normalisation of all of X in every CTA (SmolLM2: 0.531 ms per step with it off,
+        0.566 on; Llama-1B 0.927 off, 0.917 with it in qkv only, 1.229 everywhere;
+        docs/perf-notes.md). TINYVLLM_FUSE_NORM: "none" (default), "auto" (only GEMVs whose
+        CTAs normalise at most NORM_FUSE_MAX_VALUES values in all), "all"."""
         if self.fuse_norm in ("all", "none"):
             return self.fuse_norm == "all"
         return math.ceil(n / GEMV["ROWS_PER_CTA"]) * k <= NORM_FUSE_MAX_VALUES
