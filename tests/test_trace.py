@@ -120,7 +120,7 @@ def test_gpu_trace_names_every_argument(tiny_model_dir):
     # o, norm, gate_up + silu, down
     L = config.num_hidden_layers
     assert decode.count("gemv_rope_kv_bf16  grid") == L and decode.count("gemv_silu_mul_bf16  grid") == L
-    assert re.search(r"k_cache\s+W\s+kv\.k\(0\)", decode) and not re.search(r"ss_out\s+W", decode)
+    assert re.search(r"k_cache\s+W\s+kv\.k\(0\)", decode) and "residual_ss" not in decode
     assert "silu_mul  grid" not in decode and "rope_write_kv" not in decode
     assert decode.count("rms_norm  grid") == 2 * L + 1     # the norms stay separate (ops.fuses_norm)
     assert "attention_decode_d64_g2" in decode and "sample_tokens" in decode
