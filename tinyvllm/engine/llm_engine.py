@@ -326,7 +326,10 @@ class LLMEngine:
 
     def _fail_non_finite(self, batch: ScheduledBatch, tokens: np.ndarray) -> None:
         """The sampler's id is -1 for a row whose logits held NaN or +inf (or no finite value)."""
-        for i in np.flatnonzero(np.asarray(tokens) < 0):
+        tokens = np.asarray(tokens)
+        if not tokens.size or tokens.min() >= 0:     # the every-step case, in one numpy call
+            return
+        for i in np.flatnonzero(tokens < 0):
             seq = batch.seqs[int(i)]
             self._fail(seq, "the model produced non-finite logits (NaN or inf) for this request")
 
