@@ -157,8 +157,8 @@ def time_prefill(runner, batch, repeats: int = 5) -> float:
     return float(np.median(times))
 
 
-FUSE_CONFIGS = [("TINYVLLM_FUSE=0", False, "auto"), ("fused, TINYVLLM_FUSE_NORM=none", True, "none"),
-                ("fused (default: norm auto)", True, "auto"), ("fused, TINYVLLM_FUSE_NORM=all", True, "all")]
+FUSE_CONFIGS = [("TINYVLLM_FUSE=0", False, "auto"), ("fused (default: TINYVLLM_FUSE_NORM=none)", True, "none"),
+                ("fused, TINYVLLM_FUSE_NORM=auto", True, "auto"), ("fused, TINYVLLM_FUSE_NORM=all", True, "all")]
 
 
 def compare_fuse(runner, batch, num_layers: int) -> None:
@@ -178,7 +178,7 @@ def compare_fuse(runner, batch, num_layers: int) -> None:
             runner.ops.fuse, runner.ops.fuse_norm = fuse, fuse_norm
             recapture()
             graph = time_steps(runner, batch, replay=True)
-            ops = per_op_times(runner, batch) if name in (FUSE_CONFIGS[0][0], FUSE_CONFIGS[2][0]) else None
+            ops = per_op_times(runner, batch) if name in (FUSE_CONFIGS[0][0], FUSE_CONFIGS[1][0]) else None
             rows[name] = (graph, graph_gpu_time(runner, batch), ops)
     finally:
         runner.ops.fuse, runner.ops.fuse_norm = was
