@@ -22,6 +22,7 @@ import numpy as np
 from tinyvllm.checkpoint.weights import load_weights
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
+from tinyvllm.gpu.ops import FUSE_NORM_DEFAULT
 
 
 def decode_batch(num_seqs: int, context: int, block_size: int, rng) -> ForwardBatch:
@@ -157,8 +158,10 @@ def time_prefill(runner, batch, repeats: int = 5) -> float:
     return float(np.median(times))
 
 
-FUSE_CONFIGS = [("TINYVLLM_FUSE=0", False, "auto"), ("fused (default: TINYVLLM_FUSE_NORM=none)", True, "none"),
-                ("fused, TINYVLLM_FUSE_NORM=auto", True, "auto"), ("fused, TINYVLLM_FUSE_NORM=all", True, "all")]
+# (label, ops.fuse, ops.fuse_norm); the fused row at ops' own default is marked, and gets a per-op table
+FUSE_CONFIGS = [("TINYVLLM_FUSE=0", False, FUSE_NORM_DEFAULT)] + [
+    (f"fused, TINYVLLM_FUSE_NORM={norm}{' (default)' if norm == FUSE_NORM_DEFAULT else ''}", True, norm)
+    for norm in ("none", "auto", "all")]
 
 
 def compare_fuse(runner, batch, num_layers: int) -> None:
@@ -178,14 +181,14 @@ def compare_fuse(runner, batch, num_layers: int) -> None:
             runner.ops.fuse, runner.ops.fuse_norm = fuse, fuse_norm
             recapture()
             graph = time_steps(runner, batch, replay=True)
-            ops = per_op_times(runner, batch) if name in (FUSE_CONFIGS[0][0], FUSE_CONFIGS[1][0]) else None
+            ops = per_op_times(runner, batch) if not fuse or fuse_norm == FUSE_NORM_DEFAULT else None
             rows[name] = (graph, graph_gpu_time(runner, batch), ops)
     finally:
         runner.ops.fuse, runner.ops.fuse_norm = was
         recapture()
-    print(f"\nfusion at batch {batch.num_seqs}: {'':<12} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}")
+    print(f"\nfusion at batch {batch.num_seqs}: {'':<24} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}")
     for name, (graph, gpu, _) in rows.items():
-        print(f"{name:<32} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}")
+        print(f"{name:<44} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}")
     for name, (_, _, ops) in rows.items():
         if ops is not None:
             print_ops(ops, f"one decode step, batch {batch.num_seqs}, {name}", per_layer=num_layers)

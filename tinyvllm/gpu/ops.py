@@ -41,6 +41,8 @@ import os
 
 from tinyvllm.gpu.kernels import KernelLibrary, kernel_constants
 
+# TINYVLLM_FUSE_NORM when unset: the norms stay separate launches (fuses_norm() says why)
+FUSE_NORM_DEFAULT = "none"
 EMBEDDING = kernel_constants("embedding.cu")
 RMS_NORM = kernel_constants("rmsnorm.cu")
 ROPE = kernel_constants("rope_kv.cu")
@@ -86,7 +88,7 @@ class GpuOps:
         # the fused decode layer (module docstring; model.py); TINYVLLM_FUSE=0 runs the nine
         # separate launches per layer instead (the same bits)
         self.fuse = os.environ.get("TINYVLLM_FUSE", "1") != "0" if fuse is None else fuse
-        self.fuse_norm = os.environ.get("TINYVLLM_FUSE_NORM", "none")      # fuses_norm()
+        self.fuse_norm = os.environ.get("TINYVLLM_FUSE_NORM", FUSE_NORM_DEFAULT)   # fuses_norm()
         if self.fuse_norm not in ("auto", "all", "none"):
             raise ValueError(f"TINYVLLM_FUSE_NORM must be auto, all or none, got {self.fuse_norm!r}")
         self.stream_handle = stream.handle if stream is not None else 0
