@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.reference.numpy_runner import NumpyRunner
 from tinyvllm.reference.sampling import sample
 
@@ -54,7 +55,7 @@ def hash_generate(prompt, max_new: int) -> list[int]:
     return tokens[len(prompt):]
 
 
-class ContextHashRunner:
+class ContextHashRunner(ModelRunner):
     """A ModelRunner whose K/V are the token ids themselves: each step writes the new tokens at
     their slots, reads every sequence's whole context back through its block table (asserting
     each slot was written) and returns context_hash(context); POISONED_SEED rows get -1, as

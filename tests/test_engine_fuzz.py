@@ -67,6 +67,7 @@ INVALID = [
 def check_blocks(engine) -> None:
     bm = engine.block_manager
     seqs = [seq for request in engine._requests.values() for seq in request.seqs]
+    ahead = set(engine._ahead[0].seqs) if engine._ahead is not None else set()
     held = collections.Counter(b for seq in seqs for b in seq.block_table)
     free = set(bm._free)
     assert not free & held.keys(), "a held KV block is in the free queue"
@@ -86,9 +87,10 @@ def check_blocks(engine) -> None:
             row = bm.tables[seq.block_table_row]
             assert row[:len(seq.block_table)].tolist() == seq.block_table
             assert (row[len(seq.block_table):] == -1).all()
-        # the table covers every token with K/V and at most the tokens the sequence has
+        # the table covers every token with K/V and at most the tokens the sequence has (one
+        # more for a sequence in a step launched ahead: the token it is computing)
         assert -(-seq.num_cached_tokens // bm.block_size) <= len(seq.block_table) <= \
-            -(-seq.num_tokens // bm.block_size)
+            -(-(seq.num_tokens + (seq in ahead)) // bm.block_size)
     if not engine.has_unfinished_requests():
         assert bm.num_free_blocks == bm.num_blocks, "blocks leaked while idle"
 
@@ -216,16 +218,21 @@ def run_machine(engine, prompts, greedy, examples, steps=FUZZ_STEPS, preemptions
     assert np.all(engine.block_manager.tables == -1)
 
 
-def test_fuzzed_engine_over_the_context_hash_model(tiny_model_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_fuzzed_engine_over_the_context_hash_model(tiny_model_dir, async_scheduling):
     runner = ContextHashRunner(OPTIONS["num_kv_blocks"], OPTIONS["block_size"])
-    engine = LLMEngine(tiny_model_dir, runner=runner, **OPTIONS)
+    engine = LLMEngine(tiny_model_dir, runner=runner, **OPTIONS, async_scheduling=async_scheduling)
     run_machine(engine, EngineMachine.prompts, lambda prompt: hash_generate(prompt, MAX_NEW), HASH_EXAMPLES)
+    print(f"async scheduling {async_scheduling}: {engine.num_steps_ahead} steps launched ahead, "
+          f"{engine.num_rows_thrown_away} rows thrown away")
+    assert (engine.num_steps_ahead > 0) == async_scheduling
 
 
 @pytest.mark.slow
-def test_fuzzed_engine_over_the_numpy_model(tiny_model_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_fuzzed_engine_over_the_numpy_model(tiny_model_dir, async_scheduling):
     base = LLMEngine(tiny_model_dir, **OPTIONS)
-    engine = LLMEngine(tiny_model_dir, runner=NaNRunner(base.runner), **OPTIONS)
+    engine = LLMEngine(tiny_model_dir, runner=NaNRunner(base.runner), **OPTIONS, async_scheduling=async_scheduling)
     rng = np.random.default_rng(0)
     pool = [[int(t) for t in rng.integers(1000, 100000, n)] for n in (1, 5, 13, 22, 31)]
     model = base.runner.model

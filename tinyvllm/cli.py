@@ -48,6 +48,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV blocks of prompt prefixes computed before (default: on)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each decode step before the previous one's tokens are read back, "
+                        "hiding the host's per-step work (default: on for cuda, off for cpu)")
 
 
 def _int_or_auto(text: str):
@@ -61,7 +64,8 @@ def _int_or_auto(text: str):
 
 def engine_options_from_args(args) -> dict:
     names = ("device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_gb",
-             "gpu_memory_utilization", "num_kv_blocks", "enforce_eager", "enable_prefix_caching")
+             "gpu_memory_utilization", "num_kv_blocks", "enforce_eager", "enable_prefix_caching",
+             "async_scheduling")
     options = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if options.get("device") == "cpu" and "gpu_memory_utilization" in options:
         raise TinyVLLMError("--gpu-memory-utilization sizes the GPU's KV cache; the cpu backend's "

@@ -178,6 +178,9 @@ class EngineConfig:
     device: str = "cuda"                 # or "cpu": the numpy reference backend
     seed: int = 0
     trace_steps: int = 0                 # print every kernel / cuBLAS call of the first N steps (trace.py)
+    async_scheduling: bool | None = None # launch each decode step before reading the last one back
+                                         # (engine/llm_engine.py); None: where the runner overlaps
+                                         # steps (cuda yes, cpu no)
     generation_config: str = "auto"      # sampling defaults: "auto" (the model's generation_config.json),
                                          # "vllm" (none: SamplingParams()), or a directory holding one
 
@@ -206,6 +209,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         _check_int("seed", self.seed, 0, 2**64 - 1)
         _check_int("trace_steps", self.trace_steps, 0, INT32_MAX)
+        if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
+            raise ValueError(f"async_scheduling must be true, false or None, got {self.async_scheduling!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a directory, "
                              f"got {self.generation_config!r}")

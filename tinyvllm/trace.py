@@ -23,6 +23,7 @@ import sys
 import numpy as np
 
 from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.model_report import arena_layout, device_weight_lines, kv_cache_lines, weight_label
 
@@ -60,8 +61,15 @@ def batch_lines(batch) -> list[str]:
             *(["  ..."] if len(batch.block_tables) > 4 else [])]
 
 
-class TracingRunner:
-    """Wraps a CudaRunner or NumpyRunner: the first `trace_steps` steps are printed, op by op."""
+class TracingRunner(ModelRunner):
+    """Wraps a CudaRunner or NumpyRunner: the first `trace_steps` steps are printed, op by op.
+    Its steps run one at a time (ModelRunner.launch's default: no async overlap), so that each
+    trace shows one step's launches in order."""
+
+    # the wrapped runner's (ModelRunner's class defaults would hide them from __getattr__)
+    supports_logprobs = property(lambda self: self.inner.supports_logprobs)
+    supports_prompt_logprobs = property(lambda self: self.inner.supports_prompt_logprobs)
+    last_logprobs = property(lambda self: self.inner.last_logprobs)
 
     def __init__(self, runner, config: ModelConfig, engine: EngineConfig, out=None):
         self.inner, self.cfg, self.engine_cfg = runner, config, engine
@@ -186,6 +194,9 @@ class TracingRunner:
         residual = any(lab and lab.endswith((".o", ".down")) for lab in labels)
         self._say(f"[{self.count}] {name}({described}) -> {result}    twin of {TWIN_OF[name]}"
                   + ("; then hidden += it (fused on the GPU: beta = 1)" if residual else ""))
+
+    def prompt_logits(self, token_ids):
+        return self.inner.prompt_logits(token_ids)
 
     def close(self) -> None:
         self.inner.close()

@@ -16,9 +16,16 @@ The paged KV cache (per layer, K and V each):  [num_blocks, block_size, kv_heads
 
 Attention for new token t of sequence i reads positions 0 .. position[t] (causal), i.e. the
 cached prefix and the new tokens up to itself, all through the block table.
+
+Fed tokens (async scheduling, engine/llm_engine.py): a decode step may be launched before the
+step before it has been read back. Its token ids are then not known on the host yet:
+fed_rows[t] = r >= 0 says token t is row r of the previous step's sampled ids, which the
+device reads where the previous step's sampler left them; -1 (or fed_rows None) says token t
+is token_ids[t].
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +40,7 @@ class ForwardBatch:
     context_lens: np.ndarray   # int32 [S], cached + new tokens
     block_tables: np.ndarray   # int32 [S, max_blocks], -1 padded
     is_prefill: bool
+    fed_rows: np.ndarray | None = None   # int32 [T]: see "Fed tokens" above; None: none fed
 
     @property
     def num_seqs(self) -> int:
@@ -41,6 +49,16 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def with_fed_ids(self, previous_ids: np.ndarray) -> ForwardBatch:
+        """This batch with its fed tokens resolved from the previous step's sampled ids (what
+        the device does in the embedding gather; used where the ids are known on the host)."""
+        if self.fed_rows is None:
+            return self
+        fed = self.fed_rows >= 0
+        ids = self.token_ids.copy()
+        ids[fed] = np.asarray(previous_ids, np.int32)[self.fed_rows[fed]]
+        return dataclasses.replace(self, token_ids=ids, fed_rows=None)
 
     @property
     def last_token_indices(self) -> np.ndarray:
@@ -324,12 +342,16 @@ class SamplingBatch:
                    edits=edits, logprobs=lp)
 
     @classmethod
-    def from_sequences(cls, seqs, eos_token_ids=()) -> SamplingBatch:
+    def from_sequences(cls, seqs, eos_token_ids=(), tokens_ahead: int = 0) -> SamplingBatch:
         """The step's sampling inputs for these sequences (ScheduledBatch.sampling_batch).
         Rows that use no penalty, bias or min_tokens add nothing to `edits`; a batch where
-        none does has edits None, and then the runner launches exactly the plain sampler."""
+        none does has edits None, and then the runner launches exactly the plain sampler.
+        tokens_ahead: tokens each sequence will have generated before this step that are not
+        in its token_ids yet (async scheduling's step launched ahead; plain rows only)."""
         p = [s.params for s in seqs]
         states = [s.sampler_state for s in seqs]
+        if tokens_ahead and states.count(PLAIN) != len(states):
+            raise ValueError("only plain-sampling rows can be sampled ahead of their last token")
         if states.count(PLAIN) == len(states):        # the common step: as before issue 11
             # built here with one numpy call per array: this runs every step, and at batch 1
             # build()'s generic conversions were a third of the engine's host time per step
@@ -338,7 +360,8 @@ class SamplingBatch:
                        top_k=np.array([x.top_k for x in p], np.int32),
                        top_p=np.array([x.top_p for x in p], np.float32),
                        seed=np.array([s.seed for s in seqs], np.uint64),
-                       step=np.array([len(s.token_ids) - s.num_prompt_tokens for s in seqs], np.int32),
+                       step=np.array([len(s.token_ids) - s.num_prompt_tokens + tokens_ahead for s in seqs],
+                                     np.int32),
                        min_p=np.zeros(len(p), np.float32))
         min_p = [x.min_p for x in p]
         logprobs = [x.logprobs for x in p]

@@ -198,10 +198,12 @@ class BlockManager:
         if not self.try_append_slot(seq):
             raise RuntimeError(f"append_slot({seq.request_id}): no free block")
 
-    def try_append_slot(self, seq: Sequence) -> bool:
+    def try_append_slot(self, seq: Sequence, num_tokens: int | None = None) -> bool:
         """can_append + append_slot in one call (the decode loop's, for every sequence every
-        step): False, changing nothing, when a block is needed and none is free."""
-        if -(-len(seq.token_ids) // self.block_size) <= len(seq.block_table):
+        step): False, changing nothing, when a block is needed and none is free. num_tokens:
+        the context to make room for (default: its token_ids; async scheduling's step ahead
+        asks for one more, the token not read back yet)."""
+        if -(-(num_tokens or len(seq.token_ids)) // self.block_size) <= len(seq.block_table):
             return True
         if not self._free:
             return False

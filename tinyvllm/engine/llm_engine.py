@@ -17,6 +17,25 @@ sample 0 of n>1 agree); aborting the request aborts every sample.
 Aborted requests: abort_request() frees the blocks at once; the next step() reports the request
 one last time with finished=True, finish_reason="abort".
 
+Async scheduling (EngineConfig.async_scheduling; on by default where the runner overlaps steps,
+i.e. on cuda): a decode step is launched before the step before it has been read back, so that
+the host's work of a step (scheduling, building the inputs, reading the tokens back, the stop
+conditions, the outputs) runs while the GPU computes the next. Every input of decode step N+1
+but its token ids follows from lengths alone; the ids are row r of step N's sampled ids, which
+the device reads where N's sampler left them (ForwardBatch.fed_rows). step() still returns one
+step's outputs per call, the same as without it:
+
+    step() call k:   [launch N+1 ahead]  [wait for N, apply its tokens, report N]
+    step() call k+1: [launch N+2 ahead]  [wait for N+1 ...]          (N+1 is ready or nearly)
+
+A step goes ahead only where nothing about it depends on N's tokens beyond the ids: a decode
+batch whose rows all sample plainly (no penalties, logit_bias, min_tokens ban, min_p or
+logprobs), nobody waiting to be admitted, and a free block for every row that needs one. A row
+that N ends by length (max_tokens, the context limit) is left out of N+1; a row that N ends by a
+stop token or string, or that is aborted meanwhile, is computed and its token thrown away (its
+K/V write lands in its own last block, which nothing else reads before it is handed out again
+— and any later user's own writes come after it on the stream).
+
 Failures inside step() (docs/engine.md, "Failures"):
   one request's fault  building a step's batch rows raised for it (a value the arrays cannot
                        hold), or the model gave it non-finite logits (the sampler's id -1): that
@@ -41,6 +60,7 @@ from tinyvllm.checkpoint.generation_config import default_sampling_fields
 from tinyvllm.checkpoint.tokenizer import IncrementalDetokenizer, Tokenizer
 from tinyvllm.checkpoint.weights import load_weights
 from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.engine.batch import PLAIN, ForwardBatch, SamplingBatch
 from tinyvllm.engine.block_manager import BlockManager, PrefixCacheStats, blocks_for
 from tinyvllm.engine.limits import (
     check_request,
@@ -49,7 +69,7 @@ from tinyvllm.engine.limits import (
     longest_token_bytes,
     max_prompt_bytes,
 )
-from tinyvllm.engine.model_runner import ModelRunner, logprobs_of_rows, make_runner
+from tinyvllm.engine.model_runner import ModelRunner, PendingStep, logprobs_of_rows, make_runner
 from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.engine.outputs import RequestOutput
 from tinyvllm.engine.sampling_params import SamplingParams
@@ -139,6 +159,11 @@ class LLMEngine:
         self.default_sampling_fields = default_sampling_fields(model_dir, self.engine_config.generation_config)
         self._seed_rng = np.random.default_rng(self.engine_config.seed)   # seeds for unseeded requests
         self._requests: dict[str, Request] = {}                           # unfinished, by id
+        asked = self.engine_config.async_scheduling
+        self.async_scheduling = self.runner.overlaps_steps if asked is None else asked
+        self._ahead: tuple[ScheduledBatch, PendingStep] | None = None   # the step launched ahead
+        self.num_steps_ahead = 0          # decode steps launched ahead (async scheduling) ...
+        self.num_rows_thrown_away = 0     # ... and their rows whose sequence finished meanwhile
         self.stats: StatsCollector | None = None       # enable_stats() turns it on
         self.last_step_stats: StepStats | None = None
         self._log_ready(model_dir, time.perf_counter() - start)
@@ -277,11 +302,20 @@ class LLMEngine:
             raise EngineDeadError(f"the engine is dead ({self.dead}); restart it")
         stats = self.stats
         try:
-            batch = self.scheduler.schedule()
-            if stats is not None:
+            batch, pending, rows = self._take_ahead() if self._ahead is not None else (None, None, None)
+            if batch is None:
+                batch = self.scheduler.schedule()
+                if stats is not None:
+                    stats.step_started(batch)
+                inputs, batch = self._batch_inputs(batch) if batch else (None, None)
+                pending = self.runner.launch(*inputs) if batch else None
+            elif stats is not None:
                 stats.step_started(batch)
-            inputs, batch = self._batch_inputs(batch) if batch else (None, None)
-            tokens = self.runner.execute(*inputs) if batch else None
+            if pending is not None and self.async_scheduling:
+                self._ahead = self._launch_ahead(batch, rows)
+            tokens = pending.wait() if pending is not None else None
+            if rows is not None:             # a step launched ahead: the rows still running
+                tokens = tokens[rows]
             if tokens is not None:
                 self._fail_non_finite(batch, tokens)
                 self._logprobs(batch, tokens)
@@ -294,6 +328,50 @@ class LLMEngine:
             self.dead = f"{type(e).__name__}: {e}"
             log.error("engine dead: step() failed for no single request's fault", exc_info=True)
             raise EngineDeadError(f"the engine is dead: {self.dead}") from e
+
+    # -- async scheduling (the module docstring) -------------------------------------------------
+    def _launch_ahead(self, batch: ScheduledBatch, rows: np.ndarray | None) -> tuple[ScheduledBatch, PendingStep] | None:
+        """Launch the decode step after `batch` (launched, not read back yet), or None where it
+        cannot go ahead; it is then scheduled as usual once `batch` is applied. rows: the row
+        of each of batch's sequences in its launched step (None: its own order)."""
+        if batch.is_prefill or self.scheduler.waiting:
+            return None
+        if any(s.sampler_state is not PLAIN for s in batch.seqs):
+            return None                  # its next sampler inputs depend on this step's token
+        seqs = [s for s in batch.seqs if not self.output_processor.ends_by_length(s, len(s.token_ids) + 1)]
+        if not seqs:
+            return None
+        bm, block_size = self.block_manager, self.engine_config.block_size
+        needing = sum(len(s.token_ids) + 1 > len(s.block_table) * block_size for s in seqs)
+        if needing > bm.num_free_blocks:
+            return None                  # the scheduler's preemption decides, next step
+        for seq in seqs:
+            bm.try_append_slot(seq, len(seq.token_ids) + 1)
+        row_of = {id(s): i if rows is None else int(rows[i]) for i, s in enumerate(batch.seqs)}
+        context_lens = [len(s.token_ids) + 1 for s in seqs]
+        width = -(-max(context_lens) // block_size)
+        forward = ForwardBatch.build_decode([0] * len(seqs), context_lens,
+                                            bm.tables[[s.block_table_row for s in seqs], :width], block_size)
+        forward.fed_rows = np.asarray([row_of[id(s)] for s in seqs], np.int32)
+        sampling = SamplingBatch.from_sequences(seqs, tokens_ahead=1)
+        pending = self.runner.launch(forward, sampling)
+        self.num_steps_ahead += 1
+        return ScheduledBatch(seqs, False, bm), pending
+
+    def _take_ahead(self):
+        """The step launched ahead, as this step's batch of the rows still running (a row
+        finished or aborted since has its token thrown away) -> (batch, pending step, the
+        rows of its sampled ids to keep); (None, None, None) when no row is still running,
+        and the step is scheduled as usual."""
+        (batch, pending), self._ahead = self._ahead, None
+        rows = [i for i, s in enumerate(batch.seqs) if not s.status.is_finished]
+        self.num_rows_thrown_away += len(batch.seqs) - len(rows)
+        if not rows:
+            return None, None, None
+        seqs = [batch.seqs[i] for i in rows]
+        for seq in seqs:
+            seq.num_scheduled_tokens = 1
+        return ScheduledBatch(seqs, False, batch.block_manager), pending, np.asarray(rows, np.intp)
 
     def _batch_inputs(self, batch: ScheduledBatch):
         """(ForwardBatch, SamplingBatch) of the step, and the batch they are for. A failure is

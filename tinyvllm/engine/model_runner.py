@@ -7,6 +7,7 @@ exact and dependency-free) and tinyvllm.gpu.cuda_runner.CudaRunner (device="cuda
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Callable
 
 import numpy as np
 
@@ -15,8 +16,24 @@ from tinyvllm.engine.batch import ForwardBatch, SamplingBatch, StepLogprobs
 from tinyvllm.errors import GPUUnavailableError, TinyVLLMError
 
 
+class PendingStep:
+    """A launched step. wait() -> its sampled ids (int32 [S]), the same object on every call."""
+
+    def __init__(self, finish: Callable[[], np.ndarray]):
+        self._finish, self._tokens = finish, None
+
+    def wait(self) -> np.ndarray:
+        if self._tokens is None:
+            self._tokens, self._finish = self._finish(), None
+        return self._tokens
+
+
 class ModelRunner(ABC):
     num_kv_blocks: int               # KV cache size in blocks of EngineConfig.block_size tokens
+    # True where launch() returns before the step's device work is done, so the host can
+    # prepare the next step meanwhile (EngineConfig.async_scheduling's default follows it)
+    overlaps_steps: bool = False
+    _previous: PendingStep | None = None     # the step launch() started last
     # Set by every execute(): the raw logprobs of the rows whose SamplingBatch.logprobs asked
     # for them (rows, sampled logprob and rank, top ids and logprobs), None when none did.
     last_logprobs: StepLogprobs | None = None
@@ -27,6 +44,21 @@ class ModelRunner(ABC):
         batch.slot_mapping) and sample -> int32 [S]: the next token of each sequence, or -1
         (reference.sampling.NON_FINITE) where its logits were not finite. Raising means the
         runner is unusable (the engine dies; see engine/llm_engine.py)."""
+
+    def launch(self, batch: ForwardBatch, sampling: SamplingBatch) -> PendingStep:
+        """Start a step and return at once; the step's fed tokens (batch.fed_rows) are the
+        sampled ids of the step launched just before it. Steps finish in launch order.
+        This default runs execute() when the step is waited for, its fed ids resolved on the
+        host: the same results without overlap (how the CPU tests drive async scheduling)."""
+        previous = self._previous
+        if batch.fed_rows is not None and previous is None:
+            raise ValueError("a step with fed tokens needs a step launched before it")
+
+        def finish() -> np.ndarray:
+            resolved = batch if batch.fed_rows is None else batch.with_fed_ids(previous.wait())
+            return self.execute(resolved, sampling)
+        self._previous = step = PendingStep(finish)
+        return step
 
     # logprobs (SamplingParams.logprobs / prompt_logprobs) need the model's raw logits; a runner
     # that cannot give them says so here, and add_request refuses such requests on it.

@@ -80,8 +80,13 @@ class OutputProcessor:
             piece = seq.detokenizer.add(token)
             if piece and self._cut_at_stop_string(seq, piece, may_stop):
                 return seq.finish(SequenceStatus.FINISHED_STOPPED)
-        if num_out >= params.max_tokens or len(seq.token_ids) >= self.context_limit:
+        if self.ends_by_length(seq, len(seq.token_ids)):
             self._finish_text(seq, SequenceStatus.FINISHED_LENGTH, token_is_text=True)
+
+    def ends_by_length(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the sequence is finished by length (max_tokens or the context limit) once it
+        holds num_tokens tokens."""
+        return num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens or num_tokens >= self.context_limit
 
     def _finish_text(self, seq: Sequence, status: SequenceStatus, token_is_text: bool) -> None:
         """Finish, first releasing text the detokenizer held back (an incomplete character)."""
