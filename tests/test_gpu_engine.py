@@ -79,3 +79,48 @@ def test_cuda_backend_matches_numpy_backend(setup, tiny_model_dir):
     diverged = [assert_same_greedy(refm, p, a, b, f"prompt {i}")
                 for i, (p, a, b) in enumerate(zip(prompts, _tokens(on_gpu), _tokens(on_cpu)))]
     print(f"near-tie divergences (cuda vs numpy): {sum(d is not None for d in diverged)} of {len(prompts)}")
+
+
+def _run_steps(engine, requests):
+    """Add every request, then step to the end -> each step() call's (request id, token ids,
+    finish reason) triples."""
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    calls = []
+    while engine.has_unfinished_requests():
+        calls.append([(o.request_id, tuple(o.outputs[0].token_ids), o.outputs[0].finish_reason)
+                      for o in engine.step()])
+    return calls
+
+
+def test_async_scheduling_gives_the_sync_steps_on_cuda(setup, tiny_model_dir):
+    """Decode steps launched before the last one is read back (their token ids fed on the device
+    from the step before: embedding.cu) give, step() call for step() call, the outputs of the
+    same engine without async scheduling. Rows end only by length here, so every step has the
+    same rows either way (the same graph, the same bits); stop ids, whose rows async scheduling
+    computes and throws away, are checked with the near-tie rule of the module docstring."""
+    from tinyvllm.engine.llm_engine import LLMEngine
+    refm, prompts = setup
+    requests = [(f"g{i}", p, SamplingParams(temperature=0, ignore_eos=True, max_tokens=8 + 3 * i))
+                for i, p in enumerate(prompts[:5])]
+    requests += [(f"s{i}", p, SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=i, ignore_eos=True,
+                                             max_tokens=5 + 4 * i)) for i, p in enumerate(prompts[5:9])]
+    runs = {}
+    for mode in (False, True):
+        engine = LLMEngine(tiny_model_dir, device="cuda", kv_cache_gb=0.5, async_scheduling=mode)
+        try:
+            runs[mode] = _run_steps(engine, requests), engine.num_steps_ahead
+            if mode:      # g0 alone, stopped by its own 4th greedy token (from the sync run)
+                g0 = [t for call in runs[False][0] for rid, t, _ in call if rid == "g0"][-1]
+                stop_id = g0[3]
+                stopped = _run_steps(engine, [("one", prompts[0], SamplingParams(
+                    temperature=0, ignore_eos=True, max_tokens=20, stop_token_ids=[stop_id]))])
+                thrown_away = engine.num_rows_thrown_away
+        finally:
+            engine.close()
+    assert runs[True][0] == runs[False][0]
+    assert runs[False][1] == 0 and runs[True][1] > len(runs[True][0]) // 2, runs[True][1]
+    tokens, reason = stopped[-1][0][1], stopped[-1][0][2]
+    expected = g0[:g0.index(stop_id) + 1]            # where sync scheduling stops it
+    if assert_same_greedy(refm, prompts[0], list(tokens), list(expected), "stop id") is None:
+        assert reason == "stop" and thrown_away >= 1, (reason, thrown_away)

@@ -27,16 +27,30 @@ def _sync():
     drv.Context.synchronize()
 
 
-@pytest.mark.parametrize("vocab,hidden,tokens", [(1000, 256, 37), (128256, 2048, 5)])
-def test_embedding_gather(gpu, rng, vocab, hidden, tokens):
+@pytest.mark.parametrize("vocab,hidden,tokens", [(1000, 256, 37), (128256, 2048, 5), (49152, 576, 3)])
+@pytest.mark.parametrize("fed", [False, True])
+def test_embedding_gather(gpu, rng, vocab, hidden, tokens, fed):
+    """Exact (a copy). Ids out of range (-1, vocab) give zero rows; with fed rows, about half
+    the tokens take their id from a previous step's sampled ids, which hold one -1 (the
+    sampler's non-finite row) and otherwise ids in range."""
     from gpu_helpers import DeviceArray, to_bf16
     table = to_bf16(rng.standard_normal((vocab, hidden)))
     ids = rng.integers(0, vocab, tokens).astype(np.int32)
-    d_table, d_ids = DeviceArray(table), DeviceArray(ids)   # kept alive until the sync
+    ids[rng.integers(0, tokens)] = rng.choice([-1, vocab])
+    fed_rows = fed_ids = None
+    if fed:
+        fed_ids = rng.integers(0, vocab, 8).astype(np.int32)
+        fed_ids[rng.integers(0, 8)] = -1
+        fed_rows = np.where(rng.random(tokens) < 0.5, rng.integers(0, 8, tokens), -1).astype(np.int32)
+        fed_rows[0] = int(np.flatnonzero(fed_ids == -1)[0])
+    keep = [DeviceArray(a) for a in (table, ids, fed_rows, fed_ids) if a is not None]   # alive until the sync
     out = DeviceArray.poisoned((tokens, hidden), table.dtype)
-    gpu.embedding(out, d_table, d_ids, tokens, hidden, vocab)
+    gpu.embedding(out, keep[0], keep[1], tokens, hidden, vocab,
+                  fed_rows=keep[2] if fed else 0, fed_ids=keep[3] if fed else 0)
     _sync()
-    np.testing.assert_array_equal(out.get().astype(np.float32), ref.embedding(ids, table))
+    expected = ref.embedding(ids, table, fed_rows, fed_ids)
+    np.testing.assert_array_equal(out.get().astype(np.float32), expected)
+    assert not expected[0].any() or not fed         # the fed -1 gave a zero row
 
 
 @pytest.mark.parametrize("hidden", [256, 2056, 4096])

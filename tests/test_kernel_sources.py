@@ -12,6 +12,7 @@ from tinyvllm.gpu.kernels import CUDA_DIR, kernel_constants, kernel_signatures
 
 def test_signatures_match_the_c_parameter_lists():
     assert kernel_signatures("rmsnorm.cu") == {"rms_norm": "PPPPiif"}
+    assert kernel_signatures("embedding.cu") == {"embedding_gather": "PPPPPiiiP"}
     assert kernel_signatures("sampling.cu") == {"sample_tokens": "PiPPPPPPP",   # comments inside the list
                                                 "apply_logit_edits": "PiPi", "step_logprobs": "PiPPiPPPP"}
     assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiiiP",              # plain and the two fused

@@ -85,6 +85,9 @@ def test_rms_norm_silu_embedding_against_formulas():
                                    rtol=1e-6, atol=1e-30)
     table = rng.standard_normal((10, 4)).astype(np.float32)
     np.testing.assert_array_equal(embedding(np.array([3, 3, 9]), table), table[[3, 3, 9]])
+    # out-of-range ids give zero rows; fed rows take the previous step's ids (engine/batch.py)
+    got = embedding(np.array([3, -1, 9, 2]), table, fed_rows=np.array([-1, -1, 1, 0]), fed_ids=np.array([5, -1]))
+    np.testing.assert_array_equal(got, np.stack([table[3], 0 * table[0], 0 * table[0], table[5]]))
 
 
 def test_bf16_round():

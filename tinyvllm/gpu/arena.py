@@ -100,6 +100,8 @@ INPUTS = [
     BufferSpec("min_p", lambda d: (d.seqs,), F32, "min_p"),
     BufferSpec("seeds", lambda d: (d.seqs,), U64, "seeds"),
     BufferSpec("steps", lambda d: (d.seqs,), I32, "steps"),
+    # async scheduling: token t's id is the previous step's sampled_ids[fed_rows[t]] where >= 0
+    BufferSpec("fed_rows", lambda d: (d.tokens,), I32, "fed_rows"),
     BufferSpec("block_table_width", lambda d: (1,), I32, "block_table_width"),
     BufferSpec("block_tables", lambda d: (d.seqs, d.blocks_per_seq), I32, "block_tables"),
 ]

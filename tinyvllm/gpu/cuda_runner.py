@@ -5,6 +5,12 @@ weights, cuBLAS bound to the stream and to a workspace inside the arena, then th
 whatever memory is left. Per step: write the batch into the arena's page-locked input mirror,
 one host-to-device copy, the forward pass, sampling, and one copy of S token ids back.
 
+launch() returns once a plain step is enqueued (overlaps_steps: the engine's async scheduling
+prepares the next step meanwhile). Two steps may be in flight: the next one's inputs are
+written into the mirror only after the last upload has read it (an event), and each step's ids
+come back into the other of two page-locked buffers. A step launched ahead gets its fed token
+ids from `sampled_ids` on the device, where the step before left them (embedding.cu).
+
 A step whose SamplingBatch has logit edits (penalties, logit_bias, min_tokens) or asks for
 logprobs takes a longer road, and only such a step does: the edits' upload on a copy stream
 (beside the forward), the forward alone (eager, or the decode size's forward-only graph,
@@ -23,6 +29,7 @@ import pycuda.driver as drv  # a missing PyCUDA fails this import: make_runner s
 
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch, StepLogprobs
+from tinyvllm.engine.model_runner import ModelRunner, PendingStep
 from tinyvllm.gpu.arena import CUBLAS_WORKSPACE_BYTES, Arena, ArenaDims, ArenaLayout
 from tinyvllm.gpu.cublas import Cublas
 from tinyvllm.gpu.device_weights import upload_weights
@@ -71,12 +78,13 @@ class GrowingBuffers:
         self._device, self._host = {}, {}
 
 
-class CudaRunner:
+class CudaRunner(ModelRunner):
     # logprobs come from the sampler's own kernels (step_logprobs, launched only for steps with a
     # row that asks); prompt logprobs would need every prompt position's logits, which the
     # forward does not keep (it computes the LM head for each sequence's last position only)
     supports_logprobs = True
     supports_prompt_logprobs = False
+    overlaps_steps = True
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig):
         self.cfg, self.engine_cfg = config, engine_config
@@ -108,6 +116,13 @@ class CudaRunner:
             self.copy_stream = self.edits_uploaded = None      # made on the first step with edits
             self.last_logprobs: StepLogprobs | None = None
             self._graph_sizes: list[int] = []
+            # launch(): the last upload's end (the mirror is free again), and per in-flight step
+            # a page-locked buffer for its ids and the event of their arrival, used in turn
+            self._inputs_read = drv.Event()
+            self._inputs_read.record(self.stream)
+            self._ids_host = [drv.pagelocked_empty(self.dims.seqs, np.int32) for _ in range(2)]
+            self._ids_ready = [drv.Event(), drv.Event()]
+            self._turn = 0
             if not engine_config.enforce_eager:
                 self.capture_decode_graphs()
 
@@ -120,6 +135,7 @@ class CudaRunner:
         greedy; their outputs are never read."""
         T, S = batch.num_tokens, batch.num_seqs
         R = rows or S
+        self._inputs_read.synchronize()          # the last upload is done with the mirror
         if T > self.dims.tokens or R > self.dims.seqs:
             raise ValueError(f"batch of {T} tokens / {S} sequences exceeds the arena "
                              f"({self.dims.tokens} tokens / {self.dims.seqs} sequences)")
@@ -141,9 +157,10 @@ class CudaRunner:
         h("min_p")[:S] = sampling.min_p
         h("seeds")[:S] = sampling.seed
         h("steps")[:S] = sampling.step
+        h("fed_rows")[:T] = -1 if batch.fed_rows is None else batch.fed_rows
         if R > S:
             assert not batch.is_prefill and T == S, "only decode batches are padded"
-            for name, value in (("token_ids", 0), ("positions", 0), ("slot_mapping", -1),
+            for name, value in (("token_ids", 0), ("fed_rows", -1), ("positions", 0), ("slot_mapping", -1),
                                 ("context_lens", 1), ("temperature", 0.0), ("top_k", -1),
                                 ("top_p", 1.0), ("min_p", 0.0), ("seeds", 0), ("steps", 0)):
                 h(name)[S:R] = value
@@ -154,6 +171,7 @@ class CudaRunner:
         self._block_tables_flat[:S * width] = batch.block_tables.reshape(-1)
         self._block_tables_flat[S * width:R * width] = 0
         self.arena.upload_inputs(self._block_tables_offset + R * width * 4, self.stream)
+        self._inputs_read.record(self.stream)
         return StepShape(num_tokens=R if R > S else T, num_seqs=R, is_prefill=batch.is_prefill,
                          max_query_len=int(np.diff(batch.query_start).max()))
 
@@ -167,29 +185,58 @@ class CudaRunner:
         self.ops.sample(v("logits"), step.num_seqs, self.cfg.vocab_size, v("temperature"), v("top_k"),
                         v("top_p"), v("seeds"), v("steps"), v("sampled_ids"), min_p=v("min_p"))
 
+    @staticmethod
+    def _is_plain(sampling: SamplingBatch | None) -> bool:
+        """No logit edits and no logprobs: the step is the captured graph and nothing else."""
+        return sampling is None or (sampling.edits is None and sampling.logprobs is None)
+
+    def launch(self, batch: ForwardBatch, sampling: SamplingBatch, replay: bool = True) -> PendingStep:
+        """Enqueue a plain step and return (its fed tokens read on the device from the step
+        enqueued before it); other steps run to the end here (execute)."""
+        if not self._is_plain(sampling):
+            if batch.fed_rows is not None:
+                raise ValueError("only a plain-sampling step can be fed the previous step's ids")
+            tokens = self.execute(batch, sampling, replay)
+            return PendingStep(lambda: tokens)
+        with self.device.active():
+            S = batch.num_seqs
+            graph_size = None if batch.is_prefill else self._graph_size_for(S)
+            step = self._stage_inputs(batch, sampling, rows=graph_size)
+            if graph_size is None or not replay:
+                self._forward_and_sample(step)
+            else:
+                self.graphs[graph_size].launch(self.stream)
+            ids, ready = self._ids_host[self._turn], self._ids_ready[self._turn]
+            self._turn ^= 1
+            drv.memcpy_dtoh_async(ids[:S], int(self.arena.view("sampled_ids")), self.stream)
+            ready.record(self.stream)
+        self.last_logprobs = None
+
+        def finish() -> np.ndarray:
+            with self.device.active():
+                ready.synchronize()
+            return ids[:S].copy()
+        return PendingStep(finish)
+
     def execute(self, batch: ForwardBatch, sampling: SamplingBatch, replay: bool = True) -> np.ndarray:
         """Forward + sample; returns the int32 [S] next token of each sequence (and sets
         last_logprobs). Decode steps replay the smallest captured graph that holds the batch;
         replay=False runs the very same (padded) launches eagerly instead, which is how tests
         check the graphs."""
+        if self._is_plain(sampling):
+            return self.launch(batch, sampling, replay).wait()
+        if batch.fed_rows is not None:
+            raise ValueError("only a plain-sampling step can be fed the previous step's ids")
         with self.device.active():
             S = batch.num_seqs
             graph_size = None if batch.is_prefill else self._graph_size_for(S)
             step = self._stage_inputs(batch, sampling, rows=graph_size)
-            lp_rows = sampling.logprob_rows if sampling is not None else np.zeros(0, np.int32)
-            if sampling is None or (sampling.edits is None and not len(lp_rows)):   # the plain step
-                if graph_size is None or not replay:
-                    self._forward_and_sample(step)
-                else:
-                    self.graphs[graph_size].launch(self.stream)
-                finish = None
+            edits_dev = self._upload_edits(sampling)       # overlaps the forward
+            if graph_size is None or not replay:
+                self.model.forward(step)
             else:
-                edits_dev = self._upload_edits(sampling)       # overlaps the forward
-                if graph_size is None or not replay:
-                    self.model.forward(step)
-                else:
-                    self._forward_graph(graph_size, step).launch(self.stream)
-                finish = self._process_and_sample(step, sampling, lp_rows, edits_dev)
+                self._forward_graph(graph_size, step).launch(self.stream)
+            finish = self._process_and_sample(step, sampling, sampling.logprob_rows, edits_dev)
             self.arena.download_outputs(S * 4, self.stream)
             self.stream.synchronize()
             self.last_logprobs = finish() if finish is not None else None

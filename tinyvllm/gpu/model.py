@@ -72,6 +72,7 @@ class LlamaModel:
         self.query_start, self.context_lens = v("query_start"), v("context_lens")
         self.last_token_idx, self.block_tables = v("last_token_idx"), v("block_tables")
         self.block_table_width = v("block_table_width")
+        self.fed_rows, self.sampled_ids = v("fed_rows"), v("sampled_ids")   # async scheduling's fed ids
 
     def forward(self, step: StepShape) -> None:
         """Run all layers for the step's tokens; logits of each sequence's last token land in
@@ -82,7 +83,8 @@ class LlamaModel:
         # the RMSNorm chunk sums of `hidden` are stored only for a norm that goes inside a GEMV
         norm_in_qkv = fused and ops.fuses_norm(self.qkv_width, H)
         ops.embedding(self.hidden, w.embed, self.token_ids, T, H, c.vocab_size,
-                      ss_out=self.residual_ss if norm_in_qkv else 0)
+                      ss_out=self.residual_ss if norm_in_qkv else 0, fed_rows=self.fed_rows,
+                      fed_ids=self.sampled_ids)
         for layer, lw in enumerate(w.layers):
             if fused:
                 self._decode_layer_fused(step, layer, lw, last=layer == len(w.layers) - 1)

@@ -110,11 +110,13 @@ class GpuOps:
 
     # -- one launcher per kernel, in the order the model calls them ------------------------------
     def embedding(self, out, table, token_ids, num_tokens: int, hidden: int, vocab_size: int,
-                  ss_out=0) -> None:
-        """out[t] = table[token_ids[t]] (bf16 rows; an id outside the vocab gives a zero row).
-        ss_out: 0, or fp32 [num_tokens, ceil(hidden / 16)] for each row's RMSNorm chunk sums."""
+                  ss_out=0, fed_rows=0, fed_ids=0) -> None:
+        """out[t] = table[id_t] (bf16 rows; an id outside the vocab gives a zero row), id_t =
+        fed_ids[fed_rows[t]] where fed_rows (int32 [num_tokens], 0: none) is >= 0, else
+        token_ids[t]. ss_out: 0, or fp32 [num_tokens, ceil(hidden / 16)] for each row's RMSNorm
+        chunk sums."""
         self._launch("embedding_gather", num_tokens, EMBEDDING["THREADS"], out, table, token_ids,
-                     num_tokens, hidden, vocab_size, ss_out)
+                     fed_rows, fed_ids, num_tokens, hidden, vocab_size, ss_out)
 
     def rms_norm(self, out, x, weight, num_rows: int, hidden: int, eps: float, rows=0) -> None:
         """out[r] = RMSNorm(x[rows[r] if rows else r]) * weight; one block per output row."""

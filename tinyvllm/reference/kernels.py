@@ -28,9 +28,16 @@ def as_f32(x) -> np.ndarray:
 
 # ---- one twin per kernel ------------------------------------------------------------------
 
-def embedding(token_ids: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """[T] ids, [V, H] table -> [T, H] float32."""
-    return as_f32(table[np.asarray(token_ids, np.int64)])
+def embedding(token_ids: np.ndarray, table: np.ndarray, fed_rows=None, fed_ids=None) -> np.ndarray:
+    """[T] ids, [V, H] table -> [T, H] float32; an id outside [0, V) gives a zero row. fed_rows
+    [T] (None: none): where >= 0, token t's id is fed_ids[fed_rows[t]] (the previous step's
+    sampled ids: engine/batch.py's "Fed tokens") instead of token_ids[t]."""
+    ids = np.asarray(token_ids, np.int64).copy()
+    if fed_rows is not None:
+        fed = np.asarray(fed_rows) >= 0
+        ids[fed] = np.asarray(fed_ids, np.int64)[np.asarray(fed_rows)[fed]]
+    valid = (ids >= 0) & (ids < len(table))
+    return np.where(valid[:, None], as_f32(table[np.where(valid, ids, 0)]), np.float32(0))
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -1,4 +1,7 @@
-// Token embedding gather: out[t, :] = table[token_ids[t], :].
+// Token embedding gather: out[t, :] = table[id_t, :], where id_t = token_ids[t], or, for a token
+// fed from the step before (async scheduling: fed_rows non-null and fed_rows[t] >= 0), that
+// step's sampled id fed_ids[fed_rows[t]] — read here, on the device, because the host has not
+// read it back yet when this step is launched (engine/batch.py, "Fed tokens").
 // With ss_out (non-null: the decode step's first kernel when the GEMVs are fused) it also stores
 // each row's RMSNorm chunk sums, ss_out[t, c] = chunk_sum_sq(out[t, 16c .. 16c + 15]) (common.cuh),
 // which the first layer's qkv GEMV reads instead of re-reducing the row.
@@ -10,13 +13,17 @@
 constexpr int THREADS = 128;   // block size (gpu/ops.py launches with it)
 
 extern "C" __global__ void __launch_bounds__(THREADS) embedding_gather(bf16* __restrict__ out, const bf16* __restrict__ table,
-                                            const int* __restrict__ token_ids, int num_tokens,
+                                            const int* __restrict__ token_ids, const int* __restrict__ fed_rows,
+                                            const int* __restrict__ fed_ids, int num_tokens,
                                             int hidden, int vocab_size, float* __restrict__ ss_out) {
     wait_for_producer();
     allow_consumer();
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
-    const int id = token_ids[t];
+    const int fed = fed_rows ? fed_rows[t] : -1;
+    // a fed id of -1 (the sampler's non-finite row, thrown away by the engine) is out of range:
+    // a zero row, like any other
+    const int id = fed >= 0 ? fed_ids[fed] : token_ids[t];
     const bool valid = id >= 0 && id < vocab_size;
     const int chunks = (hidden + SS_CHUNK - 1) / SS_CHUNK;
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
