@@ -23,14 +23,15 @@ def llm(tiny_model_dir):
 
 
 def count_prefill_tokens(engine):
-    """Wrap the runner: -> a list whose sum is the prompt tokens run through the model."""
-    counted, execute = [], engine.runner.execute
+    """Wrap the runner's launch (every step the engine runs goes through it): -> a list whose
+    sum is the prompt tokens run through the model."""
+    counted, launch = [], engine.runner.launch
 
     def counting(batch, sampling):
         if batch.is_prefill:
             counted.append(batch.num_tokens)
-        return execute(batch, sampling)
-    engine.runner.execute = counting
+        return launch(batch, sampling)
+    engine.runner.launch = counting
     return counted
 
 

@@ -320,6 +320,8 @@ class LLMEngine:
                 self._fail_non_finite(batch, tokens)
                 self._logprobs(batch, tokens)
             reported = self.scheduler.postprocess(batch, tokens)
+            if self._ahead is not None and all(s.status.is_finished for s in self._ahead[0].seqs):
+                self._take_ahead()           # every row just finished: nothing of it is kept
             outputs = self._report(reported)
             if stats is not None:
                 self.last_step_stats = stats.step_finished(reported)
