@@ -155,7 +155,7 @@ def offline_reference(args, pool, specs) -> dict:
 
 def engine_options(args) -> dict:
     return dict(device=args.device, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs)
+                max_num_seqs=args.max_num_seqs, async_scheduling=args.async_scheduling)
 
 
 # -- the client ----------------------------------------------------------------------------
@@ -302,6 +302,8 @@ def start_server(args, port: int, log_path: Path) -> subprocess.Popen:
            "--port", str(port), "--served-model-name", "soak", "--device", args.device,
            "--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", str(args.max_model_len),
            "--max-num-seqs", str(args.max_num_seqs)]
+    if args.async_scheduling is not None:
+        cmd.append("--async-scheduling" if args.async_scheduling else "--no-async-scheduling")
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log_path, "wb"))
     deadline = time.monotonic() + args.startup_timeout
     while time.monotonic() < deadline:
@@ -400,6 +402,7 @@ def summarize(args, outcomes, probe, elapsed, server_report, mismatches, rss_bef
         "health_max_ms": round(1000 * lat[-1], 1), "health_failures": len(probe.failures),
         "first_health_failures": probe.failures[:3],
         "bad_request_statuses": bad, "first_failures": failed[:8], "device": args.device, "model": str(args.model),
+        "async_scheduling": args.async_scheduling,
         "num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len,
     }
 
@@ -435,6 +438,8 @@ def parse_args(argv=None):
                    help="GPU: seconds for checking greedy mismatches against the fp32 reference")
     p.add_argument("--json", default=None, help="write the report here too")
     p.add_argument("--server-log", default=None, help="keep the server's log here")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="the server's and the offline engine's (default: the engine's own default)")
     args = p.parse_args(argv)
     quick = dict(device="cpu", num_requests=96, concurrency=16, min_tokens=2, max_tokens=8,
                  num_kv_blocks=24, max_model_len=256, pool=16)

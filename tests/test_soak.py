@@ -20,10 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_quick_soak_passes(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("scheduling", ["--no-async-scheduling", "--async-scheduling"])
+def test_quick_soak_passes(tiny_model_dir, tmp_path, scheduling):
+    """Both ways: numpy's default is sync, so the async run is what puts the server's aborts and
+    disconnects against steps launched ahead on CI."""
     report_path = tmp_path / "soak.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--quick",
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--quick", scheduling,
                           "--model", str(tiny_model_dir), "--json", str(report_path),
                           "--server-log", str(tmp_path / "server.log")],
                          capture_output=True, text=True, env=env, timeout=600)
