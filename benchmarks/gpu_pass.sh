@@ -51,7 +51,7 @@ for step in $steps; do
       # model with 160 KV blocks of 16 tokens (preemptions forced), compared with offline runs
       model=/tmp/tinyvllm-models/llama-3.2-1b
       [ -f $model/config.json ] || python3 -m tinyvllm make-model $model --preset llama-3.2-1b > /dev/null
-      timeout 560 python3 benchmarks/soak.py --device cuda --model $model --timeout 300 \
+      timeout 560 python3 benchmarks/soak.py --device cuda --model $model --timeout 300 ${SOAK_ARGS:-} \
         --json "$OUT/soak.json" --server-log "$OUT/soak-server.log" > "$OUT/soak.log" 2>&1
       log "soak rc=$?"
       grep -E '"(requests|completed|failed|aborted|refused_4xx|mismatches|mismatches_unexplained|seeded_mismatches|preemptions|kv_blocks_leaked|tracebacks_in_log|rss_mb_after_warmup|rss_mb_after|rss_growth_mb|health_p99_ms|health_max_ms|elapsed_s|passed)"' \
