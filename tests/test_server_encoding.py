@@ -72,9 +72,6 @@ def test_health_answers_while_a_huge_prompt_is_encoded(big_context_server, route
     try:
         with httpx.Client(base_url=big_context_server.url, timeout=120, trust_env=False) as client:
             baseline = [health_seconds(client) for _ in range(30)]
-            # 6x the slowest of 30 idle answers. A blocked loop would hold one answer for the
-            # whole encoding (~ the request's time), so that must be well above the bound.
-            bound = 6 * max(baseline)
             answer = {}
 
             def post():
@@ -97,10 +94,16 @@ def test_health_answers_while_a_huge_prompt_is_encoded(big_context_server, route
     # the text fits the byte bound but not the context: refused after it was encoded in full
     assert response.status_code == 400, response.text
     assert "tokens" in response.json()["error"]["message"]
+    # A loop blocked by the encoding holds the /health request that arrives while it runs for
+    # the rest of the encoding: one answer of about the request's whole time. An answer that
+    # comes back in under half of it shows the loop free. The idle answers only check that the
+    # encoding takes long enough for that to tell anything: their median, not their slowest, is
+    # the yardstick (on a loaded 2-core CI machine one idle answer in 30 can take 250 ms).
+    bound = elapsed / 2
     print(f"{route}: {len(text):,} bytes encoded in {elapsed:.2f} s; /health idle median "
           f"{1000 * statistics.median(baseline):.1f} ms, max {1000 * max(baseline):.1f} ms; while "
           f"encoding {len(during)} answers, max {1000 * max(during):.1f} ms (bound {1000 * bound:.0f} ms)")
-    assert elapsed > 2 * bound, "the encoding was too quick for this test to tell anything"
+    assert elapsed > 10 * statistics.median(baseline), "the encoding was too quick for this test to tell anything"
     assert len(during) >= 3
     assert max(during) < bound
     assert encoding_threads and all(name.startswith("tinyvllm-encode") for name in encoding_threads), \
