@@ -69,7 +69,7 @@ from tinyvllm.engine.limits import (
     longest_token_bytes,
     max_prompt_bytes,
 )
-from tinyvllm.engine.model_runner import ModelRunner, PendingStep, logprobs_of_rows, make_runner
+from tinyvllm.engine.model_runner import ModelRunner, PendingStep, logprobs_of_rows, make_runner, runner_class
 from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.engine.outputs import RequestOutput
 from tinyvllm.engine.sampling_params import SamplingParams
@@ -129,6 +129,8 @@ class LLMEngine:
         text replacing the model directory's own."""
         start = time.perf_counter()
         self.engine_config = make_engine_config(engine_config, engine_options)
+        if runner is None and model is None:
+            runner_class(self.engine_config)   # a backend that cannot load is said before the default model's conversion
         model_dir = resolve_model_dir(model)
         self.model_config = ModelConfig.from_pretrained(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(model_dir, self.model_config, chat_template)

@@ -88,10 +88,12 @@ def logprobs_of_rows(last: StepLogprobs | None, rows: list[int], k: int):
             last.top_logprobs[pick, :k])
 
 
-def make_runner(config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig) -> ModelRunner:
+def runner_class(engine_config: EngineConfig) -> type:
+    """The runner class of engine_config's device; a backend that cannot be loaded is a one-line
+    error (LLMEngine asks before the default model's first conversion, which takes seconds)."""
     if engine_config.device == "cpu":
         from tinyvllm.reference.numpy_runner import NumpyRunner
-        return NumpyRunner(config, weights, engine_config)
+        return NumpyRunner
     try:
         from tinyvllm.gpu.cuda_runner import CudaRunner
     except ImportError as e:
@@ -99,8 +101,15 @@ def make_runner(config: ModelConfig, weights: dict[str, np.ndarray], engine_conf
             raise GPUUnavailableError("PyCUDA is not installed: use --device cpu, or install the "
                                       "gpu extra (pip install -e '.[gpu]')") from None
         raise GPUUnavailableError(f"the CUDA backend cannot be loaded ({e}); use --device cpu") from None
+    return CudaRunner
+
+
+def make_runner(config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig) -> ModelRunner:
+    runner = runner_class(engine_config)
+    if engine_config.device == "cpu":
+        return runner(config, weights, engine_config)
     try:
-        return CudaRunner(config, weights, engine_config)
+        return runner(config, weights, engine_config)
     except TinyVLLMError:
         raise
     except Exception as e:  # noqa: BLE001 — driver errors come as pycuda's own exception types
