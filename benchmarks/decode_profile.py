@@ -11,7 +11,9 @@ decode layer (gemv_norm_rope_kv, gemv_norm_silu_mul: five launches per layer) an
 also per layer (decode graphs recaptured for each setting).
 --compare-prefetch adds, at the smallest batch, the graph time with the decode attention's L2
 prefetch of the next weights (gpu/model.py) at each budget in MB per layer (default: 0 = off, as
-TINYVLLM_L2_PREFETCH=0, and model.L2_PREFETCH_BYTES).
+TINYVLLM_L2_PREFETCH=0, and model.L2_PREFETCH_BYTES). Judge it by the graph times: the per-op
+tables replay each op alone, where the attention carries the prefetch traffic and no GEMV after
+it can profit.
 """
 from __future__ import annotations
 
