@@ -3,12 +3,17 @@ CUDA-graph replay at several batch sizes, the GPU time of a replay alone, and pe
 (each op's launches of one step captured into a graph of their own and timed with CUDA events).
 
     python benchmarks/decode_profile.py [--preset llama-3.2-1b | --model DIR] [--context 256]
-                                        [--batch 1 8 64 256] [--compare-fuse]
+                                        [--batch 1 8 64 256] [--compare-fuse] [--compare-prefetch [MB ...]]
 
 "weights TB/s" is weight bytes over the graph's GPU time. Prints two tables; run on a GPU machine (the model is written to /tmp if absent).
 --compare-fuse adds, at the smallest batch, the graph time and the per-op table with the fused
 decode layer (gemv_norm_rope_kv, gemv_norm_silu_mul: five launches per layer) and with TINYVLLM_FUSE=0's nine, each op
 also per layer (decode graphs recaptured for each setting).
+--compare-prefetch adds, at the smallest batch, the graph time with the decode attention's L2
+prefetch of the next weights (gpu/model.py) at each budget in MB per layer (default: 0 = off, as
+TINYVLLM_L2_PREFETCH=0, and model.L2_PREFETCH_BYTES). Judge it by the graph times: the per-op
+tables replay each op alone, where the attention carries the prefetch traffic and no GEMV after
+it can profit.
 """
 from __future__ import annotations
 
@@ -100,6 +105,8 @@ def main() -> None:
                                                   "(e.g. the converted SmolLM2-135M-Instruct)")
     ap.add_argument("--compare-fuse", action="store_true",
                     help="time the smallest batch with the fused decode layer and without (TINYVLLM_FUSE=0)")
+    ap.add_argument("--compare-prefetch", type=float, nargs="*", metavar="MB",
+                    help="time the smallest batch with these L2 prefetch budgets per layer (0: off)")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--prefill", type=int, nargs=2, default=[16, 512], metavar=("PROMPTS", "LEN"))
@@ -130,6 +137,8 @@ def main() -> None:
     print_ops(per_op_times(runner, profile_batch), f"one decode step, batch {profile_batch.num_seqs}")
     if args.compare_fuse:
         compare_fuse(runner, profile_batch, cfg.num_hidden_layers)
+    if args.compare_prefetch is not None:
+        compare_prefetch(runner, profile_batch, args.compare_prefetch)
     big = decode_batch(max(args.batch), args.context, runner.engine_cfg.block_size, rng)
     print_ops(per_op_times(runner, big), f"one decode step, batch {big.num_seqs}")
     prompts, plen = args.prefill
@@ -192,6 +201,34 @@ def compare_fuse(runner, batch, num_layers: int) -> None:
     for name, (_, _, ops) in rows.items():
         if ops is not None:
             print_ops(ops, f"one decode step, batch {batch.num_seqs}, {name}", per_layer=num_layers)
+
+
+def compare_prefetch(runner, batch, budgets_mb: list[float]) -> None:
+    """Graph time and GPU time of one decode step for each L2 prefetch budget per layer
+    (runner.model.l2_prefetch_bytes; 0 launches no prefetch blocks, as TINYVLLM_L2_PREFETCH=0)."""
+    from tinyvllm.gpu.model import L2_PREFETCH_BYTES
+
+    def recapture():
+        for graph in runner.graphs.values():
+            graph.close()
+        with runner.device.active():
+            runner.capture_decode_graphs()
+
+    budgets = budgets_mb or [0, L2_PREFETCH_BYTES / 2**20]
+    was, rows = (runner.ops.l2_prefetch, runner.model.l2_prefetch_bytes), {}
+    try:
+        for mb in budgets:
+            runner.ops.l2_prefetch, runner.model.l2_prefetch_bytes = mb > 0, int(mb * 2**20) // 16 * 16
+            recapture()
+            rows[mb] = (time_steps(runner, batch, replay=True), graph_gpu_time(runner, batch))
+    finally:
+        runner.ops.l2_prefetch, runner.model.l2_prefetch_bytes = was
+        recapture()
+    print(f"\nL2 prefetch of the next weights by the decode attention, batch {batch.num_seqs}:")
+    print(f"{'MB per layer':<16} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}")
+    for mb, (graph, gpu) in rows.items():
+        label = "off" if mb <= 0 else f"{mb:g}" + (" (default)" if int(mb * 2**20) == L2_PREFETCH_BYTES else "")
+        print(f"{label:<16} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}")
 
 
 def print_ops(ops: dict[str, float], what: str, per_layer: int = 0) -> None:

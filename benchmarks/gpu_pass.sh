@@ -3,7 +3,7 @@
 # fails, the rest runs with TINYVLLM_GEMV=0 so their results still mean something), the fused
 # GEMV tests (if they fail, TINYVLLM_FUSE=0), then every
 # other GPU test, then the benchmarks. Logs go to $OUT (or ./gpu-pass-logs).
-#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [bench] [bench-hf] [server-load] [soak]
+#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [bench] [bench-hf] [server-load] [soak]
 # (server-load needs the server extra: fastapi, uvicorn, pydantic, prometheus_client)
 set -u
 OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"
@@ -39,6 +39,12 @@ for step in $steps; do
       timeout 300 python3 benchmarks/decode_profile.py --batch 1 8 --compare-fuse ${MODEL:+--model "$MODEL"} \
         > "$OUT/profile-fuse.log" 2>&1
       log "decode profile --compare-fuse rc=$?"; sed -n '/^fusion at batch/,/^$/p' "$OUT/profile-fuse.log" \
+        | tee -a "$OUT/summary.log" ;;
+    profile-prefetch)
+      # batch 1 and 8: the decode attention's L2 prefetch of the next weights, off and at 8-32 MB per layer
+      timeout 300 python3 benchmarks/decode_profile.py --batch 1 8 --compare-prefetch 0 8 16 24 32 \
+        ${MODEL:+--model "$MODEL"} > "$OUT/profile-prefetch.log" 2>&1
+      log "decode profile --compare-prefetch rc=$?"; sed -n '/^L2 prefetch of/,/^$/p' "$OUT/profile-prefetch.log" \
         | tee -a "$OUT/summary.log" ;;
     bench)
       timeout 300 python3 -m tinyvllm bench --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1

@@ -239,6 +239,41 @@ def test_attention_decode(gpu, rng, hq, hkv, d, batch, splits):
                 np.testing.assert_array_equal(got.view(np.uint16), first.view(np.uint16))
 
 
+@pytest.mark.parametrize("batch,splits", [(1, None), (1, 1), (7, 5)])
+def test_attention_decode_l2_prefetch_changes_no_bits(gpu, rng, batch, splits):
+    """The prefetch blocks (l2_prefetch) only warm L2: the same inputs give bit-identical
+    outputs, counters back at zero, with no range, a range of 0 bytes, one that is not a whole
+    number of PREFETCH_CHUNKs (at an offset inside the buffer) and one of 16 MB + 16 bytes (the
+    model's budget and more), on Llama-3.2-1B's attention shapes (32/8 heads, head_dim 64)."""
+    from gpu_helpers import DeviceArray
+
+    from tinyvllm.gpu.ops import DECODE, MAX_DECODE_SPLITS
+    hq, hkv, d, block_size = 32, 8, 64, 16
+    ctx = [300] if batch == 1 else [1, 17, 256, 257, 1024, 4129, 5000]
+    fb, q, kc, vc, _ = _attention_case(rng, [1] * batch, ctx, hq, hkv, d, block_size=block_size)
+    weights = DeviceArray(rng.integers(0, 256, (16 << 20) + 4096, dtype=np.uint8))   # any bytes do
+    chunk = DECODE["PREFETCH_CHUNK"]
+    ranges = [None, (weights.ptr, 0), (weights.ptr + 4096, 3 * chunk + 48), (weights.ptr, (16 << 20) + 16)]
+    part_out = DeviceArray.poisoned((batch, hq, MAX_DECODE_SPLITS, d), np.float32)
+    part_ml = DeviceArray.poisoned((batch, hq, MAX_DECODE_SPLITS, 2), np.float32)
+    counters = DeviceArray(np.zeros((batch, hkv), np.int32))
+    width = np.array([fb.block_tables.shape[1]], np.int32)
+    d_q, d_k, d_v, d_tables, d_width, d_ctx = (DeviceArray(a) for a in (
+        q, kc, vc, fb.block_tables, width, fb.context_lens))
+    outputs = []
+    for prefetch in ranges:
+        out = DeviceArray.poisoned((batch, hq, d), q.dtype)
+        gpu.attention_decode(out, part_out, part_ml, counters, d_q, hq * d, d_k, d_v, d_tables, d_width,
+                             d_ctx, num_seqs=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                             block_size=block_size, scale=1 / math.sqrt(d), splits=splits, l2_prefetch=prefetch)
+        _sync()
+        outputs.append(out.get().view(np.uint16))
+        np.testing.assert_array_equal(counters.get(), 0)
+    assert np.isfinite(outputs[0].view(q.dtype).astype(np.float32)).all()
+    for prefetch, got in zip(ranges[1:], outputs[1:]):
+        np.testing.assert_array_equal(got, outputs[0], err_msg=f"l2_prefetch {prefetch}")
+
+
 def test_attention_decode_rejects_bad_splits(gpu):
     from tinyvllm.gpu.ops import MAX_DECODE_SPLITS
     with pytest.raises(ValueError, match="splits"):

@@ -202,6 +202,31 @@ def test_pdl_graphs_equal_plain_graphs(tiny):
         np.testing.assert_array_equal(a, b, err_msg=f"decode step {step}")
 
 
+def test_l2_prefetch_graphs_equal_plain_graphs(tiny):
+    """The fused decode layer's attention prefetches the o and gate_up weights into L2
+    (gpu/model.py, TINYVLLM_L2_PREFETCH): timing only, so decode graphs captured with it give
+    bitwise the logits of graphs captured without it."""
+    cfg, runner, _, _ = tiny
+    was = runner.ops.l2_prefetch
+
+    def recapture(on: bool) -> None:
+        for graph in runner.graphs.values():
+            graph.close()
+        runner.ops.l2_prefetch = on
+        with runner.device.active():
+            runner.capture_decode_graphs()
+
+    try:
+        recapture(True)
+        with_prefetch = _decode_run(cfg, runner, 13)
+        recapture(False)
+        without = _decode_run(cfg, runner, 13)
+    finally:
+        recapture(was)
+    for step, (a, b) in enumerate(zip(with_prefetch, without)):
+        np.testing.assert_array_equal(a, b, err_msg=f"decode step {step}")
+
+
 @pytest.mark.parametrize("num_seqs", [1, 3])
 def test_fused_graphs_equal_unfused_graphs(tiny, num_seqs):
     """The fused decode layer (gpu/model.py: five launches per layer, norms, RoPE + KV write and

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
@@ -124,6 +125,7 @@ def test_gpu_trace_names_every_argument(tiny_model_dir):
     assert "silu_mul  grid" not in decode and "rope_write_kv" not in decode
     assert decode.count("rms_norm  grid") == 2 * L + 1     # the norms stay separate (ops.fuses_norm)
     assert "attention_decode_d64_g2" in decode and "sample_tokens" in decode
+    assert re.search(r"l2_prefetch\s+R\s+layers\[0\]\.o ", decode)     # o and gate_up into L2 (model.py)
     assert "replays the CUDA graph captured for 1 sequences" in decode
     assert "=== trace ends after 2 steps" in text
     assert "0x7" not in text, "every pointer resolves to a name"
@@ -150,3 +152,48 @@ def test_trace_steps_must_be_non_negative():
     import pytest
     with pytest.raises(ValueError, match="trace_steps"):
         EngineConfig(trace_steps=-1)
+
+
+def _decode_attention_launches(fake, l2_prefetch: bool) -> list[dict]:
+    """The attention_decode launches of one decode step of the fake runner: their details."""
+    launches = []
+    fake.ops.l2_prefetch = l2_prefetch
+    fake.ops.observer = lambda op, repeat, details: launches.append(details) if op.startswith("attention_decode") else None
+    try:
+        fake.execute(ForwardBatch.build([[7]], [12], [[5]], 16, is_prefill=False), SamplingBatch.greedy(1))
+    finally:
+        fake.ops.observer = None
+    return launches
+
+
+def test_decode_attention_prefetches_the_next_weights(tiny_model_dir):
+    """The fused decode layer hands attention_decode the o weight and the start of gate_up
+    (o, post_norm, gate_up are adjacent, so one range) at most L2_PREFETCH_BYTES; the grid gets
+    ceil(PREFETCH_CTAS / splits) more columns; ops.l2_prefetch off (TINYVLLM_L2_PREFETCH=0)
+    launches neither."""
+    from tinyvllm.gpu.model import L2_PREFETCH_BYTES
+    from tinyvllm.gpu.ops import DECODE
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
+    on, off = _decode_attention_launches(fake, True), _decode_attention_launches(fake, False)
+    assert len(on) == len(off) == config.num_hidden_layers
+    H, inter = config.hidden_size, config.intermediate_size
+    for lw, a, b in zip(fake.weights.layers, on, off):
+        splits = a["grid"][2]
+        assert a["grid"] == (config.num_key_value_heads + -(-DECODE["PREFETCH_CTAS"] // splits), 1, splits)
+        assert b["grid"] == (config.num_key_value_heads, 1, splits) and b["args"][-2:] == (0, 0)
+        assert a["args"][-2:] == (lw.o, min(lw.gate_up + 2 * inter * H * 2 - lw.o, L2_PREFETCH_BYTES))
+        assert a["args"][:-2] == b["args"][:-2]
+
+
+def test_attention_decode_checks_its_prefetch_range():
+    ops = GpuOps(_Launches(), num_sms=132)
+    launch = lambda prefetch: ops.attention_decode(  # noqa: E731
+        0, 0, 0, 0, 0, 64, 0, 0, 0, 0, 0, num_seqs=1, num_q_heads=1, num_kv_heads=1, head_dim=64,
+        block_size=16, scale=1.0, l2_prefetch=prefetch)
+    for good in (None, (0, 0), (0x7E0000000000, 0), (0x7E0000000010, 48)):
+        launch(good)
+    for bad in (0x7E0000000000, (0x7E0000000000,), (0x7E0000000008, 64), (0x7E0000000000, 40),
+                (0x7E0000000000, -16), (0, 64), ("x", 16), (0x7E0000000000, 1 << 64)):
+        with pytest.raises(ValueError, match="l2_prefetch"):
+            launch(bad)

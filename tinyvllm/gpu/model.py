@@ -24,6 +24,13 @@ measured slower. TINYVLLM_FUSE_NORM=auto|all (ops.fuses_norm) folds it in anyway
 that write `hidden` (and the embedding) then store its rows' RMSNorm chunk sums (`residual_ss`)
 and the next GEMV normalises X as it loads it.
 
+The fused layer's attention also warms L2 (attention_decode's l2_prefetch): at batch 1 it is
+num_kv_heads blocks for ~4 us that leave HBM nearly idle, so extra blocks of its grid prefetch
+the o weight and then the start of gate_up, L2_PREFETCH_BYTES in all, and the o GEMV (and part
+of gate_up's) then reads from L2. The prefetch is issued before the attention waits for the qkv
+GEMV (the weights are written by no kernel) and writes nothing: it changes no bit, only when
+bytes arrive. TINYVLLM_L2_PREFETCH=0 (ops.l2_prefetch) turns it off.
+
 "linear" is gpu/ops.py's linear(): our GEMV for decode batches of at most 8 tokens, cuBLAS
 else. Every kernel is launched through its typed launcher in gpu/ops.py (the same ones the GPU
 tests call); the numpy twins of this exact sequence are reference/model.py's ReferenceModel.
@@ -39,6 +46,12 @@ from tinyvllm.gpu.arena import Arena
 from tinyvllm.gpu.device_weights import DeviceWeights
 from tinyvllm.gpu.kv_cache import DeviceKVCache
 from tinyvllm.gpu.ops import DECODE_GROUPS, DECODE_HEAD_DIMS, GpuOps
+
+# The most weight bytes the decode attention prefetches into L2 per layer (_l2_prefetch): its
+# ~4 us of nearly idle HBM at batch 1 (Llama-3.2-1B, H200) is ~16 MB at ~4 TB/s, enough for o
+# (8.4 MB) and the first ~7.6 MB of gate_up. It stays well inside the 50 MB L2: between the
+# prefetch and gate_up's GEMV only the o GEMV (reading the prefetched lines) and a norm run.
+L2_PREFETCH_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,7 @@ class LlamaModel:
         self.last_token_idx, self.block_tables = v("last_token_idx"), v("block_tables")
         self.block_table_width = v("block_table_width")
         self.fed_rows, self.sampled_ids = v("fed_rows"), v("sampled_ids")   # async scheduling's fed ids
+        self.l2_prefetch_bytes = L2_PREFETCH_BYTES      # benchmarks/decode_profile.py may vary it
 
     def forward(self, step: StepShape) -> None:
         """Run all layers for the step's tokens; logits of each sequence's last token land in
@@ -121,7 +135,7 @@ class LlamaModel:
         ops.gemv_rope_kv(self.qkv, x, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),  # qkv, rope
                          self.positions, self.slot_mapping, w.rope_inv_freq, num_q_heads=c.num_attention_heads,
                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, norm=norm)
-        self._attention(step, layer)
+        self._attention(step, layer, l2_prefetch=self._l2_prefetch(lw))
         ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True,
                    ss_out=self.residual_ss if norm_in_gate_up else 0)
         x, norm = normed_input(lw.post_norm, norm_in_gate_up)
@@ -129,7 +143,7 @@ class LlamaModel:
         ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True,
                    ss_out=self.residual_ss if norm_in_qkv and not last else 0)
 
-    def _attention(self, step: StepShape, layer: int) -> None:
+    def _attention(self, step: StepShape, layer: int, l2_prefetch=None) -> None:
         c = self.cfg
         paged = (self.kv.k(layer), self.kv.v(layer), self.block_tables, self.block_table_width)
         shape = dict(num_seqs=step.num_seqs, num_q_heads=c.num_attention_heads,
@@ -140,4 +154,17 @@ class LlamaModel:
                                        self.context_lens, max_query_len=step.max_query_len, **shape)
         else:
             self.ops.attention_decode(self.attn_out, self.partial_out, self.partial_ml, self.split_counters,
-                                      self.qkv, self.qkv_width, *paged, self.context_lens, **shape)
+                                      self.qkv, self.qkv_width, *paged, self.context_lens, **shape,
+                                      l2_prefetch=l2_prefetch)
+
+    def _l2_prefetch(self, lw) -> tuple[int, int] | None:
+        """(pointer, bytes) of the weights the decode attention prefetches into L2: o, then (o,
+        post_norm and gate_up lie back to back: device_weights' upload order) the start of gate_up,
+        at most l2_prefetch_bytes; None when ops.l2_prefetch is off."""
+        if not self.ops.l2_prefetch or not self.l2_prefetch_bytes:
+            return None
+        c = self.cfg
+        end = lw.gate_up + 2 * c.intermediate_size * c.hidden_size * 2
+        if not lw.o < lw.post_norm < lw.gate_up:     # another layout: o alone
+            end = lw.o + c.hidden_size * c.q_size * 2
+        return lw.o, min(end - lw.o, self.l2_prefetch_bytes) // 16 * 16

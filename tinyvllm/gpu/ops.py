@@ -30,6 +30,10 @@ rms_norm, gemv_silu_mul (gate_up + silu_mul), gemv down (+ residual). With TINYV
 and embedding() then store the RMSNorm chunk sums of the rows they write. Same bits as the nine (common.cuh shares the arithmetic;
 test_gpu_fused and test_gpu_model check it).
 
+At decode the fused layer's attention also prefetches the o weight and the start of gate_up
+into L2 while it runs (attention_decode's l2_prefetch; model.py says why); TINYVLLM_L2_PREFETCH=0
+turns that off. Timing only: the same bits either way.
+
 `linear()` is THE projection: Y[m, n] (+)= X[m, k] @ W[n, k]^T, on our GEMV for decode batches of
 at most GEMV_MAX_ROWS rows (cuBLAS reads small matrices at 1.7-2.5 TB/s at M <= 8; the GEMV
 streams them at 3.5+), else on cuBLAS (gpu/cublas.py has the row-major/column-major derivation).
@@ -89,6 +93,9 @@ class GpuOps:
         # separate launches per layer instead (the same bits)
         self.fuse = os.environ.get("TINYVLLM_FUSE", "1") != "0" if fuse is None else fuse
         self.fuse_norm = os.environ.get("TINYVLLM_FUSE_NORM", FUSE_NORM_DEFAULT)   # fuses_norm()
+        # the fused decode layer's attention prefetches the next weights into L2 (model.py);
+        # TINYVLLM_L2_PREFETCH=0 turns it off (the same bits, for timing comparisons)
+        self.l2_prefetch = os.environ.get("TINYVLLM_L2_PREFETCH", "1") != "0"
         if self.fuse_norm not in ("auto", "all", "none"):
             raise ValueError(f"TINYVLLM_FUSE_NORM must be auto, all or none, got {self.fuse_norm!r}")
         self.stream_handle = stream.handle if stream is not None else 0
@@ -154,18 +161,40 @@ class GpuOps:
     def attention_decode(self, out, partial_out, partial_ml, split_counters, q, q_row_stride: int,
                          k_cache, v_cache, block_tables, block_table_width, context_lens, *,
                          num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                         block_size: int, scale: float, splits: int | None = None) -> None:
+                         block_size: int, scale: float, splits: int | None = None,
+                         l2_prefetch: tuple | None = None) -> None:
         """One query token per sequence over its paged context, split over the context; the last
         split to finish merges. Grid: (sequences x kv heads, 1, splits); one block per GQA group,
-        SMEM_BYTES_PER_DIM x head_dim bytes of dynamic shared memory (its cp.async rings)."""
+        SMEM_BYTES_PER_DIM x head_dim bytes of dynamic shared memory (its cp.async rings).
+        l2_prefetch = (device pointer, bytes), both multiples of 16: the grid also gets
+        ceil(PREFETCH_CTAS / splits) columns along x of blocks that prefetch that range into L2
+        (model.py: the next projections' weights) without waiting for the previous kernel, and
+        leave; a hint that changes timing only, never a bit. None or 0 bytes: no such blocks."""
         splits = splits or self.decode_splits(num_seqs, num_kv_heads)
         if not 1 <= splits <= MAX_DECODE_SPLITS:
             raise ValueError(f"attention_decode: splits must be in 1..{MAX_DECODE_SPLITS}, got {splits}")
+        ptr, nbytes = self._prefetch_range(l2_prefetch)
+        columns = math.ceil(DECODE["PREFETCH_CTAS"] / splits) if nbytes else 0   # the kernel's prefetch_columns()
         self._launch(f"attention_decode_d{head_dim}_g{num_q_heads // num_kv_heads}",
-                     (num_seqs * num_kv_heads, 1, splits), DECODE["THREADS"], out, partial_out, partial_ml,
-                     split_counters, q, q_row_stride, k_cache, v_cache, block_tables, block_table_width,
-                     context_lens, block_size, num_kv_heads, scale,
+                     (num_seqs * num_kv_heads + columns, 1, splits), DECODE["THREADS"], out, partial_out,
+                     partial_ml, split_counters, q, q_row_stride, k_cache, v_cache, block_tables,
+                     block_table_width, context_lens, block_size, num_kv_heads, scale, ptr, nbytes,
                      shared_bytes=DECODE["SMEM_BYTES_PER_DIM"] * head_dim)
+
+    @staticmethod
+    def _prefetch_range(l2_prefetch) -> tuple[int, int]:
+        """attention_decode's l2_prefetch checked: (pointer, bytes), (0, 0) for none."""
+        if l2_prefetch is None:
+            return 0, 0
+        try:
+            ptr, nbytes = (int(v) for v in l2_prefetch)
+        except (TypeError, ValueError):
+            raise ValueError(f"attention_decode: l2_prefetch must be (device pointer, bytes), got {l2_prefetch!r}") from None
+        # cp.async.bulk.prefetch wants 16-byte aligned addresses and sizes (attention_decode.cu)
+        if ptr < 0 or not 0 <= nbytes < 1 << 64 or (ptr | nbytes) & 15 or (nbytes and not ptr):
+            raise ValueError(f"attention_decode: l2_prefetch needs a non-null 16-byte aligned pointer and a "
+                             f"byte count >= 0 that is a multiple of 16, got ({ptr:#x}, {nbytes})")
+        return ptr, nbytes
 
     def silu_mul(self, out, gate_up, num_tokens: int, inter: int) -> None:
         """out = silu(gate) * up over the fused gate_up rows; grid-stride, at most 4 waves."""

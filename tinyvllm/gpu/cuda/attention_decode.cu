@@ -34,8 +34,20 @@
 // K/V rows sit in it with their 16-byte chunks XOR-swizzled by (row % 8), so the 8 rows an
 // ldmatrix phase reads fall in distinct banks.
 //
-// PDL-aware: launched with programmatic stream serialization; every block waits for the
-// producer first and lets the consumer launch at once (see decode_attention's first lines).
+// PDL-aware: launched with programmatic stream serialization; every attention block waits for
+// the producer first and lets the consumer launch at once (see decode_attention's first lines).
+//
+// L2 prefetch (optional: prefetch_bytes = 0 launches none of it). At batch 1 the attention is
+// num_kv_heads blocks for ~4 us and leaves HBM nearly idle, while the GEMVs after it are
+// bandwidth-bound; so the launcher may append prefetch blocks that warm L2 with the next
+// projections' weights ([l2_prefetch, l2_prefetch + prefetch_bytes): model.py passes the o
+// weight and the start of gate_up) and leave. They are the last prefetch_columns() columns of
+// the grid along x (about PREFETCH_CTAS blocks, whatever the split count), so the attention
+// blocks keep their (seq * num_kv_heads + kv_head, 1, split) indices. They issue their
+// prefetches BEFORE wait_for_producer, on purpose: the weights are written by no kernel, and
+// under PDL the prefetch then overlaps the previous kernel's tail too. They write nothing, so
+// no kernel can observe them; exiting counts as allow_consumer(), and the next kernel's wait
+// still waits for the whole grid. A prefetch is a hint: it changes timing, never a bit.
 #include <math_constants.h>
 #include "common.cuh"
 
@@ -54,6 +66,10 @@ constexpr int ONE_SPLIT_TOKENS = 256;
 constexpr int MAX_SPLITS = 32;                    // the merge gives each split one lane
 constexpr int MERGE_UNROLL = 8;                   // partials each merging thread loads at once
 constexpr int SMEM_BYTES_PER_DIM = WARPS * STAGES * STEP * 2 * 2;   // x head_dim: K and V rows, bf16
+// L2 prefetch blocks: spread over this many SMs so that no one SM's copy engine queues much
+// (16 MB is 512 chunks: 8 per block); a chunk is one cp.async.bulk.prefetch instruction.
+constexpr int PREFETCH_CTAS = 64;
+constexpr int PREFETCH_CHUNK = 32768;             // bytes; a multiple of 16, like every size
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -101,12 +117,35 @@ __device__ __forceinline__ float ex2(float x) {   // 2^x; 2^-inf = 0
     return y;
 }
 
+// The grid's columns (along x) of prefetch blocks: enough that they number at least
+// PREFETCH_CTAS over the grid's gridDim.z splits (ops.py's attention_decode computes the same).
+__device__ __forceinline__ int prefetch_columns(unsigned long long prefetch_bytes) {
+    return prefetch_bytes ? (PREFETCH_CTAS + gridDim.z - 1) / gridDim.z : 0;
+}
+
+// One prefetch block's share of [base, base + bytes): chunk i goes to block i % blocks, so
+// consecutive chunks (o's rows first) start on different SMs at once. cp.async.bulk.prefetch.L2
+// (sm_90) rather than prefetch.global.L2 per 128-byte line: one instruction asks the SM's copy
+// engine for 32 KB, so a few threads per block keep HBM busy without a loop of 256 prefetches
+// each. Both need nothing back; the block leaves as soon as they are issued.
+__device__ __forceinline__ void prefetch_l2(const void* base, unsigned long long bytes, int block, int blocks) {
+    const size_t start = __cvta_generic_to_global(base);
+    const unsigned long long chunks = (bytes + PREFETCH_CHUNK - 1) / PREFETCH_CHUNK;
+    for (unsigned long long i = block + (unsigned long long)threadIdx.x * blocks; i < chunks;
+         i += (unsigned long long)blocks * THREADS) {
+        const unsigned long long offset = i * PREFETCH_CHUNK;
+        const uint32_t size = (uint32_t)min((unsigned long long)PREFETCH_CHUNK, bytes - offset);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(start + offset), "r"(size));
+    }
+}
+
 template <int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void decode_attention(
     bf16* out, float* __restrict__ partial_out, float* __restrict__ partial_ml,
     int* __restrict__ split_counters, const bf16* q, int q_row_stride, const bf16* k_cache,
     const bf16* v_cache, const int* __restrict__ block_tables, const int* __restrict__ block_table_width,
-    const int* __restrict__ context_lens, int block_size, int num_kv_heads, float scale) {
+    const int* __restrict__ context_lens, int block_size, int num_kv_heads, float scale,
+    const void* l2_prefetch, unsigned long long prefetch_bytes) {
     static_assert(GROUP >= 1 && GROUP <= 8, "the query heads of a group are one MMA n-tile of 8");
     static_assert(HEAD_DIM % 64 == 0, "rows are whole 8 x 16-byte swizzle groups");
     constexpr int DSTEPS = HEAD_DIM / 16;            // MMA k-steps of the scores = m-tiles of O^T
@@ -117,6 +156,14 @@ __device__ __forceinline__ void decode_attention(
     constexpr int COPIES = STEP * CHUNKS / 32;       // 16-byte copies per lane per tensor per step
     static_assert(WARPS * STAGES * STAGE_BYTES == SMEM_BYTES_PER_DIM * HEAD_DIM, "launcher's size");
     extern __shared__ __align__(128) unsigned char smem[];
+    // The prefetch blocks (header): their prefetches go out before any wait, then they leave.
+    const int attention_columns = gridDim.x - prefetch_columns(prefetch_bytes);
+    if ((int)blockIdx.x >= attention_columns) {
+        const int columns = gridDim.x - attention_columns;
+        prefetch_l2(l2_prefetch, prefetch_bytes, blockIdx.z * columns + (blockIdx.x - attention_columns),
+                    columns * gridDim.z);
+        return;
+    }
     // PDL (common.cuh): q and the new token's K/V are rope_write_kv's output, and `out` may still
     // be read by the previous layer's o projection, so wait before anything else (those pointers
     // carry no __restrict__, so no read-only load of them can be hoisted above the wait). The o
@@ -408,10 +455,10 @@ __device__ __forceinline__ void decode_attention(
         bf16* out, float* partial_out, float* partial_ml, int* split_counters, const bf16* q,    \
         int q_row_stride, const bf16* k_cache, const bf16* v_cache, const int* block_tables,     \
         const int* block_table_width, const int* context_lens, int block_size, int num_kv_heads, \
-        float scale) {                                                                           \
+        float scale, const void* l2_prefetch, unsigned long long prefetch_bytes) {               \
         decode_attention<D, G>(out, partial_out, partial_ml, split_counters, q, q_row_stride,    \
                                k_cache, v_cache, block_tables, block_table_width, context_lens,  \
-                               block_size, num_kv_heads, scale);                                 \
+                               block_size, num_kv_heads, scale, l2_prefetch, prefetch_bytes);    \
     }
 // head_dim x group: Llama 3.2 1B is (64, 4), 3B (128, 3), 3.1 8B (128, 4); the tiny preset (64, 2)
 DECODE_ATTENTION_KERNEL(64, 1)
