@@ -73,8 +73,10 @@
 // partners then sit 8 lanes apart in the epilogue (one shuffle). Each output's dot product is
 // the same code in every mode, so gemv_rope_kv / gemv_silu_mul give the bits of their kernel
 // chains (tests/test_gpu_fused.py checks that; the norm modes it checks against the numpy twin).
-// ptxas: 64 registers, no spills (the rope variants keep a small stack frame for sincosf's
-// slow path).
+// ptxas: 64 registers; gemv_bf16 and gemv_silu_mul spill nothing, gemv_rope_kv keeps a small
+// stack frame for sincosf's slow path. The norm variants do NOT meet the no-spill goal yet:
+// gemv_norm_silu_mul spills 16 bytes, gemv_norm_rope_kv 28 (SASS: two loop-invariant 64-bit
+// pointers reloaded from local memory once per UNROLL steps, one value across the loop).
 // -DGEMV_L2_PREFETCH=1 adds the .L2::256B prefetch hint to the W loads (benchmarks/gemv_bench.py
 // compares both; the default build has no hint).
 #include "common.cuh"
