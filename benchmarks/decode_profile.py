@@ -170,7 +170,7 @@ def time_prefill(runner, batch, repeats: int = 5) -> float:
 # (label, ops.fuse, ops.fuse_norm); the fused row at ops' own default is marked, and gets a per-op table
 FUSE_CONFIGS = [("TINYVLLM_FUSE=0", False, FUSE_NORM_DEFAULT)] + [
     (f"fused, TINYVLLM_FUSE_NORM={norm}{' (default)' if norm == FUSE_NORM_DEFAULT else ''}", True, norm)
-    for norm in ("none", "auto", "all")]
+    for norm in ("none", "all")]
 
 
 def compare_fuse(runner, batch, num_layers: int) -> None:

@@ -12,13 +12,13 @@ from tinyvllm.gpu.kernels import CUDA_DIR, kernel_constants, kernel_signatures
 
 def test_signatures_match_the_c_parameter_lists():
     assert kernel_signatures("rmsnorm.cu") == {"rms_norm": "PPPPiif"}
-    assert kernel_signatures("embedding.cu") == {"embedding_gather": "PPPPPiiiP"}
+    assert kernel_signatures("embedding.cu") == {"embedding_gather": "PPPPPiii"}
     assert kernel_signatures("sampling.cu") == {"sample_tokens": "PiPPPPPPP",   # comments inside the list
                                                 "apply_logit_edits": "PiPi", "step_logprobs": "PiPPiPPPP"}
-    assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiiiP",              # plain and the two fused
+    assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiii",              # plain and the two fused
                                             "gemv_rope_kv_bf16": "PPPiiiPPPPPiii",
-                                            "gemv_norm_rope_kv_bf16": "PPPPPiiifPPPPPiii",
-                                            "gemv_silu_mul_bf16": "PPPiii", "gemv_norm_silu_mul_bf16": "PPPPPiiif"}
+                                            "gemv_norm_rope_kv_bf16": "PPPPiiifPPPPPiii",
+                                            "gemv_silu_mul_bf16": "PPPiii", "gemv_norm_silu_mul_bf16": "PPPPiiif"}
     (pattern, sig), = kernel_signatures("attention_decode.cu").items()          # a macro-made family
     assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiifPQ"   # ..., l2 prefetch range
 

@@ -117,13 +117,14 @@ def test_gpu_trace_names_every_argument(tiny_model_dir):
     assert "-- layer 1 --" in prefill and "final norm + LM head" in prefill
     # decode: GEMV for the layer projections, split attention, the graph note, the sampler
     assert "linear -> gemv:" in decode and "kernel gemv_bf16" in decode
-    # decode at batch 1 runs the fused layer (gpu/model.py): norm, qkv + RoPE/KV write, attention,
-    # o, norm, gate_up + silu, down
+    # decode at batch 1 runs the fused layer (gpu/model.py), five launches: norm + qkv + RoPE/KV
+    # write, attention, o, norm + gate_up + silu, down
     L = config.num_hidden_layers
-    assert decode.count("gemv_rope_kv_bf16  grid") == L and decode.count("gemv_silu_mul_bf16  grid") == L
-    assert re.search(r"k_cache\s+W\s+kv\.k\(0\)", decode) and "residual_ss" not in decode
+    assert decode.count("gemv_norm_rope_kv_bf16  grid") == L and decode.count("gemv_norm_silu_mul_bf16  grid") == L
+    assert re.search(r"k_cache\s+W\s+kv\.k\(0\)", decode)
+    assert re.search(r"norm_w\s+R\s+layers\[0\]\.input_norm", decode)
     assert "silu_mul  grid" not in decode and "rope_write_kv" not in decode
-    assert decode.count("rms_norm  grid") == 2 * L + 1     # the norms stay separate (ops.fuses_norm)
+    assert decode.count("rms_norm  grid") == 1             # the final norm only (ops.fuses_norm)
     assert "attention_decode_d64_g2" in decode and "sample_tokens" in decode
     assert re.search(r"l2_prefetch\s+R\s+layers\[0\]\.o ", decode)     # o and gate_up into L2 (model.py)
     assert "replays the CUDA graph captured for 1 sequences" in decode

@@ -163,13 +163,10 @@ class TracingRunner(ModelRunner):
         self._layer_header([w[1]])
         plus = "+" if d["accumulate"] else ""
         where = "gemv" if op.startswith("gemv") else "cuBLAS"
-        # the fused decode layer's o / down GEMVs also store the new residual rows' norm chunk sums
-        extra = [f"      ss_out  W  {self.names.pointer(d['ss_out'])[0]}  (RMSNorm chunk sums of Y's rows)"] \
-            if d.get("ss_out") else []
         self._say(f"[{self.count}] linear -> {where}:  Y[{m}, {n}] {plus}= X[{m}, {k}] @ W[{n}, {k}]^T"
                   f"   ({d['out_dtype']} out{', beta = 1: the residual add' if d['accumulate'] else ''})",
                   f"      y  W  {self.names.pointer(d['y'])[0]}", f"      x  R  {self.names.pointer(d['x'])[0]}",
-                  f"      w  R  {w[0]}", *extra)
+                  f"      w  R  {w[0]}")
         if where == "gemv":
             grid, block, shared = self.inner.ops.gemv_launch_shape(n, k)
             self._say(f"      kernel gemv_bf16  grid {grid} block {block} shared {shared:,} B")

@@ -12,8 +12,6 @@ Buffers that share a `storage` name share bytes: their lifetimes within a layer 
               gate_up            gate_up_proj ... silu_mul
     mid       attn_out           attention ... o_proj
               act                silu_mul ... down_proj
-    residual_ss  residual_ss     a decode step's o / down GEMV (or embedding) ... the next fused
-                                 norm: the RMSNorm chunk sums of `hidden`'s rows [<= 8, H / 16]
 
 The per-step inputs (token ids, positions, slot mapping, block tables, sampling parameters)
 form one contiguous region mirrored in page-locked host memory, so a step uploads them with a
@@ -28,7 +26,7 @@ from typing import Callable
 import numpy as np
 
 from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.gpu.ops import GEMV_MAX_ROWS, MAX_DECODE_SPLITS
+from tinyvllm.gpu.ops import MAX_DECODE_SPLITS
 
 ALIGN = 256                      # bytes; cuBLAS and 16-byte vector loads are happy with this
 CUBLAS_WORKSPACE_BYTES = 32 << 20
@@ -78,7 +76,6 @@ ACTIVATIONS = [
     BufferSpec("attn_out", lambda d: (d.tokens, d.q_width), BF16, "mid"),
     BufferSpec("act", lambda d: (d.tokens, d.inter), BF16, "mid"),
     # RMSNorm chunk sums of the decode rows of `hidden` (gpu/model.py's fused decode layer)
-    BufferSpec("residual_ss", lambda d: (min(d.tokens, GEMV_MAX_ROWS), -(-d.hidden // 16)), F32, "residual_ss"),
     BufferSpec("logits", lambda d: (d.seqs, d.vocab), F32, "logits"),
     BufferSpec("decode_partial_out", lambda d: (d.seqs, d.heads, MAX_DECODE_SPLITS, d.head_dim), F32, "decode_partial_out"),
     BufferSpec("decode_partial_ml", lambda d: (d.seqs, d.heads, MAX_DECODE_SPLITS, 2), F32, "decode_partial_ml"),

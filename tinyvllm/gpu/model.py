@@ -14,15 +14,18 @@ Per layer (T new tokens; residual stream `hidden` in bf16):
     hidden  += act @ Wdown^T                            linear, beta = 1
 then the final norm of each sequence's last token and the LM head (fp32 logits, S rows only).
 
-At decode (every projection on our GEMV, T <= 8) the same nine steps run as seven launches
-(_decode_layer_fused; TINYVLLM_FUSE=0 keeps the nine, with the same bits): RoPE + cache write
-move into the qkv GEMV's epilogue and silu_mul into the gate_up GEMV's epilogue, which removes
-two dependent stages per layer (a batch-1 step is launch-bound: docs/perf-notes.md). The norms
-stay separate launches: under programmatic dependent launch a norm runs while the GEMV after
-it is already streaming its weights, so it costs almost nothing, and folding it into the GEMV
-measured slower. TINYVLLM_FUSE_NORM=auto|all (ops.fuses_norm) folds it in anyway: the GEMVs
-that write `hidden` (and the embedding) then store its rows' RMSNorm chunk sums (`residual_ss`)
-and the next GEMV normalises X as it loads it.
+At decode (every projection on our GEMV, T <= 8) the same nine steps run as five launches
+(_decode_layer_fused; TINYVLLM_FUSE=0 keeps the nine): RoPE + cache write move into the qkv
+GEMV's epilogue and silu_mul into the gate_up GEMV's epilogue, which removes two dependent
+stages per layer (a batch-1 step is launch-bound: docs/perf-notes.md), and each norm goes
+inside the GEMV after it, which removes two more. A norm's scale inv_rms is one number per row,
+so it comes out of the dot product: the GEMV reads `hidden` itself, feeds the tensor cores
+bf16(hidden * norm_weight), sums the squares of the values it loads (its warps split K, so
+together they read the whole row anyway) and multiplies each output by inv_rms before its
+epilogue — no extra memory round trip, one FMA per value (gemv.cu's header). That changes
+bits against rms_norm then GEMV (reference/kernels.py: rms_norm_linear is the formula).
+TINYVLLM_FUSE_NORM=none (ops.fuses_norm) keeps the norms as separate launches (seven per
+layer, the bits of the nine).
 
 The fused layer's attention also warms L2 (attention_decode's l2_prefetch): at batch 1 it is
 num_kv_heads blocks for ~4 us that leave HBM nearly idle, so extra blocks of its grid prefetch
@@ -78,7 +81,6 @@ class LlamaModel:
         v = arena.view
         self.hidden, self.normed, self.qkv, self.attn_out = v("hidden"), v("normed"), v("qkv"), v("attn_out")
         self.gate_up, self.act, self.final_normed, self.logits = v("gate_up"), v("act"), v("final_normed"), v("logits")
-        self.residual_ss = v("residual_ss")
         self.partial_out, self.partial_ml = v("decode_partial_out"), v("decode_partial_ml")
         self.split_counters = v("decode_split_counters")
         self.token_ids, self.positions, self.slot_mapping = v("token_ids"), v("positions"), v("slot_mapping")
@@ -94,14 +96,11 @@ class LlamaModel:
         c, w, ops = self.cfg, self.w, self.ops
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
         fused = not step.is_prefill and ops.fuses_decode(T, H, self.qkv_width, I, c.head_dim)
-        # the RMSNorm chunk sums of `hidden` are stored only for a norm that goes inside a GEMV
-        norm_in_qkv = fused and ops.fuses_norm(self.qkv_width, H)
-        ops.embedding(self.hidden, w.embed, self.token_ids, T, H, c.vocab_size,
-                      ss_out=self.residual_ss if norm_in_qkv else 0, fed_rows=self.fed_rows,
+        ops.embedding(self.hidden, w.embed, self.token_ids, T, H, c.vocab_size, fed_rows=self.fed_rows,
                       fed_ids=self.sampled_ids)
         for layer, lw in enumerate(w.layers):
             if fused:
-                self._decode_layer_fused(step, layer, lw, last=layer == len(w.layers) - 1)
+                self._decode_layer_fused(step, layer, lw)
                 continue
             ops.rms_norm(self.normed, self.hidden, lw.input_norm, T, H, eps)
             ops.linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H)
@@ -117,31 +116,28 @@ class LlamaModel:
         ops.rms_norm(self.final_normed, self.hidden, w.final_norm, S, H, eps, rows=self.last_token_idx)
         ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32")
 
-    def _decode_layer_fused(self, step: StepShape, layer: int, lw, last: bool) -> None:
-        """One layer in seven launches (five with the norms inside the GEMVs, ops.fuses_norm);
-        the same bits as the nine of forward()."""
+    def _decode_layer_fused(self, step: StepShape, layer: int, lw) -> None:
+        """One layer in five launches, the norms inside the qkv and gate_up GEMVs (seven with
+        them separate, ops.fuses_norm: then the bits of the nine of forward())."""
         c, w, ops = self.cfg, self.w, self.ops
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
-        norm_in_qkv, norm_in_gate_up = ops.fuses_norm(self.qkv_width, H), ops.fuses_norm(2 * I, H)
 
-        def normed_input(norm_weight, inside: bool):
+        def normed_input(norm_weight):
             """(X, norm) for the next GEMV: the residual stream and its norm, or `normed`."""
-            if inside:
-                return self.hidden, (norm_weight, self.residual_ss, eps)
+            if ops.fuses_norm():
+                return self.hidden, (norm_weight, eps)
             ops.rms_norm(self.normed, self.hidden, norm_weight, T, H, eps)
             return self.normed, None
 
-        x, norm = normed_input(lw.input_norm, norm_in_qkv)
+        x, norm = normed_input(lw.input_norm)
         ops.gemv_rope_kv(self.qkv, x, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),  # qkv, rope
                          self.positions, self.slot_mapping, w.rope_inv_freq, num_q_heads=c.num_attention_heads,
                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, norm=norm)
         self._attention(step, layer, l2_prefetch=self._l2_prefetch(lw))
-        ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True,
-                   ss_out=self.residual_ss if norm_in_gate_up else 0)
-        x, norm = normed_input(lw.post_norm, norm_in_gate_up)
+        ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True)
+        x, norm = normed_input(lw.post_norm)
         ops.gemv_silu_mul(self.act, x, lw.gate_up, T, 2 * I, H, norm=norm)                           # gate_up, silu
-        ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True,
-                   ss_out=self.residual_ss if norm_in_qkv and not last else 0)
+        ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True)
 
     def _attention(self, step: StepShape, layer: int, l2_prefetch=None) -> None:
         c = self.cfg

@@ -15,20 +15,21 @@ callable that repeats it (benchmarks/decode_profile.py times ops so; trace.py pr
     attention_decode  attention_decode_d{64,128}_g{G}  attention_decode()  kernels.paged_attention  test_gpu_kernels::test_attention_decode
     activation.cu     silu_mul         silu_mul()            kernels.silu_mul                   test_gpu_kernels::test_silu_mul
     gemv.cu           gemv_bf16        gemv() (via linear()) X @ W^T in numpy                   test_gpu_gemv
-    gemv.cu           gemv_[norm_]rope_kv_bf16   gemv_rope_kv()   [rms_norm,] linear, apply_rope + write_kv  test_gpu_fused::test_rope_kv
-    gemv.cu           gemv_[norm_]silu_mul_bf16  gemv_silu_mul()  [rms_norm,] linear, silu_mul  test_gpu_fused::test_silu_mul
+    gemv.cu           gemv_[norm_]rope_kv_bf16   gemv_rope_kv()   [rms_norm_]linear, apply_rope + write_kv  test_gpu_fused::test_rope_kv
+    gemv.cu           gemv_[norm_]silu_mul_bf16  gemv_silu_mul()  [rms_norm_]linear, silu_mul  test_gpu_fused::test_silu_mul
     sampling.cu       sample_tokens    sample()              sampling.sample                    test_gpu_sampling
     sampling.cu       apply_logit_edits apply_logit_edits()  sampling.apply_edits               test_gpu_logit_processing
     sampling.cu       step_logprobs    step_logprobs()       sampling.step_logprobs             test_gpu_logit_processing
     (cuBLAS)          cublasGemmEx     linear()              X @ W^T in numpy                   test_gpu_kernels::test_linear
 
 The fused decode layer (`fuse`, on by default; TINYVLLM_FUSE=0 turns it off): when every
-projection of a step runs on the GEMV (decode, m <= 8), a layer is seven launches instead
-of nine — rms_norm, gemv_rope_kv (qkv + rope_write_kv), attention, gemv o (+ residual),
-rms_norm, gemv_silu_mul (gate_up + silu_mul), gemv down (+ residual). With TINYVLLM_FUSE_NORM
-(fuses_norm(), opt-in: measured slower) the norms go inside the GEMVs too: the o / down GEMVs
-and embedding() then store the RMSNorm chunk sums of the rows they write. Same bits as the nine (common.cuh shares the arithmetic;
-test_gpu_fused and test_gpu_model check it).
+projection of a step runs on the GEMV (decode, m <= 8), a layer is five launches instead
+of nine — gemv_norm_rope_kv (rms_norm + qkv + rope_write_kv), attention, gemv o (+ residual),
+gemv_norm_silu_mul (rms_norm + gate_up + silu_mul), gemv down (+ residual). The norms inside
+take their scale out of the dot product (gemv.cu's header), which changes bits against the
+nine: test_gpu_fused holds them to their numpy twin, test_gpu_model the model to the reference.
+TINYVLLM_FUSE_NORM=none (fuses_norm()) keeps the norms as separate launches (seven per layer),
+with the bits of the nine (common.cuh shares the arithmetic of RoPE and silu_mul).
 
 At decode the fused layer's attention also prefetches the o weight and the start of gate_up
 into L2 while it runs (attention_decode's l2_prefetch; model.py says why); TINYVLLM_L2_PREFETCH=0
@@ -45,8 +46,8 @@ import os
 
 from tinyvllm.gpu.kernels import KernelLibrary, kernel_constants
 
-# TINYVLLM_FUSE_NORM when unset: the norms stay separate launches (fuses_norm() says why)
-FUSE_NORM_DEFAULT = "none"
+# TINYVLLM_FUSE_NORM when unset: the norms go inside the qkv and gate_up GEMVs (fuses_norm())
+FUSE_NORM_DEFAULT = "all"
 EMBEDDING = kernel_constants("embedding.cu")
 RMS_NORM = kernel_constants("rmsnorm.cu")
 ROPE = kernel_constants("rope_kv.cu")
@@ -67,7 +68,6 @@ GEMV_MIN_STEPS_PER_WARP = 2  # gemv_k_warps(): the fewest 32-wide k steps a warp
 # H200, 2026-12-02): the GEMV serves the per-layer projections only.
 GEMV_MAX_N = 32768
 OUT_DTYPES = {"bfloat16": 0, "float32": 1}
-NORM_FUSE_MAX_VALUES = 1 << 20   # fuses_norm(): the most values all CTAs of a GEMV normalise again
 
 
 def _dim3(d) -> tuple[int, int, int]:
@@ -96,8 +96,8 @@ class GpuOps:
         # the fused decode layer's attention prefetches the next weights into L2 (model.py);
         # TINYVLLM_L2_PREFETCH=0 turns it off (the same bits, for timing comparisons)
         self.l2_prefetch = os.environ.get("TINYVLLM_L2_PREFETCH", "1") != "0"
-        if self.fuse_norm not in ("auto", "all", "none"):
-            raise ValueError(f"TINYVLLM_FUSE_NORM must be auto, all or none, got {self.fuse_norm!r}")
+        if self.fuse_norm not in ("all", "none"):
+            raise ValueError(f"TINYVLLM_FUSE_NORM must be all or none, got {self.fuse_norm!r}")
         self.stream_handle = stream.handle if stream is not None else 0
         self._gemv_shapes: dict[tuple[int, int, int], tuple] = {}
         # observer(op, repeat, details): called before each op with a zero-argument callable
@@ -117,13 +117,12 @@ class GpuOps:
 
     # -- one launcher per kernel, in the order the model calls them ------------------------------
     def embedding(self, out, table, token_ids, num_tokens: int, hidden: int, vocab_size: int,
-                  ss_out=0, fed_rows=0, fed_ids=0) -> None:
+                  fed_rows=0, fed_ids=0) -> None:
         """out[t] = table[id_t] (bf16 rows; an id outside the vocab gives a zero row), id_t =
         fed_ids[fed_rows[t]] where fed_rows (int32 [num_tokens], 0: none) is >= 0, else
-        token_ids[t]. ss_out: 0, or fp32 [num_tokens, ceil(hidden / 16)] for each row's RMSNorm
-        chunk sums."""
+        token_ids[t]."""
         self._launch("embedding_gather", num_tokens, EMBEDDING["THREADS"], out, table, token_ids,
-                     fed_rows, fed_ids, num_tokens, hidden, vocab_size, ss_out)
+                     fed_rows, fed_ids, num_tokens, hidden, vocab_size)
 
     def rms_norm(self, out, x, weight, num_rows: int, hidden: int, eps: float, rows=0) -> None:
         """out[r] = RMSNorm(x[rows[r] if rows else r]) * weight; one block per output row."""
@@ -235,22 +234,18 @@ class GpuOps:
         return self.use_gemv and n <= GEMV_MAX_N and self.gemv_supports(m, n, k)
 
     def linear(self, y, x, w, m: int, n: int, k: int, *, accumulate: bool = False,
-               out_dtype: str = "bfloat16", ss_out=0) -> None:
+               out_dtype: str = "bfloat16") -> None:
         """Y[m, n] (+)= X[m, k] @ W[n, k]^T, row-major, W as HF stores it [out, in]; accumulate
-        adds to Y (beta = 1: the fused residual add). The GEMV for small decode batches, else cuBLAS.
-        ss_out (GEMV only: the fused decode layer): Y's rows' RMSNorm chunk sums, as gemv()."""
+        adds to Y (beta = 1: the fused residual add). The GEMV for small decode batches, else cuBLAS."""
         on_gemv = self.on_gemv(m, n, k)
-        if ss_out and not on_gemv:
-            raise ValueError(f"linear: ss_out needs the GEMV, and {m}x{n}x{k} runs on cuBLAS")
         if on_gemv:
-            run = lambda: self.gemv(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype,  # noqa: E731
-                                    ss_out=ss_out)
+            run = lambda: self.gemv(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
         else:
             run = lambda: self.blas.matmul(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
         if self.observer is not None:
             self.observer(f"{'gemv' if on_gemv else 'cublas'} {n}x{k}", self._quietly(run),
                           {"m": m, "n": n, "k": k, "accumulate": accumulate, "out_dtype": out_dtype,
-                           "y": y, "x": x, "w": w, "ss_out": ss_out})
+                           "y": y, "x": x, "w": w})
         self._quietly(run)()
 
     def fuses_decode(self, m: int, hidden: int, qkv_width: int, inter: int, head_dim: int) -> bool:
@@ -260,19 +255,13 @@ class GpuOps:
                 and all(self.on_gemv(m, n, k) for n, k in
                         ((qkv_width, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter))))
 
-    def fuses_norm(self, n: int, k: int) -> bool:
-        """Whether the fused decode layer folds the RMSNorm before an [n, k] projection into the
-        GEMV's X load (from the chunk sums its producer stored) instead of a separate rms_norm
-        launch. Off by default (fuse_norm "none"): measured on the H200 at batch 1, the separate
-        norm costs almost nothing under PDL — it runs while the GEMV after it is already
-        streaming its weights — and the fused one adds a round trip after the GEMV's wait and
-        a normalisation of all of X in every CTA (SmolLM2: 0.531 ms per step with it off,
-        0.566 on; Llama-1B 0.927 off, 0.917 with it in qkv only, 1.229 everywhere;
-        docs/perf-notes.md). TINYVLLM_FUSE_NORM: "none" (default), "auto" (only GEMVs whose
-        CTAs normalise at most NORM_FUSE_MAX_VALUES values in all), "all"."""
-        if self.fuse_norm in ("all", "none"):
-            return self.fuse_norm == "all"
-        return math.ceil(n / GEMV["ROWS_PER_CTA"]) * k <= NORM_FUSE_MAX_VALUES
+    def fuses_norm(self) -> bool:
+        """Whether the fused decode layer runs the RMSNorms inside the qkv and gate_up GEMVs
+        (gemv_norm_*: the scale comes out of the dot product, so the norm costs one FMA per x
+        value and a cached load of its weight, no launch and no extra round trip) instead of
+        as separate rms_norm launches. TINYVLLM_FUSE_NORM: "all" (default) or "none" (the
+        separate launches, for A/B measurement; the bits of TINYVLLM_FUSE=0)."""
+        return self.fuse_norm == "all"
 
     def _quietly(self, run):
         """`run` with the observer told nothing of the kernels inside it (linear is one op)."""
@@ -329,25 +318,23 @@ class GpuOps:
         return (*self.gemv_launch_shape(n, k, k_warps), x_ptr, w_ptr)
 
     def gemv(self, y, x, w, m: int, n: int, k: int, *, accumulate: bool = False,
-             out_dtype: str = "bfloat16", k_warps: int | None = None, ss_out=0) -> None:
+             out_dtype: str = "bfloat16", k_warps: int | None = None) -> None:
         """linear()'s small-batch path: the same arguments and meaning as Cublas.matmul, for
         1 <= m <= 8 and k % 8 == 0 with x and w 16-byte aligned. Streams W once with 16-byte
-        loads, maths on the tensor cores (gemv.cu's header has the layout). ss_out: 0, or fp32
-        [m, ceil(n / 16)] for the stored Y rows' RMSNorm chunk sums (bf16 out only)."""
+        loads, maths on the tensor cores (gemv.cu's header has the layout)."""
         grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps)
-        if ss_out and out_dtype != "bfloat16":
-            raise ValueError("gemv: ss_out (the RMSNorm chunk sums of Y) needs bf16 out")
         self._launch("gemv_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, OUT_DTYPES[out_dtype],
-                     int(accumulate), ss_out, shared_bytes=shared)
+                     int(accumulate), shared_bytes=shared)
 
     def gemv_rope_kv(self, qkv, x, w, m: int, n: int, k: int, k_cache, v_cache, positions, slot_mapping,
                      inv_freq, *, num_q_heads: int, num_kv_heads: int, head_dim: int, norm=None,
                      k_warps: int | None = None) -> None:
         """The decode qkv projection with rope_write_kv inside: qkv = X @ W^T, then RoPE on q (in
         place) and k, and k, v into the paged cache at slot_mapping — the bits of gemv() then
-        rope_write_kv(). norm = (norm_weight, ss_in, eps): X = bf16(RMSNorm(x) * norm_weight)
-        built as it is loaded, x the residual stream [m, k] and ss_in its chunk sums [m,
-        ceil(k / 16)] (embedding() / gemv(ss_out=)) — rms_norm() inside too."""
+        rope_write_kv(). norm = (norm_weight, eps): x is the residual stream [m, k] and its
+        RMSNorm goes inside, scale out of the dot product: qkv = inv_rms * (bf16(x * norm_weight)
+        @ W^T) before the epilogue (reference/kernels.py: rms_norm_linear) — close to, not the
+        bits of, rms_norm() then the rest."""
         if n != (num_q_heads + 2 * num_kv_heads) * head_dim or head_dim % GEMV["ROWS_PER_CTA"]:
             raise ValueError(f"gemv_rope_kv: n = {n} must be (q heads + 2 kv heads) * head_dim with "
                              f"head_dim % {GEMV['ROWS_PER_CTA']} == 0 (heads {num_q_heads}/{num_kv_heads}, "
@@ -370,9 +357,10 @@ class GpuOps:
         kernel = self._FUSED_GEMVS[epilogue, norm is not None]
         grid, block, shared, x_ptr, w_ptr = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps,
                                                             *([norm[0]] if norm else []))
-        if norm:    # (..., x, norm_w, ss_in, w, m, n, k, eps, ...)
-            norm_weight, ss_in, eps = norm
-            self._launch(kernel, grid, block, int(y), x_ptr, int(norm_weight), ss_in, w_ptr, m, n, k, float(eps),
+        if norm:    # (..., x, norm_w, w, m, n, k, eps, ...); each warp's row sums of squares in shared
+            norm_weight, eps = norm
+            shared += block[0] // 32 * GEMV["NORM_SS_BYTES_PER_WARP"]
+            self._launch(kernel, grid, block, int(y), x_ptr, int(norm_weight), w_ptr, m, n, k, float(eps),
                          *extra, shared_bytes=shared)
         else:
             self._launch(kernel, grid, block, int(y), x_ptr, w_ptr, m, n, k, *extra, shared_bytes=shared)

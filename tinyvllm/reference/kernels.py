@@ -75,23 +75,28 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return gate / (np.float32(1) + np.exp(-gate)) * as_f32(up)
 
 
-# ---- the kernels' own formulas for the norm and silu operands (gpu/cuda/common.cuh) -----------
-# On the GPU the fused decode GEMVs (gemv.cu) give exactly the bits of the unfused kernel chain
-# (common.cuh shares the arithmetic). These twins write the kernels' formulas (inverse RMS as a
-# factor, silu as gate / (1 + e^-gate)), which differ from rms_norm / silu_mul above only in
-# fp32 rounding, and round the operand to bf16 as the kernels feed it to the tensor cores.
+# ---- the fused decode GEMVs' formulas for their operands (gpu/cuda/gemv.cu) ------------------
+# The GEMV with the RMSNorm inside takes the norm's scale out of the dot product (gemv.cu's
+# header): its operand is bf16(x * weight), the product is scaled by inv_rms in fp32 after the
+# sum. That is RMSNorm-then-linear up to rounding (tests/test_reference_fused.py bounds it),
+# not its bits. The silu epilogue's operand is what silu_mul stores.
 
-def rms_norm_operand(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """bf16((x * inv_rms) * weight), inv_rms = 1 / sqrt(mean(x^2) + eps) per row: the fused
-    norm GEMVs' X operand (= what rms_norm stores)."""
+def rms_norm_operand(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """bf16(x * weight): the norm GEMVs' X operand (the fp32 product of two bf16 values is
+    exact, so this is the kernel's one rounding)."""
+    return bf16_round(as_f32(x) * as_f32(weight))
+
+
+def rms_inv(x: np.ndarray, eps: float) -> np.ndarray:
+    """1 / sqrt(mean(x^2) + eps) per row of x [m, k], fp32 -> [m, 1]."""
     x = as_f32(x)
-    inv_rms = np.float32(1) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
-    return bf16_round((x * inv_rms) * as_f32(weight))
+    return np.float32(1) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
 
 
 def rms_norm_linear(x: np.ndarray, norm_weight: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """Y = bf16(RMSNorm(x) * norm_weight) @ W^T, x the residual stream [m, k] (the fused norm GEMVs' product)."""
-    return linear(rms_norm_operand(x, norm_weight, eps), w)
+    """Y = inv_rms * (bf16(x * norm_weight) @ W^T), x the residual stream [m, k]: RMSNorm then
+    linear as the fused norm GEMVs compute it (fp32 product, then times inv_rms per row)."""
+    return linear(rms_norm_operand(x, norm_weight), w) * rms_inv(x, eps)
 
 
 def silu_mul_operand(gate_up: np.ndarray) -> np.ndarray:

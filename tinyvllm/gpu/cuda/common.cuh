@@ -72,23 +72,19 @@ __device__ __forceinline__ float warp_max(float x) {
 }
 
 // ---- RMSNorm, RoPE and SwiGLU arithmetic, shared by the standalone kernels and the fused GEMVs ---
-// At decode gemv.cu folds rms_norm into the qkv / gate_up GEMVs' X load, RoPE with the KV-cache
-// write into the qkv GEMV's epilogue and silu_mul into the gate_up GEMV's epilogue. A fused
-// kernel gives the bits of the kernels it replaces because both sides call these functions: the
-// same operations in the same order, the roundings written out (__fmul_rn, __fadd_rn, ...) so
-// that no contraction choice of the compiler can differ between files.
+// At decode gemv.cu folds RoPE with the KV-cache write into the qkv GEMV's epilogue and silu_mul
+// into the gate_up GEMV's epilogue; a fused kernel gives the bits of the kernels it replaces
+// because both sides call these functions: the same operations in the same order, the roundings
+// written out (__fmul_rn, __fadd_rn, ...) so that no contraction choice of the compiler can differ
+// between files. (The RMSNorm those GEMVs take inside has its own formula, scale out of the dot
+// product: gemv.cu's header.)
 //
-// RMSNorm's sum of squares is taken in chunks of SS_CHUNK = 16 columns, in one fixed tree, and
-// the chunk sums are then added in one fixed order. The chunks are what makes the fusion cheap:
-// the GEMV that writes the residual stream (o, down; embedding_gather at the start of a step)
-// owns whole chunks of it (16 outputs per CTA), so its epilogue stores each row's chunk sums
-// next to the row ("residual_ss" in the arena, [rows, ceil(hidden / 16)] fp32) and the next
-// GEMV's norm only adds ceil(hidden / 16) numbers instead of re-reading the row in every CTA
-// (that earlier design measured slower than the separate kernel; docs/perf-notes.md).
+// The standalone rms_norm's sum of squares is taken in chunks of SS_CHUNK = 16 columns, in one
+// fixed tree, and the chunk sums are then added in one fixed order.
 constexpr int SS_CHUNK = 16;
 
 // The chunk tree over v[0..15] (missing columns are 0): pairs (j, j+8), then (j, j+4), (j, j+2),
-// (0, 1) — the xor-8/4/2/1 butterfly of half_warp_sum_sq below, in one thread.
+// (0, 1).
 __device__ __forceinline__ float chunk_sum_sq(const float v[SS_CHUNK]) {
     float s[8];
 #pragma unroll
@@ -100,19 +96,9 @@ __device__ __forceinline__ float chunk_sum_sq(const float v[SS_CHUNK]) {
     return __fadd_rn(s[0], s[1]);
 }
 
-// The same tree when lane l of a half warp holds column l % 16 of the chunk: each butterfly step
-// adds the same two partial sums as chunk_sum_sq (in the other order in half the lanes; fp32
-// addition commutes exactly), so every lane ends with chunk_sum_sq's bits. All 32 lanes call it.
-__device__ __forceinline__ float half_warp_sum_sq(float v) {
-    float s = __fmul_rn(v, v);
-#pragma unroll
-    for (int offset = 8; offset > 0; offset >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, offset));
-    return s;
-}
-
 // A row's sum of squares from its chunk sums p[0..chunks): lane l adds p[l], p[l + 32], ... in
 // order, then the lanes' sums meet in warp_sum's butterfly. Every lane gets the total. All 32
-// lanes call it; p may be global (written by the previous kernel: a plain load) or shared.
+// lanes call it.
 __device__ __forceinline__ float sum_of_chunk_sums(const float* p, int chunks, int lane) {
     float s = 0.0f;
     for (int c = lane; c < chunks; c += 32) s = __fadd_rn(s, p[c]);

@@ -2,12 +2,8 @@
 // fed from the step before (async scheduling: fed_rows non-null and fed_rows[t] >= 0), that
 // step's sampled id fed_ids[fed_rows[t]] — read here, on the device, because the host has not
 // read it back yet when this step is launched (engine/batch.py, "Fed tokens").
-// With ss_out (non-null: the decode step's first kernel when the GEMVs are fused) it also stores
-// each row's RMSNorm chunk sums, ss_out[t, c] = chunk_sum_sq(out[t, 16c .. 16c + 15]) (common.cuh),
-// which the first layer's qkv GEMV reads instead of re-reducing the row.
-// Launch: one block per token, threads stride over the row one 16-column chunk (two 16-byte
-// loads) at a time. Requires hidden % 8 == 0. Out-of-range ids produce a zero row rather than a
-// wild read.
+// Launch: one block per token, threads stride over the row 16 bytes at a time. Requires
+// hidden % 8 == 0. Out-of-range ids produce a zero row rather than a wild read.
 #include "common.cuh"
 
 constexpr int THREADS = 128;   // block size (gpu/ops.py launches with it)
@@ -15,7 +11,7 @@ constexpr int THREADS = 128;   // block size (gpu/ops.py launches with it)
 extern "C" __global__ void __launch_bounds__(THREADS) embedding_gather(bf16* __restrict__ out, const bf16* __restrict__ table,
                                             const int* __restrict__ token_ids, const int* __restrict__ fed_rows,
                                             const int* __restrict__ fed_ids, int num_tokens,
-                                            int hidden, int vocab_size, float* __restrict__ ss_out) {
+                                            int hidden, int vocab_size) {
     wait_for_producer();
     allow_consumer();
     const int t = blockIdx.x;
@@ -25,22 +21,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) embedding_gather(bf16* __r
     // a zero row, like any other
     const int id = fed >= 0 ? fed_ids[fed] : token_ids[t];
     const bool valid = id >= 0 && id < vocab_size;
-    const int chunks = (hidden + SS_CHUNK - 1) / SS_CHUNK;
-    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-        const int col = c * SS_CHUNK;
-        const bool second = col + 8 < hidden;
-        uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
-        if (valid) {
-            lo = *reinterpret_cast<const uint4*>(table + (size_t)id * hidden + col);
-            if (second) hi = *reinterpret_cast<const uint4*>(table + (size_t)id * hidden + col + 8);
-        }
-        *reinterpret_cast<uint4*>(out + (size_t)t * hidden + col) = lo;
-        if (second) *reinterpret_cast<uint4*>(out + (size_t)t * hidden + col + 8) = hi;
-        if (ss_out) {
-            float v[SS_CHUNK];
-            unpack_bf16x8(lo, v);
-            unpack_bf16x8(hi, v + 8);
-            ss_out[(size_t)t * chunks + c] = chunk_sum_sq(v);
-        }
+    for (int col = threadIdx.x * 8; col < hidden; col += blockDim.x * 8) {
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (valid) v = *reinterpret_cast<const uint4*>(table + (size_t)id * hidden + col);
+        *reinterpret_cast<uint4*>(out + (size_t)t * hidden + col) = v;
     }
 }

@@ -27,8 +27,9 @@
 //   block.x = 32 * kw, kw in 1..32 warps that split K (split-K inside the CTA). The K range is
 //             cut into 32-wide steps; warp w walks steps [w*S/kw, (w+1)*S/kw), S = ceil(k/32),
 //             UNROLL = 4 steps (8 16-byte W loads per lane) in flight at a time.
-//   shared  = kw * 512 bytes: each warp's 8 x 16 fp32 partial tile; after one __syncthreads the
-//             first 16*m threads sum the kw partials of one output each and write it.
+//   shared  = kw * 512 bytes: each warp's 8 x 16 fp32 partial tile (+ kw * 32 bytes with the norm:
+//             each warp's 8 per-row sums of squares); after one __syncthreads the first 16*m
+//             threads sum the kw partials of one output each and write it.
 // Registers: 8 W uint4 + 4 X uint4 in flight + 4 accumulators; __launch_bounds__(1024) caps the
 // kernel at 64 registers, so 32 warps fit on an SM whatever kw is (ptxas: 64 registers, no spills).
 // The Python side chooses kw so that ceil(n/16) * kw fills the GPU about once (o/qkv: 16 warps of
@@ -45,21 +46,37 @@
 // the weight stream starts while the previous kernel (which produces X) is still finishing.
 // It calls allow_consumer() first thing, so the next kernel can be resident before this one ends.
 // Five entry points share this body; they differ in how X is loaded and how Y is stored:
-//   gemv_bf16            X as stored; Y stored (or added: the residual add), optionally with the
-//                        stored rows' RMSNorm chunk sums (ss_out, common.cuh) for the next norm.
+//   gemv_bf16            X as stored; Y stored (or added: the residual add).
 //   gemv_rope_kv         the epilogue applies RoPE to q and k and writes k and v to the paged
 //                        cache: the qkv projection of a decode step with rope_write_kv inside.
 //   gemv_silu_mul        the epilogue stores silu(gate) * up: gate_up with silu_mul inside.
-//   gemv_norm_rope_kv,   the same two with X = RMSNorm of the residual stream, built as X is
-//   gemv_norm_silu_mul   loaded from the row's chunk sums (ss_in): rms_norm inside too. Every CTA
-//                        normalises all of X again, so this pays only for grids of few CTAs
-//                        (gpu/ops.py decides; docs/perf-notes.md has the measurements).
+//   gemv_norm_rope_kv,   the same two with the RMSNorm of the residual stream x inside (the
+//   gemv_norm_silu_mul   decode default): rms_norm needs no launch of its own.
+// The norm's scale is one number per x row, so it comes out of the dot product:
+//   Y[j, n] = inv_rms[j] * sum_k W[n, k] * bf16(x[j, k] * norm_w[k]),
+//   inv_rms[j] = 1 / sqrt(mean_k x[j, k]^2 + eps).
+// The warps of a CTA split K, so together they load all of x anyway: each lane adds the squares
+// of the x values it loads (fp32, of the bf16 x before norm_w), the warp's lanes of one row meet
+// in two shuffles, and each warp's 8 row sums go to shared memory beside its partial tile, read
+// at the __syncthreads the mma partials already need. The epilogue multiplies each output's fp32
+// sum by its row's inv_rms before it stores / rotates / applies silu. The cost is one FMA per x
+// value, a __ldg of the norm weight (written by no kernel, cached) beside each X load and a
+// multiply per value to build the operand; no extra memory round trip after the wait (the old
+// opt-in mode, which normalised X before the mma from sums of squares its producer stored,
+// needed one and measured slower than the separate kernel). The bits differ from rms_norm then
+// gemv (the operand is bf16(x * norm_w), not bf16(x * inv_rms * norm_w), and inv_rms is applied
+// in fp32 after the sum): reference/kernels.py's rms_norm_linear is this formula, and
+// tests/test_reference_fused.py bounds its distance from RMSNorm-then-linear.
 // An epilogue that combines two outputs needs both in one CTA, so the fused modes pick the
 // CTA's 16 W rows as two runs of 8 that belong together (cta_tile below): gate rows j..j+7 with
 // up rows I+j..I+j+7, or head-dim rows i..i+7 of one head with their RoPE partners i+D/2..;
 // partners then sit 8 lanes apart in the epilogue (one shuffle). Each output's dot product is
-// the same code in every mode, so a fused kernel gives the bits of its kernel chain
-// (tests/test_gpu_fused.py checks that). ptxas: 64 registers, no spills.
+// the same code in every mode, so gemv_rope_kv / gemv_silu_mul give the bits of their kernel
+// chains (tests/test_gpu_fused.py checks that; the norm modes it checks against the numpy twin).
+// ptxas: 64 registers; gemv_bf16 and gemv_silu_mul spill nothing, gemv_rope_kv keeps a small
+// stack frame for sincosf's slow path. The norm variants do NOT meet the no-spill goal yet:
+// gemv_norm_silu_mul spills 16 bytes, gemv_norm_rope_kv 28 (SASS: two loop-invariant 64-bit
+// pointers reloaded from local memory once per UNROLL steps, one value across the loop).
 // -DGEMV_L2_PREFETCH=1 adds the .L2::256B prefetch hint to the W loads (benchmarks/gemv_bench.py
 // compares both; the default build has no hint).
 #include "common.cuh"
@@ -70,6 +87,7 @@ constexpr int ROWS_PER_CTA = 16;   // W rows (outputs n) per CTA: the M of one m
 constexpr int STEP_K = 32;        // k per warp step: 4 lanes x 8 bf16 per W row
 constexpr int UNROLL = 4;        // steps in flight per warp: 8 x 16-byte W loads per lane
 constexpr int MAX_K_WARPS = 32;
+constexpr int NORM_SS_BYTES_PER_WARP = 8 * 4;   // the norm modes' extra shared memory: 8 row sums per warp
 
 #ifndef GEMV_L2_PREFETCH
 #define GEMV_L2_PREFETCH 0
@@ -118,10 +136,9 @@ __device__ __forceinline__ void mma_pair(float acc[4], const uint4& p, const uin
 enum class XLoad { plain, rms_norm };
 enum class Epilogue { store, rope_kv, silu_mul };
 
-// The norm of the X load: x is the residual stream, ss its rows' chunk sums [m, ceil(k/16)].
+// The norm inside the GEMV: x is the residual stream, weight the norm's gain.
 struct NormArgs {
     const bf16* weight;   // [k]
-    const float* ss;
     float eps;
 };
 
@@ -153,45 +170,34 @@ __device__ __forceinline__ Tile cta_tile(int cta, int n, int head_dim) {
     }
 }
 
-// The inverse RMS of x row g = lane / 4 from its chunk sums (0 for lanes past m). Warp-wide.
-__device__ __forceinline__ float lane_inv_rms(const NormArgs& norm, int m, int k, int lane) {
-    const int chunks = (k + SS_CHUNK - 1) / SS_CHUNK;
-    const int rows = m < 8 ? m : 8;
-    float mine = 0.0f;
-    for (int r = 0; r < rows; ++r) {
-        const float total = sum_of_chunk_sums(norm.ss + (size_t)r * chunks, chunks, lane);
-        if (lane >> 2 == r) mine = norm_inv_rms(total, k, norm.eps);
-    }
-    return mine;
-}
-
-__device__ __forceinline__ void prefetch_l1(const bf16* p) { asm volatile("prefetch.global.L1 [%0];" :: "l"(p)); }
-
-// norm weight: written by no kernel, re-read by every CTA: the read-only cached path
+// norm weight: written by no kernel, re-read by every CTA: the read-only cached path (ptxas may
+// hoist it above the wait, which is allowed: no kernel writes it)
 __device__ __forceinline__ uint4 load_weight(const bf16* p) {
     return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
-__device__ __forceinline__ uint4 normalize(const uint4& x_raw, const uint4& w_raw, float inv_rms) {
+// The norm's operand bf16(x * weight) of eight x values (the product of two bf16 values is exact
+// in fp32: one rounding), adding their squares (fp32) to ss.
+__device__ __forceinline__ uint4 scale_by_weight(const uint4& x_raw, const uint4& w_raw, float& ss) {
     float v[8], nw[8];
     unpack_bf16x8(x_raw, v);
     unpack_bf16x8(w_raw, nw);
-    return make_uint4(pack_bf16x2(norm_apply(v[0], inv_rms, nw[0]), norm_apply(v[1], inv_rms, nw[1])),
-                      pack_bf16x2(norm_apply(v[2], inv_rms, nw[2]), norm_apply(v[3], inv_rms, nw[3])),
-                      pack_bf16x2(norm_apply(v[4], inv_rms, nw[4]), norm_apply(v[5], inv_rms, nw[5])),
-                      pack_bf16x2(norm_apply(v[6], inv_rms, nw[6]), norm_apply(v[7], inv_rms, nw[7])));
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss = fmaf(v[i], v[i], ss);
+    return make_uint4(pack_bf16x2(v[0] * nw[0], v[1] * nw[1]), pack_bf16x2(v[2] * nw[2], v[3] * nw[3]),
+                      pack_bf16x2(v[4] * nw[4], v[5] * nw[5]), pack_bf16x2(v[6] * nw[6], v[7] * nw[7]));
 }
 
 // y: per EPI (store: [m, n] bf16 or fp32 (out_f32), row stride n; rope_kv: the qkv rows [m, n];
 // silu_mul: act [m, n/2]); w: [n, k] bf16; x: [m, k] bf16 (rms_norm: the residual stream).
 // accumulate = 1 (store): y += x @ w^T (fp32 sum of the old value and the product, rounded once).
-// ss_out (store, bf16 out, may be null): ss_out[row, cta] = chunk sum of the stored Y row.
 template <XLoad MODE, Epilogue EPI>
 __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __restrict__ x,
                                           const NormArgs& norm, const bf16* __restrict__ w,
                                           int m, int n, int k, int out_f32, int accumulate,
-                                          float* __restrict__ ss_out, const RopeArgs& rope) {
+                                          const RopeArgs& rope) {
     extern __shared__ float partial[];   // [warps][8 rows of x][16 columns of the CTA]
+                                         // (rms_norm: then [warps][8 rows] sums of squares)
     allow_consumer();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -212,7 +218,7 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
     // second W pointer need registers that 8 W + 4 X quads in flight leave no room for under
     // the 64-register cap (ptxas spilled 36-48 bytes otherwise).
     constexpr bool ONE_BY_ONE = MODE != XLoad::plain || EPI != Epilogue::store;
-    float inv_rms = 0.0f;
+    float ss = 0.0f;   // rms_norm: the sum of squares of the x values this lane loads (row g)
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int s0 = s_begin; s0 < s_end; s0 += UNROLL) {
         uint4 wv0[UNROLL], wv1[UNROLL], xv[UNROLL];
@@ -224,23 +230,7 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             if (in && w_ok0) wv0[u] = load_stream(w0 + kk);
             if (in && w_ok1) wv1[u] = load_stream(w1 + kk);
         }
-        if (s0 == s_begin) {
-            // The norm's first chunks of X and of its weight go to L1 while the chunk sums are
-            // summed, so the norm costs one L2 round trip after the wait, not two in a row.
-            if constexpr (MODE == XLoad::rms_norm) {
-#pragma unroll
-                for (int u = 0; u < UNROLL; ++u)   // the norm weight is no kernel's output: before the wait
-                    if (s0 + u < s_end && (s0 + u) * STEP_K + 8 * t < k && x_ok)
-                        prefetch_l1(norm.weight + 8 * t + (s0 + u) * STEP_K);
-            }
-            wait_for_producer();   // X (and the norm's chunk sums) are the previous kernel's output
-            if constexpr (MODE == XLoad::rms_norm) {
-#pragma unroll
-                for (int u = 0; u < UNROLL; ++u)
-                    if (s0 + u < s_end && (s0 + u) * STEP_K + 8 * t < k && x_ok) prefetch_l1(xr + (s0 + u) * STEP_K);
-                inv_rms = lane_inv_rms(norm, m, k, lane);   // ceil(k/16) floats per row
-            }
-        }
+        if (s0 == s_begin) wait_for_producer();   // X is the previous kernel's output
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int kk = (s0 + u) * STEP_K;
@@ -250,7 +240,7 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
                 if constexpr (MODE == XLoad::plain) {
                     xv[u] = load_cached(xr + kk);
                 } else {
-                    xv[u] = normalize(load_cached(xr + kk), load_weight(norm.weight + 8 * t + kk), inv_rms);
+                    xv[u] = scale_by_weight(load_cached(xr + kk), load_weight(norm.weight + 8 * t + kk), ss);
                 }
             }
             if constexpr (ONE_BY_ONE) mma_pair(acc, wv0[u], wv1[u], xv[u]);
@@ -269,6 +259,13 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
     mine[ROWS_PER_CTA] = acc[1];
     mine[8] = acc[2];
     mine[ROWS_PER_CTA + 8] = acc[3];
+    float* const row_ss = partial + warps * (8 * ROWS_PER_CTA);   // rms_norm: [warps][8 rows]
+    static_assert(NORM_SS_BYTES_PER_WARP == 8 * sizeof(float), "gpu/ops.py sizes row_ss by it");
+    if constexpr (MODE == XLoad::rms_norm) {
+        ss += __shfl_xor_sync(0xffffffffu, ss, 1);   // the 4 lanes (g, t) of x row g
+        ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+        if (t == 0) row_ss[warp * 8 + g] = ss;
+    }
     __syncthreads();
 
     // Thread i of a pass owns (x row i / 16, tile column i % 16): a half warp holds one row's 16
@@ -286,9 +283,16 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
         float sum = 0.f;
         if (in_n)
             for (int v = 0; v < warps; ++v) sum += partial[v * (8 * ROWS_PER_CTA) + i];
+        if constexpr (MODE == XLoad::rms_norm) {       // the norm's scale, out of the dot product
+            float row_sum_sq = 0.f;
+            if (in_n)
+                for (int v = 0; v < warps; ++v) row_sum_sq += row_ss[v * 8 + row];
+            // fast division and rsqrt (2 ulp each, far below the bf16 rounding of the operand):
+            // IEEE division's slow-path call costs registers this kernel does not have
+            sum *= rsqrtf(__fdividef(row_sum_sq, (float)k) + norm.eps);
+        }
         if constexpr (EPI == Epilogue::store) {
             const size_t at = (size_t)row * n + out;
-            float stored = 0.0f;
             if (in_n && out_f32) {
                 float* yf = static_cast<float*>(y);
                 yf[at] = accumulate ? yf[at] + sum : sum;
@@ -296,15 +300,10 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
                 bf16* yb = static_cast<bf16*>(y);
                 const bf16 value = __float2bfloat16(accumulate ? __bfloat162float(yb[at]) + sum : sum);
                 yb[at] = value;
-                stored = __bfloat162float(value);
-            }
-            if (ss_out != nullptr) {                            // kernel argument: block-uniform
-                const float ss = half_warp_sum_sq(stored);      // columns past n count as 0
-                if (live && col == 0) ss_out[(size_t)row * gridDim.x + blockIdx.x] = ss;
             }
         } else {
             // Both fused epilogues read the product as the unfused chain's next kernel would:
-            // rounded to bf16. The partner of column c is column c ^ 8 (the other run).
+            // rounded to bf16 (with the norm: the scaled product). The partner of column c is column c ^ 8 (the other run).
             const float value = bf16_round(sum);
             const float partner = __shfl_xor_sync(0xffffffffu, value, 8);
             bf16* yb = static_cast<bf16*>(y);
@@ -336,12 +335,10 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
 }  // namespace
 
 // Y (+)= X @ W^T. y: [m, n] bf16 (out_f32 = 0) or fp32 (out_f32 = 1); x: [m, k]; w: [n, k].
-// ss_out: null, or (bf16 out) [m, ceil(n/16)] fp32 for the stored rows' RMSNorm chunk sums.
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_bf16(void* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
-          int m, int n, int k, int out_f32, int accumulate, float* __restrict__ ss_out) {
-    gemv_body<XLoad::plain, Epilogue::store>(y, x, NormArgs{}, w, m, n, k, out_f32, accumulate, ss_out,
-                                             RopeArgs{});
+          int m, int n, int k, int out_f32, int accumulate) {
+    gemv_body<XLoad::plain, Epilogue::store>(y, x, NormArgs{}, w, m, n, k, out_f32, accumulate, RopeArgs{});
 }
 
 // qkv = X @ W^T, then RoPE on its q and k heads (q rotated in place; k rotated into k_cache, v into
@@ -352,20 +349,21 @@ gemv_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const bf16
                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
                   int num_q_heads, int num_kv_heads, int head_dim) {
     gemv_body<XLoad::plain, Epilogue::rope_kv>(
-        qkv, x, NormArgs{}, w, m, n, k, 0, 0, nullptr,
+        qkv, x, NormArgs{}, w, m, n, k, 0, 0,
         RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim});
 }
 
-// gemv_rope_kv_bf16 of X = bf16(RMSNorm(x) * norm_w): rms_norm, gemv_bf16 and rope_write_kv in one
-// launch, the same bits. x: the residual stream [m, k]; ss_in: its chunk sums [m, ceil(k/16)].
+// gemv_rope_kv_bf16 with the RMSNorm of x (the residual stream [m, k], gain norm_w) inside, its
+// scale out of the dot product (header): qkv = inv_rms * (bf16(x * norm_w) @ W^T), then the epilogue.
+// Shared memory: kw * NORM_SS_BYTES_PER_WARP more than gemv_bf16's.
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_norm_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
-                       const float* ss_in, const bf16* __restrict__ w, int m, int n, int k, float eps,
+                       const bf16* __restrict__ w, int m, int n, int k, float eps,
                        bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
                        const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
                        int num_q_heads, int num_kv_heads, int head_dim) {
     gemv_body<XLoad::rms_norm, Epilogue::rope_kv>(
-        qkv, x, NormArgs{norm_w, ss_in, eps}, w, m, n, k, 0, 0, nullptr,
+        qkv, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0,
         RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim});
 }
 
@@ -374,14 +372,12 @@ gemv_norm_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ w,
                    int m, int n, int k) {
-    gemv_body<XLoad::plain, Epilogue::silu_mul>(act, x, NormArgs{}, w, m, n, k, 0, 0, nullptr, RopeArgs{});
+    gemv_body<XLoad::plain, Epilogue::silu_mul>(act, x, NormArgs{}, w, m, n, k, 0, 0, RopeArgs{});
 }
 
-// gemv_silu_mul_bf16 of X = bf16(RMSNorm(x) * norm_w) (ss_in as above): rms_norm, gemv_bf16 and
-// silu_mul in one launch, the same bits.
+// gemv_silu_mul_bf16 with the RMSNorm of x inside, as gemv_norm_rope_kv_bf16.
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_norm_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
-                        const float* ss_in, const bf16* __restrict__ w, int m, int n, int k, float eps) {
-    gemv_body<XLoad::rms_norm, Epilogue::silu_mul>(act, x, NormArgs{norm_w, ss_in, eps}, w, m, n, k, 0, 0,
-                                                   nullptr, RopeArgs{});
+                        const bf16* __restrict__ w, int m, int n, int k, float eps) {
+    gemv_body<XLoad::rms_norm, Epilogue::silu_mul>(act, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0, RopeArgs{});
 }

@@ -1,9 +1,8 @@
 // RMSNorm: out[r] = in[src(r)] / sqrt(mean(in[src(r)]^2) + eps) * weight, fp32 math, bf16 storage.
 // `rows` (may be null) maps output row r to input row src(r): the final norm reads only each
 // sequence's last token, so the LM head never sees the other prompt rows.
-// The sum of squares is common.cuh's: chunk sums of 16 columns (chunk_sum_sq), added in
-// sum_of_chunk_sums' order — the order in which the decode GEMVs fused with this norm (gemv.cu)
-// add the chunk sums their producer stored, so both give the same bits.
+// The sum of squares is common.cuh's: chunk sums of 16 columns (chunk_sum_sq) in shared memory,
+// added in sum_of_chunk_sums' order.
 // Launch: one block per output row, THREADS threads, 16-byte loads. Requires hidden % 8 == 0 and
 // hidden <= MAX_HIDDEN (gpu/ops.py checks both).
 // `in` is the previous kernel's output: no __restrict__, so its loads are never the read-only
