@@ -6,12 +6,13 @@ CUDA-graph replay at several batch sizes, the GPU time of a replay alone, and pe
                                         [--batch 1 8 64 256] [--compare-fuse] [--compare-prefetch [MB ...]]
 
 "weights TB/s" is weight bytes over the graph's GPU time. Prints two tables; run on a GPU machine (the model is written to /tmp if absent).
---compare-fuse adds, at the smallest batch, the graph time and the per-op table with the fused
-decode layer (gemv_norm_rope_kv, gemv_norm_silu_mul: five launches per layer) and with TINYVLLM_FUSE=0's nine, each op
-also per layer (decode graphs recaptured for each setting).
+--compare-fuse adds, at the smallest batch, the graph time with TINYVLLM_FUSE=0's nine launches
+per layer and with the fused decode layer at each TINYVLLM_FUSE_NORM (none: seven, all: five,
+auto: the default rule), and the per-op tables of the nine and of the default, each op also per
+layer (decode graphs recaptured for each setting).
 --compare-prefetch adds, at the smallest batch, the graph time with the decode attention's L2
-prefetch of the next weights (gpu/model.py) at each budget in MB per layer (default: 0 = off, as
-TINYVLLM_L2_PREFETCH=0, and model.L2_PREFETCH_BYTES). Judge it by the graph times: the per-op
+prefetch of the next weights (gpu/model.py) at each budget in MB per layer (default: 0 = off, the
+engine's default, and model.L2_PREFETCH_BYTES, what TINYVLLM_L2_PREFETCH=1 turns on). Judge it by the graph times: the per-op
 tables replay each op alone, where the attention carries the prefetch traffic and no GEMV after
 it can profit.
 """
@@ -170,7 +171,7 @@ def time_prefill(runner, batch, repeats: int = 5) -> float:
 # (label, ops.fuse, ops.fuse_norm); the fused row at ops' own default is marked, and gets a per-op table
 FUSE_CONFIGS = [("TINYVLLM_FUSE=0", False, FUSE_NORM_DEFAULT)] + [
     (f"fused, TINYVLLM_FUSE_NORM={norm}{' (default)' if norm == FUSE_NORM_DEFAULT else ''}", True, norm)
-    for norm in ("none", "all")]
+    for norm in ("none", "all", "auto")]
 
 
 def compare_fuse(runner, batch, num_layers: int) -> None:
@@ -205,7 +206,7 @@ def compare_fuse(runner, batch, num_layers: int) -> None:
 
 def compare_prefetch(runner, batch, budgets_mb: list[float]) -> None:
     """Graph time and GPU time of one decode step for each L2 prefetch budget per layer
-    (runner.model.l2_prefetch_bytes; 0 launches no prefetch blocks, as TINYVLLM_L2_PREFETCH=0)."""
+    (runner.model.l2_prefetch_bytes; 0 launches no prefetch blocks, the engine's default)."""
     from tinyvllm.gpu.model import L2_PREFETCH_BYTES
 
     def recapture():
@@ -227,7 +228,7 @@ def compare_prefetch(runner, batch, budgets_mb: list[float]) -> None:
     print(f"\nL2 prefetch of the next weights by the decode attention, batch {batch.num_seqs}:")
     print(f"{'MB per layer':<16} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}")
     for mb, (graph, gpu) in rows.items():
-        label = "off" if mb <= 0 else f"{mb:g}" + (" (default)" if int(mb * 2**20) == L2_PREFETCH_BYTES else "")
+        label = "off (default)" if mb <= 0 else f"{mb:g}" + (" (TINYVLLM_L2_PREFETCH=1)" if int(mb * 2**20) == L2_PREFETCH_BYTES else "")
         print(f"{label:<16} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}")
 
 

@@ -229,8 +229,8 @@ def test_l2_prefetch_graphs_equal_plain_graphs(tiny):
 
 @pytest.mark.parametrize("num_seqs", [1, 3])
 def test_fused_graphs_equal_unfused_graphs(tiny, num_seqs):
-    """The fused decode layer: by default five launches per layer (the norms, RoPE + KV write and
-    silu inside the GEMVs). Its norms take the scale out of the dot product, which changes bits,
+    """The fused decode layer: five launches per layer with the norms inside the GEMVs (the
+    default for the tiny model's small GEMVs, ops.fuses_norm), RoPE + KV write and silu too. Its norms take the scale out of the dot product, which changes bits,
     so the default is held to the numpy reference by test_tiny_model_matches_reference (its
     decode steps run it: batch <= 8) with that test's tolerances. What stays bitwise: with the
     norms separate (TINYVLLM_FUSE_NORM=none, seven launches) the fused layer shares the unfused

@@ -14,25 +14,26 @@ Per layer (T new tokens; residual stream `hidden` in bf16):
     hidden  += act @ Wdown^T                            linear, beta = 1
 then the final norm of each sequence's last token and the LM head (fp32 logits, S rows only).
 
-At decode (every projection on our GEMV, T <= 8) the same nine steps run as five launches
-(_decode_layer_fused; TINYVLLM_FUSE=0 keeps the nine): RoPE + cache write move into the qkv
-GEMV's epilogue and silu_mul into the gate_up GEMV's epilogue, which removes two dependent
-stages per layer (a batch-1 step is launch-bound: docs/perf-notes.md), and each norm goes
-inside the GEMV after it, which removes two more. A norm's scale inv_rms is one number per row,
-so it comes out of the dot product: the GEMV reads `hidden` itself, feeds the tensor cores
-bf16(hidden * norm_weight), sums the squares of the values it loads (its warps split K, so
-together they read the whole row anyway) and multiplies each output by inv_rms before its
-epilogue — no extra memory round trip, one FMA per value (gemv.cu's header). That changes
-bits against rms_norm then GEMV (reference/kernels.py: rms_norm_linear is the formula).
-TINYVLLM_FUSE_NORM=none (ops.fuses_norm) keeps the norms as separate launches (seven per
-layer, the bits of the nine).
+At decode (every projection on our GEMV, T <= 8) the same nine steps run as five to seven
+launches (_decode_layer_fused; TINYVLLM_FUSE=0 keeps the nine): RoPE + cache write move into
+the qkv GEMV's epilogue and silu_mul into the gate_up GEMV's epilogue, which removes two
+dependent stages per layer (a batch-1 step is launch-bound: docs/perf-notes.md), and a norm
+can go inside the GEMV after it, which removes one more each. A norm's scale inv_rms is one
+number per row, so it comes out of the dot product: the GEMV reads `hidden` itself, feeds the
+tensor cores bf16(hidden * norm_weight), sums the squares of the values it loads (its warps
+split K, so together they read the whole row anyway) and multiplies each output by inv_rms
+before its epilogue — no extra memory round trip (gemv.cu's header). That changes bits against
+rms_norm then GEMV (reference/kernels.py: rms_norm_linear is the formula). It pays on small
+GEMVs only (every CTA re-reads and scales all of x): ops.fuses_norm holds the measured rule
+(SmolLM2's norms go inside, Llama-1B's stay separate launches, with the bits of the nine).
 
-The fused layer's attention also warms L2 (attention_decode's l2_prefetch): at batch 1 it is
-num_kv_heads blocks for ~4 us that leave HBM nearly idle, so extra blocks of its grid prefetch
-the o weight and then the start of gate_up, L2_PREFETCH_BYTES in all, and the o GEMV (and part
-of gate_up's) then reads from L2. The prefetch is issued before the attention waits for the qkv
-GEMV (the weights are written by no kernel) and writes nothing: it changes no bit, only when
-bytes arrive. TINYVLLM_L2_PREFETCH=0 (ops.l2_prefetch) turns it off.
+TINYVLLM_L2_PREFETCH=1 makes the fused layer's attention warm L2 (attention_decode's
+l2_prefetch): at batch 1 it is num_kv_heads blocks for ~4 us that leave HBM nearly idle, so
+extra blocks of its grid prefetch the o weight and then the start of gate_up,
+L2_PREFETCH_BYTES in all, for the o GEMV (and part of gate_up's) to read from L2. The prefetch
+is issued before the attention waits for the qkv GEMV (the weights are written by no kernel)
+and writes nothing: it changes no bit, only when bytes arrive. Off by default: measured on the
+H200 it gained nothing (docs/perf-notes.md, session 7); it stays for the next tuning.
 
 "linear" is gpu/ops.py's linear(): our GEMV for decode batches of at most 8 tokens, cuBLAS
 else. Every kernel is launched through its typed launcher in gpu/ops.py (the same ones the GPU
@@ -117,25 +118,25 @@ class LlamaModel:
         ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32")
 
     def _decode_layer_fused(self, step: StepShape, layer: int, lw) -> None:
-        """One layer in five launches, the norms inside the qkv and gate_up GEMVs (seven with
-        them separate, ops.fuses_norm: then the bits of the nine of forward())."""
+        """One layer in five launches with the norms inside the qkv and gate_up GEMVs, seven with
+        them separate (ops.fuses_norm decides per GEMV; separate, the bits of forward()'s nine)."""
         c, w, ops = self.cfg, self.w, self.ops
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
 
-        def normed_input(norm_weight):
-            """(X, norm) for the next GEMV: the residual stream and its norm, or `normed`."""
-            if ops.fuses_norm():
+        def normed_input(norm_weight, n: int):
+            """(X, norm) for the next [n, H] GEMV: the residual stream and its norm, or `normed`."""
+            if ops.fuses_norm(n, H):
                 return self.hidden, (norm_weight, eps)
             ops.rms_norm(self.normed, self.hidden, norm_weight, T, H, eps)
             return self.normed, None
 
-        x, norm = normed_input(lw.input_norm)
+        x, norm = normed_input(lw.input_norm, self.qkv_width)
         ops.gemv_rope_kv(self.qkv, x, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),  # qkv, rope
                          self.positions, self.slot_mapping, w.rope_inv_freq, num_q_heads=c.num_attention_heads,
                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, norm=norm)
         self._attention(step, layer, l2_prefetch=self._l2_prefetch(lw))
         ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True)
-        x, norm = normed_input(lw.post_norm)
+        x, norm = normed_input(lw.post_norm, 2 * I)
         ops.gemv_silu_mul(self.act, x, lw.gate_up, T, 2 * I, H, norm=norm)                           # gate_up, silu
         ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True)
 

@@ -28,12 +28,14 @@ of nine — gemv_norm_rope_kv (rms_norm + qkv + rope_write_kv), attention, gemv 
 gemv_norm_silu_mul (rms_norm + gate_up + silu_mul), gemv down (+ residual). The norms inside
 take their scale out of the dot product (gemv.cu's header), which changes bits against the
 nine: test_gpu_fused holds them to their numpy twin, test_gpu_model the model to the reference.
-TINYVLLM_FUSE_NORM=none (fuses_norm()) keeps the norms as separate launches (seven per layer),
-with the bits of the nine (common.cuh shares the arithmetic of RoPE and silu_mul).
+Where a norm goes inside is fuses_norm()'s measured rule (by default only small GEMVs: it won
+on SmolLM2's shapes and lost on Llama-1B's); TINYVLLM_FUSE_NORM=all|none overrides it. A norm
+left outside is a separate rms_norm launch, with the bits of the nine (common.cuh shares the
+arithmetic of RoPE and silu_mul).
 
-At decode the fused layer's attention also prefetches the o weight and the start of gate_up
-into L2 while it runs (attention_decode's l2_prefetch; model.py says why); TINYVLLM_L2_PREFETCH=0
-turns that off. Timing only: the same bits either way.
+TINYVLLM_L2_PREFETCH=1 makes the fused layer's attention prefetch the o weight and the start of
+gate_up into L2 while it runs (attention_decode's l2_prefetch; model.py says why). Off by
+default: it measured no gain (docs/perf-notes.md, session 7). Timing only: the same bits either way.
 
 `linear()` is THE projection: Y[m, n] (+)= X[m, k] @ W[n, k]^T, on our GEMV for decode batches of
 at most GEMV_MAX_ROWS rows (cuBLAS reads small matrices at 1.7-2.5 TB/s at M <= 8; the GEMV
@@ -46,8 +48,14 @@ import os
 
 from tinyvllm.gpu.kernels import KernelLibrary, kernel_constants
 
-# TINYVLLM_FUSE_NORM when unset: the norms go inside the qkv and gate_up GEMVs (fuses_norm())
-FUSE_NORM_DEFAULT = "all"
+# TINYVLLM_FUSE_NORM when unset: a norm goes inside the GEMV after it where fuses_norm() says
+FUSE_NORM_DEFAULT = "auto"
+# fuses_norm()'s "auto" bound on ceil(n / 16) * k, the x values a norm-inside GEMV re-reads and
+# scales (every CTA does all of x). Measured on the H200 (docs/perf-notes.md, session 7), batch 1,
+# every norm inside vs none: SmolLM2-135M's shapes (qkv 34,560, gate_up 110,592) gained 36-47 us
+# per token; Llama-3.2-1B's (qkv 393,216, gate_up 2,097,152) lost 44 us of graph GPU time. The
+# bound sits between the two.
+NORM_INSIDE_MAX_VALUES = 1 << 18
 EMBEDDING = kernel_constants("embedding.cu")
 RMS_NORM = kernel_constants("rmsnorm.cu")
 ROPE = kernel_constants("rope_kv.cu")
@@ -93,11 +101,11 @@ class GpuOps:
         # separate launches per layer instead (the same bits)
         self.fuse = os.environ.get("TINYVLLM_FUSE", "1") != "0" if fuse is None else fuse
         self.fuse_norm = os.environ.get("TINYVLLM_FUSE_NORM", FUSE_NORM_DEFAULT)   # fuses_norm()
-        # the fused decode layer's attention prefetches the next weights into L2 (model.py);
-        # TINYVLLM_L2_PREFETCH=0 turns it off (the same bits, for timing comparisons)
-        self.l2_prefetch = os.environ.get("TINYVLLM_L2_PREFETCH", "1") != "0"
-        if self.fuse_norm not in ("all", "none"):
-            raise ValueError(f"TINYVLLM_FUSE_NORM must be all or none, got {self.fuse_norm!r}")
+        # TINYVLLM_L2_PREFETCH=1: the fused decode layer's attention prefetches the next weights
+        # into L2 (model.py); off by default, it measured no gain (the same bits either way)
+        self.l2_prefetch = os.environ.get("TINYVLLM_L2_PREFETCH", "0") == "1"
+        if self.fuse_norm not in ("auto", "all", "none"):
+            raise ValueError(f"TINYVLLM_FUSE_NORM must be auto, all or none, got {self.fuse_norm!r}")
         self.stream_handle = stream.handle if stream is not None else 0
         self._gemv_shapes: dict[tuple[int, int, int], tuple] = {}
         # observer(op, repeat, details): called before each op with a zero-argument callable
@@ -255,12 +263,15 @@ class GpuOps:
                 and all(self.on_gemv(m, n, k) for n, k in
                         ((qkv_width, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter))))
 
-    def fuses_norm(self) -> bool:
-        """Whether the fused decode layer runs the RMSNorms inside the qkv and gate_up GEMVs
-        (gemv_norm_*: the scale comes out of the dot product, so the norm costs one FMA per x
-        value and a cached load of its weight, no launch and no extra round trip) instead of
-        as separate rms_norm launches. TINYVLLM_FUSE_NORM: "all" (default) or "none" (the
-        separate launches, for A/B measurement; the bits of TINYVLLM_FUSE=0)."""
+    def fuses_norm(self, n: int, k: int) -> bool:
+        """Whether the fused decode layer runs the RMSNorm before an [n, k] GEMV inside it
+        (gemv_norm_*: the scale comes out of the dot product, so the norm costs no launch and no
+        extra round trip, but every CTA re-reads and scales all of x) instead of as a separate
+        rms_norm launch. TINYVLLM_FUSE_NORM: "auto" (default: where ceil(n / 16) * k <=
+        NORM_INSIDE_MAX_VALUES, the measured rule), "all" or "none" (for A/B measurement; none
+        gives the bits of TINYVLLM_FUSE=0)."""
+        if self.fuse_norm == "auto":
+            return math.ceil(n / GEMV["ROWS_PER_CTA"]) * k <= NORM_INSIDE_MAX_VALUES
         return self.fuse_norm == "all"
 
     def _quietly(self, run):
