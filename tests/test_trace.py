@@ -198,3 +198,17 @@ def test_attention_decode_checks_its_prefetch_range():
                 (0x7E0000000000, -16), (0, 64), ("x", 16), (0x7E0000000000, 1 << 64)):
         with pytest.raises(ValueError, match="l2_prefetch"):
             launch(bad)
+
+
+def test_fuses_norm_follows_the_measured_rule():
+    """TINYVLLM_FUSE_NORM=auto (the default) puts a norm inside the GEMV after it only where
+    ceil(n / 16) * k <= NORM_INSIDE_MAX_VALUES: SmolLM2-135M's qkv and gate_up, not Llama-1B's."""
+    from tinyvllm.gpu.ops import FUSE_NORM_DEFAULT
+    ops = GpuOps(_Launches(), num_sms=132)
+    assert FUSE_NORM_DEFAULT == "auto" and ops.fuse_norm == "auto"
+    assert ops.fuses_norm(960, 576) and ops.fuses_norm(3072, 576)            # SmolLM2: qkv, gate_up
+    assert not ops.fuses_norm(3072, 2048) and not ops.fuses_norm(16384, 2048)   # Llama-3.2-1B
+    ops.fuse_norm = "all"
+    assert ops.fuses_norm(16384, 2048)
+    ops.fuse_norm = "none"
+    assert not ops.fuses_norm(960, 576)
