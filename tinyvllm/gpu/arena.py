@@ -75,7 +75,6 @@ ACTIVATIONS = [
     BufferSpec("gate_up", lambda d: (d.tokens, 2 * d.inter), BF16, "proj"),
     BufferSpec("attn_out", lambda d: (d.tokens, d.q_width), BF16, "mid"),
     BufferSpec("act", lambda d: (d.tokens, d.inter), BF16, "mid"),
-    # RMSNorm chunk sums of the decode rows of `hidden` (gpu/model.py's fused decode layer)
     BufferSpec("logits", lambda d: (d.seqs, d.vocab), F32, "logits"),
     BufferSpec("decode_partial_out", lambda d: (d.seqs, d.heads, MAX_DECODE_SPLITS, d.head_dim), F32, "decode_partial_out"),
     BufferSpec("decode_partial_ml", lambda d: (d.seqs, d.heads, MAX_DECODE_SPLITS, 2), F32, "decode_partial_ml"),
