@@ -336,9 +336,41 @@ def stop_server(server: subprocess.Popen, log_path: Path) -> dict:
 
 
 # -- checking ------------------------------------------------------------------------------
+def departure(text: str, prompt_ids: list, token_ids: list, decode, forward_full):
+    """Where a greedy run that printed `text` left the offline run's `token_ids`, and the fp32
+    top-2 logit gap there -> (j, gap, fork), or None when the tokens decode to `text` in full.
+
+    By text, the run left at j, the first offline token the text does not go on with. But it
+    may have left earlier without changing the text, at a token boundary of its own ('\n\n' as
+    one token where the offline run has '\n' twice): the fp32 logits then differ from j on, and
+    the gap at j says nothing. Every earlier position i whose fp32 runner-up token also goes on
+    with the text is such a possible fork; the smallest gap among those forks and position j is
+    returned (fork = its position; fork == j: no earlier fork was closer to a tie). One fp32
+    forward pass over prompt + token_ids[:j] gives all the positions' logits."""
+    j = 0
+    while j < len(token_ids) and text.startswith(decode(token_ids[:j + 1])):
+        j += 1
+    if j == len(token_ids):
+        return None
+    logits = np.asarray(forward_full(list(prompt_ids) + list(token_ids[:j])), np.float64)
+    rows = logits[len(prompt_ids) - 1:]              # row i: the logits that picked token i
+
+    def top2(i):
+        """(the top-2 token that is not the offline pick, the fp32 gap between the top two)"""
+        second, first = (int(t) for t in np.argsort(rows[i])[-2:])
+        return (second if first == token_ids[i] else first), float(rows[i][first] - rows[i][second])
+
+    best_gap, fork = top2(j)[1], j
+    for i in range(j):
+        other, gap = top2(i)
+        if gap < best_gap and text.startswith(decode(list(token_ids[:i]) + [other])):
+            best_gap, fork = gap, i
+    return j, best_gap, fork
+
+
 def classify_mismatches(args, outcomes, reference) -> dict:
     """Completed requests whose text differs from the offline run's. Greedy ones on the GPU are
-    "explained" by a near-tie at the first differing token (each check is one fp32 numpy forward
+    "explained" by a near-tie where they left the offline tokens (departure(); each check is one fp32 numpy forward
     pass, about a second for a 1B model; those left when --classify-timeout runs out count as
     unexplained: the run is then inconclusive). Seeded sampling is reported apart: on the GPU a
     batch-dependent rounding can move a draw across a token boundary, so only the numpy
@@ -364,19 +396,17 @@ def classify_mismatches(args, outcomes, reference) -> dict:
             print(f"soak: --classify-timeout: {len(greedy) - k} mismatches left unclassified", file=sys.stderr)
             unexplained += len(greedy) - k
             break
-        j = 0                                    # first offline token the server's text departs from
-        while j < len(token_ids) and outcome.text.startswith(tokenizer.decode(token_ids[:j + 1])):
-            j += 1
         what = f"{outcome.spec.kind} #{outcome.spec.index}"
-        if j == len(token_ids):
+        found = departure(outcome.text, list(prompt_ids), list(token_ids), tokenizer.decode, model.forward_full)
+        if found is None:
             unexplained += 1                     # the same tokens, yet another text
-            details.append(f"{what}: the same {j} tokens, another text (UNEXPLAINED)")
+            details.append(f"{what}: the same {len(token_ids)} tokens, another text (UNEXPLAINED)")
             continue
-        logits = model.forward_full(list(prompt_ids) + list(token_ids[:j]))[-1]
-        second, first = np.partition(np.asarray(logits, np.float64), -2)[-2:]
-        gap = float(first - second)
+        j, gap, fork = found
         unexplained += gap >= NEAR_TIE
-        details.append(f"{what}: departs at token {j} of {len(token_ids)}, fp32 top-2 gap {gap:.3f}"
+        where = (f"a fork at token {fork} (same text, another token boundary)" if fork != j
+                 else f"token {j}")
+        details.append(f"{what}: departs at {where} of {len(token_ids)}, fp32 top-2 gap {gap:.3f}"
                        + (" (near-tie)" if gap < NEAR_TIE else " (UNEXPLAINED)"))
     report["mismatches_unexplained"] = unexplained
     report["mismatch_details"] = sorted(details, key=lambda d: "UNEXPLAINED" not in d)[:12]

@@ -44,3 +44,41 @@ def test_quick_soak_passes(tiny_model_dir, tmp_path, scheduling):
     assert report["failed"] == report["mismatches"] == report["kv_blocks_leaked"] == 0
     assert report["preemptions"] > 0 and report["exit_code"] == 0
     assert report["rss_mb_after"] > 0 and report["rss_mb_after_warmup"] > 0
+
+
+def _soak_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("soak", ROOT / "benchmarks" / "soak.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("soak", module)        # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_departure_finds_a_fork_that_keeps_the_text():
+    """soak.departure: a run that took '\\n\\n' as one token where the offline run took '\\n'
+    twice prints the same text until later; the near-tie that explains it is at the fork, not
+    where the texts part."""
+    import numpy as np
+    departure = _soak_module().departure
+    pieces = {0: "a", 1: "\n", 2: "\n\n", 3: "b", 4: "c"}
+
+    def decode(ids):
+        return "".join(pieces[int(t)] for t in ids)
+
+    prompt, offline = [0, 0], [0, 1, 1, 3]               # offline text "a\n\nb"
+
+    def forward(runner_up_at_1):
+        def forward_full(ids):
+            logits = np.zeros((len(ids), 5))
+            for i, token in enumerate(offline[:len(ids) - len(prompt) + 1]):
+                logits[len(prompt) - 1 + i, token] = 3.0     # the offline pick, 3.0 ahead ...
+            logits[len(prompt), runner_up_at_1] = 2.9        # ... but at token 1 a near-tie
+            return logits
+        return forward_full
+
+    # the server printed "a\n\nc": by text it left at token 3 (gap 3.0 there) ...
+    assert departure("a\n\nc", prompt, offline, decode, forward(4)) == (3, 3.0, 3)   # runner-up 'c': no fork
+    j, gap, fork = departure("a\n\nc", prompt, offline, decode, forward(2))          # runner-up '\n\n'
+    assert (j, fork) == (3, 1) and abs(gap - 0.1) < 1e-9
+    assert departure("a\n\nb", prompt, offline, decode, forward(2)) is None          # same text in full
