@@ -23,8 +23,8 @@ callable that repeats it (benchmarks/decode_profile.py times ops so; trace.py pr
     (cuBLAS)          cublasGemmEx     linear()              X @ W^T in numpy                   test_gpu_kernels::test_linear
 
 The fused decode layer (`fuse`, on by default; TINYVLLM_FUSE=0 turns it off): when every
-projection of a step runs on the GEMV (decode, m <= 8), a layer is five launches instead
-of nine — gemv_norm_rope_kv (rms_norm + qkv + rope_write_kv), attention, gemv o (+ residual),
+projection of a step runs on the GEMV (decode, m <= 8), a layer is five launches (seven
+where the norms stay outside) instead of nine — gemv_norm_rope_kv (rms_norm + qkv + rope_write_kv), attention, gemv o (+ residual),
 gemv_norm_silu_mul (rms_norm + gate_up + silu_mul), gemv down (+ residual). The norms inside
 take their scale out of the dot product (gemv.cu's header), which changes bits against the
 nine: test_gpu_fused holds them to their numpy twin, test_gpu_model the model to the reference.
