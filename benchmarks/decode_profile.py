@@ -4,6 +4,7 @@ CUDA-graph replay at several batch sizes, the GPU time of a replay alone, and pe
 
     python benchmarks/decode_profile.py [--preset llama-3.2-1b | --model DIR] [--context 256]
                                         [--batch 1 8 64 256] [--compare-fuse] [--compare-prefetch [MB ...]]
+                                        [--compare-early-kv]
 
 "weights TB/s" is weight bytes over the graph's GPU time. Prints two tables; run on a GPU machine (the model is written to /tmp if absent).
 --compare-fuse adds, at the smallest batch, the graph time with TINYVLLM_FUSE=0's nine launches
@@ -15,6 +16,9 @@ prefetch of the next weights (gpu/model.py) at each budget in MB per layer (defa
 engine's default, and model.L2_PREFETCH_BYTES, what TINYVLLM_L2_PREFETCH=1 turns on). Judge it by the graph times: the per-op
 tables replay each op alone, where the attention carries the prefetch traffic and no GEMV after
 it can profit.
+--compare-early-kv adds, at the smallest batch, the graph time with the decode attention's early
+K/V copies (TINYVLLM_ATTN_EARLY_KV, attention_decode.cu) off and on, twice each, alternating (the
+spread of the repeats is the noise to judge the difference by).
 """
 from __future__ import annotations
 
@@ -108,6 +112,8 @@ def main() -> None:
                     help="time the smallest batch with the fused decode layer and without (TINYVLLM_FUSE=0)")
     ap.add_argument("--compare-prefetch", type=float, nargs="*", metavar="MB",
                     help="time the smallest batch with these L2 prefetch budgets per layer (0: off)")
+    ap.add_argument("--compare-early-kv", action="store_true",
+                    help="time the smallest batch with the decode attention's early K/V copies off and on")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--prefill", type=int, nargs=2, default=[16, 512], metavar=("PROMPTS", "LEN"))
@@ -140,6 +146,8 @@ def main() -> None:
         compare_fuse(runner, profile_batch, cfg.num_hidden_layers)
     if args.compare_prefetch is not None:
         compare_prefetch(runner, profile_batch, args.compare_prefetch)
+    if args.compare_early_kv:
+        compare_early_kv(runner, profile_batch)
     big = decode_batch(max(args.batch), args.context, runner.engine_cfg.block_size, rng)
     print_ops(per_op_times(runner, big), f"one decode step, batch {big.num_seqs}")
     prompts, plen = args.prefill
@@ -230,6 +238,31 @@ def compare_prefetch(runner, batch, budgets_mb: list[float]) -> None:
     for mb, (graph, gpu) in rows.items():
         label = "off (default)" if mb <= 0 else f"{mb:g}" + (" (TINYVLLM_L2_PREFETCH=1)" if int(mb * 2**20) == L2_PREFETCH_BYTES else "")
         print(f"{label:<16} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}")
+
+
+def compare_early_kv(runner, batch) -> None:
+    """Graph time and GPU time of one decode step with runner.ops.early_kv off and on (decode
+    graphs recaptured for each), off/on/off/on."""
+    def recapture():
+        for graph in runner.graphs.values():
+            graph.close()
+        with runner.device.active():
+            runner.capture_decode_graphs()
+
+    was, rows = runner.ops.early_kv, []
+    try:
+        for on in (False, True, False, True):
+            runner.ops.early_kv = on
+            recapture()
+            rows.append((on, time_steps(runner, batch, replay=True), graph_gpu_time(runner, batch)))
+    finally:
+        runner.ops.early_kv = was
+        recapture()
+    print(f"\nearly K/V copies in the decode attention, batch {batch.num_seqs}:")
+    print(f"{'early_kv':<30} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}")
+    for on, graph, gpu in rows:
+        label = "on (TINYVLLM_ATTN_EARLY_KV=1)" if on else "off (default)"
+        print(f"{label:<30} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}")
 
 
 def print_ops(ops: dict[str, float], what: str, per_layer: int = 0) -> None:

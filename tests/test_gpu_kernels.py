@@ -274,6 +274,50 @@ def test_attention_decode_l2_prefetch_changes_no_bits(gpu, rng, batch, splits):
         np.testing.assert_array_equal(got, outputs[0], err_msg=f"l2_prefetch {prefetch}")
 
 
+# Contexts for early_kv: the newest token (position ctx - 1) in a warp's prologue step (ctx <= 128
+# in one split), in a main-loop step (129..256), at a split boundary (16 x 64-token splits), in a
+# 16-token step's first or last row, and ctx = 1, where the only row is the newest.
+EARLY_KV_CONTEXTS = [1, 2, 15, 16, 17, 31, 64, 127, 128, 129, 255, 256, 257, 300, 1024, 4129]
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 64), (16, 2, 64), (8, 8, 128), (24, 8, 128)])
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_attention_decode_early_kv_changes_no_bits(gpu, rng, hq, hkv, d, splits):
+    """early_kv (attention_decode.cu's header) only moves copies before the PDL wait and loads the
+    newest row itself after it: on and off give bit-identical outputs, counters back at zero, at
+    batch 1 over every context of EARLY_KV_CONTEXTS and on one batch of all of them (block size 1
+    there: every row its own page), and both match the numpy twin (as test_attention_decode)."""
+    from gpu_helpers import DeviceArray, rel_err
+
+    from tinyvllm.gpu.ops import MAX_DECODE_SPLITS
+    cases = [([c], 16) for c in EARLY_KV_CONTEXTS] + [(list(rng.permutation(EARLY_KV_CONTEXTS)), 1)]
+    for ctx, block_size in cases:
+        ctx = [int(c) for c in ctx]
+        fb, q, kc, vc, want = _attention_case(rng, [1] * len(ctx), ctx, hq, hkv, d, block_size=block_size)
+        S = fb.num_seqs
+        part_out = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, d), np.float32)
+        part_ml = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, 2), np.float32)
+        counters = DeviceArray(np.zeros((S, hkv), np.int32))
+        width = np.array([fb.block_tables.shape[1]], np.int32)
+        d_q, d_k, d_v, d_tables, d_width, d_ctx = (DeviceArray(a) for a in (
+            q, kc, vc, fb.block_tables, width, fb.context_lens))
+        outputs = {}
+        for early_kv in (False, True, False, True):
+            out = DeviceArray.poisoned((S, hq, d), q.dtype)
+            gpu.attention_decode(out, part_out, part_ml, counters, d_q, hq * d, d_k, d_v, d_tables, d_width,
+                                 d_ctx, num_seqs=S, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                 block_size=block_size, scale=1 / math.sqrt(d), splits=splits, early_kv=early_kv)
+            _sync()
+            got = out.get()
+            np.testing.assert_array_equal(counters.get(), 0)
+            for i in range(S):
+                assert rel_err(got[i], want[i]) < BF16_TOL, f"early_kv {early_kv}, sequence {i} (context {ctx[i]})"
+            if early_kv in outputs:
+                np.testing.assert_array_equal(got.view(np.uint16), outputs[early_kv], err_msg=f"early_kv {early_kv}")
+            outputs[early_kv] = got.view(np.uint16)
+        np.testing.assert_array_equal(outputs[True], outputs[False], err_msg=f"contexts {ctx}")
+
+
 def test_attention_decode_rejects_bad_splits(gpu):
     from tinyvllm.gpu.ops import MAX_DECODE_SPLITS
     with pytest.raises(ValueError, match="splits"):

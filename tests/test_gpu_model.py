@@ -228,6 +228,33 @@ def test_l2_prefetch_graphs_equal_plain_graphs(tiny):
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3])
+def test_early_kv_graphs_equal_plain_graphs(tiny, num_seqs):
+    """The decode attention's early K/V copies (TINYVLLM_ATTN_EARLY_KV, attention_decode.cu's
+    header) run under PDL inside the graphs, where the qkv GEMV writing the newest K/V row may
+    still be running: decode graphs captured with them give bitwise the logits of graphs
+    captured without them."""
+    cfg, runner, _, _ = tiny
+    was = runner.ops.early_kv
+
+    def recapture(on: bool) -> None:
+        for graph in runner.graphs.values():
+            graph.close()
+        runner.ops.early_kv = on
+        with runner.device.active():
+            runner.capture_decode_graphs()
+
+    try:
+        recapture(True)
+        early = _decode_run(cfg, runner, 17, steps=24, num_seqs=num_seqs)
+        recapture(False)
+        plain = _decode_run(cfg, runner, 17, steps=24, num_seqs=num_seqs)
+    finally:
+        recapture(was)
+    for step, (a, b) in enumerate(zip(early, plain)):
+        np.testing.assert_array_equal(a, b, err_msg=f"decode step {step}")
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3])
 def test_fused_graphs_equal_unfused_graphs(tiny, num_seqs):
     """The fused decode layer: five launches per layer with the norms inside the GEMVs (the
     default for the tiny model's small GEMVs, ops.fuses_norm), RoPE + KV write and silu too. Its norms take the scale out of the dot product, which changes bits,

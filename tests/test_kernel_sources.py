@@ -20,7 +20,7 @@ def test_signatures_match_the_c_parameter_lists():
                                             "gemv_norm_rope_kv_bf16": "PPPPiiifPPPPPiii",
                                             "gemv_silu_mul_bf16": "PPPiii", "gemv_norm_silu_mul_bf16": "PPPPiiif"}
     (pattern, sig), = kernel_signatures("attention_decode.cu").items()          # a macro-made family
-    assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiifPQ"   # ..., l2 prefetch range
+    assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiifPQi"  # ..., l2 prefetch, early_kv
 
 
 def test_constants_are_read_with_their_dependencies():

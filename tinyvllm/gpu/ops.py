@@ -37,6 +37,12 @@ TINYVLLM_L2_PREFETCH=1 makes the fused layer's attention prefetch the o weight a
 gate_up into L2 while it runs (attention_decode's l2_prefetch; model.py says why). Off by
 default: it measured no gain (docs/perf-notes.md, session 7). Timing only: the same bits either way.
 
+TINYVLLM_ATTN_EARLY_KV=1 makes the decode attention issue its first K/V copies (all rows but each
+sequence's newest) before it waits for the qkv GEMV under PDL (attention_decode.cu's header, the
+launcher's early_kv). GPU-unverified as of 2026-12-04; turn on only after
+tests/test_gpu_kernels.py and test_gpu_model.py pass with it. Off by default; meant to change
+timing only, never a bit.
+
 `linear()` is THE projection: Y[m, n] (+)= X[m, k] @ W[n, k]^T, on our GEMV for decode batches of
 at most GEMV_MAX_ROWS rows (cuBLAS reads small matrices at 1.7-2.5 TB/s at M <= 8; the GEMV
 streams them at 3.5+), else on cuBLAS (gpu/cublas.py has the row-major/column-major derivation).
@@ -104,6 +110,9 @@ class GpuOps:
         # TINYVLLM_L2_PREFETCH=1: the fused decode layer's attention prefetches the next weights
         # into L2 (model.py); off by default, it measured no gain (the same bits either way)
         self.l2_prefetch = os.environ.get("TINYVLLM_L2_PREFETCH", "0") == "1"
+        # TINYVLLM_ATTN_EARLY_KV=1: the decode attention's early K/V copies (module docstring);
+        # GPU-unverified as of 2026-12-04, so off by default
+        self.early_kv = os.environ.get("TINYVLLM_ATTN_EARLY_KV", "0") == "1"
         if self.fuse_norm not in ("auto", "all", "none"):
             raise ValueError(f"TINYVLLM_FUSE_NORM must be auto, all or none, got {self.fuse_norm!r}")
         self.stream_handle = stream.handle if stream is not None else 0
@@ -169,14 +178,18 @@ class GpuOps:
                          k_cache, v_cache, block_tables, block_table_width, context_lens, *,
                          num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                          block_size: int, scale: float, splits: int | None = None,
-                         l2_prefetch: tuple | None = None) -> None:
+                         l2_prefetch: tuple | None = None, early_kv: bool | None = None) -> None:
         """One query token per sequence over its paged context, split over the context; the last
         split to finish merges. Grid: (sequences x kv heads, 1, splits); one block per GQA group,
         SMEM_BYTES_PER_DIM x head_dim bytes of dynamic shared memory (its cp.async rings).
         l2_prefetch = (device pointer, bytes), both multiples of 16: the grid also gets
         ceil(PREFETCH_CTAS / splits) columns along x of blocks that prefetch that range into L2
         (model.py: the next projections' weights) without waiting for the previous kernel, and
-        leave; a hint that changes timing only, never a bit. None or 0 bytes: no such blocks."""
+        leave; a hint that changes timing only, never a bit. None or 0 bytes: no such blocks.
+        early_kv (None: self.early_kv, TINYVLLM_ATTN_EARLY_KV): issue the K/V copies of every row
+        but each sequence's newest (position context - 1) before waiting for the previous kernel;
+        only for decode, where that row is the only one a still-running kernel writes. The same
+        bits either way."""
         splits = splits or self.decode_splits(num_seqs, num_kv_heads)
         if not 1 <= splits <= MAX_DECODE_SPLITS:
             raise ValueError(f"attention_decode: splits must be in 1..{MAX_DECODE_SPLITS}, got {splits}")
@@ -186,7 +199,7 @@ class GpuOps:
                      (num_seqs * num_kv_heads + columns, 1, splits), DECODE["THREADS"], out, partial_out,
                      partial_ml, split_counters, q, q_row_stride, k_cache, v_cache, block_tables,
                      block_table_width, context_lens, block_size, num_kv_heads, scale, ptr, nbytes,
-                     shared_bytes=DECODE["SMEM_BYTES_PER_DIM"] * head_dim)
+                     int(self.early_kv if early_kv is None else early_kv), shared_bytes=DECODE["SMEM_BYTES_PER_DIM"] * head_dim)
 
     @staticmethod
     def _prefetch_range(l2_prefetch) -> tuple[int, int]:

@@ -37,6 +37,23 @@
 // PDL-aware: launched with programmatic stream serialization; every attention block waits for
 // the producer first and lets the consumer launch at once (see decode_attention's first lines).
 //
+// Early K/V (optional: early_kv = 0 keeps the order above). GPU-unverified as of 2026-12-04;
+// turn on only after tests/test_gpu_kernels.py and test_gpu_model.py pass with it. At batch 1
+// the kernel is ~4 us and latency-bound, and its first K/V copies wait behind the wait for the
+// qkv GEMV. Yet at decode that GEMV (or rope_write_kv) writes only each sequence's newest K/V row
+// (position ctx - 1: one new token per sequence); every other row was written by earlier steps,
+// complete before this graph or eager step started, and block_tables / context_lens /
+// block_table_width are host uploads, stream-ordered before it. So with early_kv = 1 a block
+// computes its split and slots and issues the prologue's cp.async copies BEFORE
+// wait_for_producer(), all but the newest row's: that row gets no cp.async at all (an async
+// zero-fill could land after the store below). After the wait, if the newest row lies in a
+// prologue step, the lanes that would have copied it load it with plain coherent loads
+// (load_fresh: the producer just wrote it) and store it to the same swizzled place; the main
+// loop's cp_async_wait + __syncwarp publish it to the warp like the copies. Steps issued in the
+// main loop come after the wait anyway. The same bytes land in the same shared memory and the
+// maths is unchanged, so the result is bit-identical. The launcher must pass early_kv = 1 only
+// for decode launches whose sole K/V writer still running is the one of the newest rows.
+//
 // L2 prefetch (optional: prefetch_bytes = 0 launches none of it). At batch 1 the attention is
 // num_kv_heads blocks for ~4 us and leaves HBM nearly idle, while the GEMVs after it are
 // bandwidth-bound; so the launcher may append prefetch blocks that warm L2 with the next
@@ -78,6 +95,11 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // 16-byte global -> shared copy; src_bytes = 0 writes zeros (rows past the context's end).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+// 16-byte register -> shared store (the newest K/V row under early_kv)
+__device__ __forceinline__ void st_shared16(uint32_t dst, const uint4& v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -145,7 +167,7 @@ __device__ __forceinline__ void decode_attention(
     int* __restrict__ split_counters, const bf16* q, int q_row_stride, const bf16* k_cache,
     const bf16* v_cache, const int* __restrict__ block_tables, const int* __restrict__ block_table_width,
     const int* __restrict__ context_lens, int block_size, int num_kv_heads, float scale,
-    const void* l2_prefetch, unsigned long long prefetch_bytes) {
+    const void* l2_prefetch, unsigned long long prefetch_bytes, int early_kv) {
     static_assert(GROUP >= 1 && GROUP <= 8, "the query heads of a group are one MMA n-tile of 8");
     static_assert(HEAD_DIM % 64 == 0, "rows are whole 8 x 16-byte swizzle groups");
     constexpr int DSTEPS = HEAD_DIM / 16;            // MMA k-steps of the scores = m-tiles of O^T
@@ -168,8 +190,11 @@ __device__ __forceinline__ void decode_attention(
     // be read by the previous layer's o projection, so wait before anything else (those pointers
     // carry no __restrict__, so no read-only load of them can be hoisted above the wait). The o
     // projection that follows may then launch and start streaming its weights under this kernel.
-    wait_for_producer();
-    allow_consumer();
+    // early_kv (header) waits after the prologue's copies instead, below.
+    if (!early_kv) {
+        wait_for_producer();
+        allow_consumer();
+    }
 
     const int seq = blockIdx.x / num_kv_heads, kv_head = blockIdx.x % num_kv_heads, split = blockIdx.z;
     const int num_q_heads = num_kv_heads * GROUP;
@@ -200,8 +225,8 @@ __device__ __forceinline__ void decode_attention(
     };
     const uint32_t ring = smem_addr(smem) + warp * STAGES * STAGE_BYTES;
     // Copy step i's K and V rows into stage `stage`; `slot` is load_slot(i) (each lane's row's
-    // slot comes from the lane that looked it up).
-    auto issue = [&](int stage, int slot) {
+    // slot comes from the lane that looked it up). Row `skip` of the step gets no copy at all.
+    auto issue = [&](int stage, int slot, int skip) {
         const uint32_t k_dst = ring + stage * STAGE_BYTES, v_dst = k_dst + TILE_BYTES;
         const int chunk = lane % CHUNKS;
 #pragma unroll
@@ -211,18 +236,42 @@ __device__ __forceinline__ void decode_attention(
             const size_t src = row_slot >= 0 ? (size_t)row_slot * kv_row + chunk * 8 : 0;
             const uint32_t dst = row * ROW_BYTES + ((chunk ^ (row & 7)) << 4);
             const int bytes = row_slot >= 0 ? 16 : 0;
-            cp_async16(k_dst + dst, k_head + src, bytes);
-            cp_async16(v_dst + dst, v_head + src, bytes);
+            if (row != skip) {
+                cp_async16(k_dst + dst, k_head + src, bytes);
+                cp_async16(v_dst + dst, v_head + src, bytes);
+            }
         }
     };
 
     // Prologue: the first STAGES - 1 steps in flight (empty groups keep the group count uniform).
+    // early_kv: before the wait, without the newest row (pos ctx - 1; newest = -1 skips nothing).
+    const int newest = early_kv ? ctx - 1 : -1;
+    const int newest_slot = newest >= 0 ? __ldg(table + (newest >> bs_shift)) * block_size + (newest & (block_size - 1)) : 0;
     int next_slot = load_slot(0);
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
-        if (i < steps) issue(i, next_slot);
+        if (i < steps) issue(i, next_slot, newest - step_begin(i));
         cp_async_commit();
         next_slot = load_slot(i + 1);
+    }
+    if (early_kv) {
+        wait_for_producer();
+        allow_consumer();
+        // The newest row, now written, where a prologue step holds it: the lanes issue() gives
+        // that row copy it with coherent loads into the same swizzled place (a later step's copy
+        // of it is issued in the main loop, after the wait, as usual).
+#pragma unroll
+        for (int i = 0; i < STAGES - 1; ++i) {
+            const int row = newest - step_begin(i);
+            if (i < steps && row >= 0 && row < STEP && lane / CHUNKS == row % (32 / CHUNKS)) {
+                const int chunk = lane % CHUNKS;
+                const size_t src = (size_t)newest_slot * kv_row + chunk * 8;
+                const uint4 k = load_fresh(k_head + src), v = load_fresh(v_head + src);
+                const uint32_t dst = ring + i * STAGE_BYTES + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4);
+                st_shared16(dst, k);
+                st_shared16(dst + TILE_BYTES, v);
+            }
+        }
     }
 
     // q as the B operand of S^T = K . Q^T: lane holds head lane/4, dims 2*(lane%4) + {0,1} (+8)
@@ -252,7 +301,7 @@ __device__ __forceinline__ void decode_attention(
     for (int i = 0; i < steps; ++i) {
         // Refill the stage used one step ago, then wait for step i's copies.
         const int refill = i + STAGES - 1;
-        if (refill < steps) issue(refill % STAGES, next_slot);
+        if (refill < steps) issue(refill % STAGES, next_slot, -1);
         cp_async_commit();
         next_slot = load_slot(refill + 1);
         cp_async_wait<STAGES - 1>();
@@ -455,10 +504,11 @@ __device__ __forceinline__ void decode_attention(
         bf16* out, float* partial_out, float* partial_ml, int* split_counters, const bf16* q,    \
         int q_row_stride, const bf16* k_cache, const bf16* v_cache, const int* block_tables,     \
         const int* block_table_width, const int* context_lens, int block_size, int num_kv_heads, \
-        float scale, const void* l2_prefetch, unsigned long long prefetch_bytes) {               \
+        float scale, const void* l2_prefetch, unsigned long long prefetch_bytes, int early_kv) { \
         decode_attention<D, G>(out, partial_out, partial_ml, split_counters, q, q_row_stride,    \
                                k_cache, v_cache, block_tables, block_table_width, context_lens,  \
-                               block_size, num_kv_heads, scale, l2_prefetch, prefetch_bytes);    \
+                               block_size, num_kv_heads, scale, l2_prefetch, prefetch_bytes,     \
+                               early_kv);                                                        \
     }
 // head_dim x group: Llama 3.2 1B is (64, 4), 3B (128, 3), 3.1 8B (128, 4); the tiny preset (64, 2)
 DECODE_ATTENTION_KERNEL(64, 1)
