@@ -196,6 +196,31 @@ def _decode_batches(rng, batch: int) -> list[list[int]]:
     return [[int(c) for c in rng.permutation(ctx)]]
 
 
+def _decode_launcher(gpu, fb, q, kc, vc, hq, hkv, d, block_size):
+    """Device copies of one attention_decode case (_attention_case's arrays) and a poisoned
+    workspace -> (launch, counters): launch(**options) runs the launcher on them into a freshly
+    poisoned output and returns it on the host."""
+    from gpu_helpers import DeviceArray
+
+    from tinyvllm.gpu.ops import MAX_DECODE_SPLITS
+    S = fb.num_seqs
+    part_out = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, d), np.float32)
+    part_ml = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, 2), np.float32)
+    counters = DeviceArray(np.zeros((S, hkv), np.int32))
+    width = np.array([fb.block_tables.shape[1]], np.int32)
+    d_q, d_k, d_v, d_tables, d_width, d_ctx = (DeviceArray(a) for a in (
+        q, kc, vc, fb.block_tables, width, fb.context_lens))
+
+    def launch(**options):
+        out = DeviceArray.poisoned((S, hq, d), q.dtype)
+        gpu.attention_decode(out, part_out, part_ml, counters, d_q, hq * d, d_k, d_v, d_tables, d_width,
+                             d_ctx, num_seqs=S, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                             block_size=block_size, scale=1 / math.sqrt(d), **options)
+        _sync()
+        return out.get()
+    return launch, counters
+
+
 @pytest.mark.parametrize("hq,hkv,d", [(8, 8, 64), (16, 8, 64), (24, 8, 64), (32, 8, 64), (16, 2, 64),
                                       (8, 8, 128), (8, 4, 128), (24, 8, 128), (32, 8, 128), (64, 8, 128)])
 @pytest.mark.parametrize("batch", sorted(DECODE_BATCHES))
@@ -209,28 +234,15 @@ def test_attention_decode(gpu, rng, hq, hkv, d, batch, splits):
     merges them and resets its counter: a second launch on the same buffers must give
     bit-identical results, counters back at zero. Tolerance BF16_TOL: q, K, V are bf16, the
     probabilities are rounded to bf16 for the P.V MMA (as in FlashAttention), sums are fp32."""
-    from gpu_helpers import DeviceArray, rel_err
-
-    from tinyvllm.gpu.ops import MAX_DECODE_SPLITS
+    from gpu_helpers import rel_err
     block_size = DECODE_BATCHES[batch]
     for ctx in _decode_batches(rng, batch):
         fb, q, kc, vc, want = _attention_case(rng, [1] * len(ctx), ctx, hq, hkv, d, block_size=block_size)
-        S = fb.num_seqs
-        part_out = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, d), np.float32)
-        part_ml = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, 2), np.float32)
-        counters = DeviceArray(np.zeros((S, hkv), np.int32))
-        width = np.array([fb.block_tables.shape[1]], np.int32)
-        d_q, d_k, d_v, d_tables, d_width, d_ctx = (DeviceArray(a) for a in (
-            q, kc, vc, fb.block_tables, width, fb.context_lens))
+        run, counters = _decode_launcher(gpu, fb, q, kc, vc, hq, hkv, d, block_size)
         first = None
         for launch in range(2):
-            out = DeviceArray.poisoned((S, hq, d), q.dtype)
-            gpu.attention_decode(out, part_out, part_ml, counters, d_q, hq * d, d_k, d_v, d_tables, d_width,
-                                 d_ctx, num_seqs=S, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                                 block_size=block_size, scale=1 / math.sqrt(d), splits=splits)
-            _sync()
-            got = out.get()
-            for i in range(S):
+            got = run(splits=splits)
+            for i in range(fb.num_seqs):
                 assert rel_err(got[i], want[i]) < BF16_TOL, f"launch {launch}, sequence {i} (context {ctx[i]})"
             np.testing.assert_array_equal(counters.get(), 0)
             if first is None:
@@ -247,27 +259,17 @@ def test_attention_decode_l2_prefetch_changes_no_bits(gpu, rng, batch, splits):
     model's budget and more), on Llama-3.2-1B's attention shapes (32/8 heads, head_dim 64)."""
     from gpu_helpers import DeviceArray
 
-    from tinyvllm.gpu.ops import DECODE, MAX_DECODE_SPLITS
+    from tinyvllm.gpu.ops import DECODE
     hq, hkv, d, block_size = 32, 8, 64, 16
     ctx = [300] if batch == 1 else [1, 17, 256, 257, 1024, 4129, 5000]
     fb, q, kc, vc, _ = _attention_case(rng, [1] * batch, ctx, hq, hkv, d, block_size=block_size)
     weights = DeviceArray(rng.integers(0, 256, (16 << 20) + 4096, dtype=np.uint8))   # any bytes do
     chunk = DECODE["PREFETCH_CHUNK"]
     ranges = [None, (weights.ptr, 0), (weights.ptr + 4096, 3 * chunk + 48), (weights.ptr, (16 << 20) + 16)]
-    part_out = DeviceArray.poisoned((batch, hq, MAX_DECODE_SPLITS, d), np.float32)
-    part_ml = DeviceArray.poisoned((batch, hq, MAX_DECODE_SPLITS, 2), np.float32)
-    counters = DeviceArray(np.zeros((batch, hkv), np.int32))
-    width = np.array([fb.block_tables.shape[1]], np.int32)
-    d_q, d_k, d_v, d_tables, d_width, d_ctx = (DeviceArray(a) for a in (
-        q, kc, vc, fb.block_tables, width, fb.context_lens))
+    run, counters = _decode_launcher(gpu, fb, q, kc, vc, hq, hkv, d, block_size)
     outputs = []
     for prefetch in ranges:
-        out = DeviceArray.poisoned((batch, hq, d), q.dtype)
-        gpu.attention_decode(out, part_out, part_ml, counters, d_q, hq * d, d_k, d_v, d_tables, d_width,
-                             d_ctx, num_seqs=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                             block_size=block_size, scale=1 / math.sqrt(d), splits=splits, l2_prefetch=prefetch)
-        _sync()
-        outputs.append(out.get().view(np.uint16))
+        outputs.append(run(splits=splits, l2_prefetch=prefetch).view(np.uint16))
         np.testing.assert_array_equal(counters.get(), 0)
     assert np.isfinite(outputs[0].view(q.dtype).astype(np.float32)).all()
     for prefetch, got in zip(ranges[1:], outputs[1:]):
@@ -287,30 +289,17 @@ def test_attention_decode_early_kv_changes_no_bits(gpu, rng, hq, hkv, d, splits)
     newest row itself after it: on and off give bit-identical outputs, counters back at zero, at
     batch 1 over every context of EARLY_KV_CONTEXTS and on one batch of all of them (block size 1
     there: every row its own page), and both match the numpy twin (as test_attention_decode)."""
-    from gpu_helpers import DeviceArray, rel_err
-
-    from tinyvllm.gpu.ops import MAX_DECODE_SPLITS
+    from gpu_helpers import rel_err
     cases = [([c], 16) for c in EARLY_KV_CONTEXTS] + [(list(rng.permutation(EARLY_KV_CONTEXTS)), 1)]
     for ctx, block_size in cases:
         ctx = [int(c) for c in ctx]
         fb, q, kc, vc, want = _attention_case(rng, [1] * len(ctx), ctx, hq, hkv, d, block_size=block_size)
-        S = fb.num_seqs
-        part_out = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, d), np.float32)
-        part_ml = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, 2), np.float32)
-        counters = DeviceArray(np.zeros((S, hkv), np.int32))
-        width = np.array([fb.block_tables.shape[1]], np.int32)
-        d_q, d_k, d_v, d_tables, d_width, d_ctx = (DeviceArray(a) for a in (
-            q, kc, vc, fb.block_tables, width, fb.context_lens))
+        run, counters = _decode_launcher(gpu, fb, q, kc, vc, hq, hkv, d, block_size)
         outputs = {}
         for early_kv in (False, True, False, True):
-            out = DeviceArray.poisoned((S, hq, d), q.dtype)
-            gpu.attention_decode(out, part_out, part_ml, counters, d_q, hq * d, d_k, d_v, d_tables, d_width,
-                                 d_ctx, num_seqs=S, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
-                                 block_size=block_size, scale=1 / math.sqrt(d), splits=splits, early_kv=early_kv)
-            _sync()
-            got = out.get()
+            got = run(splits=splits, early_kv=early_kv)
             np.testing.assert_array_equal(counters.get(), 0)
-            for i in range(S):
+            for i in range(fb.num_seqs):
                 assert rel_err(got[i], want[i]) < BF16_TOL, f"early_kv {early_kv}, sequence {i} (context {ctx[i]})"
             if early_kv in outputs:
                 np.testing.assert_array_equal(got.view(np.uint16), outputs[early_kv], err_msg=f"early_kv {early_kv}")

@@ -17,6 +17,8 @@ logit error (a near-tie the rounding can flip); such cases are counted and print
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -179,27 +181,40 @@ def _decode_run(cfg, runner, rng_seed: int, steps: int = 12, num_seqs: int = 3):
     return out
 
 
+@contextlib.contextmanager
+def _recaptured(runner, **ops_settings):
+    """The runner's decode graphs captured again with these GpuOps attributes set (pdl, fuse,
+    fuse_norm, l2_prefetch, early_kv, ...); on leaving, the old values and graphs come back."""
+    def recapture(settings):
+        for graph in runner.graphs.values():
+            graph.close()
+        for name, value in settings.items():
+            setattr(runner.ops, name, value)
+        with runner.device.active():
+            runner.capture_decode_graphs()
+
+    was = {name: getattr(runner.ops, name) for name in ops_settings}
+    recapture(ops_settings)
+    try:
+        yield
+    finally:
+        recapture(was)
+
+
+def _assert_steps_equal(a_steps, b_steps) -> None:
+    for step, (a, b) in enumerate(zip(a_steps, b_steps, strict=True)):
+        np.testing.assert_array_equal(a, b, err_msg=f"decode step {step}")
+
+
 def test_pdl_graphs_equal_plain_graphs(tiny):
     """Programmatic dependent launch only lets a kernel start early and wait (gpu/kernels.py):
     the graphs captured with it give bitwise the logits of graphs captured without it."""
     cfg, runner, _, _ = tiny
     assert runner.ops.pdl, "PDL is on by default (TINYVLLM_PDL unset)"
     with_pdl = _decode_run(cfg, runner, 7)
-    try:
-        for graph in runner.graphs.values():
-            graph.close()
-        runner.ops.pdl = False
-        with runner.device.active():
-            runner.capture_decode_graphs()
+    with _recaptured(runner, pdl=False):
         without = _decode_run(cfg, runner, 7)
-    finally:
-        for graph in runner.graphs.values():
-            graph.close()
-        runner.ops.pdl = True
-        with runner.device.active():
-            runner.capture_decode_graphs()
-    for step, (a, b) in enumerate(zip(with_pdl, without)):
-        np.testing.assert_array_equal(a, b, err_msg=f"decode step {step}")
+    _assert_steps_equal(with_pdl, without)
 
 
 def test_l2_prefetch_graphs_equal_plain_graphs(tiny):
@@ -207,24 +222,11 @@ def test_l2_prefetch_graphs_equal_plain_graphs(tiny):
     (gpu/model.py, TINYVLLM_L2_PREFETCH): timing only, so decode graphs captured with it give
     bitwise the logits of graphs captured without it."""
     cfg, runner, _, _ = tiny
-    was = runner.ops.l2_prefetch
-
-    def recapture(on: bool) -> None:
-        for graph in runner.graphs.values():
-            graph.close()
-        runner.ops.l2_prefetch = on
-        with runner.device.active():
-            runner.capture_decode_graphs()
-
-    try:
-        recapture(True)
+    with _recaptured(runner, l2_prefetch=True):
         with_prefetch = _decode_run(cfg, runner, 13)
-        recapture(False)
+    with _recaptured(runner, l2_prefetch=False):
         without = _decode_run(cfg, runner, 13)
-    finally:
-        recapture(was)
-    for step, (a, b) in enumerate(zip(with_prefetch, without)):
-        np.testing.assert_array_equal(a, b, err_msg=f"decode step {step}")
+    _assert_steps_equal(with_prefetch, without)
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3])
@@ -234,24 +236,11 @@ def test_early_kv_graphs_equal_plain_graphs(tiny, num_seqs):
     still be running: decode graphs captured with them give bitwise the logits of graphs
     captured without them."""
     cfg, runner, _, _ = tiny
-    was = runner.ops.early_kv
-
-    def recapture(on: bool) -> None:
-        for graph in runner.graphs.values():
-            graph.close()
-        runner.ops.early_kv = on
-        with runner.device.active():
-            runner.capture_decode_graphs()
-
-    try:
-        recapture(True)
+    with _recaptured(runner, early_kv=True):
         early = _decode_run(cfg, runner, 17, steps=24, num_seqs=num_seqs)
-        recapture(False)
+    with _recaptured(runner, early_kv=False):
         plain = _decode_run(cfg, runner, 17, steps=24, num_seqs=num_seqs)
-    finally:
-        recapture(was)
-    for step, (a, b) in enumerate(zip(early, plain)):
-        np.testing.assert_array_equal(a, b, err_msg=f"decode step {step}")
+    _assert_steps_equal(early, plain)
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3])
@@ -267,19 +256,9 @@ def test_fused_graphs_equal_unfused_graphs(tiny, num_seqs):
     cfg, runner, _, _ = tiny
     if os.environ.get("TINYVLLM_FUSE") == "0":
         pytest.skip("TINYVLLM_FUSE=0: this run keeps the fused decode layer off (its kernel tests failed)")
-    was = runner.ops.fuse, runner.ops.fuse_norm
-
-    def recapture(fuse: bool, fuse_norm: str) -> None:
-        for graph in runner.graphs.values():
-            graph.close()
-        runner.ops.fuse, runner.ops.fuse_norm = fuse, fuse_norm
-        with runner.device.active():
-            runner.capture_decode_graphs()
-
     L = cfg.num_hidden_layers
-    try:
-        for fuse_norm, norms in (("all", 0), ("none", 2)):    # separate rms_norm launches per layer
-            recapture(True, fuse_norm)
+    for fuse_norm, norms in (("all", 0), ("none", 2)):    # separate rms_norm launches per layer
+        with _recaptured(runner, fuse=True, fuse_norm=fuse_norm):
             calls, tables = [], [[70 + i] for i in range(num_seqs)]
             tokens = runner.execute(ForwardBatch.build([[1, 2, 3, 4]] * num_seqs, [4] * num_seqs, tables, BLOCK,
                                                        True), SamplingBatch.greedy(num_seqs))
@@ -293,10 +272,8 @@ def test_fused_graphs_equal_unfused_graphs(tiny, num_seqs):
             assert calls.count(f"{prefix}rope_kv_bf16") == L and calls.count(f"{prefix}silu_mul_bf16") == L, calls
             assert calls.count("rms_norm") == 1 + norms * L, calls      # + the final norm
             assert "silu_mul" not in calls and "rope_write_kv" not in calls
-        fused = _decode_run(cfg, runner, 11, num_seqs=num_seqs)       # TINYVLLM_FUSE_NORM=none
-        recapture(False, "none")
+            if fuse_norm == "none":
+                fused = _decode_run(cfg, runner, 11, num_seqs=num_seqs)
+    with _recaptured(runner, fuse=False, fuse_norm="none"):
         unfused = _decode_run(cfg, runner, 11, num_seqs=num_seqs)
-    finally:
-        recapture(*was)
-    for step, (a, b) in enumerate(zip(fused, unfused)):
-        np.testing.assert_array_equal(a, b, err_msg=f"decode step {step}")
+    _assert_steps_equal(fused, unfused)
