@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.engine.output_processor import log_softmax, step_logprobs
 from tinyvllm.engine.outputs import Logprob
 from tinyvllm.errors import InvalidRequestError, TinyVLLMError
+from tinyvllm.reference.sampling import step_logprobs
 
 OPTIONS = dict(device="cpu", num_kv_blocks=64, block_size=4, max_model_len=256)
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -249,14 +249,11 @@ def test_aborting_a_request_aborts_every_sample(tiny_model_dir):
 
 
 # -- logprobs ---------------------------------------------------------------------------------
-def test_step_logprobs_on_hand_made_logits():
-    logits = np.array([[1.0, 3.0, 2.0, 3.0], [0.0, 0.0, -1.0, 5.0]], np.float32)
-    sampled, top_ids, top_lps = step_logprobs(logits, np.array([2, 3]), 2)
-    expect = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
-    assert top_ids.tolist() == [[1, 3], [3, 0]]         # ties: the lower id first
-    np.testing.assert_allclose(sampled, [expect[0, 2], expect[1, 3]], rtol=1e-6)
-    np.testing.assert_allclose(top_lps, [[expect[0, 1], expect[0, 3]], [expect[1, 3], expect[1, 0]]], rtol=1e-6)
-    assert step_logprobs(logits, np.array([0, 0]), 0)[1].shape == (2, 0)
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float32 rows -> their log-probabilities in float64: the oracle of the logprob tests."""
+    x = np.asarray(logits, np.float64)
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
 def test_logprobs_are_log_softmax_of_the_reference_logits(llm):
@@ -293,12 +290,20 @@ def test_prompt_logprobs(llm):
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=2),
                        use_tqdm=False)[0]
     assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
-    lp = log_softmax(model.forward_full(prompt))   # the very computation: equal once rounded to float32
+    logits = model.forward_full(prompt)
+    # the very computation of the step path's logprobs (reference/sampling.py's twin), bit for bit
+    sampled, ranks, top_ids, top_lps = step_logprobs(logits[:-1], np.array(prompt[1:]), 2)
+    lp = log_softmax(logits)
     for i in range(1, len(prompt)):
         entry = out.prompt_logprobs[i]
-        assert prompt[i] in entry and entry[prompt[i]].logprob == float(np.float32(lp[i - 1, prompt[i]]))
-        top = np.argsort(-lp[i - 1], kind="stable")[:2].tolist()
-        assert list(entry)[:2] == top
+        assert prompt[i] in entry and entry[prompt[i]].logprob == float(sampled[i - 1])
+        assert list(entry)[:2] == top_ids[i - 1].tolist() == np.argsort(-lp[i - 1], kind="stable")[:2].tolist()
+        assert [entry[t].logprob for t in top_ids[i - 1].tolist()] == top_lps[i - 1].tolist()
+        if prompt[i] not in top_ids[i - 1]:
+            assert entry[prompt[i]].rank == ranks[i - 1]
+        # and against float64: fp32(x - fp32(lse)) is within two roundings of |x| + |lse| of it
+        x, exact = float(logits[i - 1, prompt[i]]), lp[i - 1, prompt[i]]
+        assert abs(entry[prompt[i]].logprob - exact) <= 2 * 2.0 ** -24 * (abs(x) + abs(x - exact))
 
 
 def test_unsupported_features_are_refused_at_add_request(llm):

@@ -23,36 +23,7 @@ import numpy as np
 
 from tinyvllm.engine.outputs import Logprob
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float32 rows -> their log-probabilities, in float64 (x - max - log sum exp(x - max))."""
-    x = np.asarray(logits, np.float64)
-    shifted = x - x.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-
-
-def step_logprobs(logits_rows: np.ndarray, sampled_ids: np.ndarray, k: int):
-    """vLLM V1's default ("raw") logprobs of one step: the log_softmax of the model's logits
-    before any sampling processing (temperature, penalties, top-k/p). logits_rows float32
-    [rows, vocab], sampled_ids int [rows], k >= 0 ->
-        (sampled_logprob float32 [rows], top_ids int32 [rows, k], top_logprobs float32 [rows, k])
-    top_ids in descending logprob order (ties: the lower id first). This is the numpy twin the
-    GPU sampler's logprob output replaces on cuda (same arrays, same order)."""
-    lp = log_softmax(logits_rows)
-    rows = np.arange(lp.shape[0])
-    sampled = lp[rows, np.asarray(sampled_ids, np.int64)].astype(np.float32)
-    if k == 0:
-        return sampled, np.zeros((lp.shape[0], 0), np.int32), np.zeros((lp.shape[0], 0), np.float32)
-    top = np.argsort(-lp, axis=-1, kind="stable")[:, :k]
-    return sampled, top.astype(np.int32), np.take_along_axis(lp, top, axis=-1).astype(np.float32)
-
-
-def sampled_ranks(logits_rows: np.ndarray, sampled_ids: np.ndarray) -> np.ndarray:
-    """vLLM's rank of each sampled token: 1 + the number of tokens with a larger logit."""
-    x = np.asarray(logits_rows, np.float32)
-    chosen = x[np.arange(x.shape[0]), np.asarray(sampled_ids, np.int64)]
-    return (x > chosen[:, None]).sum(axis=-1) + 1
+from tinyvllm.reference.sampling import step_logprobs
 
 
 class OutputProcessor:
@@ -133,9 +104,7 @@ class OutputProcessor:
         for each later one its logprob (and the top k) under the logits of the position before.
         logits: float32 [len(prompt_ids), vocab], the logits at every prompt position."""
         following = np.asarray(prompt_ids[1:], np.int64)
-        rows = logits[:-1]
-        sampled, top_ids, top_lps = step_logprobs(rows, following, k)
-        ranks = sampled_ranks(rows, following)
+        sampled, ranks, top_ids, top_lps = step_logprobs(logits[:-1], following, k)   # the step path's twin
         out: list[dict | None] = [None]
         for i, token in enumerate(following.tolist()):
             entry = {int(t): Logprob(float(lp), r + 1, self.decoded(int(t)))
