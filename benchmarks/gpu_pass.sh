@@ -3,7 +3,7 @@
 # fails, the rest runs with TINYVLLM_GEMV=0 so their results still mean something), the fused
 # GEMV tests (if they fail, TINYVLLM_FUSE=0), then every
 # other GPU test, then the benchmarks. Logs go to $OUT (or ./gpu-pass-logs).
-#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [bench] [bench-hf] [server-load] [soak]
+#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [bench] [bench-hf] [server-load] [soak] [smollm2]
 # (server-load needs the server extra: fastapi, uvicorn, pydantic, prometheus_client)
 set -u
 OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"
@@ -118,6 +118,21 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
         fi
         kill -TERM $pid; wait $pid
         log "serve ($tag) exit status after SIGTERM: $? (0 expected); $(grep -c 'Avg prompt throughput' "$OUT/serve-$tag.log") stats lines"
+      done ;;
+    smollm2)
+      # the real default model, SmolLM2-135M-Instruct: its GGUF arrives in two parts over two calls
+      # (docs/device-runs.md) in /root/part.*, is joined and converted once, then batch-1 latency
+      # at the defaults and with each switch that is under test
+      model=/tmp/tinyvllm-models/smollm2-135m-instruct
+      if [ ! -f $model/config.json ]; then
+        cat /root/part.* > /root/smollm2.gguf && md5sum /root/smollm2.gguf | tee -a "$OUT/summary.log"
+        python3 -m tinyvllm convert-gguf /root/smollm2.gguf $model > "$OUT/convert.log" 2>&1
+        log "convert-gguf rc=$?"
+      fi
+      for cfg in default TINYVLLM_ATTN_EARLY_KV=1 TINYVLLM_FUSE_NORM=none default TINYVLLM_ATTN_EARLY_KV=1; do
+        env ${cfg#default} timeout 90 python3 -m tinyvllm bench --model $model --workload latency \
+          > "$OUT/bench-smollm2.log" 2>&1
+        log "smollm2 latency [$cfg] rc=$?: $(grep -E '^latency' "$OUT/bench-smollm2.log" | tr -s ' ' | paste -sd';')"
       done ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
