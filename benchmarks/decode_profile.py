@@ -4,7 +4,7 @@ CUDA-graph replay at several batch sizes, the GPU time of a replay alone, and pe
 
     python benchmarks/decode_profile.py [--preset llama-3.2-1b | --model DIR] [--context 256]
                                         [--batch 1 8 64 256] [--compare-fuse] [--compare-prefetch [MB ...]]
-                                        [--compare-early-kv]
+                                        [--compare-early-kv] [--leave-one-out]
 
 "weights TB/s" is weight bytes over the graph's GPU time. Prints two tables; run on a GPU machine (the model is written to /tmp if absent).
 --compare-fuse adds, at the smallest batch, the graph time with TINYVLLM_FUSE=0's nine launches
@@ -19,6 +19,9 @@ it can profit.
 --compare-early-kv adds, at the smallest batch, the graph time with the decode attention's early
 K/V copies (TINYVLLM_ATTN_EARLY_KV, attention_decode.cu) off and on, twice each, alternating (the
 spread of the repeats is the noise to judge the difference by).
+--leave-one-out adds, at the smallest batch, each op's in-graph cost: the decode graph's GPU time
+less that of the graph captured without the op (ops.skip_ops). The per-op tables cannot show
+what PDL hides: an op that runs under its neighbour's weight stream costs little here.
 """
 from __future__ import annotations
 
@@ -114,6 +117,8 @@ def main() -> None:
                     help="time the smallest batch with these L2 prefetch budgets per layer (0: off)")
     ap.add_argument("--compare-early-kv", action="store_true",
                     help="time the smallest batch with the decode attention's early K/V copies off and on")
+    ap.add_argument("--leave-one-out", action="store_true",
+                    help="each op's in-graph cost at the smallest batch: the graph without it")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--prefill", type=int, nargs=2, default=[16, 512], metavar=("PROMPTS", "LEN"))
@@ -148,6 +153,8 @@ def main() -> None:
         compare_prefetch(runner, profile_batch, args.compare_prefetch)
     if args.compare_early_kv:
         compare_early_kv(runner, profile_batch)
+    if args.leave_one_out:
+        leave_one_out(runner, profile_batch)
     big = decode_batch(max(args.batch), args.context, runner.engine_cfg.block_size, rng)
     print_ops(per_op_times(runner, big), f"one decode step, batch {big.num_seqs}")
     prompts, plen = args.prefill
@@ -186,24 +193,12 @@ def compare_fuse(runner, batch, num_layers: int) -> None:
     """Graph time and GPU time of one decode step for each fusion setting (runner.ops.fuse and
     fuse_norm, as TINYVLLM_FUSE / TINYVLLM_FUSE_NORM set them), and the per-op tables of the
     nine-launch layer and of the default."""
-    def recapture():
-        for graph in runner.graphs.values():
-            graph.close()
-        with runner.device.active():
-            runner.capture_decode_graphs()
-
-    was = runner.ops.fuse, runner.ops.fuse_norm
     rows = {}
-    try:
-        for name, fuse, fuse_norm in FUSE_CONFIGS:
-            runner.ops.fuse, runner.ops.fuse_norm = fuse, fuse_norm
-            recapture()
+    for name, fuse, fuse_norm in FUSE_CONFIGS:
+        with runner.recaptured(fuse=fuse, fuse_norm=fuse_norm):
             graph = time_steps(runner, batch, replay=True)
             ops = per_op_times(runner, batch) if not fuse or fuse_norm == FUSE_NORM_DEFAULT else None
             rows[name] = (graph, graph_gpu_time(runner, batch), ops)
-    finally:
-        runner.ops.fuse, runner.ops.fuse_norm = was
-        recapture()
     print(f"\nfusion at batch {batch.num_seqs}: {'':<24} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}")
     for name, (graph, gpu, _) in rows.items():
         print(f"{name:<44} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}")
@@ -216,23 +211,16 @@ def compare_prefetch(runner, batch, budgets_mb: list[float]) -> None:
     """Graph time and GPU time of one decode step for each L2 prefetch budget per layer
     (runner.model.l2_prefetch_bytes; 0 launches no prefetch blocks, the engine's default)."""
     from tinyvllm.gpu.model import L2_PREFETCH_BYTES
-
-    def recapture():
-        for graph in runner.graphs.values():
-            graph.close()
-        with runner.device.active():
-            runner.capture_decode_graphs()
-
     budgets = budgets_mb or [0, L2_PREFETCH_BYTES / 2**20]
-    was, rows = (runner.ops.l2_prefetch, runner.model.l2_prefetch_bytes), {}
+    was, rows = runner.model.l2_prefetch_bytes, {}
     try:
         for mb in budgets:
-            runner.ops.l2_prefetch, runner.model.l2_prefetch_bytes = mb > 0, int(mb * 2**20) // 16 * 16
-            recapture()
-            rows[mb] = (time_steps(runner, batch, replay=True), graph_gpu_time(runner, batch))
+            runner.model.l2_prefetch_bytes = int(mb * 2**20) // 16 * 16
+            with runner.recaptured(l2_prefetch=mb > 0):
+                rows[mb] = (time_steps(runner, batch, replay=True), graph_gpu_time(runner, batch))
     finally:
-        runner.ops.l2_prefetch, runner.model.l2_prefetch_bytes = was
-        recapture()
+        runner.model.l2_prefetch_bytes = was
+        runner.recapture_decode_graphs()
     print(f"\nL2 prefetch of the next weights by the decode attention, batch {batch.num_seqs}:")
     print(f"{'MB per layer':<16} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}")
     for mb, (graph, gpu) in rows.items():
@@ -243,26 +231,39 @@ def compare_prefetch(runner, batch, budgets_mb: list[float]) -> None:
 def compare_early_kv(runner, batch) -> None:
     """Graph time and GPU time of one decode step with runner.ops.early_kv off and on (decode
     graphs recaptured for each), off/on/off/on."""
-    def recapture():
-        for graph in runner.graphs.values():
-            graph.close()
-        with runner.device.active():
-            runner.capture_decode_graphs()
-
-    was, rows = runner.ops.early_kv, []
-    try:
-        for on in (False, True, False, True):
-            runner.ops.early_kv = on
-            recapture()
+    rows = []
+    for on in (False, True, False, True):
+        with runner.recaptured(early_kv=on):
             rows.append((on, time_steps(runner, batch, replay=True), graph_gpu_time(runner, batch)))
-    finally:
-        runner.ops.early_kv = was
-        recapture()
     print(f"\nearly K/V copies in the decode attention, batch {batch.num_seqs}:")
     print(f"{'early_kv':<30} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}")
     for on, graph, gpu in rows:
         label = "on (TINYVLLM_ATTN_EARLY_KV=1)" if on else "off (default)"
         print(f"{label:<30} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}")
+
+
+def leave_one_out(runner, batch) -> None:
+    """Each op's in-graph cost: the decode graph's GPU time with all of that op's launches left
+    out (ops.skip_ops), against the whole graph's. Unlike the per-op tables, where each op is
+    replayed alone, this counts what an op costs where it runs, with its neighbours and PDL: an
+    op hidden under the next one's weight stream costs little here. The step computes garbage
+    meanwhile, which changes no kernel's time (none branches on the values at greedy decode)."""
+    launches: dict[str, int] = defaultdict(int)
+    runner.ops.observer = lambda op, repeat, details: launches.__setitem__(op, launches[op] + 1)
+    try:
+        runner.execute(batch, SamplingBatch.greedy(batch.num_seqs), replay=False)
+    finally:
+        runner.ops.observer = None
+    whole = graph_gpu_time(runner, batch)
+    rows = []
+    for name, count in launches.items():
+        with runner.recaptured(skip_ops=frozenset({name})):
+            rows.append((name, count, whole - graph_gpu_time(runner, batch)))
+    print(f"\nin-graph cost per op, batch {batch.num_seqs}: graph GPU time {whole * 1e6:.1f} us, and without each op:")
+    print(f"{'op (launches per step)':<34} {'us/step':>9} {'us/launch':>10} {'share':>7}")
+    for name, count, saved in sorted(rows, key=lambda r: -r[2]):
+        print(f"{f'{name} (x{count})':<34} {saved * 1e6:>9.1f} {saved * 1e6 / count:>10.2f} {saved / whole:>7.1%}")
+    print(f"{'sum (overlap makes it differ from the whole)':<44} {sum(r[2] for r in rows) * 1e6:>9.1f}")
 
 
 def print_ops(ops: dict[str, float], what: str, per_layer: int = 0) -> None:

@@ -17,8 +17,6 @@ logit error (a near-tie the rounding can flip); such cases are counted and print
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 
@@ -181,26 +179,6 @@ def _decode_run(cfg, runner, rng_seed: int, steps: int = 12, num_seqs: int = 3):
     return out
 
 
-@contextlib.contextmanager
-def _recaptured(runner, **ops_settings):
-    """The runner's decode graphs captured again with these GpuOps attributes set (pdl, fuse,
-    fuse_norm, l2_prefetch, early_kv, ...); on leaving, the old values and graphs come back."""
-    def recapture(settings):
-        for graph in runner.graphs.values():
-            graph.close()
-        for name, value in settings.items():
-            setattr(runner.ops, name, value)
-        with runner.device.active():
-            runner.capture_decode_graphs()
-
-    was = {name: getattr(runner.ops, name) for name in ops_settings}
-    recapture(ops_settings)
-    try:
-        yield
-    finally:
-        recapture(was)
-
-
 def _assert_steps_equal(a_steps, b_steps) -> None:
     for step, (a, b) in enumerate(zip(a_steps, b_steps, strict=True)):
         np.testing.assert_array_equal(a, b, err_msg=f"decode step {step}")
@@ -212,7 +190,7 @@ def test_pdl_graphs_equal_plain_graphs(tiny):
     cfg, runner, _, _ = tiny
     assert runner.ops.pdl, "PDL is on by default (TINYVLLM_PDL unset)"
     with_pdl = _decode_run(cfg, runner, 7)
-    with _recaptured(runner, pdl=False):
+    with runner.recaptured(pdl=False):
         without = _decode_run(cfg, runner, 7)
     _assert_steps_equal(with_pdl, without)
 
@@ -222,9 +200,9 @@ def test_l2_prefetch_graphs_equal_plain_graphs(tiny):
     (gpu/model.py, TINYVLLM_L2_PREFETCH): timing only, so decode graphs captured with it give
     bitwise the logits of graphs captured without it."""
     cfg, runner, _, _ = tiny
-    with _recaptured(runner, l2_prefetch=True):
+    with runner.recaptured(l2_prefetch=True):
         with_prefetch = _decode_run(cfg, runner, 13)
-    with _recaptured(runner, l2_prefetch=False):
+    with runner.recaptured(l2_prefetch=False):
         without = _decode_run(cfg, runner, 13)
     _assert_steps_equal(with_prefetch, without)
 
@@ -236,9 +214,9 @@ def test_early_kv_graphs_equal_plain_graphs(tiny, num_seqs):
     still be running: decode graphs captured with them give bitwise the logits of graphs
     captured without them."""
     cfg, runner, _, _ = tiny
-    with _recaptured(runner, early_kv=True):
+    with runner.recaptured(early_kv=True):
         early = _decode_run(cfg, runner, 17, steps=24, num_seqs=num_seqs)
-    with _recaptured(runner, early_kv=False):
+    with runner.recaptured(early_kv=False):
         plain = _decode_run(cfg, runner, 17, steps=24, num_seqs=num_seqs)
     _assert_steps_equal(early, plain)
 
@@ -258,7 +236,7 @@ def test_fused_graphs_equal_unfused_graphs(tiny, num_seqs):
         pytest.skip("TINYVLLM_FUSE=0: this run keeps the fused decode layer off (its kernel tests failed)")
     L = cfg.num_hidden_layers
     for fuse_norm, norms in (("all", 0), ("none", 2)):    # separate rms_norm launches per layer
-        with _recaptured(runner, fuse=True, fuse_norm=fuse_norm):
+        with runner.recaptured(fuse=True, fuse_norm=fuse_norm):
             calls, tables = [], [[70 + i] for i in range(num_seqs)]
             tokens = runner.execute(ForwardBatch.build([[1, 2, 3, 4]] * num_seqs, [4] * num_seqs, tables, BLOCK,
                                                        True), SamplingBatch.greedy(num_seqs))
@@ -274,6 +252,6 @@ def test_fused_graphs_equal_unfused_graphs(tiny, num_seqs):
             assert "silu_mul" not in calls and "rope_write_kv" not in calls
             if fuse_norm == "none":
                 fused = _decode_run(cfg, runner, 11, num_seqs=num_seqs)
-    with _recaptured(runner, fuse=False, fuse_norm="none"):
+    with runner.recaptured(fuse=False, fuse_norm="none"):
         unfused = _decode_run(cfg, runner, 11, num_seqs=num_seqs)
     _assert_steps_equal(fused, unfused)

@@ -239,3 +239,29 @@ def test_fuses_norm_follows_the_measured_rule():
     assert ops.fuses_norm(16384, 2048)
     ops.fuse_norm = "none"
     assert not ops.fuses_norm(960, 576)
+
+
+def test_skip_ops_leaves_ops_out_of_a_step(tiny_model_dir):
+    """GpuOps.skip_ops (benchmarks/decode_profile.py --leave-one-out): the named kernels and
+    linear() projections are not launched (nor shown to the observer); every other op is."""
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
+
+    def ops_of_a_decode_step() -> list[str]:
+        seen = []
+        fake.ops.observer = lambda op, repeat, details: seen.append(op)
+        try:
+            fake.execute(ForwardBatch.build([[7]], [12], [[5]], 16, is_prefill=False), SamplingBatch.greedy(1))
+        finally:
+            fake.ops.observer = None
+        return seen
+
+    every = ops_of_a_decode_step()
+    o_proj = f"gemv {config.hidden_size}x{config.q_size}"
+    assert "rms_norm" in every and o_proj in every and "sample_tokens" in every
+    fake.ops.skip_ops = frozenset({"rms_norm", o_proj})
+    try:
+        assert ops_of_a_decode_step() == [op for op in every if op not in fake.ops.skip_ops]
+    finally:
+        fake.ops.skip_ops = frozenset()
+    assert ops_of_a_decode_step() == every

@@ -21,6 +21,7 @@ in `last_logprobs`; every other step leaves the captured graph path exactly as i
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -340,6 +341,33 @@ class CudaRunner(ModelRunner):
         log.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, taking %.2f GiB",
                  len(self.graphs), self._graph_sizes[0], self._graph_sizes[-1],
                  time.perf_counter() - start, (free_before - self.device.memory_info()[0]) / GiB)
+
+    def recapture_decode_graphs(self) -> None:
+        """Drop every captured graph and capture the decode graphs again. A graph fixes the ops'
+        settings (pdl, fuse, fuse_norm, l2_prefetch, early_kv, skip_ops) at capture; the forward-
+        only graphs are captured again when next needed."""
+        for graph in (*self.graphs.values(), *self.forward_graphs.values()):
+            graph.close()
+        self.graphs.clear()
+        self.forward_graphs.clear()
+        with self.device.active():
+            self.capture_decode_graphs()
+
+    @contextlib.contextmanager
+    def recaptured(self, **ops_settings):
+        """The decode graphs captured again with these GpuOps attributes set; on leaving, the old
+        values and graphs come back (the GPU tests and benchmarks/decode_profile.py compare
+        settings so)."""
+        was = {name: getattr(self.ops, name) for name in ops_settings}
+        for name, value in ops_settings.items():
+            setattr(self.ops, name, value)
+        try:
+            self.recapture_decode_graphs()
+            yield self
+        finally:
+            for name, value in was.items():
+                setattr(self.ops, name, value)
+            self.recapture_decode_graphs()
 
     def forward_logits(self, batch: ForwardBatch) -> np.ndarray:
         """Forward only; copies the fp32 logits [S, vocab] back (tests and debugging)."""

@@ -110,6 +110,9 @@ class GpuOps:
         # TINYVLLM_L2_PREFETCH=1: the fused decode layer's attention prefetches the next weights
         # into L2 (model.py); off by default, it measured no gain (the same bits either way)
         self.l2_prefetch = os.environ.get("TINYVLLM_L2_PREFETCH", "0") == "1"
+        # ops (kernel names, or linear()'s "gemv NxK" / "cublas NxK") left out of every step:
+        # benchmarks/decode_profile.py --leave-one-out measures each op's in-graph cost so
+        self.skip_ops: frozenset[str] = frozenset()
         # TINYVLLM_ATTN_EARLY_KV=1: the decode attention's early K/V copies (module docstring);
         # GPU-unverified as of 2026-12-04, so off by default
         self.early_kv = os.environ.get("TINYVLLM_ATTN_EARLY_KV", "0") == "1"
@@ -128,6 +131,8 @@ class GpuOps:
             # once per kernel and size, outside any capture (each graph's launches run eagerly first)
             fn.set_max_dynamic_shared_bytes(shared_bytes)
         launch = lambda: fn.launch(grid, block, self.stream_handle, args, shared_bytes, self.pdl)  # noqa: E731
+        if self.skip_ops and not self._in_linear and kernel in self.skip_ops:
+            return
         if self.observer is not None and not self._in_linear:
             self.observer(kernel, launch, {"grid": grid, "block": block, "args": args, "shared_bytes": shared_bytes})
         launch()
@@ -263,8 +268,11 @@ class GpuOps:
             run = lambda: self.gemv(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
         else:
             run = lambda: self.blas.matmul(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
+        name = f"{'gemv' if on_gemv else 'cublas'} {n}x{k}"
+        if self.skip_ops and name in self.skip_ops:
+            return
         if self.observer is not None:
-            self.observer(f"{'gemv' if on_gemv else 'cublas'} {n}x{k}", self._quietly(run),
+            self.observer(name, self._quietly(run),
                           {"m": m, "n": n, "k": k, "accumulate": accumulate, "out_dtype": out_dtype,
                            "y": y, "x": x, "w": w})
         self._quietly(run)()
