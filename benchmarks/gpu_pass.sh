@@ -3,7 +3,7 @@
 # fails, the rest runs with TINYVLLM_GEMV=0 so their results still mean something), the fused
 # GEMV tests (if they fail, TINYVLLM_FUSE=0), then every
 # other GPU test, then the benchmarks. Logs go to $OUT (or ./gpu-pass-logs).
-#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [bench] [bench-hf] [server-load] [soak] [smollm2]
+#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [profile-loo] [bench] [bench-hf] [server-load] [soak] [smollm2]
 # (server-load needs the server extra: fastapi, uvicorn, pydantic, prometheus_client)
 set -u
 OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"
@@ -46,6 +46,12 @@ for step in $steps; do
         ${MODEL:+--model "$MODEL"} > "$OUT/profile-prefetch.log" 2>&1
       log "decode profile --compare-prefetch rc=$?"; sed -n '/^L2 prefetch of/,/^$/p' "$OUT/profile-prefetch.log" \
         | tee -a "$OUT/summary.log" ;;
+    profile-loo)
+      # batch 1: each op's in-graph cost (the graph without it) and the early K/V A/B; MODEL=dir as above
+      timeout 300 python3 benchmarks/decode_profile.py --batch 1 --leave-one-out --compare-early-kv \
+        ${MODEL:+--model "$MODEL"} > "$OUT/profile-loo.log" 2>&1
+      log "decode profile --leave-one-out --compare-early-kv rc=$?"
+      sed -n '/^in-graph cost per op/,/^sum/p; /^early K\/V copies/,/^$/p' "$OUT/profile-loo.log" | tee -a "$OUT/summary.log" ;;
     bench)
       timeout 300 python3 -m tinyvllm bench --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
       log "bench rc=$?"; tail -20 "$OUT/bench.log" | tee -a "$OUT/summary.log" ;;
