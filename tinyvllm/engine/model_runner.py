@@ -105,11 +105,8 @@ def runner_class(engine_config: EngineConfig) -> type:
 
 
 def make_runner(config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig) -> ModelRunner:
-    runner = runner_class(engine_config)
-    if engine_config.device == "cpu":
-        return runner(config, weights, engine_config)
     try:
-        return runner(config, weights, engine_config)
+        return runner_class(engine_config)(config, weights, engine_config)
     except TinyVLLMError:
         raise
     except Exception as e:  # noqa: BLE001 — driver errors come as pycuda's own exception types
