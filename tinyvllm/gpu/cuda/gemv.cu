@@ -31,7 +31,8 @@
 //             each warp's 8 per-row sums of squares); after one __syncthreads the first 16*m
 //             threads sum the kw partials of one output each and write it.
 // Registers: 8 W uint4 + 4 X uint4 in flight + 4 accumulators; __launch_bounds__(1024) caps the
-// kernel at 64 registers, so 32 warps fit on an SM whatever kw is (ptxas: 64 registers, no spills).
+// kernel at 64 registers, so 32 warps fit on an SM whatever kw is (ptxas: 64 registers; the
+// spills of the norm variants are listed below).
 // The Python side chooses kw so that ceil(n/16) * kw fills the GPU about once (o/qkv: 16 warps of
 // 4 steps, down: 32 warps of 8 steps, gate_up: 4 warps of 16 steps, lm_head: 1 warp of 64 steps):
 // small matrices put their whole weight in flight at once, big ones stream with fewer, longer
