@@ -127,7 +127,7 @@ def test_gpu_trace_names_every_argument(tiny_model_dir):
     assert decode.count("rms_norm  grid") == 1             # the final norm only (ops.fuses_norm)
     assert "attention_decode_d64_g2" in decode and "sample_tokens" in decode
     assert re.search(r"l2_prefetch\s+W?R?\s+NULL", decode)     # off by default (TINYVLLM_L2_PREFETCH=1: model.py)
-    assert re.search(r"early_kv\s+0\b", decode)               # off by default (TINYVLLM_ATTN_EARLY_KV=1)
+    assert re.search(r"early_kv\s+1\b", decode)               # on by default (TINYVLLM_ATTN_EARLY_KV=0: off)
     assert "replays the CUDA graph captured for 1 sequences" in decode
     assert "=== trace ends after 2 steps" in text
     assert "0x7" not in text, "every pointer resolves to a name"
@@ -185,33 +185,33 @@ def test_decode_attention_prefetches_the_next_weights(tiny_model_dir):
         assert a["grid"] == (config.num_key_value_heads + -(-DECODE["PREFETCH_CTAS"] // splits), 1, splits)
         assert b["grid"] == (config.num_key_value_heads, 1, splits) and b["args"][-3:-1] == (0, 0)
         assert a["args"][-3:-1] == (lw.o, min(lw.gate_up + 2 * inter * H * 2 - lw.o, L2_PREFETCH_BYTES))
-        assert a["args"][:-3] == b["args"][:-3] and a["args"][-1] == b["args"][-1] == 0   # early_kv off
+        assert a["args"][:-3] == b["args"][:-3] and a["args"][-1] == b["args"][-1] == 1   # early_kv on
 
 
 def test_attention_decode_passes_early_kv(tiny_model_dir, monkeypatch):
-    """The decode attention's last argument, early_kv: 0 by default (TINYVLLM_ATTN_EARLY_KV unset),
-    1 in every layer when GpuOps.early_kv is set (the env var or the attribute); the launcher's
-    own early_kv argument wins; no other argument changes."""
+    """The decode attention's last argument, early_kv: 1 by default (TINYVLLM_ATTN_EARLY_KV unset),
+    0 in every layer when GpuOps.early_kv is cleared (TINYVLLM_ATTN_EARLY_KV=0 or the attribute);
+    the launcher's own early_kv argument wins; no other argument changes."""
     monkeypatch.delenv("TINYVLLM_ATTN_EARLY_KV", raising=False)
     config = ModelConfig.from_pretrained(tiny_model_dir)
     fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
-    assert fake.ops.early_kv is False
-    off = _decode_attention_launches(fake, False)
-    fake.ops.early_kv = True
+    assert fake.ops.early_kv is True
     on = _decode_attention_launches(fake, False)
+    fake.ops.early_kv = False
+    off = _decode_attention_launches(fake, False)
     assert len(on) == len(off) == config.num_hidden_layers
     for a, b in zip(on, off):
         assert a["args"][-1] == 1 and b["args"][-1] == 0 and a["args"][:-1] == b["args"][:-1]
         assert a["grid"] == b["grid"]
-    monkeypatch.setenv("TINYVLLM_ATTN_EARLY_KV", "1")
+    monkeypatch.setenv("TINYVLLM_ATTN_EARLY_KV", "0")
     ops = GpuOps(_Launches(), num_sms=132)
-    assert ops.early_kv is True
+    assert ops.early_kv is False
     args = []
     ops.observer = lambda op, repeat, details: args.append(details["args"][-1])
-    for explicit in (None, False, True):
+    for explicit in (True, None, False):
         ops.attention_decode(0, 0, 0, 0, 0, 64, 0, 0, 0, 0, 0, num_seqs=1, num_q_heads=1, num_kv_heads=1,
                              head_dim=64, block_size=16, scale=1.0, early_kv=explicit)
-    assert args == [1, 0, 1]
+    assert args == [1, 0, 0]
 
 
 def test_attention_decode_checks_its_prefetch_range():

@@ -115,7 +115,7 @@ class LlamaModel:
             ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True)
         S = step.num_seqs
         ops.rms_norm(self.final_normed, self.hidden, w.final_norm, S, H, eps, rows=self.last_token_idx)
-        ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32")
+        ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32", last=True)
 
     def _decode_layer_fused(self, step: StepShape, layer: int, lw) -> None:
         """One layer in five launches with the norms inside the qkv and gate_up GEMVs, seven with

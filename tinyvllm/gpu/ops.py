@@ -37,11 +37,10 @@ TINYVLLM_L2_PREFETCH=1 makes the fused layer's attention prefetch the o weight a
 gate_up into L2 while it runs (attention_decode's l2_prefetch; model.py says why). Off by
 default: it measured no gain (docs/perf-notes.md, session 7). Timing only: the same bits either way.
 
-TINYVLLM_ATTN_EARLY_KV=1 makes the decode attention issue its first K/V copies (all rows but each
-sequence's newest) before it waits for the qkv GEMV under PDL (attention_decode.cu's header, the
-launcher's early_kv). GPU-unverified as of 2026-12-04; turn on only after
-tests/test_gpu_kernels.py and test_gpu_model.py pass with it. Off by default; meant to change
-timing only, never a bit.
+The decode attention issues its first K/V copies (all rows but each sequence's newest) before it
+waits for the qkv GEMV under PDL (attention_decode.cu's header, the launcher's early_kv): the same
+bits (tests/test_gpu_kernels.py, test_gpu_model.py), 21-34 us less per token at batch 1
+(docs/perf-notes.md, session 8). TINYVLLM_ATTN_EARLY_KV=0 turns it off.
 
 `linear()` is THE projection: Y[m, n] (+)= X[m, k] @ W[n, k]^T, on our GEMV for decode batches of
 at most GEMV_MAX_ROWS rows (cuBLAS reads small matrices at 1.7-2.5 TB/s at M <= 8; the GEMV
@@ -78,9 +77,10 @@ GEMV_MAX_ROWS = 8            # the GEMV's m limit (x rows held in one m16n8k16 t
 GEMV_MAX_K = 1 << 26         # its int step arithmetic (steps * warps) stays below 2^31
 GEMV_WARPS_PER_SM = 32       # residency at its 64 registers per thread
 GEMV_MIN_STEPS_PER_WARP = 2  # gemv_k_warps(): the fewest 32-wide k steps a warp is left with
-# cuBLAS streams the 525 MB LM head at 4.1 TB/s, our GEMV at 3.8 (benchmarks/gemv_bench.py,
-# H200, 2026-12-02): the GEMV serves the per-layer projections only.
-GEMV_MAX_N = 32768
+# The LM head runs on the GEMV too (gemv_k_warps' `last` rule: 121 us against cuBLAS's 127 on
+# Llama-1B's 525 MB head, and SmolLM2's graph 20 us shorter: docs/perf-notes.md, session 8);
+# the bound is the kernel's int arithmetic (n * k elements indexed as size_t, n itself an int).
+GEMV_MAX_N = 1 << 30
 OUT_DTYPES = {"bfloat16": 0, "float32": 1}
 
 
@@ -113,9 +113,11 @@ class GpuOps:
         # ops (kernel names, or linear()'s "gemv NxK" / "cublas NxK") left out of every step:
         # benchmarks/decode_profile.py --leave-one-out measures each op's in-graph cost so
         self.skip_ops: frozenset[str] = frozenset()
-        # TINYVLLM_ATTN_EARLY_KV=1: the decode attention's early K/V copies (module docstring);
-        # GPU-unverified as of 2026-12-04, so off by default
-        self.early_kv = os.environ.get("TINYVLLM_ATTN_EARLY_KV", "0") == "1"
+        # the widest projection linear() sends to the GEMV (on_gemv); decode_profile.py
+        # --compare-gemv lowers it to put the LM head back on cuBLAS
+        self.gemv_max_n = GEMV_MAX_N
+        # the decode attention's early K/V copies (module docstring); TINYVLLM_ATTN_EARLY_KV=0: off
+        self.early_kv = os.environ.get("TINYVLLM_ATTN_EARLY_KV", "1") != "0"
         if self.fuse_norm not in ("auto", "all", "none"):
             raise ValueError(f"TINYVLLM_FUSE_NORM must be auto, all or none, got {self.fuse_norm!r}")
         self.stream_handle = stream.handle if stream is not None else 0
@@ -191,7 +193,7 @@ class GpuOps:
         ceil(PREFETCH_CTAS / splits) columns along x of blocks that prefetch that range into L2
         (model.py: the next projections' weights) without waiting for the previous kernel, and
         leave; a hint that changes timing only, never a bit. None or 0 bytes: no such blocks.
-        early_kv (None: self.early_kv, TINYVLLM_ATTN_EARLY_KV): issue the K/V copies of every row
+        early_kv (None: self.early_kv, on unless TINYVLLM_ATTN_EARLY_KV=0): issue the K/V copies of every row
         but each sequence's newest (position context - 1) before waiting for the previous kernel;
         only for decode, where that row is the only one a still-running kernel writes. The same
         bits either way."""
@@ -257,15 +259,16 @@ class GpuOps:
     # -- projections -------------------------------------------------------------------------------
     def on_gemv(self, m: int, n: int, k: int) -> bool:
         """Whether linear() runs this shape on our GEMV (else cuBLAS)."""
-        return self.use_gemv and n <= GEMV_MAX_N and self.gemv_supports(m, n, k)
+        return self.use_gemv and n <= self.gemv_max_n and self.gemv_supports(m, n, k)
 
     def linear(self, y, x, w, m: int, n: int, k: int, *, accumulate: bool = False,
-               out_dtype: str = "bfloat16") -> None:
+               out_dtype: str = "bfloat16", last: bool = False) -> None:
         """Y[m, n] (+)= X[m, k] @ W[n, k]^T, row-major, W as HF stores it [out, in]; accumulate
-        adds to Y (beta = 1: the fused residual add). The GEMV for small decode batches, else cuBLAS."""
+        adds to Y (beta = 1: the fused residual add). The GEMV for small decode batches, else cuBLAS.
+        last: the step's last projection (the LM head), launched by gemv_k_warps' rule for it."""
         on_gemv = self.on_gemv(m, n, k)
         if on_gemv:
-            run = lambda: self.gemv(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
+            run = lambda: self.gemv(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype, last=last)  # noqa: E731
         else:
             run = lambda: self.blas.matmul(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
         name = f"{'gemv' if on_gemv else 'cublas'} {n}x{k}"
@@ -274,7 +277,7 @@ class GpuOps:
         if self.observer is not None:
             self.observer(name, self._quietly(run),
                           {"m": m, "n": n, "k": k, "accumulate": accumulate, "out_dtype": out_dtype,
-                           "y": y, "x": x, "w": w})
+                           "last": last, "y": y, "x": x, "w": w})
         self._quietly(run)()
 
     def fuses_decode(self, m: int, hidden: int, qkv_width: int, inter: int, head_dim: int) -> bool:
@@ -309,24 +312,33 @@ class GpuOps:
     def gemv_supports(m: int, n: int, k: int) -> bool:
         return 1 <= m <= GEMV_MAX_ROWS and n >= 1 and 8 <= k < GEMV_MAX_K and k % 8 == 0
 
-    def gemv_k_warps(self, n: int, k: int) -> int:
+    def gemv_k_warps(self, n: int, k: int, last: bool = False) -> int:
         """Warps per CTA splitting K: double while the grid stays within one full wave
         (num_sms * 32 warps) and every warp keeps at least GEMV_MIN_STEPS_PER_WARP steps.
         Llama-3.2-1B on 132 SMs: qkv -> 16, o -> 32, down -> 32, gate_up -> 4; SmolLM2-135M:
         qkv, o, gate_up -> 8, down -> 16. More warps put more of a small matrix in flight at once:
         at SmolLM2's shapes 8-16 warps of ~2 steps beat 4 of ~4 by 0.6-1.0 us per call
-        (benchmarks/gemv_bench.py --shapes 135m, H200, docs/perf-notes.md)."""
+        (benchmarks/gemv_bench.py --shapes 135m, H200, docs/perf-notes.md).
+        last: the step's last projection (the LM head), whose tail nothing can overlap (the
+        sampler needs every logit). Its grid may go past one wave while every warp keeps UNROLL
+        steps: Llama-1B's head -> 16 warps, SmolLM2's -> 4. Alone, gemv_bench measures more
+        warps faster for every big matrix (1B gate_up 17.5 us at 16 warps against 19.1 at 4), but
+        inside the decode graph a per-layer GEMV past one wave made the step slower (1B +35 us
+        with gate_up at 16): CTAs that start in later waves hold back the next kernel's launch
+        under PDL (decode_profile.py --compare-gemv, session 8)."""
         ctas, steps = math.ceil(n / GEMV["ROWS_PER_CTA"]), math.ceil(k / GEMV["STEP_K"])
         kw = 1
-        while (kw < GEMV["MAX_K_WARPS"] and ctas * kw * 2 <= self.num_sms * GEMV_WARPS_PER_SM
-               and steps >= kw * 2 * GEMV_MIN_STEPS_PER_WARP):
+        while kw < GEMV["MAX_K_WARPS"] and steps >= kw * 2 * GEMV_MIN_STEPS_PER_WARP:
+            one_wave = ctas * kw * 2 <= self.num_sms * GEMV_WARPS_PER_SM
+            if not (one_wave or (last and steps >= kw * 2 * GEMV["UNROLL"])):
+                break
             kw *= 2
         return kw
 
-    def gemv_launch_shape(self, n: int, k: int, k_warps: int | None = None) -> tuple:
+    def gemv_launch_shape(self, n: int, k: int, k_warps: int | None = None, last: bool = False) -> tuple:
         """(grid, block, shared_bytes) for an [n, k] weight: one CTA per ROWS_PER_CTA outputs,
         k_warps warps splitting K; cached, so a call costs a dict lookup."""
-        kw = k_warps or self.gemv_k_warps(n, k)
+        kw = k_warps or self.gemv_k_warps(n, k, last)
         shape = self._gemv_shapes.get((n, k, kw))
         if shape is None:
             if not 1 <= kw <= GEMV["MAX_K_WARPS"]:
@@ -336,7 +348,8 @@ class GpuOps:
             self._gemv_shapes[(n, k, kw)] = shape
         return shape
 
-    def _gemv_args(self, what: str, x, w, m: int, n: int, k: int, out_dtype: str, k_warps, *more):
+    def _gemv_args(self, what: str, x, w, m: int, n: int, k: int, out_dtype: str, k_warps, *more,
+                   last: bool = False):
         """Checks shared by the three GEMV launchers -> (grid, block, shared bytes, x, w)."""
         if not self.gemv_supports(m, n, k):
             raise ValueError(f"{what}: unsupported shape m={m}, n={n}, k={k} (needs 1 <= m <= {GEMV_MAX_ROWS}, "
@@ -347,14 +360,14 @@ class GpuOps:
         if (x_ptr | w_ptr) & 15 or any(int(p) & 15 for p in more):
             names = ", ".join(f"{p:#x}" for p in (x_ptr, w_ptr, *map(int, more)))
             raise ValueError(f"{what}: x, w (and the norm weight) must be 16-byte aligned ({names})")
-        return (*self.gemv_launch_shape(n, k, k_warps), x_ptr, w_ptr)
+        return (*self.gemv_launch_shape(n, k, k_warps, last), x_ptr, w_ptr)
 
     def gemv(self, y, x, w, m: int, n: int, k: int, *, accumulate: bool = False,
-             out_dtype: str = "bfloat16", k_warps: int | None = None) -> None:
+             out_dtype: str = "bfloat16", k_warps: int | None = None, last: bool = False) -> None:
         """linear()'s small-batch path: the same arguments and meaning as Cublas.matmul, for
         1 <= m <= 8 and k % 8 == 0 with x and w 16-byte aligned. Streams W once with 16-byte
-        loads, maths on the tensor cores (gemv.cu's header has the layout)."""
-        grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps)
+        loads, maths on the tensor cores (gemv.cu's header has the layout). last: gemv_k_warps'."""
+        grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps, last=last)
         self._launch("gemv_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, OUT_DTYPES[out_dtype],
                      int(accumulate), shared_bytes=shared)
 

@@ -37,8 +37,7 @@
 // PDL-aware: launched with programmatic stream serialization; every attention block waits for
 // the producer first and lets the consumer launch at once (see decode_attention's first lines).
 //
-// Early K/V (optional: early_kv = 0 keeps the order above). GPU-unverified as of 2026-12-04;
-// turn on only after tests/test_gpu_kernels.py and test_gpu_model.py pass with it. At batch 1
+// Early K/V (early_kv = 1, the launcher's default; 0 keeps the order above). At batch 1
 // the kernel is ~4 us and latency-bound, and its first K/V copies wait behind the wait for the
 // qkv GEMV. Yet at decode that GEMV (or rope_write_kv) writes only each sequence's newest K/V row
 // (position ctx - 1: one new token per sequence); every other row was written by earlier steps,
