@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tinyvllm.engine.batch import SamplingBatch
+from tinyvllm.gpu.ops import MAX_ARGMAX_SLICES
 from tinyvllm.reference.sampling import exp_weights, mass, random_bits24, sample
 
 pytestmark = pytest.mark.gpu
@@ -20,19 +21,38 @@ def gpu(gpu_ops):
     return drv, gpu_ops
 
 
-def gpu_sample(gpu, logits: np.ndarray, batch: SamplingBatch) -> np.ndarray:
+# argmax blocks per row: one, an uneven split (and, at vocab 7, empty slices), the most
+SLICES = [1, 7, MAX_ARGMAX_SLICES]
+
+
+def gpu_sample(gpu, logits: np.ndarray, batch: SamplingBatch, slices: int | None = 1) -> np.ndarray:
+    """The GPU's ids for these logits. slices > 1 (None: the launcher's sample_slices) splits the
+    argmax pass over blocks with a poisoned partials workspace, runs the launch twice on fresh
+    copies of the logits (the slice counters must come back to 0 for the second, as graph
+    replays need) and requires the same ids from both."""
     drv, sampler = gpu
     num_seqs, vocab = logits.shape
     dev = {name: drv.to_device(np.ascontiguousarray(a)) for name, a in (
-        ("logits", logits.astype(np.float32)), ("temperature", batch.temperature),
-        ("top_k", batch.top_k), ("top_p", batch.top_p), ("seed", batch.seed), ("step", batch.step))}
-    out = drv.to_device(np.full(num_seqs + 1, POISON, np.int32))    # one extra: must stay poisoned
-    sampler.sample(*(int(dev[n]) for n in ("logits",)), num_seqs, vocab,
-                   *(int(dev[n]) for n in ("temperature", "top_k", "top_p", "seed", "step")), int(out))
-    drv.Context.synchronize()
-    result = drv.from_device(out, (num_seqs + 1,), np.int32)
-    assert result[-1] == POISON, "sampler wrote past the last row"
-    return result[:-1]
+        ("temperature", batch.temperature), ("top_k", batch.top_k), ("top_p", batch.top_p),
+        ("seed", batch.seed), ("step", batch.step))}
+    sliced = slices is None or slices > 1
+    partials = drv.to_device(np.full((num_seqs, MAX_ARGMAX_SLICES, 4), POISON, np.int32)) if sliced else 0
+    counters = drv.to_device(np.zeros(num_seqs, np.int32)) if sliced else 0
+    results = []
+    for _ in range(2 if sliced else 1):
+        dev_logits = drv.to_device(np.ascontiguousarray(logits, np.float32))   # non-greedy rows are overwritten
+        out = drv.to_device(np.full(num_seqs + 1, POISON, np.int32))           # one extra: must stay poisoned
+        sampler.sample(int(dev_logits), num_seqs, vocab,
+                       *(int(dev[n]) for n in ("temperature", "top_k", "top_p", "seed", "step")), int(out),
+                       argmax_partials=int(partials), slice_counters=int(counters), slices=slices)
+        drv.Context.synchronize()
+        result = drv.from_device(out, (num_seqs + 1,), np.int32)
+        assert result[-1] == POISON, "sampler wrote past the last row"
+        results.append(result[:-1])
+    if sliced:
+        assert not drv.from_device(counters, (num_seqs,), np.int32).any(), "slice counters not left at 0"
+        np.testing.assert_array_equal(results[0], results[1], err_msg="a second launch gave other ids")
+    return results[0]
 
 
 def random_batch(rng, num_seqs, temperatures, top_ks, top_ps) -> SamplingBatch:
@@ -64,29 +84,45 @@ def explained_by_boundary(x, params, token, tol=1e-6) -> bool:
     return lo - tol <= u <= cdf[token] + tol
 
 
-def test_greedy_is_exact_argmax_with_ties(gpu):
+@pytest.mark.parametrize("slices", SLICES)
+def test_greedy_is_exact_argmax_with_ties(gpu, slices):
     rng = np.random.default_rng(1)
     logits = rng.standard_normal((33, VOCAB)).astype(np.float32) * 4
     logits[3, [10, 500, 127000]] = 50.0          # ties: lowest index wins
     logits[4, :] = -np.inf
     logits[4, 77] = 0.0
     logits[5, :] = 1.0                           # all equal -> 0
+    per_slice = -(-VOCAB // max(slices, 2))      # ties across a slice boundary: the earlier slice's index
+    logits[6, [per_slice - 1, per_slice, VOCAB - 1]] = 60.0
+    logits[7, [per_slice, 2 * per_slice - 1]] = 60.0
     batch = SamplingBatch.greedy(33)
-    got = gpu_sample(gpu, logits, batch)
+    got = gpu_sample(gpu, logits, batch, slices)
     np.testing.assert_array_equal(got, np.argmax(logits, axis=1))
-    assert got[3] == 10 and got[4] == 77 and got[5] == 0
+    assert got[3] == 10 and got[4] == 77 and got[5] == 0 and got[6] == per_slice - 1 and got[7] == per_slice
 
 
+@pytest.mark.parametrize("vocab", [VOCAB, 49152, 50257, 7])
+def test_greedy_at_the_launchers_slices(gpu, vocab):
+    """Batch 1 and 8 greedy with the workspace and the launcher's own choice of slices
+    (sample_slices: 32 for Llama 3's vocabulary, 12 for SmolLM2's): numpy's argmax."""
+    rng = np.random.default_rng(vocab)
+    for num_seqs in (1, 8):
+        logits = (rng.standard_normal((num_seqs, vocab)) * 4).astype(np.float32)
+        got = gpu_sample(gpu, logits, SamplingBatch.greedy(num_seqs), slices=None)
+        np.testing.assert_array_equal(got, np.argmax(logits, axis=1))
+
+
+@pytest.mark.parametrize("slices", SLICES)
 @pytest.mark.parametrize("vocab", [VOCAB, 1000, 50257, 7])
 @pytest.mark.parametrize("scale", [1.0, 4.0, 12.0])
-def test_seeded_sampling_matches_numpy_twin(gpu, vocab, scale):
+def test_seeded_sampling_matches_numpy_twin(gpu, vocab, scale, slices):
     rng = np.random.default_rng(int(scale * 1000) + vocab)
     num_seqs = 64
     logits = (rng.standard_normal((num_seqs, vocab)) * scale).astype(np.float32)
     batch = random_batch(rng, num_seqs, [0.0, 0.3, 0.7, 1.0, 1.8],
                          [-1, 0, 1, 2, 40, 1000, vocab + 5], [1.0, 0.95, 0.8, 0.3, 0.01])
     expected = sample(logits.copy(), batch)
-    got = gpu_sample(gpu, logits, batch)
+    got = gpu_sample(gpu, logits, batch, slices)
     mismatched = np.flatnonzero(got != expected)
     for i in mismatched:
         params = (float(batch.temperature[i]), int(batch.top_k[i]), float(batch.top_p[i]),
@@ -149,24 +185,29 @@ def test_sampler_time_report(gpu, num_seqs, temperature, top_k, top_p):
     dev = [drv.to_device(np.ascontiguousarray(a)) for a in (
         logits, batch.temperature, batch.top_k, batch.top_p, batch.seed, batch.step)]
     out = drv.mem_alloc(4 * num_seqs)
+    partials = drv.mem_alloc(16 * MAX_ARGMAX_SLICES * num_seqs)    # the engine's workspace
+    counters = drv.to_device(np.zeros(num_seqs, np.int32))
     start, end = drv.Event(), drv.Event()
     times = []
     for _ in range(5):
         drv.memcpy_htod(dev[0], logits)            # the kernel overwrites sampled rows
         start.record()
-        sampler.sample(int(dev[0]), num_seqs, VOCAB, *map(int, dev[1:]), int(out))
+        sampler.sample(int(dev[0]), num_seqs, VOCAB, *map(int, dev[1:]), int(out),
+                       argmax_partials=int(partials), slice_counters=int(counters))
         end.record()
         end.synchronize()
         times.append(end.time_since(start) * 1000)
         ids = np.empty(num_seqs, np.int32)
         drv.memcpy_dtoh(ids, out)
         assert ((0 <= ids) & (ids < VOCAB)).all()
-    print(f"[sampler-time] S={num_seqs} T={temperature} top_k={top_k} top_p={top_p}: "
+    print(f"[sampler-time] S={num_seqs} T={temperature} top_k={top_k} top_p={top_p} "
+          f"({sampler.sample_slices(num_seqs, VOCAB)} argmax blocks per row): "
           f"{min(times):.1f} us")
 
 
+@pytest.mark.parametrize("slices", SLICES)
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_non_finite_rows_get_minus_one_on_the_gpu_too(gpu, rng, temperature):
+def test_non_finite_rows_get_minus_one_on_the_gpu_too(gpu, rng, temperature, slices):
     """Rows with a NaN, a +inf or nothing finite get -1 (the numpy twin's NON_FINITE), never an
     out-of-range id; the other rows (one with -inf entries) are exactly the numpy twin's."""
     from tinyvllm.reference.sampling import NON_FINITE
@@ -177,7 +218,7 @@ def test_non_finite_rows_get_minus_one_on_the_gpu_too(gpu, rng, temperature):
     x[6, ::2] = -np.inf
     batch = SamplingBatch.build([temperature] * 8, [50] * 8, [0.9] * 8, rng.integers(0, 2**63, 8),
                                 [3] * 8)
-    got, want = gpu_sample(gpu, x.copy(), batch), sample(x, batch)
+    got, want = gpu_sample(gpu, x.copy(), batch, slices), sample(x, batch)
     assert [i for i in range(8) if got[i] == NON_FINITE] == [1, 3, 5]
     for i in (0, 2, 4, 6, 7):           # the same rule as test_seeded_sampling_matches_numpy_twin
         assert 0 <= got[i] < VOCAB and np.isfinite(x[i, got[i]])

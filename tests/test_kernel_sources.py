@@ -13,7 +13,7 @@ from tinyvllm.gpu.kernels import CUDA_DIR, kernel_constants, kernel_signatures
 def test_signatures_match_the_c_parameter_lists():
     assert kernel_signatures("rmsnorm.cu") == {"rms_norm": "PPPPiif"}
     assert kernel_signatures("embedding.cu") == {"embedding_gather": "PPPPPiii"}
-    assert kernel_signatures("sampling.cu") == {"sample_tokens": "PiPPPPPPP",   # comments inside the list
+    assert kernel_signatures("sampling.cu") == {"sample_tokens": "PiPPPPPPPPP",   # comments inside the list
                                                 "apply_logit_edits": "PiPi", "step_logprobs": "PiPPiPPPP"}
     assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiii",              # plain and the two fused
                                             "gemv_rope_kv_bf16": "PPPiiiPPPPPiii",

@@ -83,7 +83,8 @@ class _FakeCudaRunner:
                                      int(np.diff(batch.query_start).max())))
         v = self.arena.view
         self.ops.sample(v("logits"), batch.num_seqs, self.cfg.vocab_size, v("temperature"), v("top_k"),
-                        v("top_p"), v("seeds"), v("steps"), v("sampled_ids"))
+                        v("top_p"), v("seeds"), v("steps"), v("sampled_ids"), min_p=v("min_p"),
+                        argmax_partials=v("argmax_partials"), slice_counters=v("argmax_slice_counters"))
         return np.zeros(batch.num_seqs, np.int32)
 
 

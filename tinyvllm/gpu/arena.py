@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 
 from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.gpu.ops import MAX_DECODE_SPLITS
+from tinyvllm.gpu.ops import MAX_ARGMAX_SLICES, MAX_DECODE_SPLITS
 
 ALIGN = 256                      # bytes; cuBLAS and 16-byte vector loads are happy with this
 CUBLAS_WORKSPACE_BYTES = 32 << 20
@@ -79,6 +79,9 @@ ACTIVATIONS = [
     BufferSpec("decode_partial_out", lambda d: (d.seqs, d.heads, MAX_DECODE_SPLITS, d.head_dim), F32, "decode_partial_out"),
     BufferSpec("decode_partial_ml", lambda d: (d.seqs, d.heads, MAX_DECODE_SPLITS, 2), F32, "decode_partial_ml"),
     BufferSpec("decode_split_counters", lambda d: (d.seqs, d.kv_heads), I32, "decode_split_counters"),
+    # the sampler's argmax pass split over blocks (sampling.cu): each slice's max / index / flag
+    BufferSpec("argmax_partials", lambda d: (d.seqs, MAX_ARGMAX_SLICES, 4), I32, "argmax_partials"),
+    BufferSpec("argmax_slice_counters", lambda d: (d.seqs,), I32, "argmax_slice_counters"),
     BufferSpec("cublas_workspace", lambda d: (CUBLAS_WORKSPACE_BYTES // 4,), F32, "cublas_workspace"),
 ]
 
@@ -196,7 +199,8 @@ class Arena:
         self.layout = layout
         self._allocation = drv.mem_alloc(layout.total_bytes)
         base = int(self._allocation)
-        # zeroed once: attention_decode's split counters must start at 0 (it resets them itself)
+        # zeroed once: attention_decode's split counters and the sampler's slice counters must
+        # start at 0 (each kernel resets its own)
         drv.memset_d8(base, 0, layout.total_bytes)
         self.inputs_ptr = base + layout.activation_bytes
         self.outputs_ptr = self.inputs_ptr + layout.input_bytes

@@ -184,7 +184,8 @@ class CudaRunner(ModelRunner):
     def _sample(self, step: StepShape) -> None:
         v = self.arena.view
         self.ops.sample(v("logits"), step.num_seqs, self.cfg.vocab_size, v("temperature"), v("top_k"),
-                        v("top_p"), v("seeds"), v("steps"), v("sampled_ids"), min_p=v("min_p"))
+                        v("top_p"), v("seeds"), v("steps"), v("sampled_ids"), min_p=v("min_p"),
+                        argmax_partials=v("argmax_partials"), slice_counters=v("argmax_slice_counters"))
 
     @staticmethod
     def _is_plain(sampling: SamplingBatch | None) -> bool:

@@ -72,6 +72,7 @@ SAMPLING = kernel_constants("sampling.cu")
 
 DECODE_HEAD_DIMS, DECODE_GROUPS = (64, 128), (1, 2, 3, 4, 8)   # instantiated in attention_decode.cu
 PREFILL_HEAD_DIMS = (64, 128)                                  # instantiated in attention_prefill.cu
+MAX_ARGMAX_SLICES = SAMPLING["MAX_ARGMAX_SLICES"]   # the sampler's argmax blocks per row; sizes its workspace
 MAX_DECODE_SPLITS = DECODE["MAX_SPLITS"]   # flash-decoding splits per sequence; the arena sizes its workspace by it
 GEMV_MAX_ROWS = 8            # the GEMV's m limit (x rows held in one m16n8k16 tile's n = 8)
 GEMV_MAX_K = 1 << 26         # its int step arithmetic (steps * warps) stays below 2^31
@@ -229,14 +230,30 @@ class GpuOps:
         grid = min(num_tokens * inter // 8 // threads + 1, 4 * self.num_sms)
         self._launch("silu_mul", grid, threads, out, gate_up, num_tokens, inter)
 
+    def sample_slices(self, num_seqs: int, vocab_size: int) -> int:
+        """Blocks per row for the sampler's argmax pass (sampling.cu's header): a slice of
+        ARGMAX_SLICE_VALUES logits each, at most MAX_ARGMAX_SLICES, and no more blocks in all
+        than about two per SM (a big batch has blocks enough with one per row). Llama-3's
+        128,256 logits at batch 1 -> 32; SmolLM2's 49,152 -> 12; batch >= 2 * num_sms -> 1.
+        It depends on the batch size only, as the graphs need; the token is the same for any."""
+        by_vocab = math.ceil(vocab_size / SAMPLING["ARGMAX_SLICE_VALUES"])
+        return max(1, min(SAMPLING["MAX_ARGMAX_SLICES"], by_vocab, 2 * self.num_sms // max(num_seqs, 1)))
+
     def sample(self, logits, num_seqs: int, vocab_size: int, temperature, top_k, top_p, seeds, steps,
-               out, min_p=0) -> None:
+               out, min_p=0, argmax_partials=0, slice_counters=0, slices: int | None = None) -> None:
         """One token id per row of fp32 logits (reference/sampling.py defines the algorithm).
         Non-greedy rows' logits are overwritten with their sampling weights. min_p: a float32
-        [num_seqs] device array, or 0 (null) for min_p off in every row."""
-        if num_seqs:
-            self._launch("sample_tokens", num_seqs, SAMPLING["SAMPLE_THREADS"], logits, vocab_size,
-                         temperature, top_k, top_p, min_p, seeds, steps, out)
+        [num_seqs] device array, or 0 (null) for min_p off in every row. argmax_partials (int32
+        [num_seqs, MAX_ARGMAX_SLICES, 4]) and slice_counters (int32 [num_seqs], zero, and left
+        zero by the kernel) let the argmax pass run in `slices` blocks per row (None:
+        sample_slices'); without them it runs in one."""
+        if not num_seqs:
+            return
+        slices = (slices or self.sample_slices(num_seqs, vocab_size)) if argmax_partials and slice_counters else 1
+        if not 1 <= slices <= SAMPLING["MAX_ARGMAX_SLICES"]:
+            raise ValueError(f"sample: slices must be in 1..{SAMPLING['MAX_ARGMAX_SLICES']}, got {slices}")
+        self._launch("sample_tokens", (num_seqs, slices), SAMPLING["SAMPLE_THREADS"], logits, vocab_size,
+                     temperature, top_k, top_p, min_p, seeds, steps, out, argmax_partials, slice_counters)
 
     def apply_logit_edits(self, logits, vocab_size: int, edits, num_edits: int) -> None:
         """LogitEdits (engine/batch.py, uploaded as its packed() int32 [E, EDIT_WORDS]) applied

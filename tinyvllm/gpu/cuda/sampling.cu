@@ -7,10 +7,17 @@
 //   step_logprobs       after, on a copy of the raw logits: log-softmax of the sampled token, its
 //                       rank, and the top-k ids and log-probs of each row that asked
 //
-// Launch: grid = (num_seqs), block = (SAMPLE_THREADS = 1024), no dynamic shared memory.
+// Launch: grid = (num_seqs, slices), block = (SAMPLE_THREADS = 1024), no dynamic shared memory.
 // Passes over the row (vocab = 128256 -> 126 elements per thread):
 //   1. argmax / max; a row with NaN or +inf, or with no finite value, gets id -1 (NON_FINITE in
-//      sampling.py) and stops: the engine fails that request alone (greedy rows stop here too)
+//      sampling.py) and stops: the engine fails that request alone (greedy rows stop here too).
+//      With slices > 1 this pass is split: block (row, y) takes the y-th slice of the row and
+//      stores its max, lowest index and NaN/+inf flag in partials[row][y]; the block that
+//      arrives last (slice_counters[row], reset to 0 by it) combines the slices in index order
+//      with the same tie rule, so the max and argmax are exactly the one-block pass's, and alone
+//      goes on with passes 2-5. Why: at batch 1 a greedy step's whole sampler is this pass, and
+//      one block reads a 128,256-entry row at one SM's bandwidth (~16 us in the decode graph on
+//      Llama-1B); 32 blocks read it at once. The launcher picks slices (GpuOps.sample_slices).
 //   2. e_i = exp((x_i - m) / T), written IN PLACE over the logits row; Z = sum of masses
 //   3. top-k: radix select of the k-th largest e           (4 passes, 8 bits each)
 //   4. top-p: radix select of the mass threshold           (4 passes, 8 bits each)
@@ -27,6 +34,8 @@ constexpr float MASS_SCALE = 1099511627776.0f;   // 2^40
 constexpr int EDIT_THREADS = 256;                  // apply_logit_edits: one thread per entry
 constexpr int EDIT_WORDS = 8;                      // 4-byte words per LogitEdit (engine/batch.py)
 constexpr int MAX_TOP_LOGPROBS = 20;               // step_logprobs' largest k
+constexpr int MAX_ARGMAX_SLICES = 32;              // blocks per row in pass 1: one warp combines them
+#define ARGMAX_SLICE_VALUES 4096   // host only: the launcher's slice size, 4 logits per thread
 
 typedef unsigned long long u64;
 
@@ -74,6 +83,7 @@ struct Scratch {
     u64 hist[256];
     u64 chosen_above;
     unsigned chosen_digit;
+    int row_broken;       // sliced_argmax's combined flag
 };
 
 __device__ __forceinline__ u64 block_sum(u64 v, Scratch& s) {
@@ -107,36 +117,95 @@ __device__ __forceinline__ u64 block_exclusive_scan(u64 v, u64* total, Scratch& 
     return before + incl - v;
 }
 
-// Max of the row and its lowest index. Returns true (in every thread) when the row is broken:
-// it holds a NaN or +inf (comparisons skip NaN, so it is tested separately), or nothing finite.
-__device__ __forceinline__ bool block_argmax(const float* x, int vocab, float* best_val, int* best_idx, Scratch& s) {
+constexpr int NO_INDEX = 0x7fffffff;   // the argmax index of an empty or all -inf range
+
+// The argmax rule: the larger value, the lower index among equal values.
+__device__ __forceinline__ void keep_better(float& bv, int& bi, float ov, int oi) {
+    if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+}
+
+// Max of x[begin, end) and its lowest index (NO_INDEX if nothing beats -inf). Returns true (in
+// every thread) when the range holds a NaN or +inf (comparisons skip NaN, so it is tested apart).
+__device__ __forceinline__ bool block_argmax_range(const float* x, int begin, int end, float* best_val,
+                                                   int* best_idx, Scratch& s) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float bv = -INFINITY;
-    int bi = 0x7fffffff;
+    int bi = NO_INDEX;
     int broken = 0;
-    for (int i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+    for (int i = begin + threadIdx.x; i < end; i += SAMPLE_THREADS) {
         float v = x[i];
         broken |= !(v < INFINITY);                        // NaN or +inf
-        if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+        keep_better(bv, bi, v, i);
     }
     broken = __syncthreads_or(broken);
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(FULL_MASK, bv, o);
-        int oi = __shfl_xor_sync(FULL_MASK, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-    }
+    for (int o = 16; o > 0; o >>= 1)
+        keep_better(bv, bi, __shfl_xor_sync(FULL_MASK, bv, o), __shfl_xor_sync(FULL_MASK, bi, o));
     __syncthreads();
     if (lane == 0) { s.warp_val[warp] = bv; s.warp_idx[warp] = bi; }
     __syncthreads();
     bv = s.warp_val[0]; bi = s.warp_idx[0];
-    for (int w = 1; w < NUM_WARPS; ++w) {
-        float ov = s.warp_val[w];
-        int oi = s.warp_idx[w];
-        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-    }
+    for (int w = 1; w < NUM_WARPS; ++w) keep_better(bv, bi, s.warp_val[w], s.warp_idx[w]);
     *best_val = bv;
-    *best_idx = bi == 0x7fffffff ? 0 : bi;
-    return broken || bv == -INFINITY;
+    *best_idx = bi;
+    return broken;
+}
+
+// Max of the row and its lowest index. Returns true (in every thread) when the row is broken:
+// it holds a NaN or +inf, or nothing finite.
+__device__ __forceinline__ bool block_argmax(const float* x, int vocab, float* best_val, int* best_idx, Scratch& s) {
+    const bool broken = block_argmax_range(x, 0, vocab, best_val, best_idx, s);
+    if (*best_idx == NO_INDEX) *best_idx = 0;
+    return broken || *best_val == -INFINITY;
+}
+
+// Pass 1 of one row split over gridDim.y blocks (header). Every block stores its slice's
+// result; the last to arrive combines them and returns true (with the row's max, argmax and
+// broken flag, as block_argmax gives them); the others return false and leave.
+struct ArgmaxPartial {
+    float val;
+    int idx, broken, unused;
+};
+
+__device__ __forceinline__ bool sliced_argmax(const float* x, int vocab, ArgmaxPartial* partials,
+                                              unsigned* counter, float* best_val, int* best_idx,
+                                              bool* broken, Scratch& s) {
+    const int slices = gridDim.y, per = (vocab + slices - 1) / slices;
+    const int begin = min((int)blockIdx.y * per, vocab), end = min(begin + per, vocab);
+    float bv;
+    int bi;
+    const bool seen = block_argmax_range(x, begin, end, &bv, &bi, s);
+    bool last = false;
+    if (threadIdx.x == 0) {
+        partials[blockIdx.y] = ArgmaxPartial{bv, bi, seen, 0};
+        __threadfence();                                   // the partial before the count
+        last = atomicAdd(counter, 1u) == (unsigned)slices - 1;
+    }
+    if (!__syncthreads_or(last)) return false;
+    __threadfence();                                       // every slice's partial is visible now
+    if (threadIdx.x < 32) {                                // slices <= 32: one warp combines
+        const int lane = threadIdx.x;
+        ArgmaxPartial p{-INFINITY, NO_INDEX, 0, 0};
+        if (lane < slices) {
+            p.val = __ldcg(&partials[lane].val);           // from L2: written by other blocks
+            p.idx = __ldcg(&partials[lane].idx);
+            p.broken = __ldcg(&partials[lane].broken);
+        }
+        for (int o = 16; o > 0; o >>= 1)
+            keep_better(p.val, p.idx, __shfl_xor_sync(FULL_MASK, p.val, o), __shfl_xor_sync(FULL_MASK, p.idx, o));
+        p.broken = __any_sync(FULL_MASK, p.broken);
+        if (lane == 0) {
+            *counter = 0;                                  // ready for the next launch (graph replays)
+            s.warp_val[0] = p.val;
+            s.warp_idx[0] = p.idx == NO_INDEX ? 0 : p.idx;
+            s.row_broken = p.broken || p.val == -INFINITY;
+        }
+    }
+    __syncthreads();
+    *best_val = s.warp_val[0];
+    *best_idx = s.warp_idx[0];
+    *broken = s.row_broken != 0;
+    __syncthreads();                                       // scratch is reused by the next pass
+    return true;
 }
 
 // Largest key t (the bits of a non-negative float e, so integer order = float order; with
@@ -213,7 +282,9 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
               const float* __restrict__ min_p,        // [num_seqs]; <= 0: off; null: all off
               const u64* __restrict__ seed,           // [num_seqs]
               const int* __restrict__ step,           // [num_seqs]; tokens generated so far
-              int* __restrict__ out)                  // [num_seqs] sampled token ids
+              int* __restrict__ out,                  // [num_seqs] sampled token ids
+              ArgmaxPartial* __restrict__ partials,   // [num_seqs, MAX_ARGMAX_SLICES]; null: gridDim.y = 1
+              unsigned* __restrict__ slice_counters)  // [num_seqs], 0 between launches; null: gridDim.y = 1
 {
     wait_for_producer();   // the logits are the LM head's output
     allow_consumer();
@@ -223,7 +294,13 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
 
     float m;
     int argmax;
-    const bool broken = block_argmax(x, vocab, &m, &argmax, s);
+    bool broken;
+    if (gridDim.y == 1) {
+        broken = block_argmax(x, vocab, &m, &argmax, s);
+    } else if (!sliced_argmax(x, vocab, partials + (size_t)row * MAX_ARGMAX_SLICES, slice_counters + row,
+                              &m, &argmax, &broken, s)) {
+        return;                                           // not the row's last block
+    }
     const float temp = temperature[row];
     if (broken || !(temp > 0.0f)) {                       // uniform across the block
         if (threadIdx.x == 0) out[row] = broken ? -1 : argmax;
