@@ -26,14 +26,13 @@
 //   grid.x  = ceil(n / 16): a CTA owns the 16 outputs n0 .. n0 + 15 of every x row (one mma tile).
 //   block.x = 32 * kw, kw in 1..32 warps that split K (split-K inside the CTA). The K range is
 //             cut into 32-wide steps; warp w walks steps [w*S/kw, (w+1)*S/kw), S = ceil(k/32),
-//             UNROLL = 3 steps (6 16-byte W loads per lane) in flight, each refilled with the step
-//             UNROLL ahead as soon as its mmas have used it (a rolling pipeline, gemv_body).
+//             UNROLL = 4 steps (8 16-byte W loads per lane) in flight at a time.
 //   shared  = kw * 512 bytes: each warp's 8 x 16 fp32 partial tile (+ kw * 32 bytes with the norm:
 //             each warp's 8 per-row sums of squares); after one __syncthreads the first 16*m
 //             threads sum the kw partials of one output each and write it.
-// Registers: 6 W uint4 in flight + 1 X uint4 + 4 accumulators; __launch_bounds__(1024) caps the
+// Registers: 8 W uint4 + 4 X uint4 in flight + 4 accumulators; __launch_bounds__(1024) caps the
 // kernel at 64 registers, so 32 warps fit on an SM whatever kw is (ptxas: 64 registers; the
-// spills are listed below).
+// spills of the norm variants are listed below).
 // The Python side chooses kw so that ceil(n/16) * kw fills the GPU about once (o/qkv: 16 warps of
 // 4 steps, down: 32 warps of 8 steps, gate_up: 4 warps of 16 steps, lm_head: 1 warp of 64 steps):
 // small matrices put their whole weight in flight at once, big ones stream with fewer, longer
@@ -75,10 +74,10 @@
 // partners then sit 8 lanes apart in the epilogue (one shuffle). Each output's dot product is
 // the same code in every mode, so gemv_rope_kv / gemv_silu_mul give the bits of their kernel
 // chains (tests/test_gpu_fused.py checks that; the norm modes it checks against the numpy twin).
-// ptxas (nvcc 13.0, sm_90): 64 registers; gemv_bf16, gemv_silu_mul and both norm variants spill
-// nothing; the two rope variants keep a stack frame for sincosf's slow path, and gemv_rope_kv
-// spills 4 bytes. A rolling pipeline of UNROLL = 4 (8 W quads live across the loop) spilled
-// 20-64 bytes in every variant, so 3 it is.
+// ptxas: 64 registers; gemv_bf16 and gemv_silu_mul spill nothing, gemv_rope_kv keeps a small
+// stack frame for sincosf's slow path. The norm variants do NOT meet the no-spill goal yet:
+// gemv_norm_silu_mul spills 16 bytes, gemv_norm_rope_kv 28 (SASS: two loop-invariant 64-bit
+// pointers reloaded from local memory once per UNROLL steps, one value across the loop).
 // -DGEMV_L2_PREFETCH=1 adds the .L2::256B prefetch hint to the W loads (benchmarks/gemv_bench.py
 // compares both; the default build has no hint).
 #include "common.cuh"
@@ -87,7 +86,7 @@ namespace {
 
 constexpr int ROWS_PER_CTA = 16;   // W rows (outputs n) per CTA: the M of one m16n8k16 tile
 constexpr int STEP_K = 32;        // k per warp step: 4 lanes x 8 bf16 per W row
-constexpr int UNROLL = 3;        // steps in flight per warp: 6 x 16-byte W loads per lane, refilled as they are used
+constexpr int UNROLL = 4;        // steps in flight per warp: 8 x 16-byte W loads per lane
 constexpr int MAX_K_WARPS = 32;
 constexpr int NORM_SS_BYTES_PER_WARP = 8 * 4;   // the norm modes' extra shared memory: 8 row sums per warp
 
@@ -215,44 +214,44 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
     const bf16* w1 = w + (size_t)(w_ok1 ? w_tile.row_b + g : 0) * k + 8 * t;
     const bf16* xr = x + (x_ok ? g : 0) * (size_t)k + 8 * t;
 
+    // Plain gemv_bf16 loads its UNROLL X chunks together, then runs the mmas; the other modes
+    // take each X chunk to its mmas one by one: the norm's conversion and the two-run tile's
+    // second W pointer need registers that 8 W + 4 X quads in flight leave no room for under
+    // the 64-register cap (ptxas spilled 36-48 bytes otherwise).
+    constexpr bool ONE_BY_ONE = MODE != XLoad::plain || EPI != Epilogue::store;
     float ss = 0.0f;   // rms_norm: the sum of squares of the x values this lane loads (row g)
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    // The W stream is a rolling pipeline: slot u holds step s0 + u, and right after its mmas
-    // have consumed it the slot is refilled with the load of step s0 + UNROLL + u, so UNROLL
-    // steps' loads stay in flight until the warp's range ends (loading a whole batch only after
-    // the last one was used left HBM idle for a round trip per batch: docs/perf-notes.md,
-    // session 8). Steps outside the range load nothing and hold zeros, as do X rows >= m.
-    uint4 wv0[UNROLL], wv1[UNROLL];
-    const auto load_w = [&](int s, int u) {
-        const int kk = s * STEP_K;
-        const bool in = s < s_end && kk + 8 * t < k;
-        wv0[u] = wv1[u] = make_uint4(0u, 0u, 0u, 0u);
-        if (in && w_ok0) wv0[u] = load_stream(w0 + kk);
-        if (in && w_ok1) wv1[u] = load_stream(w1 + kk);
-    };
-    const auto load_x = [&](int s) {
-        const int kk = s * STEP_K;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (s < s_end && kk + 8 * t < k && x_ok) {
-            if constexpr (MODE == XLoad::plain) {
-                v = load_cached(xr + kk);
-            } else {
-                v = scale_by_weight(load_cached(xr + kk), load_weight(norm.weight + 8 * t + kk), ss);
-            }
-        }
-        return v;
-    };
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) load_w(s_begin + u, u);   // before the wait: W is no kernel's output
-    wait_for_producer();   // X (and Y, read and written below) are the previous kernel's output
     for (int s0 = s_begin; s0 < s_end; s0 += UNROLL) {
+        uint4 wv0[UNROLL], wv1[UNROLL], xv[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const uint4 xv = load_x(s0 + u);
-            mma_pair(acc, wv0[u], wv1[u], xv);
-            load_w(s0 + UNROLL + u, u);
+            const int kk = (s0 + u) * STEP_K;
+            const bool in = s0 + u < s_end && kk + 8 * t < k;
+            wv0[u] = wv1[u] = make_uint4(0u, 0u, 0u, 0u);
+            if (in && w_ok0) wv0[u] = load_stream(w0 + kk);
+            if (in && w_ok1) wv1[u] = load_stream(w1 + kk);
+        }
+        if (s0 == s_begin) wait_for_producer();   // X is the previous kernel's output
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int kk = (s0 + u) * STEP_K;
+            const bool in = s0 + u < s_end && kk + 8 * t < k;
+            xv[u] = make_uint4(0u, 0u, 0u, 0u);
+            if (in && x_ok) {
+                if constexpr (MODE == XLoad::plain) {
+                    xv[u] = load_cached(xr + kk);
+                } else {
+                    xv[u] = scale_by_weight(load_cached(xr + kk), load_weight(norm.weight + 8 * t + kk), ss);
+                }
+            }
+            if constexpr (ONE_BY_ONE) mma_pair(acc, wv0[u], wv1[u], xv[u]);
+        }
+        if constexpr (!ONE_BY_ONE) {
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) mma_pair(acc, wv0[u], wv1[u], xv[u]);
         }
     }
+    wait_for_producer();   // warps without steps: Y is read/written below
 
     // Lane (g, t) holds tile columns g and 8 + g of x rows 2t and 2t+1 (this warp's share of K);
     // partial[warp][row][column].
