@@ -19,8 +19,9 @@ it can profit.
 --compare-early-kv adds, at the smallest batch, the graph time with the decode attention's early
 K/V copies (TINYVLLM_ATTN_EARLY_KV, attention_decode.cu) off and on, twice each, alternating (the
 spread of the repeats is the noise to judge the difference by).
---compare-gemv adds, at the smallest batch, the graph time with the LM head on the GEMV (the
-default) and on cuBLAS (GpuOps.gemv_max_n), two rounds alternating.
+--compare-gemv adds, at the smallest batch, the graph time under each GEMV setting of
+GEMV_CONFIGS (the LM head on the GEMV or cuBLAS, the wave the per-layer GEMVs fill), two rounds
+alternating.
 --leave-one-out adds, at the smallest batch, each op's in-graph cost: the decode graph's GPU time
 less that of the graph captured without the op (ops.skip_ops). The per-op tables cannot show
 what PDL hides: an op that runs under its neighbour's weight stream costs little here.
@@ -37,7 +38,7 @@ import numpy as np
 from tinyvllm.checkpoint.weights import load_weights
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
-from tinyvllm.gpu.ops import FUSE_NORM_DEFAULT, GEMV_MAX_N
+from tinyvllm.gpu.ops import FUSE_NORM_DEFAULT
 
 
 def decode_batch(num_seqs: int, context: int, block_size: int, rng) -> ForwardBatch:
@@ -120,7 +121,7 @@ def main() -> None:
     ap.add_argument("--compare-early-kv", action="store_true",
                     help="time the smallest batch with the decode attention's early K/V copies off and on")
     ap.add_argument("--compare-gemv", action="store_true",
-                    help="time the smallest batch with the LM head on the GEMV and on cuBLAS")
+                    help="time the smallest batch under each GEMV setting (GEMV_CONFIGS)")
     ap.add_argument("--leave-one-out", action="store_true",
                     help="each op's in-graph cost at the smallest batch: the graph without it")
     ap.add_argument("--context", type=int, default=256)
@@ -248,27 +249,34 @@ def compare_early_kv(runner, batch) -> None:
         print(f"{label:<30} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}")
 
 
-# (label, GpuOps.gemv_max_n): the LM head on the GEMV (gemv_k_warps' `last` rule) or on cuBLAS.
-# Session 8 also timed per-layer GEMV grids past one wave and CTAs of at most 16 warps here; both
-# lost inside the graph (docs/perf-notes.md), so they are no longer settings.
-GEMV_CONFIGS = [("LM head on the GEMV (default)", GEMV_MAX_N), ("LM head on cuBLAS", 0)]
+# (label, GpuOps settings): the LM head on the GEMV (gemv_k_warps' `last` rule) or on cuBLAS, and
+# the wave the per-layer GEMVs fill (gemv_wave_warps: at 16 or 24 of the 32 warps an SM holds,
+# the next kernel's CTAs have room to be resident and issue their weight loads under PDL while
+# this one drains; at 32 they wait for whole CTAs to leave). Session 8 also timed grids past one
+# wave and CTAs of at most 16 warps; both lost inside the graph (docs/perf-notes.md).
+GEMV_CONFIGS = [("default (LM head on the GEMV, wave 32)", {}), ("LM head on cuBLAS", {"gemv_max_n": 0}),
+                ("per-layer GEMVs in a wave of 16 warps/SM", {"gemv_wave_warps": 16}),
+                ("per-layer GEMVs in a wave of 24 warps/SM", {"gemv_wave_warps": 24})]
 
 
 def compare_gemv(runner, batch, cfg) -> None:
-    """Graph time and GPU time of one decode step with the LM head on the GEMV and on cuBLAS,
-    two rounds alternating."""
-    n, k = cfg.vocab_size, cfg.hidden_size
-    rows = []
+    """Graph time and GPU time of one decode step under each GEMV_CONFIGS setting, two rounds
+    alternating, with each setting's k-split warps per projection."""
+    shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), "o": (cfg.hidden_size, cfg.q_size),
+              "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
+              "down": (cfg.hidden_size, cfg.intermediate_size), "lm_head": (cfg.vocab_size, cfg.hidden_size)}
+    ops, rows = runner.ops, []
     for _ in range(2):
-        for name, max_n in GEMV_CONFIGS:
-            with runner.recaptured(gemv_max_n=max_n or n - 1):
-                where = (f"{runner.ops.gemv_k_warps(n, k, last=True)} warps" if runner.ops.on_gemv(batch.num_seqs, n, k)
-                         else "cuBLAS")
-                rows.append((name, time_steps(runner, batch, replay=True), graph_gpu_time(runner, batch), where))
-    print(f"\nthe LM head on the GEMV or on cuBLAS, batch {batch.num_seqs}:")
-    print(f"{'LM head':<32} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}  launch")
-    for name, graph, gpu, where in rows:
-        print(f"{name:<32} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}  {where}")
+        for name, settings in GEMV_CONFIGS:
+            settings = {k: (v or cfg.vocab_size - 1) if k == "gemv_max_n" else v for k, v in settings.items()}
+            with runner.recaptured(**settings):
+                warps = " ".join(f"{s}:{ops.gemv_k_warps(n, k, last=s == 'lm_head')}"
+                                 if ops.on_gemv(batch.num_seqs, n, k) else f"{s}:cuBLAS" for s, (n, k) in shapes.items())
+                rows.append((name, time_steps(runner, batch, replay=True), graph_gpu_time(runner, batch), warps))
+    print(f"\nGEMV settings, batch {batch.num_seqs}:")
+    print(f"{'setting':<42} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}  k-split warps")
+    for name, graph, gpu, warps in rows:
+        print(f"{name:<42} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}  {warps}")
 
 
 def leave_one_out(runner, batch) -> None:

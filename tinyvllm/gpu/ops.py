@@ -117,6 +117,8 @@ class GpuOps:
         # the widest projection linear() sends to the GEMV (on_gemv); decode_profile.py
         # --compare-gemv lowers it to put the LM head back on cuBLAS
         self.gemv_max_n = GEMV_MAX_N
+        # the warps per SM that gemv_k_warps counts as one wave (decode_profile.py --compare-gemv)
+        self.gemv_wave_warps = GEMV_WARPS_PER_SM
         # the decode attention's early K/V copies (module docstring); TINYVLLM_ATTN_EARLY_KV=0: off
         self.early_kv = os.environ.get("TINYVLLM_ATTN_EARLY_KV", "1") != "0"
         if self.fuse_norm not in ("auto", "all", "none"):
@@ -346,7 +348,7 @@ class GpuOps:
         ctas, steps = math.ceil(n / GEMV["ROWS_PER_CTA"]), math.ceil(k / GEMV["STEP_K"])
         kw = 1
         while kw < GEMV["MAX_K_WARPS"] and steps >= kw * 2 * GEMV_MIN_STEPS_PER_WARP:
-            one_wave = ctas * kw * 2 <= self.num_sms * GEMV_WARPS_PER_SM
+            one_wave = ctas * kw * 2 <= self.num_sms * self.gemv_wave_warps
             if not (one_wave or (last and steps >= kw * 2 * GEMV["UNROLL"])):
                 break
             kw *= 2
