@@ -80,7 +80,6 @@ constexpr int MIN_SPLIT_TOKENS = WARPS * STEP;    // a split gives every warp at
 // the merge's extra round trip through L2 costs more than the parallel blocks save.
 constexpr int ONE_SPLIT_TOKENS = 256;
 constexpr int MAX_SPLITS = 32;                    // the merge gives each split one lane
-constexpr int L2_AHEAD_STEPS = 4;                 // early_kv: steps per warp past the ring sent to L2 early
 constexpr int MERGE_UNROLL = 8;                   // partials each merging thread loads at once
 constexpr int SMEM_BYTES_PER_DIM = WARPS * STAGES * STEP * 2 * 2;   // x head_dim: K and V rows, bf16
 // L2 prefetch blocks: spread over this many SMs so that no one SM's copy engine queues much
@@ -137,11 +136,6 @@ __device__ __forceinline__ float ex2(float x) {   // 2^x; 2^-inf = 0
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
-}
-
-// One 128-byte line into L2 (no L1 fill, nothing written).
-__device__ __forceinline__ void prefetch_l2_line(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // The grid's columns (along x) of prefetch blocks: enough that they number at least
@@ -260,20 +254,6 @@ __device__ __forceinline__ void decode_attention(
         next_slot = load_slot(i + 1);
     }
     if (early_kv) {
-        // The next L2_AHEAD_STEPS steps, which the ring has no room for yet, go to L2 now (a
-        // hint: prefetch.global.L2 of each row's lines, no bit changes; L2 is coherent, so even
-        // the newest row's line is safe), so that the main loop's copies of them after the wait
-        // read L2 instead of HBM. At batch 1 and context 256 that is steps 2 and 3 of each warp.
-        for (int i = STAGES - 1; i < steps && i < STAGES - 1 + L2_AHEAD_STEPS; ++i) {
-            const int slot = load_slot(i);
-            if (slot >= 0) {
-#pragma unroll
-                for (int b = 0; b < ROW_BYTES; b += 128) {
-                    prefetch_l2_line(reinterpret_cast<const unsigned char*>(k_head + (size_t)slot * kv_row) + b);
-                    prefetch_l2_line(reinterpret_cast<const unsigned char*>(v_head + (size_t)slot * kv_row) + b);
-                }
-            }
-        }
         wait_for_producer();
         allow_consumer();
         // The newest row, now written, where a prologue step holds it: the lanes issue() gives
