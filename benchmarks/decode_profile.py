@@ -245,7 +245,7 @@ def compare_early_kv(runner, batch) -> None:
     print(f"\nearly K/V copies in the decode attention, batch {batch.num_seqs}:")
     print(f"{'early_kv':<30} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}")
     for on, graph, gpu in rows:
-        label = "on (TINYVLLM_ATTN_EARLY_KV=1)" if on else "off (default)"
+        label = "on (default)" if on else "off (TINYVLLM_ATTN_EARLY_KV=0)"
         print(f"{label:<30} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}")
 
 

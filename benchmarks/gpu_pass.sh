@@ -47,11 +47,13 @@ for step in $steps; do
       log "decode profile --compare-prefetch rc=$?"; sed -n '/^L2 prefetch of/,/^$/p' "$OUT/profile-prefetch.log" \
         | tee -a "$OUT/summary.log" ;;
     profile-loo)
-      # batch 1: each op's in-graph cost (the graph without it) and the early K/V A/B; MODEL=dir as above
-      timeout 300 python3 benchmarks/decode_profile.py --batch 1 --leave-one-out --compare-early-kv \
+      # batch 1: each op's in-graph cost (the graph without it), the early K/V and GEMV-setting A/Bs;
+      # MODEL=dir as above
+      timeout 300 python3 benchmarks/decode_profile.py --batch 1 --leave-one-out --compare-early-kv --compare-gemv \
         ${MODEL:+--model "$MODEL"} > "$OUT/profile-loo.log" 2>&1
-      log "decode profile --leave-one-out --compare-early-kv rc=$?"
-      sed -n '/^in-graph cost per op/,/^sum/p; /^early K\/V copies/,/^$/p' "$OUT/profile-loo.log" | tee -a "$OUT/summary.log" ;;
+      log "decode profile --leave-one-out --compare-early-kv --compare-gemv rc=$?"
+      sed -n '/^in-graph cost per op/,/^sum/p; /^early K\/V copies/,/^$/p; /^GEMV settings/,/^$/p' "$OUT/profile-loo.log" \
+        | tee -a "$OUT/summary.log" ;;
     bench)
       timeout 300 python3 -m tinyvllm bench --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
       log "bench rc=$?"; tail -20 "$OUT/bench.log" | tee -a "$OUT/summary.log" ;;
@@ -135,7 +137,7 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
         python3 -m tinyvllm convert-gguf /root/smollm2.gguf $model > "$OUT/convert.log" 2>&1
         log "convert-gguf rc=$?"
       fi
-      for cfg in default TINYVLLM_ATTN_EARLY_KV=1 TINYVLLM_FUSE_NORM=none default TINYVLLM_ATTN_EARLY_KV=1; do
+      for cfg in default TINYVLLM_ATTN_EARLY_KV=0 TINYVLLM_FUSE_NORM=none default TINYVLLM_ATTN_EARLY_KV=0; do
         env ${cfg#default} timeout 90 python3 -m tinyvllm bench --model $model --workload latency \
           > "$OUT/bench-smollm2.log" 2>&1
         log "smollm2 latency [$cfg] rc=$?: $(grep -E '^latency' "$OUT/bench-smollm2.log" | tr -s ' ' | paste -sd';')"
