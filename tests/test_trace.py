@@ -266,3 +266,25 @@ def test_skip_ops_leaves_ops_out_of_a_step(tiny_model_dir):
     finally:
         fake.ops.skip_ops = frozenset()
     assert ops_of_a_decode_step() == every
+
+
+def test_sampler_launch_splits_the_argmax_by_vocabulary_and_batch():
+    """GpuOps.sample_slices (sampling.cu's header): ARGMAX_SLICE_VALUES logits per block, at
+    most MAX_ARGMAX_SLICES, about two blocks per SM in all; the launch's grid is (rows, slices)
+    with the workspace and (rows, 1) without it; a slice count it cannot honour is an error."""
+    from tinyvllm.gpu.ops import MAX_ARGMAX_SLICES, SAMPLING
+    ops = GpuOps(_Launches(), num_sms=132)
+    assert SAMPLING["ARGMAX_SLICE_VALUES"] == 4096 and MAX_ARGMAX_SLICES == 32
+    assert [ops.sample_slices(1, v) for v in (128256, 49152, 4097, 4096, 7)] == [32, 12, 2, 1, 1]
+    assert [ops.sample_slices(s, 128256) for s in (8, 9, 64, 132, 264, 1000)] == [32, 29, 4, 2, 1, 1]
+    grids = []
+    ops.observer = lambda op, repeat, details: grids.append(details["grid"])
+    ops.sample(0x1000, 1, 128256, 0, 0, 0, 0, 0, 0, argmax_partials=0x2000, slice_counters=0x3000)
+    ops.sample(0x1000, 64, 49152, 0, 0, 0, 0, 0, 0, argmax_partials=0x2000, slice_counters=0x3000)
+    ops.sample(0x1000, 3, 128256, 0, 0, 0, 0, 0, 0)                       # no workspace: one block
+    ops.sample(0x1000, 3, 128256, 0, 0, 0, 0, 0, 0, argmax_partials=0x2000, slice_counters=0x3000, slices=7)
+    assert grids == [(1, 32, 1), (64, 4, 1), (3, 1, 1), (3, 7, 1)]
+    with pytest.raises(ValueError, match="need argmax_partials"):
+        ops.sample(0x1000, 3, 128256, 0, 0, 0, 0, 0, 0, slices=4)
+    with pytest.raises(ValueError, match="slices must be in 1..32"):
+        ops.sample(0x1000, 3, 128256, 0, 0, 0, 0, 0, 0, argmax_partials=0x2000, slice_counters=0x3000, slices=33)

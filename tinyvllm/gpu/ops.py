@@ -39,7 +39,7 @@ default: it measured no gain (docs/perf-notes.md, session 7). Timing only: the s
 
 The decode attention issues its first K/V copies (all rows but each sequence's newest) before it
 waits for the qkv GEMV under PDL (attention_decode.cu's header, the launcher's early_kv): the same
-bits (tests/test_gpu_kernels.py, test_gpu_model.py), 21-34 us less per token at batch 1
+bits (tests/test_gpu_kernels.py, test_gpu_model.py), 22-54 us less GPU time per step at batch 1
 (docs/perf-notes.md, session 8). TINYVLLM_ATTN_EARLY_KV=0 turns it off.
 
 `linear()` is THE projection: Y[m, n] (+)= X[m, k] @ W[n, k]^T, on our GEMV for decode batches of
@@ -78,8 +78,9 @@ GEMV_MAX_ROWS = 8            # the GEMV's m limit (x rows held in one m16n8k16 t
 GEMV_MAX_K = 1 << 26         # its int step arithmetic (steps * warps) stays below 2^31
 GEMV_WARPS_PER_SM = 32       # residency at its 64 registers per thread
 GEMV_MIN_STEPS_PER_WARP = 2  # gemv_k_warps(): the fewest 32-wide k steps a warp is left with
-# The LM head runs on the GEMV too (gemv_k_warps' `last` rule: 121 us against cuBLAS's 127 on
-# Llama-1B's 525 MB head, and SmolLM2's graph 20 us shorter: docs/perf-notes.md, session 8);
+# The LM head runs on the GEMV too (gemv_k_warps' `last` rule): alone 121 us against cuBLAS's
+# 127 on Llama-1B's 525 MB head (a tie inside its decode graph), and SmolLM2's decode graph
+# 15-20 us shorter, where the cuBLAS kernel broke the PDL chain (docs/perf-notes.md, session 8);
 # the bound is the kernel's int arithmetic (n * k elements indexed as size_t, n itself an int).
 GEMV_MAX_N = 1 << 30
 OUT_DTYPES = {"bfloat16": 0, "float32": 1}
@@ -251,7 +252,11 @@ class GpuOps:
         sample_slices'); without them it runs in one."""
         if not num_seqs:
             return
-        slices = (slices or self.sample_slices(num_seqs, vocab_size)) if argmax_partials and slice_counters else 1
+        if not (argmax_partials and slice_counters):
+            if slices not in (None, 1):
+                raise ValueError(f"sample: {slices} slices need argmax_partials and slice_counters")
+            slices = 1
+        slices = slices or self.sample_slices(num_seqs, vocab_size)
         if not 1 <= slices <= SAMPLING["MAX_ARGMAX_SLICES"]:
             raise ValueError(f"sample: slices must be in 1..{SAMPLING['MAX_ARGMAX_SLICES']}, got {slices}")
         self._launch("sample_tokens", (num_seqs, slices), SAMPLING["SAMPLE_THREADS"], logits, vocab_size,
