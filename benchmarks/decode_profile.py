@@ -249,12 +249,15 @@ def compare_early_kv(runner, batch) -> None:
         print(f"{label:<30} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}")
 
 
-# (label, GpuOps settings): the LM head on the GEMV (gemv_k_warps' `last` rule) or on cuBLAS, and
+# (label, GpuOps settings): the LM head on the GEMV (gemv_k_warps' `last` rule) or on cuBLAS, the
+# .L2::256B load hint (default: gemv_wide_l2's rule, Llama-1B's gate_up only) off or everywhere, and
 # the wave the per-layer GEMVs fill (gemv_wave_warps: at 16 or 24 of the 32 warps an SM holds,
 # the next kernel's CTAs have room to be resident and issue their weight loads under PDL while
 # this one drains; at 32 they wait for whole CTAs to leave). Session 8 also timed grids past one
 # wave and CTAs of at most 16 warps; both lost inside the graph (docs/perf-notes.md).
 GEMV_CONFIGS = [("default (LM head on the GEMV, wave 32)", {}), ("LM head on cuBLAS", {"gemv_max_n": 0}),
+                ("no .L2::256B hint on any GEMV", {"gemv_l2_hint": False}),
+                ("the .L2::256B hint on every GEMV", {"gemv_l2_hint": True}),
                 ("per-layer GEMVs in a wave of 16 warps/SM", {"gemv_wave_warps": 16}),
                 ("per-layer GEMVs in a wave of 24 warps/SM", {"gemv_wave_warps": 24})]
 

@@ -101,6 +101,24 @@ def test_gemv_linear(gpu, rng, m, n, k, accumulate, out_dtype):
     assert rel_err(got, want) < tol
 
 
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("n,k", LLAMA_SHAPES + ODD_SHAPES)
+def test_gemv_l2_hint_changes_no_bits(gpu, m, n, k):
+    """The .L2::256B load hint (gemv.cu's header, ops.gemv_wide_l2) is a hint: with it on every
+    load and off, the same X and W give the same bits, and Y's guard rows keep their poison."""
+    seed = np.random.SeedSequence().entropy % 2**32
+    outs = []
+    try:
+        for hint in (False, True):
+            gpu.gemv_l2_hint = hint
+            got, _, guards_got, guards_want = _run(gpu, np.random.default_rng(seed), m, n, k, True, "float32")
+            np.testing.assert_array_equal(guards_got, guards_want, err_msg="wrote outside Y[0:m, 0:n]")
+            outs.append(got)
+    finally:
+        gpu.gemv_l2_hint = None
+    np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"the hint changed bits (seed {seed})")
+
+
 @pytest.mark.parametrize("k_warps", [1, 2, 3, 5, 8, 16, 31, 32])
 @pytest.mark.parametrize("m,n,k", [(1, 2048, 2048), (8, 2048, 2048), (3, 1000, 264), (5, 130, 72),
                                    (7, 2048, 8192)])

@@ -78,6 +78,7 @@ GEMV_MAX_ROWS = 8            # the GEMV's m limit (x rows held in one m16n8k16 t
 GEMV_MAX_K = 1 << 26         # its int step arithmetic (steps * warps) stays below 2^31
 GEMV_WARPS_PER_SM = 32       # residency at its 64 registers per thread
 GEMV_MIN_STEPS_PER_WARP = 2  # gemv_k_warps(): the fewest 32-wide k steps a warp is left with
+GEMV_WIDE_L2_MIN_STEPS = 16  # gemv_wide_l2(): the steps per warp from which the .L2::256B hint pays
 # The LM head runs on the GEMV too (gemv_k_warps' `last` rule): alone 121 us against cuBLAS's
 # 127 on Llama-1B's 525 MB head (a tie inside its decode graph), and SmolLM2's decode graph
 # 15-20 us shorter, where the cuBLAS kernel broke the PDL chain (docs/perf-notes.md, session 8);
@@ -120,6 +121,9 @@ class GpuOps:
         self.gemv_max_n = GEMV_MAX_N
         # the warps per SM that gemv_k_warps counts as one wave (decode_profile.py --compare-gemv)
         self.gemv_wave_warps = GEMV_WARPS_PER_SM
+        # the GEMV's .L2::256B load hint: None follows gemv_wide_l2's rule, True / False force it
+        # (benchmarks/gemv_bench.py and decode_profile.py --compare-gemv compare them)
+        self.gemv_l2_hint: bool | None = None
         # the decode attention's early K/V copies (module docstring); TINYVLLM_ATTN_EARLY_KV=0: off
         self.early_kv = os.environ.get("TINYVLLM_ATTN_EARLY_KV", "1") != "0"
         if self.fuse_norm not in ("auto", "all", "none"):
@@ -359,6 +363,16 @@ class GpuOps:
             kw *= 2
         return kw
 
+    def gemv_wide_l2(self, k: int, k_warps: int) -> bool:
+        """Whether a GEMV's weight loads carry the .L2::256B hint (gemv.cu's header): when each
+        warp walks at least GEMV_WIDE_L2_MIN_STEPS steps, so the 256 bytes a load asks L2 for are
+        the ones its next steps read. gemv_bench alone, H200: Llama-1B gate_up (4 warps of 16
+        steps) 19.05 -> 17.62 us with it; qkv, o, down (2-8 steps) 0.1-0.4 us slower. Of the
+        default launches only Llama-1B's gate_up gets it. gemv_l2_hint overrides the rule."""
+        if self.gemv_l2_hint is not None:
+            return self.gemv_l2_hint
+        return math.ceil(k / GEMV["STEP_K"]) >= GEMV_WIDE_L2_MIN_STEPS * k_warps
+
     def gemv_launch_shape(self, n: int, k: int, k_warps: int | None = None, last: bool = False) -> tuple:
         """(grid, block, shared_bytes) for an [n, k] weight: one CTA per ROWS_PER_CTA outputs,
         k_warps warps splitting K; cached, so a call costs a dict lookup."""
@@ -374,7 +388,7 @@ class GpuOps:
 
     def _gemv_args(self, what: str, x, w, m: int, n: int, k: int, out_dtype: str, k_warps, *more,
                    last: bool = False):
-        """Checks shared by the three GEMV launchers -> (grid, block, shared bytes, x, w)."""
+        """Checks shared by the three GEMV launchers -> (grid, block, shared bytes, x, w, wide_l2)."""
         if not self.gemv_supports(m, n, k):
             raise ValueError(f"{what}: unsupported shape m={m}, n={n}, k={k} (needs 1 <= m <= {GEMV_MAX_ROWS}, "
                              f"n >= 1, k % 8 == 0, 8 <= k < {GEMV_MAX_K}); use cuBLAS")
@@ -384,16 +398,18 @@ class GpuOps:
         if (x_ptr | w_ptr) & 15 or any(int(p) & 15 for p in more):
             names = ", ".join(f"{p:#x}" for p in (x_ptr, w_ptr, *map(int, more)))
             raise ValueError(f"{what}: x, w (and the norm weight) must be 16-byte aligned ({names})")
-        return (*self.gemv_launch_shape(n, k, k_warps, last), x_ptr, w_ptr)
+        grid, block, shared = self.gemv_launch_shape(n, k, k_warps, last)
+        return grid, block, shared, x_ptr, w_ptr, int(self.gemv_wide_l2(k, block[0] // 32))
 
     def gemv(self, y, x, w, m: int, n: int, k: int, *, accumulate: bool = False,
              out_dtype: str = "bfloat16", k_warps: int | None = None, last: bool = False) -> None:
         """linear()'s small-batch path: the same arguments and meaning as Cublas.matmul, for
         1 <= m <= 8 and k % 8 == 0 with x and w 16-byte aligned. Streams W once with 16-byte
         loads, maths on the tensor cores (gemv.cu's header has the layout). last: gemv_k_warps'."""
-        grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps, last=last)
+        grid, block, shared, x_ptr, w_ptr, wide = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps,
+                                                                  last=last)
         self._launch("gemv_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, OUT_DTYPES[out_dtype],
-                     int(accumulate), shared_bytes=shared)
+                     int(accumulate), wide, shared_bytes=shared)
 
     def gemv_rope_kv(self, qkv, x, w, m: int, n: int, k: int, k_cache, v_cache, positions, slot_mapping,
                      inv_freq, *, num_q_heads: int, num_kv_heads: int, head_dim: int, norm=None,
@@ -424,12 +440,12 @@ class GpuOps:
 
     def _fused_gemv(self, epilogue: str, y, x, w, m, n, k, norm, k_warps, extra) -> None:
         kernel = self._FUSED_GEMVS[epilogue, norm is not None]
-        grid, block, shared, x_ptr, w_ptr = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps,
-                                                            *([norm[0]] if norm else []))
+        grid, block, shared, x_ptr, w_ptr, wide = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps,
+                                                                  *([norm[0]] if norm else []))
         if norm:    # (..., x, norm_w, w, m, n, k, eps, ...); each warp's row sums of squares in shared
             norm_weight, eps = norm
             shared += block[0] // 32 * GEMV["NORM_SS_BYTES_PER_WARP"]
             self._launch(kernel, grid, block, int(y), x_ptr, int(norm_weight), w_ptr, m, n, k, float(eps),
-                         *extra, shared_bytes=shared)
+                         *extra, wide, shared_bytes=shared)
         else:
-            self._launch(kernel, grid, block, int(y), x_ptr, w_ptr, m, n, k, *extra, shared_bytes=shared)
+            self._launch(kernel, grid, block, int(y), x_ptr, w_ptr, m, n, k, *extra, wide, shared_bytes=shared)

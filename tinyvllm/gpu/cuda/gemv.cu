@@ -78,8 +78,11 @@
 // stack frame for sincosf's slow path. The norm variants do NOT meet the no-spill goal yet:
 // gemv_norm_silu_mul spills 16 bytes, gemv_norm_rope_kv 28 (SASS: two loop-invariant 64-bit
 // pointers reloaded from local memory once per UNROLL steps, one value across the loop).
-// -DGEMV_L2_PREFETCH=1 adds the .L2::256B prefetch hint to the W loads (benchmarks/gemv_bench.py
-// compares both; the default build has no hint).
+// wide_l2 = 1 (every entry point's last argument) adds the .L2::256B prefetch hint to the W
+// loads: each 64-byte load asks L2 for the whole 256-byte sector group it lies in, which the
+// lane's next steps read. gemv_bench measured it 1.4 us faster on Llama-1B's gate_up (16 steps
+// per warp) and 0.1-0.4 us slower on the GEMVs with few steps per warp, so the launcher asks for
+// it by the steps each warp walks (ops.py: gemv_wide_l2). A hint: the same bits either way.
 #include "common.cuh"
 
 namespace {
@@ -90,19 +93,16 @@ constexpr int UNROLL = 4;        // steps in flight per warp: 8 x 16-byte W load
 constexpr int MAX_K_WARPS = 32;
 constexpr int NORM_SS_BYTES_PER_WARP = 8 * 4;   // the norm modes' extra shared memory: 8 row sums per warp
 
-#ifndef GEMV_L2_PREFETCH
-#define GEMV_L2_PREFETCH 0
-#endif
-#if GEMV_L2_PREFETCH
-#define GEMV_W_LOAD "ld.global.nc.L1::no_allocate.L2::256B.v4.u32"
-#else
-#define GEMV_W_LOAD "ld.global.nc.L1::no_allocate.v4.u32"
-#endif
-
-__device__ __forceinline__ uint4 load_stream(const bf16* p) {   // W: read once, keep out of L1
+// W: read once, keep out of L1; wide_l2: with the .L2::256B prefetch hint (header)
+__device__ __forceinline__ uint4 load_stream(const bf16* p, int wide_l2) {
     uint4 v;
-    asm volatile(GEMV_W_LOAD " {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    if (wide_l2) {
+        asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    } else {
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    }
     return v;
 }
 
@@ -196,7 +196,7 @@ template <XLoad MODE, Epilogue EPI>
 __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __restrict__ x,
                                           const NormArgs& norm, const bf16* __restrict__ w,
                                           int m, int n, int k, int out_f32, int accumulate,
-                                          const RopeArgs& rope) {
+                                          const RopeArgs& rope, int wide_l2) {
     extern __shared__ float partial[];   // [warps][8 rows of x][16 columns of the CTA]
                                          // (rms_norm: then [warps][8 rows] sums of squares)
     allow_consumer();
@@ -228,8 +228,8 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             const int kk = (s0 + u) * STEP_K;
             const bool in = s0 + u < s_end && kk + 8 * t < k;
             wv0[u] = wv1[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (in && w_ok0) wv0[u] = load_stream(w0 + kk);
-            if (in && w_ok1) wv1[u] = load_stream(w1 + kk);
+            if (in && w_ok0) wv0[u] = load_stream(w0 + kk, wide_l2);
+            if (in && w_ok1) wv1[u] = load_stream(w1 + kk, wide_l2);
         }
         if (s0 == s_begin) wait_for_producer();   // X is the previous kernel's output
 #pragma unroll
@@ -338,8 +338,8 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
 // Y (+)= X @ W^T. y: [m, n] bf16 (out_f32 = 0) or fp32 (out_f32 = 1); x: [m, k]; w: [n, k].
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_bf16(void* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
-          int m, int n, int k, int out_f32, int accumulate) {
-    gemv_body<XLoad::plain, Epilogue::store>(y, x, NormArgs{}, w, m, n, k, out_f32, accumulate, RopeArgs{});
+          int m, int n, int k, int out_f32, int accumulate, int wide_l2) {
+    gemv_body<XLoad::plain, Epilogue::store>(y, x, NormArgs{}, w, m, n, k, out_f32, accumulate, RopeArgs{}, wide_l2);
 }
 
 // qkv = X @ W^T, then RoPE on its q and k heads (q rotated in place; k rotated into k_cache, v into
@@ -348,10 +348,10 @@ extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const bf16* __restrict__ w,
                   int m, int n, int k, bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                  int num_q_heads, int num_kv_heads, int head_dim) {
+                  int num_q_heads, int num_kv_heads, int head_dim, int wide_l2) {
     gemv_body<XLoad::plain, Epilogue::rope_kv>(
         qkv, x, NormArgs{}, w, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim});
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, wide_l2);
 }
 
 // gemv_rope_kv_bf16 with the RMSNorm of x (the residual stream [m, k], gain norm_w) inside, its
@@ -362,23 +362,23 @@ gemv_norm_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const
                        const bf16* __restrict__ w, int m, int n, int k, float eps,
                        bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
                        const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                       int num_q_heads, int num_kv_heads, int head_dim) {
+                       int num_q_heads, int num_kv_heads, int head_dim, int wide_l2) {
     gemv_body<XLoad::rms_norm, Epilogue::rope_kv>(
         qkv, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim});
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, wide_l2);
 }
 
 // act = silu(gate) * up of gate_up = X @ W^T, W = [gate; up] ([n, k], gate rows first): gemv_bf16
 // and silu_mul in one launch, the same bits. act: [m, n/2].
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ w,
-                   int m, int n, int k) {
-    gemv_body<XLoad::plain, Epilogue::silu_mul>(act, x, NormArgs{}, w, m, n, k, 0, 0, RopeArgs{});
+                   int m, int n, int k, int wide_l2) {
+    gemv_body<XLoad::plain, Epilogue::silu_mul>(act, x, NormArgs{}, w, m, n, k, 0, 0, RopeArgs{}, wide_l2);
 }
 
 // gemv_silu_mul_bf16 with the RMSNorm of x inside, as gemv_norm_rope_kv_bf16.
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_norm_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
-                        const bf16* __restrict__ w, int m, int n, int k, float eps) {
-    gemv_body<XLoad::rms_norm, Epilogue::silu_mul>(act, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0, RopeArgs{});
+                        const bf16* __restrict__ w, int m, int n, int k, float eps, int wide_l2) {
+    gemv_body<XLoad::rms_norm, Epilogue::silu_mul>(act, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0, RopeArgs{}, wide_l2);
 }
