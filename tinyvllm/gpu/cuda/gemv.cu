@@ -74,10 +74,10 @@
 // partners then sit 8 lanes apart in the epilogue (one shuffle). Each output's dot product is
 // the same code in every mode, so gemv_rope_kv / gemv_silu_mul give the bits of their kernel
 // chains (tests/test_gpu_fused.py checks that; the norm modes it checks against the numpy twin).
-// ptxas: 64 registers; gemv_bf16 and gemv_silu_mul spill nothing, gemv_rope_kv keeps a small
-// stack frame for sincosf's slow path. The norm variants do NOT meet the no-spill goal yet:
-// gemv_norm_silu_mul spills 16 bytes, gemv_norm_rope_kv 28 (SASS: two loop-invariant 64-bit
-// pointers reloaded from local memory once per UNROLL steps, one value across the loop).
+// ptxas (nvcc 13.0, sm_90): 64 registers; gemv_bf16, gemv_silu_mul and gemv_rope_kv spill
+// nothing (gemv_rope_kv keeps a 32-byte stack frame for sincosf's slow path). The norm variants
+// do NOT meet the no-spill goal yet: gemv_norm_silu_mul spills 16 bytes, gemv_norm_rope_kv 24
+// (loop-invariant values reloaded from local memory once per UNROLL steps).
 // wide_l2 = 1 (every entry point's last argument) adds the .L2::256B prefetch hint to the W
 // loads: each 64-byte load asks L2 for the whole 256-byte sector group it lies in, which the
 // lane's next steps read. gemv_bench measured it 1.4 us faster on Llama-1B's gate_up (16 steps
