@@ -82,7 +82,8 @@
 // loads: each 64-byte load asks L2 for the whole 256-byte sector group it lies in, which the
 // lane's next steps read. gemv_bench measured it 1.4 us faster on Llama-1B's gate_up (16 steps
 // per warp) and 0.1-0.4 us slower on the GEMVs with few steps per warp, so the launcher asks for
-// it by the steps each warp walks (ops.py: gemv_wide_l2). A hint: the same bits either way.
+// it by the steps each warp walks (ops.py: gemv_wide_l2); in the Llama-1B decode graph that took
+// 30 us off a step (docs/perf-notes.md, session 8). A hint: the same bits either way.
 #include "common.cuh"
 
 namespace {
