@@ -71,48 +71,13 @@ __device__ __forceinline__ float warp_max(float x) {
     return x;
 }
 
-// ---- RMSNorm, RoPE and SwiGLU arithmetic, shared by the standalone kernels and the fused GEMVs ---
+// ---- RoPE and SwiGLU arithmetic, shared by the standalone kernels and the fused GEMVs -----------
 // At decode gemv.cu folds RoPE with the KV-cache write into the qkv GEMV's epilogue and silu_mul
 // into the gate_up GEMV's epilogue; a fused kernel gives the bits of the kernels it replaces
 // because both sides call these functions: the same operations in the same order, the roundings
 // written out (__fmul_rn, __fadd_rn, ...) so that no contraction choice of the compiler can differ
 // between files. (The RMSNorm those GEMVs take inside has its own formula, scale out of the dot
-// product: gemv.cu's header.)
-//
-// The standalone rms_norm's sum of squares is taken in chunks of SS_CHUNK = 16 columns, in one
-// fixed tree, and the chunk sums are then added in one fixed order.
-constexpr int SS_CHUNK = 16;
-
-// The chunk tree over v[0..15] (missing columns are 0): pairs (j, j+8), then (j, j+4), (j, j+2),
-// (0, 1).
-__device__ __forceinline__ float chunk_sum_sq(const float v[SS_CHUNK]) {
-    float s[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) s[j] = __fadd_rn(__fmul_rn(v[j], v[j]), __fmul_rn(v[j + 8], v[j + 8]));
-#pragma unroll
-    for (int j = 0; j < 4; ++j) s[j] = __fadd_rn(s[j], s[j + 4]);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) s[j] = __fadd_rn(s[j], s[j + 2]);
-    return __fadd_rn(s[0], s[1]);
-}
-
-// A row's sum of squares from its chunk sums p[0..chunks): lane l adds p[l], p[l + 32], ... in
-// order, then the lanes' sums meet in warp_sum's butterfly. Every lane gets the total. All 32
-// lanes call it.
-__device__ __forceinline__ float sum_of_chunk_sums(const float* p, int chunks, int lane) {
-    float s = 0.0f;
-    for (int c = lane; c < chunks; c += 32) s = __fadd_rn(s, p[c]);
-    return warp_sum(s);
-}
-
-__device__ __forceinline__ float norm_inv_rms(float sum_sq, int hidden, float eps) {
-    return rsqrtf(__fadd_rn(__fdiv_rn(sum_sq, (float)hidden), eps));
-}
-
-// One normalised value before its bf16 rounding: (x * inv_rms) * weight.
-__device__ __forceinline__ float norm_apply(float x, float inv_rms, float weight) {
-    return __fmul_rn(__fmul_rn(x, inv_rms), weight);
-}
+// product: gemv.cu's header; the standalone rms_norm's arithmetic is rmsnorm.cu's own.)
 
 // The value a bf16 store then load gives: the GEMV's output as the next kernel would read it.
 __device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16(x)); }
