@@ -168,7 +168,7 @@ class TracingRunner(ModelRunner):
                   f"      y  W  {self.names.pointer(d['y'])[0]}", f"      x  R  {self.names.pointer(d['x'])[0]}",
                   f"      w  R  {w[0]}")
         if where == "gemv":
-            grid, block, shared = self.inner.ops.gemv_launch_shape(n, k, last=d.get("last", False))
+            grid, block, shared = self.inner.ops.gemv_launch_shape(n, k, last=d["last"])
             self._say(f"      kernel gemv_bf16  grid {grid} block {block} shared {shared:,} B")
 
     def _on_gemm(self, a: dict) -> None:
