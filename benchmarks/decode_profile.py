@@ -20,8 +20,8 @@ it can profit.
 K/V copies (TINYVLLM_ATTN_EARLY_KV, attention_decode.cu) off and on, twice each, alternating (the
 spread of the repeats is the noise to judge the difference by).
 --compare-gemv adds, at the smallest batch, the graph time under each GEMV setting of
-GEMV_CONFIGS (the LM head on the GEMV or cuBLAS, the wave the per-layer GEMVs fill), two rounds
-alternating.
+gemv_configs() (the LM head on the GEMV or cuBLAS, the .L2::256B hint off or everywhere, the wave
+the per-layer GEMVs fill), two rounds alternating.
 --leave-one-out adds, at the smallest batch, each op's in-graph cost: the decode graph's GPU time
 less that of the graph captured without the op (ops.skip_ops). The per-op tables cannot show
 what PDL hides: an op that runs under its neighbour's weight stream costs little here.
@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--compare-early-kv", action="store_true",
                     help="time the smallest batch with the decode attention's early K/V copies off and on")
     ap.add_argument("--compare-gemv", action="store_true",
-                    help="time the smallest batch under each GEMV setting (GEMV_CONFIGS)")
+                    help="time the smallest batch under each GEMV setting (gemv_configs())")
     ap.add_argument("--leave-one-out", action="store_true",
                     help="each op's in-graph cost at the smallest batch: the graph without it")
     ap.add_argument("--context", type=int, default=256)
@@ -196,22 +196,34 @@ FUSE_CONFIGS = [("TINYVLLM_FUSE=0", False, FUSE_NORM_DEFAULT)] + [
     for norm in ("none", "all", "auto")]
 
 
+def graph_times(runner, batch) -> tuple[float, float]:
+    """(wall s, GPU s) of one decode-graph replay under the graphs as now captured."""
+    return time_steps(runner, batch, replay=True), graph_gpu_time(runner, batch)
+
+
+def print_graph_rows(title: str, label: str, rows, num_seqs: int, extra: str = "") -> None:
+    """The --compare-* tables: rows of (setting, wall s, GPU s[, extra column])."""
+    width = max(len(label), *(len(r[0]) for r in rows))
+    print(f"\n{title}:")
+    print(f"{label:<{width}} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}" + (f"  {extra}" if extra else ""))
+    for name, graph, gpu, *more in rows:
+        print(f"{name:<{width}} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {num_seqs / graph:>8,.0f}"
+              + "".join(f"  {m}" for m in more))
+
+
 def compare_fuse(runner, batch, num_layers: int) -> None:
     """Graph time and GPU time of one decode step for each fusion setting (runner.ops.fuse and
     fuse_norm, as TINYVLLM_FUSE / TINYVLLM_FUSE_NORM set them), and the per-op tables of the
     nine-launch layer and of the default."""
-    rows = {}
+    rows, tables = [], {}
     for name, fuse, fuse_norm in FUSE_CONFIGS:
         with runner.recaptured(fuse=fuse, fuse_norm=fuse_norm):
-            graph = time_steps(runner, batch, replay=True)
-            ops = per_op_times(runner, batch) if not fuse or fuse_norm == FUSE_NORM_DEFAULT else None
-            rows[name] = (graph, graph_gpu_time(runner, batch), ops)
-    print(f"\nfusion at batch {batch.num_seqs}: {'':<24} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}")
-    for name, (graph, gpu, _) in rows.items():
-        print(f"{name:<44} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}")
-    for name, (_, _, ops) in rows.items():
-        if ops is not None:
-            print_ops(ops, f"one decode step, batch {batch.num_seqs}, {name}", per_layer=num_layers)
+            rows.append((name, *graph_times(runner, batch)))
+            if not fuse or fuse_norm == FUSE_NORM_DEFAULT:
+                tables[name] = per_op_times(runner, batch)
+    print_graph_rows(f"fusion at batch {batch.num_seqs}", "setting", rows, batch.num_seqs)
+    for name, ops in tables.items():
+        print_ops(ops, f"one decode step, batch {batch.num_seqs}, {name}", per_layer=num_layers)
 
 
 def compare_prefetch(runner, batch, budgets_mb: list[float]) -> None:
@@ -219,20 +231,19 @@ def compare_prefetch(runner, batch, budgets_mb: list[float]) -> None:
     (runner.model.l2_prefetch_bytes; 0 launches no prefetch blocks, the engine's default)."""
     from tinyvllm.gpu.model import L2_PREFETCH_BYTES
     budgets = budgets_mb or [0, L2_PREFETCH_BYTES / 2**20]
-    was, rows = runner.model.l2_prefetch_bytes, {}
+    was, rows = runner.model.l2_prefetch_bytes, []
     try:
         for mb in budgets:
             runner.model.l2_prefetch_bytes = int(mb * 2**20) // 16 * 16
             with runner.recaptured(l2_prefetch=mb > 0):
-                rows[mb] = (time_steps(runner, batch, replay=True), graph_gpu_time(runner, batch))
+                label = "off (default)" if mb <= 0 else f"{mb:g}" + (
+                    " (TINYVLLM_L2_PREFETCH=1)" if int(mb * 2**20) == L2_PREFETCH_BYTES else "")
+                rows.append((label, *graph_times(runner, batch)))
     finally:
         runner.model.l2_prefetch_bytes = was
         runner.recapture_decode_graphs()
-    print(f"\nL2 prefetch of the next weights by the decode attention, batch {batch.num_seqs}:")
-    print(f"{'MB per layer':<16} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}")
-    for mb, (graph, gpu) in rows.items():
-        label = "off (default)" if mb <= 0 else f"{mb:g}" + (" (TINYVLLM_L2_PREFETCH=1)" if int(mb * 2**20) == L2_PREFETCH_BYTES else "")
-        print(f"{label:<16} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}")
+    print_graph_rows(f"L2 prefetch of the next weights by the decode attention, batch {batch.num_seqs}",
+                     "MB per layer", rows, batch.num_seqs)
 
 
 def compare_early_kv(runner, batch) -> None:
@@ -241,45 +252,40 @@ def compare_early_kv(runner, batch) -> None:
     rows = []
     for on in (False, True, False, True):
         with runner.recaptured(early_kv=on):
-            rows.append((on, time_steps(runner, batch, replay=True), graph_gpu_time(runner, batch)))
-    print(f"\nearly K/V copies in the decode attention, batch {batch.num_seqs}:")
-    print(f"{'early_kv':<30} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}")
-    for on, graph, gpu in rows:
-        label = "on (default)" if on else "off (TINYVLLM_ATTN_EARLY_KV=0)"
-        print(f"{label:<30} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}")
+            rows.append(("on (default)" if on else "off (TINYVLLM_ATTN_EARLY_KV=0)", *graph_times(runner, batch)))
+    print_graph_rows(f"early K/V copies in the decode attention, batch {batch.num_seqs}", "early_kv",
+                     rows, batch.num_seqs)
 
 
-# (label, GpuOps settings): the LM head on the GEMV (gemv_k_warps' `last` rule) or on cuBLAS, the
-# .L2::256B load hint (default: gemv_wide_l2's rule, Llama-1B's gate_up only) off or everywhere, and
-# the wave the per-layer GEMVs fill (gemv_wave_warps: at 16 or 24 of the 32 warps an SM holds,
-# the next kernel's CTAs have room to be resident and issue their weight loads under PDL while
-# this one drains; at 32 they wait for whole CTAs to leave). Session 8 also timed grids past one
-# wave and CTAs of at most 16 warps; both lost inside the graph (docs/perf-notes.md).
-GEMV_CONFIGS = [("default (LM head on the GEMV, wave 32)", {}), ("LM head on cuBLAS", {"gemv_max_n": 0}),
-                ("no .L2::256B hint on any GEMV", {"gemv_l2_hint": False}),
-                ("the .L2::256B hint on every GEMV", {"gemv_l2_hint": True}),
-                ("per-layer GEMVs in a wave of 16 warps/SM", {"gemv_wave_warps": 16}),
-                ("per-layer GEMVs in a wave of 24 warps/SM", {"gemv_wave_warps": 24})]
+# gemv_configs(): (label, GpuOps settings). The LM head on the GEMV (gemv_k_warps' `last` rule)
+# or on cuBLAS; the .L2::256B load hint (default: gemv_wide_l2's rule, Llama-1B's gate_up only) off
+# or everywhere; the wave the per-layer GEMVs fill (gemv_wave_warps: at 16 or 24 of the 32 warps an
+# SM holds, the next kernel's CTAs have room to be resident and issue their weight loads under
+# PDL while this one drains; at 32 they wait for whole CTAs to leave). Session 8 also timed grids
+# past one wave and CTAs of at most 16 warps; both lost inside the graph (docs/perf-notes.md).
+def gemv_configs(vocab_size: int) -> list[tuple[str, dict]]:
+    return [("default (LM head on the GEMV, wave 32)", {}),
+            ("LM head on cuBLAS", {"gemv_max_n": vocab_size - 1}),
+            ("no .L2::256B hint on any GEMV", {"gemv_l2_hint": False}),
+            ("the .L2::256B hint on every GEMV", {"gemv_l2_hint": True}),
+            ("per-layer GEMVs in a wave of 16 warps/SM", {"gemv_wave_warps": 16}),
+            ("per-layer GEMVs in a wave of 24 warps/SM", {"gemv_wave_warps": 24})]
 
 
 def compare_gemv(runner, batch, cfg) -> None:
-    """Graph time and GPU time of one decode step under each GEMV_CONFIGS setting, two rounds
+    """Graph time and GPU time of one decode step under each gemv_configs() setting, two rounds
     alternating, with each setting's k-split warps per projection."""
     shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), "o": (cfg.hidden_size, cfg.q_size),
               "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
               "down": (cfg.hidden_size, cfg.intermediate_size), "lm_head": (cfg.vocab_size, cfg.hidden_size)}
     ops, rows = runner.ops, []
     for _ in range(2):
-        for name, settings in GEMV_CONFIGS:
-            settings = {k: (v or cfg.vocab_size - 1) if k == "gemv_max_n" else v for k, v in settings.items()}
+        for name, settings in gemv_configs(cfg.vocab_size):
             with runner.recaptured(**settings):
                 warps = " ".join(f"{s}:{ops.gemv_k_warps(n, k, last=s == 'lm_head')}"
                                  if ops.on_gemv(batch.num_seqs, n, k) else f"{s}:cuBLAS" for s, (n, k) in shapes.items())
-                rows.append((name, time_steps(runner, batch, replay=True), graph_gpu_time(runner, batch), warps))
-    print(f"\nGEMV settings, batch {batch.num_seqs}:")
-    print(f"{'setting':<42} {'graph ms':>9} {'graph GPU ms':>13} {'tok/s':>8}  k-split warps")
-    for name, graph, gpu, warps in rows:
-        print(f"{name:<42} {graph * 1e3:>9.3f} {gpu * 1e3:>13.3f} {batch.num_seqs / graph:>8,.0f}  {warps}")
+                rows.append((name, *graph_times(runner, batch), warps))
+    print_graph_rows(f"GEMV settings, batch {batch.num_seqs}", "setting", rows, batch.num_seqs, "k-split warps")
 
 
 def leave_one_out(runner, batch) -> None:
