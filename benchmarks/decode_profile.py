@@ -258,18 +258,20 @@ def compare_early_kv(runner, batch) -> None:
 
 
 # gemv_configs(): (label, GpuOps settings). The LM head on the GEMV (gemv_k_warps' `last` rule)
-# or on cuBLAS; the .L2::256B load hint (default: gemv_wide_l2's rule, Llama-1B's gate_up only) off
-# or everywhere; the wave the per-layer GEMVs fill (gemv_wave_warps: at 16 or 24 of the 32 warps an
-# SM holds, the next kernel's CTAs have room to be resident and issue their weight loads under
-# PDL while this one drains; at 32 they wait for whole CTAs to leave). Session 8 also timed grids
-# past one wave and CTAs of at most 16 warps; both lost inside the graph (docs/perf-notes.md).
+# or on cuBLAS; the .L2::256B load hint (default: gemv_wide_l2's rule) off or everywhere; the ring
+# path (gemv_ring: weights through cp.async rings in shared memory) in its wave of 16 warps/SM,
+# where the next kernel's CTAs have room to be resident and fill their rings under PDL while this
+# one drains, and in the register path's wave of 32. Session 8 also timed the register path in
+# waves of 16 and 24, grids past one wave and CTAs of at most 16 warps; all lost inside the graph
+# (docs/perf-notes.md).
 def gemv_configs(vocab_size: int) -> list[tuple[str, dict]]:
-    return [("default (LM head on the GEMV, wave 32)", {}),
+    return [("default", {}),
             ("LM head on cuBLAS", {"gemv_max_n": vocab_size - 1}),
-            ("no .L2::256B hint on any GEMV", {"gemv_l2_hint": False}),
             ("the .L2::256B hint on every GEMV", {"gemv_l2_hint": True}),
-            ("per-layer GEMVs in a wave of 16 warps/SM", {"gemv_wave_warps": 16}),
-            ("per-layer GEMVs in a wave of 24 warps/SM", {"gemv_wave_warps": 24})]
+            ("ring path, wave 16", {"gemv_ring": True}),
+            ("ring path, wave 16, hint on every GEMV", {"gemv_ring": True, "gemv_l2_hint": True}),
+            ("ring path, wave 32", {"gemv_ring": True, "gemv_wave_warps": 32}),
+            ("ring path, wave 16, LM head on cuBLAS", {"gemv_ring": True, "gemv_max_n": vocab_size - 1})]
 
 
 def compare_gemv(runner, batch, cfg) -> None:

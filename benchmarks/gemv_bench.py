@@ -143,6 +143,9 @@ def main() -> None:
         # launches ask for it by ops.gemv_wide_l2's rule)
         gemv_pf = GpuOps(gemv.library, stream, blas)
         gemv_pf.gemv_l2_hint = True
+        # The ring path (gemv.cu's header) at its own k-split rule (ops.GEMV_RING_WARPS_PER_SM)
+        gemv_ring = GpuOps(gemv.library, stream, blas)
+        gemv_ring.gemv_ring = True
         print(f"{device.name()}, {gemv.num_sms} SMs; setup {time.perf_counter() - t_start:.1f} s")
 
         rng = np.random.default_rng(0)
@@ -180,11 +183,15 @@ def main() -> None:
                 default_kw = gemv.gemv_k_warps(n, k)
                 t_ours = sweep.get(default_kw) or time_calls(drv, stream, ours(gemv), calls)
                 t_pf = time_calls(drv, stream, ours(gemv_pf), calls)
+                ring_kw = gemv_ring.gemv_k_warps(n, k)
+                t_ring = time_calls(drv, stream, ours(gemv_ring), calls)
+                t_ring_same = time_calls(drv, stream, ours(gemv_ring, default_kw), calls)
                 t_blas = time_calls(drv, stream, lambda i: blas.matmul(
                     int(y), int(x), w_at(i), m, n, k, accumulate=accumulate, out_dtype=out_dtype), calls)
                 best_kw = min(sweep, key=sweep.get)
                 print(f"{name:8s} M={m}  k_warps: " + "  ".join(f"{kw}:{t:.2f}" for kw, t in sweep.items())
-                      + f"  | default {default_kw}, best {best_kw} | L2::256B {t_pf:.2f} us", flush=True)
+                      + f"  | default {default_kw}, best {best_kw} | L2::256B {t_pf:.2f} us"
+                      + f" | ring {t_ring:.2f} us at {ring_kw}, {t_ring_same:.2f} at {default_kw}", flush=True)
 
                 # one plain call of each into separate outputs: how far apart are they?
                 gemv.gemv(int(y), int(x), w_at(0), m, n, k, out_dtype=out_dtype)

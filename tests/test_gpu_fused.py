@@ -52,9 +52,13 @@ SILU_SHAPES = [(2048, 8192), (576, 1536), (256, 768), (264, 136), (8, 16)]
 ROPE_SHAPES = [(2048, 32, 8, 64), (576, 9, 3, 64), (256, 4, 2, 128), (264, 2, 1, 64), (64, 1, 1, 16)]
 
 
-@pytest.fixture(scope="module")
-def gpu(gpu_ops):
-    return gpu_ops
+@pytest.fixture(scope="module", params=[False, True], ids=["registers", "ring"])
+def gpu(gpu_ops, request):
+    """Every test runs on both weight paths of the GEMV (gemv.cu's header: registers, or the
+    cp.async ring in shared memory)."""
+    gpu_ops.gemv_ring = request.param
+    yield gpu_ops
+    gpu_ops.gemv_ring = False
 
 
 def _sync():
@@ -266,6 +270,39 @@ def test_rope_kv(gpu, rng, k, hq, hkv, d, m, producer, norm_inside, k_warps=None
 def test_rope_kv_split_k(gpu, rng, m, k, hq, hkv, d, k_warps):
     test_rope_kv(gpu, rng, k, hq, hkv, d, m, "gemv", True, k_warps=k_warps)
     test_rope_kv(gpu, rng, k, hq, hkv, d, m, "gemv", False, k_warps=k_warps)
+
+
+@pytest.mark.parametrize("k_warps", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 8])
+def test_norm_gemvs_ring_changes_no_bits(gpu, rng, m, k_warps):
+    """The norm-inside GEMVs (the ones compared with their twin, not bit for bit, above) give the
+    same bits on the ring path as on the register path at one k-split."""
+    from gpu_helpers import BF16, DeviceArray
+    k, inter, hq, hkv, d = 576, 1536, 9, 3, 64
+    hidden, _ = _residual(gpu, rng, m, k, "gemv")
+    _, d_nw = _norm_weight(rng, k)
+    _, d_gu = _weights(rng, 2 * inter, k)
+    n = (hq + 2 * hkv) * d
+    _, d_qkv = _weights(rng, n, k)
+    slots = 8
+    positions = DeviceArray(rng.integers(0, 4096, m).astype(np.int32))
+    slot_mapping = DeviceArray(rng.permutation(slots)[:m].astype(np.int32))
+    inv_freq = DeviceArray((1.0 / 10000.0 ** (np.arange(0, d, 2) / d)).astype(np.float32))
+    was, outs = gpu.gemv_ring, []
+    try:
+        for ring in (False, True):
+            gpu.gemv_ring = ring
+            act, qkv = DeviceArray.poisoned((m, inter), BF16), DeviceArray.poisoned((m, n), BF16)
+            k_cache, v_cache = (DeviceArray.poisoned((slots, hkv, d), BF16) for _ in range(2))
+            gpu.gemv_silu_mul(act, hidden, d_gu, m, 2 * inter, k, norm=(d_nw, EPS), k_warps=k_warps)
+            gpu.gemv_rope_kv(qkv, hidden, d_qkv, m, n, k, k_cache, v_cache, positions, slot_mapping, inv_freq,
+                             num_q_heads=hq, num_kv_heads=hkv, head_dim=d, norm=(d_nw, EPS), k_warps=k_warps)
+            _sync()
+            outs.append([_bits(a.get()) for a in (act, qkv, k_cache, v_cache)])
+    finally:
+        gpu.gemv_ring = was
+    for name, reg, ring_out in zip(("act", "qkv", "k_cache", "v_cache"), *outs):
+        np.testing.assert_array_equal(reg, ring_out, err_msg=f"{name}: the ring path changed bits")
 
 
 def test_fused_launchers_reject(gpu):

@@ -15,10 +15,10 @@ def test_signatures_match_the_c_parameter_lists():
     assert kernel_signatures("embedding.cu") == {"embedding_gather": "PPPPPiii"}
     assert kernel_signatures("sampling.cu") == {"sample_tokens": "PiPPPPPPPPP",   # comments inside the list
                                                 "apply_logit_edits": "PiPi", "step_logprobs": "PiPPiPPPP"}
-    assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiiii",             # plain and the two fused,
-                                            "gemv_rope_kv_bf16": "PPPiiiPPPPPiiii",   # each ending in wide_l2
-                                            "gemv_norm_rope_kv_bf16": "PPPPiiifPPPPPiiii",
-                                            "gemv_silu_mul_bf16": "PPPiiii", "gemv_norm_silu_mul_bf16": "PPPPiiifi"}
+    assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiiiii",            # plain and the two fused,
+                                            "gemv_rope_kv_bf16": "PPPiiiPPPPPiiiii",  # each ending in wide_l2, ring
+                                            "gemv_norm_rope_kv_bf16": "PPPPiiifPPPPPiiiii",
+                                            "gemv_silu_mul_bf16": "PPPiiiii", "gemv_norm_silu_mul_bf16": "PPPPiiifii"}
     (pattern, sig), = kernel_signatures("attention_decode.cu").items()          # a macro-made family
     assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiifPQi"  # ..., l2 prefetch, early_kv
 

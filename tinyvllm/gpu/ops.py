@@ -77,6 +77,9 @@ MAX_DECODE_SPLITS = DECODE["MAX_SPLITS"]   # flash-decoding splits per sequence;
 GEMV_MAX_ROWS = 8            # the GEMV's m limit (x rows held in one m16n8k16 tile's n = 8)
 GEMV_MAX_K = 1 << 26         # its int step arithmetic (steps * warps) stays below 2^31
 GEMV_WARPS_PER_SM = 32       # residency at its 64 registers per thread
+# The ring path's wave: half an SM's registers (and ~100 KB of its shared memory at 6.5 KB per
+# warp), so that the next kernel's CTAs fit beside this one's and fill their rings under PDL.
+GEMV_RING_WARPS_PER_SM = 16
 GEMV_MIN_STEPS_PER_WARP = 2  # gemv_k_warps(): the fewest 32-wide k steps a warp is left with
 GEMV_WIDE_L2_MIN_STEPS = 16  # gemv_wide_l2(): the steps per warp from which the .L2::256B hint pays
 # The LM head runs on the GEMV too (gemv_k_warps' `last` rule): alone 121 us against cuBLAS's
@@ -119,8 +122,13 @@ class GpuOps:
         # the widest projection linear() sends to the GEMV (on_gemv); decode_profile.py
         # --compare-gemv lowers it to put the LM head back on cuBLAS
         self.gemv_max_n = GEMV_MAX_N
-        # the warps per SM that gemv_k_warps counts as one wave (decode_profile.py --compare-gemv)
-        self.gemv_wave_warps = GEMV_WARPS_PER_SM
+        # the GEMV's ring path (gemv.cu's header): weights through per-warp cp.async rings in
+        # shared memory instead of registers; TINYVLLM_GEMV_RING=1 turns it on. The same bits as
+        # the register path at the same k-split.
+        self.gemv_ring = os.environ.get("TINYVLLM_GEMV_RING", "0") == "1"
+        # the warps per SM that gemv_k_warps counts as one wave (decode_profile.py --compare-gemv);
+        # None: GEMV_RING_WARPS_PER_SM on the ring path, GEMV_WARPS_PER_SM on the register path
+        self.gemv_wave_warps: int | None = None
         # the GEMV's .L2::256B load hint: None follows gemv_wide_l2's rule, True / False force it
         # (benchmarks/gemv_bench.py and decode_profile.py --compare-gemv compare them)
         self.gemv_l2_hint: bool | None = None
@@ -355,9 +363,10 @@ class GpuOps:
         with gate_up at 16): CTAs that start in later waves hold back the next kernel's launch
         under PDL (decode_profile.py --compare-gemv, session 8)."""
         ctas, steps = math.ceil(n / GEMV["ROWS_PER_CTA"]), math.ceil(k / GEMV["STEP_K"])
+        wave = self.gemv_wave_warps or (GEMV_RING_WARPS_PER_SM if self.gemv_ring else GEMV_WARPS_PER_SM)
         kw = 1
         while kw < GEMV["MAX_K_WARPS"] and steps >= kw * 2 * GEMV_MIN_STEPS_PER_WARP:
-            one_wave = ctas * kw * 2 <= self.num_sms * self.gemv_wave_warps
+            one_wave = ctas * kw * 2 <= self.num_sms * wave
             if not (one_wave or (last and steps >= kw * 2 * GEMV["UNROLL"])):
                 break
             kw *= 2
@@ -377,13 +386,15 @@ class GpuOps:
         """(grid, block, shared_bytes) for an [n, k] weight: one CTA per ROWS_PER_CTA outputs,
         k_warps warps splitting K; cached, so a call costs a dict lookup."""
         kw = k_warps or self.gemv_k_warps(n, k, last)
-        shape = self._gemv_shapes.get((n, k, kw))
+        key = (n, k, kw, self.gemv_ring)
+        shape = self._gemv_shapes.get(key)
         if shape is None:
             if not 1 <= kw <= GEMV["MAX_K_WARPS"]:
                 raise ValueError(f"k_warps must be in 1..{GEMV['MAX_K_WARPS']}, got {kw}")
             rows = GEMV["ROWS_PER_CTA"]
-            shape = ((math.ceil(n / rows), 1, 1), (32 * kw, 1, 1), kw * 8 * rows * 4)
-            self._gemv_shapes[(n, k, kw)] = shape
+            per_warp = 8 * rows * 4 + (GEMV["RING_BYTES_PER_WARP"] if self.gemv_ring else 0)
+            shape = ((math.ceil(n / rows), 1, 1), (32 * kw, 1, 1), kw * per_warp)
+            self._gemv_shapes[key] = shape
         return shape
 
     def _gemv_args(self, what: str, x, w, m: int, n: int, k: int, out_dtype: str, k_warps, *more,
@@ -409,7 +420,7 @@ class GpuOps:
         grid, block, shared, x_ptr, w_ptr, wide = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps,
                                                                   last=last)
         self._launch("gemv_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, OUT_DTYPES[out_dtype],
-                     int(accumulate), wide, shared_bytes=shared)
+                     int(accumulate), wide, int(self.gemv_ring), shared_bytes=shared)
 
     def gemv_rope_kv(self, qkv, x, w, m: int, n: int, k: int, k_cache, v_cache, positions, slot_mapping,
                      inv_freq, *, num_q_heads: int, num_kv_heads: int, head_dim: int, norm=None,
@@ -446,6 +457,7 @@ class GpuOps:
             norm_weight, eps = norm
             shared += block[0] // 32 * GEMV["NORM_SS_BYTES_PER_WARP"]
             self._launch(kernel, grid, block, int(y), x_ptr, int(norm_weight), w_ptr, m, n, k, float(eps),
-                         *extra, wide, shared_bytes=shared)
+                         *extra, wide, int(self.gemv_ring), shared_bytes=shared)
         else:
-            self._launch(kernel, grid, block, int(y), x_ptr, w_ptr, m, n, k, *extra, wide, shared_bytes=shared)
+            self._launch(kernel, grid, block, int(y), x_ptr, w_ptr, m, n, k, *extra, wide, int(self.gemv_ring),
+                         shared_bytes=shared)

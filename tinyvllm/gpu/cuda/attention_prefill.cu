@@ -51,18 +51,6 @@ constexpr int BLOCK_Q = WARPS * 16;  // query rows per CTA: 16 per warp, one mma
 constexpr int BLOCK_K = 64;          // keys per K/V tile
 constexpr int SMEM_PAD = 8;          // bf16 added to each shared K/V row (16 bytes)
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, cached in L2 only; valid = false writes 16 zero bytes (src unread).
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-
 // volatile + memory: the same shared address is read every tile; it must not be hoisted or merged
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -132,8 +120,8 @@ __device__ __forceinline__ void prefill_attention(
     const size_t kv_row = (size_t)num_kv_heads * D;
     const bf16* k_src = k_cache + (size_t)kv_head * D + copy_col;
     const bf16* v_src = v_cache + (size_t)kv_head * D + copy_col;
-    const uint32_t k_dst = smem_u32(k_tile + copy_row * ROW + copy_col);
-    const uint32_t v_dst = smem_u32(v_tile + copy_row * ROW + copy_col);
+    const uint32_t k_dst = smem_addr(k_tile + copy_row * ROW + copy_col);
+    const uint32_t v_dst = smem_addr(v_tile + copy_row * ROW + copy_col);
     int slot[LOADS];  // cache slot of each row this thread copies; -1 past kv_end (zero fill)
     auto find_slots = [&](int k0) {
 #pragma unroll
@@ -146,7 +134,7 @@ __device__ __forceinline__ void prefill_attention(
 #pragma unroll
         for (int i = 0; i < LOADS; ++i) {
             const bool valid = slot[i] >= 0;
-            cp_async_16(dst + i * ROWS_PER_PASS * ROW * 2, src + (valid ? (size_t)slot[i] * kv_row : 0), valid);
+            cp_async16(dst + i * ROWS_PER_PASS * ROW * 2, src + (valid ? (size_t)slot[i] * kv_row : 0), valid ? 16 : 0);
         }
         cp_async_commit();
     };
@@ -174,8 +162,8 @@ __device__ __forceinline__ void prefill_attention(
     //      -> b0, b1 of n-tile 2j and b0, b1 of n-tile 2j+1
     //   V: matrices (keys +0, d +0) (keys +8, d +0) (keys +0, d +8) (keys +8, d +8), transposed
     //      -> b0, b1 of d-tile 2j and b0, b1 of d-tile 2j+1
-    const uint32_t k_frag = smem_u32(k_tile + ((lane >> 4) * 8 + (lane & 7)) * ROW + ((lane >> 3) & 1) * 8);
-    const uint32_t v_frag = smem_u32(v_tile + (((lane >> 3) & 1) * 8 + (lane & 7)) * ROW + (lane >> 4) * 8);
+    const uint32_t k_frag = smem_addr(k_tile + ((lane >> 4) * 8 + (lane & 7)) * ROW + ((lane >> 3) & 1) * 8);
+    const uint32_t v_frag = smem_addr(v_tile + (((lane >> 3) & 1) * 8 + (lane & 7)) * ROW + (lane >> 4) * 8);
 
     const float scale_log2 = scale * 1.4426950408889634f;  // exp(x * scale) = exp2(x * scale_log2)
     const int pos0 = first_pos + r0, pos1 = pos0 + 8;     // positions of this lane's two rows
@@ -188,7 +176,7 @@ __device__ __forceinline__ void prefill_attention(
 
     for (int kt = 0; kt < num_tiles; ++kt) {
         const int k0 = kt * BLOCK_K;
-        cp_async_wait_all();
+        cp_async_wait<0>();
         __syncthreads();  // K[kt] is in; every warp is done with V[kt-1]
         issue_copy(v_dst, v_src);
         if (kt + 1 < num_tiles) find_slots(k0 + BLOCK_K);
@@ -254,7 +242,7 @@ __device__ __forceinline__ void prefill_attention(
             p[n / 2][(n & 1) * 2 + 1] = pack_bf16(p2, p3);
         }
 
-        cp_async_wait_all();
+        cp_async_wait<0>();
         __syncthreads();  // V[kt] is in; every warp is done with K[kt]
         if (kt + 1 < num_tiles) issue_copy(k_dst, k_src);
 #pragma unroll

@@ -16,6 +16,24 @@ typedef __nv_bfloat16 bf16;
 __device__ __forceinline__ void wait_for_producer() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void allow_consumer() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
+// ---- cp.async: 16-byte global -> shared copies that land while the thread goes on -------------
+// Used by the decode attention's K/V rings and the GEMV's weight ring. A thread's copies become
+// visible to that thread at cp_async_wait<N>() (N = groups it may leave in flight); other threads
+// of the warp see them after a __syncwarp as well.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// src_bytes = 0 writes 16 zero bytes and reads nothing (rows past an end).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
+
 // Eight bf16 values: the unit of one 16-byte load or store.
 struct alignas(16) bf16x8 {
     __nv_bfloat162 pair[4];

@@ -93,6 +93,9 @@ constexpr int STEP_K = 32;        // k per warp step: 4 lanes x 8 bf16 per W row
 constexpr int UNROLL = 4;        // steps in flight per warp: 8 x 16-byte W loads per lane
 constexpr int MAX_K_WARPS = 32;
 constexpr int NORM_SS_BYTES_PER_WARP = 8 * 4;   // the norm modes' extra shared memory: 8 row sums per warp
+constexpr int RING_STEPS = 4;     // ring path: steps per warp in flight (cp.async groups)
+constexpr int RING_SLOT_QUADS = 3 * 32;   // one step of one warp: W rows g and g + 8, X row g, 16 bytes per lane each
+constexpr int RING_BYTES_PER_WARP = RING_STEPS * RING_SLOT_QUADS * 16;   // gpu/ops.py sizes shared memory by it
 
 // W: read once, keep out of L1; wide_l2: with the .L2::256B prefetch hint (header)
 __device__ __forceinline__ uint4 load_stream(const bf16* p, int wide_l2) {
@@ -105,6 +108,18 @@ __device__ __forceinline__ uint4 load_stream(const bf16* p, int wide_l2) {
                      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     }
     return v;
+}
+
+// The ring path's copy of 16 bytes of W or X into this lane's part of a ring slot (src_bytes = 0:
+// zeros); wide_l2 as load_stream. cp.async.cg goes through L2 only, which X needs as well: it is
+// the previous kernel's output, never to be served from a stale L1 line.
+__device__ __forceinline__ void ring_copy(uint4* slot, const bf16* src, int src_bytes, int wide_l2) {
+    if (wide_l2) {
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
+                     ::"r"(smem_addr(slot)), "l"(src), "r"(src_bytes) : "memory");
+    } else {
+        cp_async16(smem_addr(slot), src, src_bytes);
+    }
 }
 
 // X: re-read by every CTA, cached in L1 (the default for ld.global on sm_90). Not .nc: X is the
@@ -197,7 +212,7 @@ template <XLoad MODE, Epilogue EPI>
 __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __restrict__ x,
                                           const NormArgs& norm, const bf16* __restrict__ w,
                                           int m, int n, int k, int out_f32, int accumulate,
-                                          const RopeArgs& rope, int wide_l2) {
+                                          const RopeArgs& rope, int wide_l2, int ring) {
     extern __shared__ float partial[];   // [warps][8 rows of x][16 columns of the CTA]
                                          // (rms_norm: then [warps][8 rows] sums of squares)
     allow_consumer();
@@ -222,7 +237,62 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
     constexpr bool ONE_BY_ONE = MODE != XLoad::plain || EPI != Epilogue::store;
     float ss = 0.0f;   // rms_norm: the sum of squares of the x values this lane loads (row g)
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s0 = s_begin; s0 < s_end; s0 += UNROLL) {
+    if (ring) {
+        // The ring path (header): this warp's RING_STEPS slots sit after the partial tiles (and
+        // the norm's row sums). Step i of the warp (s_begin + i) lives in slot i % RING_STEPS:
+        // W row g at quad lane, W row g + 8 at 32 + lane, X row g at 64 + lane. Each lane reads
+        // back only the 16-byte pieces it copied itself, so no barrier is needed: its own
+        // cp_async_wait makes them visible to it, and it refills a slot only after its mma has
+        // consumed the registers read from it.
+        uint4* const slots = reinterpret_cast<uint4*>(partial + warps * (8 * ROWS_PER_CTA) +
+                                                      (MODE == XLoad::rms_norm ? warps * 8 : 0)) +
+                             warp * RING_STEPS * RING_SLOT_QUADS;
+        const int my_steps = s_end - s_begin;
+        auto copy_w = [&](int i) {
+            uint4* slot = slots + (i % RING_STEPS) * RING_SLOT_QUADS;
+            const int kk = (s_begin + i) * STEP_K;
+            const bool in = kk + 8 * t < k;
+            ring_copy(slot + lane, in && w_ok0 ? w0 + kk : w0, in && w_ok0 ? 16 : 0, wide_l2);
+            ring_copy(slot + 32 + lane, in && w_ok1 ? w1 + kk : w1, in && w_ok1 ? 16 : 0, wide_l2);
+        };
+        auto copy_x = [&](int i) {
+            uint4* slot = slots + (i % RING_STEPS) * RING_SLOT_QUADS;
+            const int kk = (s_begin + i) * STEP_K;
+            const bool in = x_ok && kk + 8 * t < k;
+            cp_async16(smem_addr(slot + 64 + lane), in ? xr + kk : xr, in ? 16 : 0);
+        };
+        // W of the first RING_STEPS steps before the wait (one group each), X after it (one
+        // group); the loop then commits one group per step, empty near the end, so that at step
+        // i >= RING_STEPS exactly RING_STEPS - 1 groups were committed after the one holding it.
+#pragma unroll
+        for (int i = 0; i < RING_STEPS; ++i) {
+            if (i < my_steps) copy_w(i);
+            cp_async_commit();
+        }
+        wait_for_producer();   // X is the previous kernel's output
+#pragma unroll
+        for (int i = 0; i < RING_STEPS; ++i)
+            if (i < my_steps) copy_x(i);
+        cp_async_commit();
+        cp_async_wait<0>();
+        for (int i = 0; i < my_steps; ++i) {
+            if (i >= RING_STEPS) cp_async_wait<RING_STEPS - 1>();
+            const uint4* slot = slots + (i % RING_STEPS) * RING_SLOT_QUADS;
+            const uint4 p = slot[lane], q = slot[32 + lane];
+            uint4 v = slot[64 + lane];
+            if constexpr (MODE == XLoad::rms_norm) {
+                const int kk = (s_begin + i) * STEP_K;
+                if (x_ok && kk + 8 * t < k) v = scale_by_weight(v, load_weight(norm.weight + 8 * t + kk), ss);
+            }
+            mma_pair(acc, p, q, v);
+            if (i + RING_STEPS < my_steps) {
+                copy_w(i + RING_STEPS);
+                copy_x(i + RING_STEPS);
+            }
+            cp_async_commit();
+        }
+    }
+    for (int s0 = ring ? s_end : s_begin; s0 < s_end; s0 += UNROLL) {
         uint4 wv0[UNROLL], wv1[UNROLL], xv[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -339,8 +409,8 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
 // Y (+)= X @ W^T. y: [m, n] bf16 (out_f32 = 0) or fp32 (out_f32 = 1); x: [m, k]; w: [n, k].
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_bf16(void* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
-          int m, int n, int k, int out_f32, int accumulate, int wide_l2) {
-    gemv_body<XLoad::plain, Epilogue::store>(y, x, NormArgs{}, w, m, n, k, out_f32, accumulate, RopeArgs{}, wide_l2);
+          int m, int n, int k, int out_f32, int accumulate, int wide_l2, int ring) {
+    gemv_body<XLoad::plain, Epilogue::store>(y, x, NormArgs{}, w, m, n, k, out_f32, accumulate, RopeArgs{}, wide_l2, ring);
 }
 
 // qkv = X @ W^T, then RoPE on its q and k heads (q rotated in place; k rotated into k_cache, v into
@@ -349,10 +419,10 @@ extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const bf16* __restrict__ w,
                   int m, int n, int k, bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                  int num_q_heads, int num_kv_heads, int head_dim, int wide_l2) {
+                  int num_q_heads, int num_kv_heads, int head_dim, int wide_l2, int ring) {
     gemv_body<XLoad::plain, Epilogue::rope_kv>(
         qkv, x, NormArgs{}, w, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, wide_l2);
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, wide_l2, ring);
 }
 
 // gemv_rope_kv_bf16 with the RMSNorm of x (the residual stream [m, k], gain norm_w) inside, its
@@ -363,23 +433,23 @@ gemv_norm_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const
                        const bf16* __restrict__ w, int m, int n, int k, float eps,
                        bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
                        const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                       int num_q_heads, int num_kv_heads, int head_dim, int wide_l2) {
+                       int num_q_heads, int num_kv_heads, int head_dim, int wide_l2, int ring) {
     gemv_body<XLoad::rms_norm, Epilogue::rope_kv>(
         qkv, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, wide_l2);
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, wide_l2, ring);
 }
 
 // act = silu(gate) * up of gate_up = X @ W^T, W = [gate; up] ([n, k], gate rows first): gemv_bf16
 // and silu_mul in one launch, the same bits. act: [m, n/2].
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ w,
-                   int m, int n, int k, int wide_l2) {
-    gemv_body<XLoad::plain, Epilogue::silu_mul>(act, x, NormArgs{}, w, m, n, k, 0, 0, RopeArgs{}, wide_l2);
+                   int m, int n, int k, int wide_l2, int ring) {
+    gemv_body<XLoad::plain, Epilogue::silu_mul>(act, x, NormArgs{}, w, m, n, k, 0, 0, RopeArgs{}, wide_l2, ring);
 }
 
 // gemv_silu_mul_bf16 with the RMSNorm of x inside, as gemv_norm_rope_kv_bf16.
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_norm_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
-                        const bf16* __restrict__ w, int m, int n, int k, float eps, int wide_l2) {
-    gemv_body<XLoad::rms_norm, Epilogue::silu_mul>(act, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0, RopeArgs{}, wide_l2);
+                        const bf16* __restrict__ w, int m, int n, int k, float eps, int wide_l2, int ring) {
+    gemv_body<XLoad::rms_norm, Epilogue::silu_mul>(act, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0, RopeArgs{}, wide_l2, ring);
 }
