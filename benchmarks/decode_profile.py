@@ -78,6 +78,40 @@ def graph_gpu_time(runner, batch, repeats: int = 50) -> float:
         return end.time_since(start) / 1e3 / repeats
 
 
+def step_copies(runner, batch, repeats: int = 50) -> None:
+    """GPU time per step of back-to-back decode-graph replays with the copies the engine puts
+    between them on the stream (cuda_runner.launch: the inputs' upload before the graph, the
+    sampled ids' download and an event after it), each part alone and all together: what the
+    stream spends between two graphs besides the graphs."""
+    import pycuda.driver as drv
+    S, size = batch.num_seqs, runner._graph_size_for(batch.num_seqs)
+    with runner.device.active():
+        runner._stage_inputs(batch, SamplingBatch.greedy(S), rows=size)
+        nbytes = runner._block_tables_offset + size * batch.block_tables.shape[1] * 4
+        ids, done = runner._ids_host[0], drv.Event()
+        graph = runner.graphs[size]
+        parts = {"up": lambda: runner.arena.upload_inputs(nbytes, runner.stream),
+                 "graph": lambda: graph.launch(runner.stream),
+                 "down": lambda: drv.memcpy_dtoh_async(ids[:S], int(runner.arena.view("sampled_ids")), runner.stream),
+                 "event": lambda: done.record(runner.stream)}
+        rows = []
+        for name in ("graph", "up + graph", "graph + down", "up + graph + down + event (the engine's step)"):
+            order = [p for p in parts if p in name]
+            for part in order:
+                parts[part]()
+            start, end = drv.Event(), drv.Event()
+            start.record(runner.stream)
+            for _ in range(repeats):
+                for part in order:
+                    parts[part]()
+            end.record(runner.stream)
+            end.synchronize()
+            rows.append((name, end.time_since(start) / repeats))
+    print(f"\nthe step's copies on the stream, batch {S} (GPU ms per step, {repeats} back to back):")
+    for name, ms in rows:
+        print(f"{name:<48} {ms:8.3f}  ({(ms - rows[0][1]) * 1e3:+6.1f} us)")
+
+
 def per_op_times(runner, batch, repeats: int = 20) -> dict[str, float]:
     """GPU microseconds per op name in one decode step, inside CUDA graphs: record every launch
     of an eager step, then capture all launches of each op (×repeats) into a graph of its own and
@@ -120,6 +154,8 @@ def main() -> None:
                     help="time the smallest batch with these L2 prefetch budgets per layer (0: off)")
     ap.add_argument("--compare-early-kv", action="store_true",
                     help="time the smallest batch with the decode attention's early K/V copies off and on")
+    ap.add_argument("--step-copies", action="store_true",
+                    help="GPU time per step with the engine's input upload / id download between graphs")
     ap.add_argument("--compare-gemv", action="store_true",
                     help="time the smallest batch under each GEMV setting (gemv_configs())")
     ap.add_argument("--leave-one-out", action="store_true",
@@ -158,6 +194,8 @@ def main() -> None:
         compare_prefetch(runner, profile_batch, args.compare_prefetch)
     if args.compare_early_kv:
         compare_early_kv(runner, profile_batch)
+    if args.step_copies:
+        step_copies(runner, profile_batch)
     if args.compare_gemv:
         compare_gemv(runner, profile_batch, cfg)
     if args.leave_one_out:
@@ -259,19 +297,19 @@ def compare_early_kv(runner, batch) -> None:
 
 # gemv_configs(): (label, GpuOps settings). The LM head on the GEMV (gemv_k_warps' `last` rule)
 # or on cuBLAS; the .L2::256B load hint (default: gemv_wide_l2's rule) off or everywhere; the ring
-# path (gemv_ring: weights through cp.async rings in shared memory) in its wave of 16 warps/SM,
-# where the next kernel's CTAs have room to be resident and fill their rings under PDL while this
-# one drains, and in the register path's wave of 32. Session 8 also timed the register path in
+# path (gemv_ring: weights through cp.async rings in shared memory) in the register path's wave
+# of 32 warps/SM, and in waves of 16 or 24, where the next kernel's CTAs have room to be resident
+# and fill their rings under PDL while this one drains. Session 8 also timed the register path in
 # waves of 16 and 24, grids past one wave and CTAs of at most 16 warps; all lost inside the graph
 # (docs/perf-notes.md).
 def gemv_configs(vocab_size: int) -> list[tuple[str, dict]]:
     return [("default", {}),
             ("LM head on cuBLAS", {"gemv_max_n": vocab_size - 1}),
-            ("the .L2::256B hint on every GEMV", {"gemv_l2_hint": True}),
-            ("ring path, wave 16", {"gemv_ring": True}),
-            ("ring path, wave 16, hint on every GEMV", {"gemv_ring": True, "gemv_l2_hint": True}),
-            ("ring path, wave 32", {"gemv_ring": True, "gemv_wave_warps": 32}),
-            ("ring path, wave 16, LM head on cuBLAS", {"gemv_ring": True, "gemv_max_n": vocab_size - 1})]
+            ("ring path, wave 16", {"gemv_ring": True, "gemv_wave_warps": 16}),
+            ("ring path (wave 32)", {"gemv_ring": True}),
+            ("ring path, LM head on cuBLAS", {"gemv_ring": True, "gemv_max_n": vocab_size - 1}),
+            ("ring path, hint on every GEMV", {"gemv_ring": True, "gemv_l2_hint": True}),
+            ("ring path, wave 24", {"gemv_ring": True, "gemv_wave_warps": 24})]
 
 
 def compare_gemv(runner, batch, cfg) -> None:

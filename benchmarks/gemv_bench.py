@@ -143,7 +143,7 @@ def main() -> None:
         # launches ask for it by ops.gemv_wide_l2's rule)
         gemv_pf = GpuOps(gemv.library, stream, blas)
         gemv_pf.gemv_l2_hint = True
-        # The ring path (gemv.cu's header) at its own k-split rule (ops.GEMV_RING_WARPS_PER_SM)
+        # The ring path (gemv.cu's header)
         gemv_ring = GpuOps(gemv.library, stream, blas)
         gemv_ring.gemv_ring = True
         print(f"{device.name()}, {gemv.num_sms} SMs; setup {time.perf_counter() - t_start:.1f} s")

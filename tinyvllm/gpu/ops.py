@@ -77,9 +77,6 @@ MAX_DECODE_SPLITS = DECODE["MAX_SPLITS"]   # flash-decoding splits per sequence;
 GEMV_MAX_ROWS = 8            # the GEMV's m limit (x rows held in one m16n8k16 tile's n = 8)
 GEMV_MAX_K = 1 << 26         # its int step arithmetic (steps * warps) stays below 2^31
 GEMV_WARPS_PER_SM = 32       # residency at its 64 registers per thread
-# The ring path's wave: half an SM's registers (and ~100 KB of its shared memory at 6.5 KB per
-# warp), so that the next kernel's CTAs fit beside this one's and fill their rings under PDL.
-GEMV_RING_WARPS_PER_SM = 16
 GEMV_MIN_STEPS_PER_WARP = 2  # gemv_k_warps(): the fewest 32-wide k steps a warp is left with
 GEMV_WIDE_L2_MIN_STEPS = 16  # gemv_wide_l2(): the steps per warp from which the .L2::256B hint pays
 # The LM head runs on the GEMV too (gemv_k_warps' `last` rule): alone 121 us against cuBLAS's
@@ -126,9 +123,8 @@ class GpuOps:
         # shared memory instead of registers; TINYVLLM_GEMV_RING=1 turns it on. The same bits as
         # the register path at the same k-split.
         self.gemv_ring = os.environ.get("TINYVLLM_GEMV_RING", "0") == "1"
-        # the warps per SM that gemv_k_warps counts as one wave (decode_profile.py --compare-gemv);
-        # None: GEMV_RING_WARPS_PER_SM on the ring path, GEMV_WARPS_PER_SM on the register path
-        self.gemv_wave_warps: int | None = None
+        # the warps per SM that gemv_k_warps counts as one wave (decode_profile.py --compare-gemv)
+        self.gemv_wave_warps = GEMV_WARPS_PER_SM
         # the GEMV's .L2::256B load hint: None follows gemv_wide_l2's rule, True / False force it
         # (benchmarks/gemv_bench.py and decode_profile.py --compare-gemv compare them)
         self.gemv_l2_hint: bool | None = None
@@ -363,10 +359,9 @@ class GpuOps:
         with gate_up at 16): CTAs that start in later waves hold back the next kernel's launch
         under PDL (decode_profile.py --compare-gemv, session 8)."""
         ctas, steps = math.ceil(n / GEMV["ROWS_PER_CTA"]), math.ceil(k / GEMV["STEP_K"])
-        wave = self.gemv_wave_warps or (GEMV_RING_WARPS_PER_SM if self.gemv_ring else GEMV_WARPS_PER_SM)
         kw = 1
         while kw < GEMV["MAX_K_WARPS"] and steps >= kw * 2 * GEMV_MIN_STEPS_PER_WARP:
-            one_wave = ctas * kw * 2 <= self.num_sms * wave
+            one_wave = ctas * kw * 2 <= self.num_sms * self.gemv_wave_warps
             if not (one_wave or (last and steps >= kw * 2 * GEMV["UNROLL"])):
                 break
             kw *= 2
