@@ -14,8 +14,9 @@ and loaded with the driver API. Kernels are launched with cuLaunchKernelEx, whic
 programmatic-stream-serialization attribute (programmatic dependent launch, PDL): the next
 kernel in the stream may start while this one finishes. Every kernel therefore executes
 `griddepcontrol.wait` (common.cuh's wait_for_producer) before it reads anything an earlier
-kernel wrote, and `griddepcontrol.launch_dependents` (allow_consumer) once all its blocks are
-running; without the attribute both are no-ops. Only kernels of a file that calls
+kernel wrote, and `griddepcontrol.launch_dependents` (allow_consumer) first thing, so that the
+next kernel's blocks can be resident early (common.cuh says why that is safe); without the
+attribute both are no-ops. Only kernels of a file that calls
 wait_for_producer() are ever launched with the attribute (`waits_for_producer`), so a kernel
 written without the wait can never race with the kernel before it.
 """

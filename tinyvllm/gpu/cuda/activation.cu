@@ -8,8 +8,8 @@ constexpr int THREADS = 256;   // block size (gpu/ops.py launches with it)
 
 extern "C" __global__ void __launch_bounds__(THREADS) silu_mul(bf16* __restrict__ out, const bf16* gate_up,
                                     int num_tokens, int inter) {
-    wait_for_producer();
     allow_consumer();
+    wait_for_producer();
     const int chunks_per_row = inter / 8;
     const size_t total = (size_t)num_tokens * chunks_per_row;
     for (size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x; idx < total;

@@ -171,15 +171,13 @@ __device__ __forceinline__ void decode_attention(
                     columns * gridDim.z);
         return;
     }
-    // PDL (common.cuh): q and the new token's K/V are rope_write_kv's output, and `out` may still
-    // be read by the previous layer's o projection, so wait before anything else (those pointers
-    // carry no __restrict__, so no read-only load of them can be hoisted above the wait). The o
-    // projection that follows may then launch and start streaming its weights under this kernel.
-    // early_kv (header) waits after the prologue's copies instead, below.
-    if (!early_kv) {
-        wait_for_producer();
-        allow_consumer();
-    }
+    // PDL (common.cuh): the o projection that follows may launch at once and stream its weights
+    // under this kernel. q and the new token's K/V are the qkv GEMV's (or rope_write_kv's)
+    // output, and `out` may still be read by the previous layer's o projection, so wait before
+    // anything else (those pointers carry no __restrict__, so no read-only load of them can be
+    // hoisted above the wait). early_kv (header) waits after the prologue's copies instead, below.
+    allow_consumer();
+    if (!early_kv) wait_for_producer();
 
     const int seq = blockIdx.x / num_kv_heads, kv_head = blockIdx.x % num_kv_heads, split = blockIdx.z;
     const int num_q_heads = num_kv_heads * GROUP;
@@ -241,7 +239,6 @@ __device__ __forceinline__ void decode_attention(
     }
     if (early_kv) {
         wait_for_producer();
-        allow_consumer();
         // The newest row, now written, where a prologue step holds it: the lanes issue() gives
         // that row copy it with coherent loads into the same swizzled place (a later step's copy
         // of it is issued in the main loop, after the wait, as usual).

@@ -13,6 +13,15 @@ typedef __nv_bfloat16 bf16;
 // launching once every block of this one has called it (or exited). Both are no-ops in an
 // ordinary launch. A kernel file that uses wait_for_producer() is what marks its kernels as
 // safe to launch with the attribute.
+// Every kernel calls allow_consumer() first thing: the wait, not the trigger, orders memory
+// (griddepcontrol.wait returns only when every earlier grid has completed and its writes are
+// visible), so an early trigger only lets the next kernel's blocks become resident sooner and
+// run what they do before their wait — the GEMVs' weight copies, the decode attention's early
+// K/V copies, none of which reads anything a kernel of the step writes. A chain of kernels may
+// then be resident at once, each waiting on the one before; a kernel launches only once every
+// block of the one before it is running, so the oldest is never starved of room. Triggering
+// after the wait instead (the rule before session 9) kept the next GEMV's weight stream behind
+// the whole of a 1-block RMSNorm (docs/perf-notes.md, session 9).
 __device__ __forceinline__ void wait_for_producer() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void allow_consumer() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 

@@ -12,8 +12,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) embedding_gather(bf16* __r
                                             const int* __restrict__ token_ids, const int* __restrict__ fed_rows,
                                             const int* __restrict__ fed_ids, int num_tokens,
                                             int hidden, int vocab_size) {
-    wait_for_producer();
     allow_consumer();
+    wait_for_producer();
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
     const int fed = fed_rows ? fed_rows[t] : -1;

@@ -50,8 +50,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_norm(bf16* __restrict_
                                     int num_rows, int hidden, float eps) {
     __shared__ float chunk_ss[MAX_HIDDEN / SS_CHUNK];
     __shared__ float inv_rms;
-    wait_for_producer();
     allow_consumer();
+    wait_for_producer();
     const int r = blockIdx.x;
     if (r >= num_rows) return;
     const bf16* x = in + (size_t)(rows ? rows[r] : r) * hidden;

@@ -14,8 +14,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) rope_write_kv(bf16* __rest
                                          const int* __restrict__ slot_mapping,
                                          const float* __restrict__ inv_freq, int num_tokens,
                                          int num_q_heads, int num_kv_heads, int head_dim) {
-    wait_for_producer();
     allow_consumer();
+    wait_for_producer();
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
     const int half = head_dim / 2;

@@ -286,8 +286,8 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
               ArgmaxPartial* __restrict__ partials,   // [num_seqs, MAX_ARGMAX_SLICES]; null: gridDim.y = 1
               unsigned* __restrict__ slice_counters)  // [num_seqs], 0 between launches; null: gridDim.y = 1
 {
-    wait_for_producer();   // the logits are the LM head's output
     allow_consumer();
+    wait_for_producer();   // the logits are the LM head's output
     __shared__ Scratch s;
     const int row = blockIdx.x;
     float* x = logits + (size_t)row * vocab;
@@ -369,8 +369,8 @@ apply_logit_edits(float* __restrict__ logits,           // [rows, vocab], edited
                   const LogitEdit* __restrict__ edits,  // [num_edits]
                   int num_edits)
 {
-    wait_for_producer();   // the logits are the LM head's output
     allow_consumer();
+    wait_for_producer();   // the logits are the LM head's output
     const int i = blockIdx.x * EDIT_THREADS + threadIdx.x;
     if (i >= num_edits) return;
     const LogitEdit e = edits[i];
@@ -405,8 +405,8 @@ step_logprobs(const float* __restrict__ logits,     // [*, vocab] raw logits
               int* __restrict__ top_ids,            // [num_rows, k]
               float* __restrict__ top_logprobs)     // [num_rows, k]
 {
-    wait_for_producer();   // the sampled ids are the sampler's output
     allow_consumer();
+    wait_for_producer();   // the sampled ids are the sampler's output
     __shared__ Scratch s;
     __shared__ double warp_sum[NUM_WARPS];
     __shared__ unsigned cand_key[MAX_TOP_LOGPROBS];
