@@ -222,6 +222,20 @@ def test_early_kv_graphs_equal_plain_graphs(tiny, num_seqs):
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3])
+def test_ring_graphs_equal_register_graphs(tiny, num_seqs):
+    """The GEMV's ring path (TINYVLLM_GEMV_RING, gemv.cu's header) computes the register path's
+    products in the same order at one k-split, and under PDL in the graphs every kernel's weight
+    copies may now be in flight while several kernels before it still run: decode graphs
+    captured with it give bitwise the logits of graphs captured without it."""
+    cfg, runner, _, _ = tiny
+    with runner.recaptured(gemv_ring=True):
+        ring = _decode_run(cfg, runner, 19, steps=24, num_seqs=num_seqs)
+    with runner.recaptured(gemv_ring=False):
+        registers = _decode_run(cfg, runner, 19, steps=24, num_seqs=num_seqs)
+    _assert_steps_equal(ring, registers)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3])
 def test_fused_graphs_equal_unfused_graphs(tiny, num_seqs):
     """The fused decode layer: five launches per layer with the norms inside the GEMVs (the
     default for the tiny model's small GEMVs, ops.fuses_norm), RoPE + KV write and silu too. Its norms take the scale out of the dot product, which changes bits,
