@@ -296,20 +296,15 @@ def compare_early_kv(runner, batch) -> None:
 
 
 # gemv_configs(): (label, GpuOps settings). The LM head on the GEMV (gemv_k_warps' `last` rule)
-# or on cuBLAS; the .L2::256B load hint (default: gemv_wide_l2's rule) off or everywhere; the ring
-# path (gemv_ring: weights through cp.async rings in shared memory) in the register path's wave
-# of 32 warps/SM, and in waves of 16 or 24, where the next kernel's CTAs have room to be resident
-# and fill their rings under PDL while this one drains. Session 8 also timed the register path in
-# waves of 16 and 24, grids past one wave and CTAs of at most 16 warps; all lost inside the graph
-# (docs/perf-notes.md).
+# or on cuBLAS; the ring path (gemv_ring: weights through cp.async rings in shared memory) in a
+# wave of 16 warps/SM, where the next kernel's CTAs have room beside this one's; the register
+# path. Sessions 8 and 9 also timed the .L2::256B hint by rule and everywhere, waves of 24, grids
+# past one wave and CTAs of at most 16 warps (docs/perf-notes.md).
 def gemv_configs(vocab_size: int) -> list[tuple[str, dict]]:
-    return [("default", {}),
+    return [("default (ring path, wave 32, hint on)", {}),
             ("LM head on cuBLAS", {"gemv_max_n": vocab_size - 1}),
-            ("ring path, wave 16", {"gemv_ring": True, "gemv_wave_warps": 16}),
-            ("ring path (wave 32)", {"gemv_ring": True}),
-            ("ring path, LM head on cuBLAS", {"gemv_ring": True, "gemv_max_n": vocab_size - 1}),
-            ("ring path, hint on every GEMV", {"gemv_ring": True, "gemv_l2_hint": True}),
-            ("ring path, wave 24", {"gemv_ring": True, "gemv_wave_warps": 24})]
+            ("ring path, wave 16", {"gemv_wave_warps": 16}),
+            ("registers (TINYVLLM_GEMV_RING=0)", {"gemv_ring": False})]
 
 
 def compare_gemv(runner, batch, cfg) -> None:

@@ -120,9 +120,10 @@ class GpuOps:
         # --compare-gemv lowers it to put the LM head back on cuBLAS
         self.gemv_max_n = GEMV_MAX_N
         # the GEMV's ring path (gemv.cu's header): weights through per-warp cp.async rings in
-        # shared memory instead of registers; TINYVLLM_GEMV_RING=1 turns it on. The same bits as
-        # the register path at the same k-split.
-        self.gemv_ring = os.environ.get("TINYVLLM_GEMV_RING", "0") == "1"
+        # shared memory instead of registers, the same bits at the same k-split; the default since
+        # it measured 45 us per step ahead on Llama-1B (docs/perf-notes.md, session 9).
+        # TINYVLLM_GEMV_RING=0 keeps the weights in registers.
+        self.gemv_ring = os.environ.get("TINYVLLM_GEMV_RING", "1") != "0"
         # the warps per SM that gemv_k_warps counts as one wave (decode_profile.py --compare-gemv)
         self.gemv_wave_warps = GEMV_WARPS_PER_SM
         # the GEMV's .L2::256B load hint: None follows gemv_wide_l2's rule, True / False force it
@@ -368,13 +369,16 @@ class GpuOps:
         return kw
 
     def gemv_wide_l2(self, k: int, k_warps: int) -> bool:
-        """Whether a GEMV's weight loads carry the .L2::256B hint (gemv.cu's header): when each
-        warp walks at least GEMV_WIDE_L2_MIN_STEPS steps, so the 256 bytes a load asks L2 for are
-        the ones its next steps read. gemv_bench alone, H200: Llama-1B gate_up (4 warps of 16
-        steps) 19.05 -> 17.62 us with it; qkv, o, down (2-8 steps) 0.1-0.4 us slower. Of the
-        default launches only Llama-1B's gate_up gets it. gemv_l2_hint overrides the rule."""
+        """Whether a GEMV's weight loads carry the .L2::256B hint (gemv.cu's header). The ring
+        path: always (in the Llama-1B decode graph 0.823 ms against 0.830 with the register
+        path's rule, two rounds each, session 9). The register path: when each warp walks at
+        least GEMV_WIDE_L2_MIN_STEPS steps, so the 256 bytes a load asks L2 for are the ones its
+        next steps read (gemv_bench alone, H200: Llama-1B gate_up, 4 warps of 16 steps, 19.05 ->
+        17.62 us with it; qkv, o, down, 2-8 steps, 0.1-0.4 us slower). gemv_l2_hint overrides both."""
         if self.gemv_l2_hint is not None:
             return self.gemv_l2_hint
+        if self.gemv_ring:
+            return True
         return math.ceil(k / GEMV["STEP_K"]) >= GEMV_WIDE_L2_MIN_STEPS * k_warps
 
     def gemv_launch_shape(self, n: int, k: int, k_warps: int | None = None, last: bool = False) -> tuple:
