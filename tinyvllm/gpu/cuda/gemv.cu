@@ -94,7 +94,9 @@ constexpr int UNROLL = 4;        // steps in flight per warp: 8 x 16-byte W load
 constexpr int MAX_K_WARPS = 32;
 constexpr int NORM_SS_BYTES_PER_WARP = 8 * 4;   // the norm modes' extra shared memory: 8 row sums per warp
 constexpr int RING_STEPS = 4;     // ring path: steps per warp in flight (cp.async groups)
-constexpr int RING_SLOT_QUADS = 3 * 32;   // one step of one warp: W rows g and g + 8, X row g, 16 bytes per lane each
+// one step of one warp: W rows g and g + 8, X row g (16 bytes per lane each), and the norm
+// modes' 4 norm-weight chunks (one per t)
+constexpr int RING_SLOT_QUADS = 3 * 32 + 4;
 constexpr int RING_BYTES_PER_WARP = RING_STEPS * RING_SLOT_QUADS * 16;   // gpu/ops.py sizes shared memory by it
 
 // W: read once, keep out of L1; wide_l2: with the .L2::256B prefetch hint (header)
@@ -240,20 +242,26 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
     if (ring) {
         // The ring path (header): this warp's RING_STEPS slots sit after the partial tiles (and
         // the norm's row sums). Step i of the warp (s_begin + i) lives in slot i % RING_STEPS:
-        // W row g at quad lane, W row g + 8 at 32 + lane, X row g at 64 + lane. Each lane reads
-        // back only the 16-byte pieces it copied itself, so no barrier is needed: its own
-        // cp_async_wait makes them visible to it, and it refills a slot only after its mma has
-        // consumed the registers read from it.
+        // W row g at quad lane, W row g + 8 at 32 + lane, X row g at 64 + lane, and (norm
+        // modes) the norm weight's 16 bytes for lanes t at 96 + t. Each lane reads back the W
+        // and X pieces it copied itself, so those need no barrier: its own cp_async_wait makes
+        // them visible to it. The norm weight chunk of lane (g, t) is copied by lane (0, t)
+        // alone (the 8 lanes of one t need the same 16 bytes), so the norm modes add a
+        // __syncwarp after the wait. A slot is refilled only after the step's mma, which every
+        // lane of the warp executes together (mma.sync.aligned) with the values read from it.
         uint4* const slots = reinterpret_cast<uint4*>(partial + warps * (8 * ROWS_PER_CTA) +
                                                       (MODE == XLoad::rms_norm ? warps * 8 : 0)) +
                              warp * RING_STEPS * RING_SLOT_QUADS;
         const int my_steps = s_end - s_begin;
-        auto copy_w = [&](int i) {
+        auto copy_w = [&](int i) {   // and the norm weight: weights, written by no kernel
             uint4* slot = slots + (i % RING_STEPS) * RING_SLOT_QUADS;
             const int kk = (s_begin + i) * STEP_K;
             const bool in = kk + 8 * t < k;
             ring_copy(slot + lane, in && w_ok0 ? w0 + kk : w0, in && w_ok0 ? 16 : 0, wide_l2);
             ring_copy(slot + 32 + lane, in && w_ok1 ? w1 + kk : w1, in && w_ok1 ? 16 : 0, wide_l2);
+            if constexpr (MODE == XLoad::rms_norm) {
+                if (g == 0) cp_async16(smem_addr(slot + 96 + t), in ? norm.weight + 8 * t + kk : norm.weight, in ? 16 : 0);
+            }
         };
         auto copy_x = [&](int i) {
             uint4* slot = slots + (i % RING_STEPS) * RING_SLOT_QUADS;
@@ -277,12 +285,13 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
         cp_async_wait<0>();
         for (int i = 0; i < my_steps; ++i) {
             if (i >= RING_STEPS) cp_async_wait<RING_STEPS - 1>();
+            if constexpr (MODE == XLoad::rms_norm) __syncwarp();   // lane (0, t)'s norm weight chunk
             const uint4* slot = slots + (i % RING_STEPS) * RING_SLOT_QUADS;
             const uint4 p = slot[lane], q = slot[32 + lane];
             uint4 v = slot[64 + lane];
             if constexpr (MODE == XLoad::rms_norm) {
                 const int kk = (s_begin + i) * STEP_K;
-                if (x_ok && kk + 8 * t < k) v = scale_by_weight(v, load_weight(norm.weight + 8 * t + kk), ss);
+                if (x_ok && kk + 8 * t < k) v = scale_by_weight(v, slot[96 + t], ss);
             }
             mma_pair(acc, p, q, v);
             if (i + RING_STEPS < my_steps) {
