@@ -8,7 +8,7 @@ import pytest
 
 from tinyvllm.checkpoint.model_writer import preset_config
 from tinyvllm.config import EngineConfig
-from tinyvllm.gpu.arena import ACTIVATIONS, ALIGN, INPUTS, ArenaDims, ArenaLayout
+from tinyvllm.gpu.arena import ACTIVATIONS, ALIGN, INPUTS, TOKEN_INPUTS, ArenaDims, ArenaLayout
 from tinyvllm.gpu.device_weights import device_tensor_shapes
 
 # Buffers that one kernel or GEMM reads and writes together, or that are live across each
@@ -46,7 +46,14 @@ def test_alignment_and_sizes(layout):
     for p in itertools.chain(layout.activations.values(), layout.inputs.values()):
         assert p.offset % ALIGN == 0
     assert max(p.offset + p.nbytes for p in layout.activations.values()) <= layout.activation_bytes
-    assert INPUTS[-1].name == "block_tables", "block tables must stay last: uploads stop after them"
+    # a decode step's upload stops inside block_tables (cuda_runner._stage_inputs): every input
+    # a decode step uses lies before it, and only the prefill per-token arrays after it
+    names = [s.name for s in INPUTS]
+    after = names[names.index("block_tables") + 1:]
+    assert sorted(after) == sorted(TOKEN_INPUTS), after
+    assert all(f"decode_{n}" in names[:names.index("block_tables")] for n in TOKEN_INPUTS)
+    dims_seqs = layout.inputs["decode_token_ids"].nbytes // 4
+    assert all(layout.inputs[f"decode_{n}"].nbytes == dims_seqs * 4 for n in TOKEN_INPUTS)
     assert {s.name for s in ACTIVATIONS} == set(layout.activations)
 
 

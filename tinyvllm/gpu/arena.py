@@ -15,8 +15,13 @@ Buffers that share a `storage` name share bytes: their lifetimes within a layer 
 
 The per-step inputs (token ids, positions, slot mapping, block tables, sampling parameters)
 form one contiguous region mirrored in page-locked host memory, so a step uploads them with a
-single copy. Block tables come last and are packed with the batch's own width, so that copy
-stops right after the rows in use.
+single copy. A decode step has one token per sequence, so its per-token inputs have their own
+arrays of max-sequences length (decode_*), placed with the per-sequence ones before the block
+tables, which are packed with the batch's own width: a decode step's copy stops right after the
+rows in use (at batch 1, a few hundred bytes). The prefill steps' per-token arrays (max-tokens
+long: 256 KB at 16,384 tokens, which every decode step used to upload; 12 us per step on the
+stream, docs/perf-notes.md session 9) come after the block tables, and only prefill copies cross
+them.
 """
 from __future__ import annotations
 
@@ -85,11 +90,12 @@ ACTIVATIONS = [
     BufferSpec("cublas_workspace", lambda d: (CUBLAS_WORKSPACE_BYTES // 4,), F32, "cublas_workspace"),
 ]
 
-# Uploaded every step in one copy: keep block_tables last (see module docstring).
+# Uploaded every step in one copy: a decode step's stops inside block_tables, so every decode
+# input comes before it and the prefill-only arrays after it (see module docstring).
+# async scheduling: token t's id is the previous step's sampled_ids[fed_rows[t]] where >= 0
+TOKEN_INPUTS = ("token_ids", "positions", "slot_mapping", "fed_rows")   # a decode_ twin of each
 INPUTS = [
-    BufferSpec("token_ids", lambda d: (d.tokens,), I32, "token_ids"),
-    BufferSpec("positions", lambda d: (d.tokens,), I32, "positions"),
-    BufferSpec("slot_mapping", lambda d: (d.tokens,), I32, "slot_mapping"),
+    *(BufferSpec(f"decode_{name}", lambda d: (d.seqs,), I32, f"decode_{name}") for name in TOKEN_INPUTS),
     BufferSpec("query_start", lambda d: (d.seqs + 1,), I32, "query_start"),
     BufferSpec("context_lens", lambda d: (d.seqs,), I32, "context_lens"),
     BufferSpec("last_token_idx", lambda d: (d.seqs,), I32, "last_token_idx"),
@@ -99,10 +105,9 @@ INPUTS = [
     BufferSpec("min_p", lambda d: (d.seqs,), F32, "min_p"),
     BufferSpec("seeds", lambda d: (d.seqs,), U64, "seeds"),
     BufferSpec("steps", lambda d: (d.seqs,), I32, "steps"),
-    # async scheduling: token t's id is the previous step's sampled_ids[fed_rows[t]] where >= 0
-    BufferSpec("fed_rows", lambda d: (d.tokens,), I32, "fed_rows"),
     BufferSpec("block_table_width", lambda d: (1,), I32, "block_table_width"),
     BufferSpec("block_tables", lambda d: (d.seqs, d.blocks_per_seq), I32, "block_tables"),
+    *(BufferSpec(name, lambda d: (d.tokens,), I32, name) for name in TOKEN_INPUTS),
 ]
 
 OUTPUTS = [

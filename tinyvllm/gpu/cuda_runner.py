@@ -31,7 +31,7 @@ import pycuda.driver as drv  # a missing PyCUDA fails this import: make_runner s
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch, StepLogprobs
 from tinyvllm.engine.model_runner import ModelRunner, PendingStep
-from tinyvllm.gpu.arena import CUBLAS_WORKSPACE_BYTES, Arena, ArenaDims, ArenaLayout
+from tinyvllm.gpu.arena import CUBLAS_WORKSPACE_BYTES, TOKEN_INPUTS, Arena, ArenaDims, ArenaLayout
 from tinyvllm.gpu.cublas import Cublas
 from tinyvllm.gpu.device_weights import upload_weights
 from tinyvllm.gpu.driver import CudaDevice
@@ -144,9 +144,11 @@ class CudaRunner(ModelRunner):
         if width > self.dims.blocks_per_seq:
             raise ValueError(f"block table width {width} exceeds {self.dims.blocks_per_seq}")
         h = self.arena.host
-        h("token_ids")[:T] = batch.token_ids
-        h("positions")[:T] = batch.positions
-        h("slot_mapping")[:T] = batch.slot_mapping
+        # per-token inputs: a decode step's own short arrays, or the prefill ones (arena.py)
+        tok = {name: h(name if batch.is_prefill else f"decode_{name}") for name in TOKEN_INPUTS}
+        tok["token_ids"][:T] = batch.token_ids
+        tok["positions"][:T] = batch.positions
+        tok["slot_mapping"][:T] = batch.slot_mapping
         h("query_start")[:S + 1] = batch.query_start
         h("context_lens")[:S] = batch.context_lens
         h("last_token_idx")[:S] = batch.last_token_indices
@@ -158,11 +160,12 @@ class CudaRunner(ModelRunner):
         h("min_p")[:S] = sampling.min_p
         h("seeds")[:S] = sampling.seed
         h("steps")[:S] = sampling.step
-        h("fed_rows")[:T] = -1 if batch.fed_rows is None else batch.fed_rows
+        tok["fed_rows"][:T] = -1 if batch.fed_rows is None else batch.fed_rows
         if R > S:
             assert not batch.is_prefill and T == S, "only decode batches are padded"
-            for name, value in (("token_ids", 0), ("fed_rows", -1), ("positions", 0), ("slot_mapping", -1),
-                                ("context_lens", 1), ("temperature", 0.0), ("top_k", -1),
+            for name, value in (("token_ids", 0), ("fed_rows", -1), ("positions", 0), ("slot_mapping", -1)):
+                tok[name][S:R] = value
+            for name, value in (("context_lens", 1), ("temperature", 0.0), ("top_k", -1),
                                 ("top_p", 1.0), ("min_p", 0.0), ("seeds", 0), ("steps", 0)):
                 h(name)[S:R] = value
             h("last_token_idx")[S:R] = np.arange(S, R)
@@ -171,10 +174,17 @@ class CudaRunner(ModelRunner):
         # upload stops right after the rows in use
         self._block_tables_flat[:S * width] = batch.block_tables.reshape(-1)
         self._block_tables_flat[S * width:R * width] = 0
-        self.arena.upload_inputs(self._block_tables_offset + R * width * 4, self.stream)
+        end = self._token_inputs_end(T) if batch.is_prefill else self._block_tables_offset + R * width * 4
+        self.arena.upload_inputs(end, self.stream)
         self._inputs_read.record(self.stream)
         return StepShape(num_tokens=R if R > S else T, num_seqs=R, is_prefill=batch.is_prefill,
                          max_query_len=int(np.diff(batch.query_start).max()))
+
+    def _token_inputs_end(self, num_tokens: int) -> int:
+        """Where a prefill step's upload ends: past the first num_tokens of every prefill
+        per-token array (they lie after the block tables, arena.py)."""
+        inputs = self.arena.layout.inputs
+        return max(inputs[name].offset + num_tokens * 4 for name in TOKEN_INPUTS)
 
     def _forward_and_sample(self, step: StepShape) -> None:
         """The device work of one step, as captured into a decode graph."""

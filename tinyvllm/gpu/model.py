@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.gpu.arena import Arena
+from tinyvllm.gpu.arena import TOKEN_INPUTS, Arena
 from tinyvllm.gpu.device_weights import DeviceWeights
 from tinyvllm.gpu.kv_cache import DeviceKVCache
 from tinyvllm.gpu.ops import DECODE_GROUPS, DECODE_HEAD_DIMS, GpuOps
@@ -69,6 +69,15 @@ class StepShape:
     max_query_len: int = 1
 
 
+@dataclass(frozen=True)
+class TokenInputs:
+    """Device pointers of one step's per-token inputs (arena.TOKEN_INPUTS, in its order)."""
+    token_ids: int
+    positions: int
+    slot_mapping: int
+    fed_rows: int
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: DeviceWeights, arena: Arena,
                  kv_cache: DeviceKVCache, ops: GpuOps):
@@ -84,11 +93,13 @@ class LlamaModel:
         self.gate_up, self.act, self.final_normed, self.logits = v("gate_up"), v("act"), v("final_normed"), v("logits")
         self.partial_out, self.partial_ml = v("decode_partial_out"), v("decode_partial_ml")
         self.split_counters = v("decode_split_counters")
-        self.token_ids, self.positions, self.slot_mapping = v("token_ids"), v("positions"), v("slot_mapping")
+        # per-token inputs: prefill steps' arrays, or decode steps' own (arena.py's docstring)
+        self.token_inputs = {prefill: TokenInputs(*(v(prefix + name) for name in TOKEN_INPUTS))
+                             for prefill, prefix in ((True, ""), (False, "decode_"))}
         self.query_start, self.context_lens = v("query_start"), v("context_lens")
         self.last_token_idx, self.block_tables = v("last_token_idx"), v("block_tables")
         self.block_table_width = v("block_table_width")
-        self.fed_rows, self.sampled_ids = v("fed_rows"), v("sampled_ids")   # async scheduling's fed ids
+        self.sampled_ids = v("sampled_ids")   # async scheduling's fed ids
         self.l2_prefetch_bytes = L2_PREFETCH_BYTES      # benchmarks/decode_profile.py may vary it
 
     def forward(self, step: StepShape) -> None:
@@ -97,7 +108,8 @@ class LlamaModel:
         c, w, ops = self.cfg, self.w, self.ops
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
         fused = not step.is_prefill and ops.fuses_decode(T, H, self.qkv_width, I, c.head_dim)
-        ops.embedding(self.hidden, w.embed, self.token_ids, T, H, c.vocab_size, fed_rows=self.fed_rows,
+        tok = self.token_inputs[step.is_prefill]
+        ops.embedding(self.hidden, w.embed, tok.token_ids, T, H, c.vocab_size, fed_rows=tok.fed_rows,
                       fed_ids=self.sampled_ids)
         for layer, lw in enumerate(w.layers):
             if fused:
@@ -105,7 +117,7 @@ class LlamaModel:
                 continue
             ops.rms_norm(self.normed, self.hidden, lw.input_norm, T, H, eps)
             ops.linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H)
-            ops.rope_write_kv(self.qkv, self.kv.k(layer), self.kv.v(layer), self.positions, self.slot_mapping,
+            ops.rope_write_kv(self.qkv, self.kv.k(layer), self.kv.v(layer), tok.positions, tok.slot_mapping,
                               w.rope_inv_freq, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
             self._attention(step, layer)
             ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True)
@@ -131,8 +143,9 @@ class LlamaModel:
             return self.normed, None
 
         x, norm = normed_input(lw.input_norm, self.qkv_width)
+        tok = self.token_inputs[False]
         ops.gemv_rope_kv(self.qkv, x, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),  # qkv, rope
-                         self.positions, self.slot_mapping, w.rope_inv_freq, num_q_heads=c.num_attention_heads,
+                         tok.positions, tok.slot_mapping, w.rope_inv_freq, num_q_heads=c.num_attention_heads,
                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, norm=norm)
         self._attention(step, layer, l2_prefetch=self._l2_prefetch(lw))
         ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True)
