@@ -150,12 +150,18 @@ __device__ __forceinline__ bool block_argmax_range(const float* x, int begin, in
     return broken;
 }
 
-// Max of the row and its lowest index. Returns true (in every thread) when the row is broken:
-// it holds a NaN or +inf, or nothing finite.
+// The end of pass 1 for a whole row, however its max was found (one block or combined slices):
+// index 0 when nothing beat -inf; returns true when the row is broken: it held a NaN or +inf
+// (saw_nan_or_inf), or nothing finite.
+__device__ __forceinline__ bool finish_row_argmax(float best_val, int& best_idx, bool saw_nan_or_inf) {
+    if (best_idx == NO_INDEX) best_idx = 0;
+    return saw_nan_or_inf || best_val == -INFINITY;
+}
+
+// Max of the row and its lowest index. Returns true (in every thread) when the row is broken.
 __device__ __forceinline__ bool block_argmax(const float* x, int vocab, float* best_val, int* best_idx, Scratch& s) {
-    const bool broken = block_argmax_range(x, 0, vocab, best_val, best_idx, s);
-    if (*best_idx == NO_INDEX) *best_idx = 0;
-    return broken || *best_val == -INFINITY;
+    const bool saw = block_argmax_range(x, 0, vocab, best_val, best_idx, s);
+    return finish_row_argmax(*best_val, *best_idx, saw);
 }
 
 // Pass 1 of one row split over gridDim.y blocks (header). Every block stores its slice's
@@ -195,9 +201,9 @@ __device__ __forceinline__ bool sliced_argmax(const float* x, int vocab, ArgmaxP
         p.broken = __any_sync(FULL_MASK, p.broken);
         if (lane == 0) {
             *counter = 0;                                  // ready for the next launch (graph replays)
+            s.row_broken = finish_row_argmax(p.val, p.idx, p.broken);
             s.warp_val[0] = p.val;
-            s.warp_idx[0] = p.idx == NO_INDEX ? 0 : p.idx;
-            s.row_broken = p.broken || p.val == -INFINITY;
+            s.warp_idx[0] = p.idx;
         }
     }
     __syncthreads();
