@@ -251,7 +251,7 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
         // lane of the warp executes together (mma.sync.aligned) with the values read from it.
         uint4* const slots = reinterpret_cast<uint4*>(partial + warps * (8 * ROWS_PER_CTA) +
                                                       (MODE == XLoad::rms_norm ? warps * 8 : 0)) +
-                             warp * RING_STEPS * RING_SLOT_QUADS;
+                             warp * (RING_BYTES_PER_WARP / 16);
         const int my_steps = s_end - s_begin;
         auto copy_w = [&](int i) {   // and the norm weight: weights, written by no kernel
             uint4* slot = slots + (i % RING_STEPS) * RING_SLOT_QUADS;
