@@ -22,17 +22,35 @@
 // and 2 mmas; D's c0..c3 land on lane (g, t) as Y[2t][n0+g], Y[2t+1][n0+g], Y[2t][n0+8+g],
 // Y[2t+1][n0+8+g].
 //
-// Launch shape (tinyvllm/gpu/gemv.py picks it):
+// Launch shape (tinyvllm/gpu/ops.py picks it):
 //   grid.x  = ceil(n / 16): a CTA owns the 16 outputs n0 .. n0 + 15 of every x row (one mma tile).
 //   block.x = 32 * kw, kw in 1..32 warps that split K (split-K inside the CTA). The K range is
 //             cut into 32-wide steps; warp w walks steps [w*S/kw, (w+1)*S/kw), S = ceil(k/32),
 //             UNROLL = 4 steps (8 16-byte W loads per lane) in flight at a time.
-//   shared  = kw * 512 bytes: each warp's 8 x 16 fp32 partial tile (+ kw * 32 bytes with the norm:
-//             each warp's 8 per-row sums of squares); after one __syncthreads the first 16*m
-//             threads sum the kw partials of one output each and write it.
+//   shared  = kw * 512 bytes: each warp's 8 x 16 fp32 partial tile (+ kw * 32 bytes with the
+//             norm: each warp's 8 per-row sums of squares; + the ring's, below); after one
+//             __syncthreads the first 16*m threads sum the kw partials of one output each.
 // Registers: 8 W uint4 + 4 X uint4 in flight + 4 accumulators; __launch_bounds__(1024) caps the
 // kernel at 64 registers, so 32 warps fit on an SM whatever kw is (ptxas: 64 registers; the
 // spills of the norm variants are listed below).
+// Two ways to stream W, the same bits (ring, every entry point's last argument, chooses; ops.py's
+// gemv_ring, TINYVLLM_GEMV_RING=0 for registers):
+//   registers (ring = 0): a lane issues UNROLL steps' W loads into registers, waits for all of
+//     them, runs their mmas, then issues the next UNROLL: the warp's bytes in flight fall to
+//     zero at every turn, and W waits in registers the mma needs for nothing else.
+//   ring (ring = 1, the default): each warp streams through its own ring of RING_STEPS slots in
+//     shared memory, one cp.async.cg commit group per step. Slot i % RING_STEPS holds step i's
+//     W rows g and g + 8 and X row g (16 bytes per lane each) and, in the norm modes, the 4
+//     norm-weight chunks; right after step i's mmas the warp refills the slot with step
+//     i + RING_STEPS, so RING_STEPS steps stay in flight without a gap. The first RING_STEPS
+//     steps' W is copied before griddepcontrol.wait, their X after it. Shared memory grows by
+//     kw * RING_BYTES_PER_WARP (6,400 bytes): a wave of 32 warps per SM takes 221,184 bytes of
+//     the SM's 233,472.
+//   Both walk each output's k in the same order through the same mma_pair, so the outputs are
+//   bitwise equal (tests/test_gpu_gemv.py, test_gpu_fused.py and test_gpu_model.py check it).
+//   Measured on the Llama-1B decode graph (H200, docs/perf-notes.md session 9): 0.825 ms on the
+//   ring, 1.027 on registers once every kernel triggers its dependents first; SmolLM2-135M's
+//   GEMVs of 2-3 steps per warp run ~2 % faster on registers.
 // The Python side chooses kw so that ceil(n/16) * kw fills the GPU about once (o/qkv: 16 warps of
 // 4 steps, down: 32 warps of 8 steps, gate_up: 4 warps of 16 steps, lm_head: 1 warp of 64 steps):
 // small matrices put their whole weight in flight at once, big ones stream with fewer, longer
@@ -74,10 +92,11 @@
 // partners then sit 8 lanes apart in the epilogue (one shuffle). Each output's dot product is
 // the same code in every mode, so gemv_rope_kv / gemv_silu_mul give the bits of their kernel
 // chains (tests/test_gpu_fused.py checks that; the norm modes it checks against the numpy twin).
-// ptxas (nvcc 13.0, sm_90): 64 registers; gemv_bf16, gemv_silu_mul and gemv_rope_kv spill
-// nothing (gemv_rope_kv keeps a 32-byte stack frame for sincosf's slow path). The norm variants
-// do NOT meet the no-spill goal yet: gemv_norm_silu_mul spills 16 bytes, gemv_norm_rope_kv 24
-// (loop-invariant values reloaded from local memory once per UNROLL steps).
+// ptxas (nvcc 13.0, sm_90, both paths in one body): 64 registers; gemv_bf16, gemv_silu_mul and
+// gemv_rope_kv spill nothing (gemv_rope_kv keeps a 32-byte stack frame for sincosf's slow path).
+// The norm variants do NOT meet the no-spill goal: gemv_norm_silu_mul stores 40 bytes and loads
+// 24, gemv_norm_rope_kv stores 32 and loads 44 (loop-invariant values reloaded from local
+// memory; they run only where FUSE_NORM puts the norm inside, not on Llama-1B by default).
 // wide_l2 = 1 (every entry point's last argument) adds the .L2::256B prefetch hint to the W
 // loads: each 64-byte load asks L2 for the whole 256-byte sector group it lies in, which the
 // lane's next steps read. gemv_bench measured it 1.4 us faster on Llama-1B's gate_up (16 steps
