@@ -79,37 +79,44 @@ def graph_gpu_time(runner, batch, repeats: int = 50) -> float:
 
 
 def step_copies(runner, batch, repeats: int = 50) -> None:
-    """GPU time per step of back-to-back decode-graph replays with the copies the engine puts
+    """GPU time per step of back-to-back decode-graph replays with the transfers the engine puts
     between them on the stream (cuda_runner.launch: the inputs' upload before the graph, the
-    sampled ids' download and an event after it), each part alone and all together: what the
-    stream spends between two graphs besides the graphs."""
+    sampled ids' download and an event after it), each part alone and all together, by each of
+    TINYVLLM_STEP_IO's roads (copy engine, copy_words kernel): what the stream spends between
+    two graphs besides the graphs."""
     import pycuda.driver as drv
     S, size = batch.num_seqs, runner._graph_size_for(batch.num_seqs)
+    was = runner.step_io
     with runner.device.active():
         runner._stage_inputs(batch, SamplingBatch.greedy(S), rows=size)
         nbytes = runner._block_tables_offset + size * batch.block_tables.shape[1] * 4
-        ids, done = runner._ids_host[0], drv.Event()
-        graph = runner.graphs[size]
-        parts = {"up": lambda: runner.arena.upload_inputs(nbytes, runner.stream),
+        done, graph = drv.Event(), runner.graphs[size]
+        parts = {"up": lambda: runner._upload_inputs(nbytes, graph_follows=True),
                  "graph": lambda: graph.launch(runner.stream),
-                 "down": lambda: drv.memcpy_dtoh_async(ids[:S], int(runner.arena.view("sampled_ids")), runner.stream),
+                 "down": lambda: runner._download_ids(0, S),
                  "event": lambda: done.record(runner.stream)}
         rows = []
-        for name in ("graph", "up + graph", "graph + down", "up + graph + down + event (the engine's step)"):
-            order = [p for p in parts if p in name]
-            for part in order:
-                parts[part]()
-            start, end = drv.Event(), drv.Event()
-            start.record(runner.stream)
-            for _ in range(repeats):
-                for part in order:
-                    parts[part]()
-            end.record(runner.stream)
-            end.synchronize()
-            rows.append((name, end.time_since(start) / repeats))
-    print(f"\nthe step's copies on the stream, batch {S} (GPU ms per step, {repeats} back to back):")
+        try:
+            for road in ("copy", "kernel"):
+                runner.step_io = road
+                for name in ("graph", "up + graph", "graph + down", "up + graph + down + event (the engine's step)"):
+                    order = [p for p in parts if p in name]
+                    for part in order:
+                        parts[part]()
+                    start, end = drv.Event(), drv.Event()
+                    start.record(runner.stream)
+                    for _ in range(repeats):
+                        for part in order:
+                            parts[part]()
+                    end.record(runner.stream)
+                    end.synchronize()
+                    rows.append((f"{road}: {name}", end.time_since(start) / repeats))
+        finally:
+            runner.step_io = was
+    print(f"\nthe step's transfers on the stream, batch {S} (GPU ms per step, {repeats} back to back; "
+          f"TINYVLLM_STEP_IO copy | kernel):")
     for name, ms in rows:
-        print(f"{name:<48} {ms:8.3f}  ({(ms - rows[0][1]) * 1e3:+6.1f} us)")
+        print(f"{name:<56} {ms:8.3f}  ({(ms - rows[0][1]) * 1e3:+6.1f} us)")
 
 
 def per_op_times(runner, batch, repeats: int = 20) -> dict[str, float]:
@@ -155,7 +162,8 @@ def main() -> None:
     ap.add_argument("--compare-early-kv", action="store_true",
                     help="time the smallest batch with the decode attention's early K/V copies off and on")
     ap.add_argument("--step-copies", action="store_true",
-                    help="GPU time per step with the engine's input upload / id download between graphs")
+                    help="GPU time per step with the engine's input upload / id download between graphs, "
+                         "by the copy engine and by the copy_words kernel")
     ap.add_argument("--compare-gemv", action="store_true",
                     help="time the smallest batch under each GEMV setting (gemv_configs())")
     ap.add_argument("--leave-one-out", action="store_true",

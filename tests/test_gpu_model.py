@@ -236,6 +236,37 @@ def test_ring_graphs_equal_register_graphs(tiny, num_seqs):
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3])
+def test_step_io_by_kernel_equals_copy_engine(tiny, num_seqs):
+    """TINYVLLM_STEP_IO=kernel (cuda_runner's module docstring): the inputs go up and the ids
+    come down through step_io.cu's copy_words instead of the copy engine. The same values reach
+    the same graphs, so the logits are bitwise those of the copy-engine road (test_gpu_engine
+    runs it with steps launched ahead). The observer checks that the kernel road was taken: two
+    copy_words per graph step, the ids' one after the eager prefill."""
+    cfg, runner, _, _ = tiny
+    was = runner.step_io
+    copies = []
+    try:
+        runner.step_io = "kernel"
+        runner.ops.observer = lambda op, repeat, details: copies.append(op) if op == "copy_words" else None
+        by_kernel = _decode_run(cfg, runner, 23, steps=24, num_seqs=num_seqs)
+        runner.ops.observer = None
+        runner.step_io = "copy"
+        by_copy_engine = _decode_run(cfg, runner, 23, steps=24, num_seqs=num_seqs)
+    finally:
+        runner.step_io, runner.ops.observer = was, None
+    assert len(copies) == 2 * 24 + 1, "24 graph steps up and down, and the eager prefill's ids down"
+    _assert_steps_equal(by_kernel, by_copy_engine)
+
+
+def test_step_io_rejects_an_unknown_road(tiny_model_dir, monkeypatch):
+    from tinyvllm.gpu.cuda_runner import CudaRunner
+    monkeypatch.setenv("TINYVLLM_STEP_IO", "dma")
+    cfg = ModelConfig.from_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match="TINYVLLM_STEP_IO must be copy or kernel, got 'dma'"):
+        CudaRunner(cfg, {}, EngineConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256))
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3])
 def test_fused_graphs_equal_unfused_graphs(tiny, num_seqs):
     """The fused decode layer: five launches per layer with the norms inside the GEMVs (the
     default for the tiny model's small GEMVs, ops.fuses_norm), RoPE + KV write and silu too. Its norms take the scale out of the dot product, which changes bits,

@@ -19,6 +19,7 @@ def test_signatures_match_the_c_parameter_lists():
                                             "gemv_rope_kv_bf16": "PPPiiiPPPPPiiiii",  # each ending in wide_l2, ring
                                             "gemv_norm_rope_kv_bf16": "PPPPiiifPPPPPiiiii",
                                             "gemv_silu_mul_bf16": "PPPiiiii", "gemv_norm_silu_mul_bf16": "PPPPiiifii"}
+    assert kernel_signatures("step_io.cu") == {"copy_words": "PPi"}
     (pattern, sig), = kernel_signatures("attention_decode.cu").items()          # a macro-made family
     assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiifPQi"  # ..., l2 prefetch, early_kv
 
@@ -32,7 +33,8 @@ def test_constants_are_read_with_their_dependencies():
     for table, names in ((ops.EMBEDDING, ["THREADS"]), (ops.RMS_NORM, ["THREADS"]), (ops.ROPE, ["THREADS"]),
                          (ops.SILU, ["THREADS"]), (ops.PREFILL, ["BLOCK_Q", "THREADS"]), (ops.DECODE, ["THREADS"]),
                          (ops.GEMV, ["ROWS_PER_CTA", "STEP_K", "UNROLL", "MAX_K_WARPS"]),
-                         (ops.SAMPLING, ["SAMPLE_THREADS", "EDIT_THREADS", "EDIT_WORDS", "MAX_TOP_LOGPROBS"])):
+                         (ops.SAMPLING, ["SAMPLE_THREADS", "EDIT_THREADS", "EDIT_WORDS", "MAX_TOP_LOGPROBS"]),
+                         (ops.STEP_IO, ["THREADS"])):
         for name in names:
             assert isinstance(table[name], int) and table[name] > 0, name
 

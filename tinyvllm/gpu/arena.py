@@ -214,7 +214,10 @@ class Arena:
                                         (self.outputs_ptr, layout.outputs)):
             for p in placements.values():
                 self._views[p.name] = DeviceView(p.name, region_base + p.offset, p.shape, p.dtype)
-        self.host_inputs_bytes = drv.pagelocked_empty(layout.input_bytes, np.uint8)
+        # mapped into the device's address space too: gpu/cuda/step_io.cu can read it directly
+        self.host_inputs_bytes = drv.pagelocked_empty(layout.input_bytes, np.uint8,
+                                                      mem_flags=drv.host_alloc_flags.DEVICEMAP)
+        self.host_inputs_device_ptr = int(self.host_inputs_bytes.base.get_device_pointer())
         self.host_outputs_bytes = drv.pagelocked_empty(layout.output_bytes, np.uint8)
         self._host = {p.name: _host_view(self.host_inputs_bytes, p) for p in layout.inputs.values()}
         self._host.update({p.name: _host_view(self.host_outputs_bytes, p) for p in layout.outputs.values()})

@@ -5,6 +5,15 @@ weights, cuBLAS bound to the stream and to a workspace inside the arena, then th
 whatever memory is left. Per step: write the batch into the arena's page-locked input mirror,
 one host-to-device copy, the forward pass, sampling, and one copy of S token ids back.
 
+How the two copies move (TINYVLLM_STEP_IO): `copy` (the default) puts them on the copy engine;
+`kernel` has step_io.cu's copy_words read the mirror and write the ids over PCIe (both host
+buffers are mapped into the device's address space), which skips the copy engine's ~10 us per
+transfer between two graphs (docs/perf-notes.md, session 10). The upload goes by kernel only
+before a decode graph: an eagerly launched step's kernels run under PDL, and the decode
+attention reads the block tables before its griddepcontrol.wait (attention_decode.cu's early
+K/V), which orders it after a copy engine's write but not after a kernel's. A graph launch waits
+for everything before it.
+
 launch() returns once a plain step is enqueued (overlaps_steps: the engine's async scheduling
 prepares the next step meanwhile). Two steps may be in flight: the next one's inputs are
 written into the mirror only after the last upload has read it (an event), and each step's ids
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 
 import numpy as np
@@ -89,6 +99,9 @@ class CudaRunner(ModelRunner):
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig):
         self.cfg, self.engine_cfg = config, engine_config
+        self.step_io = os.environ.get("TINYVLLM_STEP_IO", "copy")     # module docstring
+        if self.step_io not in ("copy", "kernel"):
+            raise ValueError(f"TINYVLLM_STEP_IO must be copy or kernel, got {self.step_io!r}")
         self.device = CudaDevice()
         self.device_name = self.device.name
         with self.device.active():
@@ -121,15 +134,19 @@ class CudaRunner(ModelRunner):
             # a page-locked buffer for its ids and the event of their arrival, used in turn
             self._inputs_read = drv.Event()
             self._inputs_read.record(self.stream)
-            self._ids_host = [drv.pagelocked_empty(self.dims.seqs, np.int32) for _ in range(2)]
+            self._ids_host = [drv.pagelocked_empty(self.dims.seqs, np.int32, mem_flags=drv.host_alloc_flags.DEVICEMAP)
+                              for _ in range(2)]
+            self._ids_host_device_ptrs = [int(b.base.get_device_pointer()) for b in self._ids_host]
             self._ids_ready = [drv.Event(), drv.Event()]
             self._turn = 0
             if not engine_config.enforce_eager:
                 self.capture_decode_graphs()
 
     # -- one step ----------------------------------------------------------------------------
-    def _stage_inputs(self, batch: ForwardBatch, sampling: SamplingBatch | None, rows: int | None = None) -> StepShape:
-        """Write the batch into the page-locked input mirror and upload it in one copy.
+    def _stage_inputs(self, batch: ForwardBatch, sampling: SamplingBatch | None, rows: int | None = None,
+                      graph_follows: bool = False) -> StepShape:
+        """Write the batch into the page-locked input mirror and upload it in one copy
+        (_upload_inputs; graph_follows: a decode graph replays next).
 
         rows > num_seqs pads a decode batch up to a captured graph's size with harmless
         sequences: token 0 at position 0, no KV write (slot -1), context 1 through block 0,
@@ -175,10 +192,29 @@ class CudaRunner(ModelRunner):
         self._block_tables_flat[:S * width] = batch.block_tables.reshape(-1)
         self._block_tables_flat[S * width:R * width] = 0
         end = self._token_inputs_end(T) if batch.is_prefill else self._block_tables_offset + R * width * 4
-        self.arena.upload_inputs(end, self.stream)
+        self._upload_inputs(end, graph_follows)
         self._inputs_read.record(self.stream)
         return StepShape(num_tokens=R if R > S else T, num_seqs=R, is_prefill=batch.is_prefill,
                          max_query_len=int(np.diff(batch.query_start).max()))
+
+    def _upload_inputs(self, nbytes: int, graph_follows: bool) -> None:
+        """The mirror's first nbytes to the arena's inputs: by copy_words where step_io says
+        so and a graph follows, else by the copy engine (module docstring)."""
+        if self.step_io == "kernel" and graph_follows:
+            assert nbytes % 4 == 0, "the inputs are 4-byte arrays at aligned offsets (arena.py)"
+            self.ops.copy_words(self.arena.inputs_ptr, self.arena.host_inputs_device_ptr, nbytes // 4)
+        else:
+            self.arena.upload_inputs(nbytes, self.stream)
+
+    def _download_ids(self, turn: int, num_seqs: int) -> np.ndarray:
+        """The step's sampled ids into page-locked buffer `turn` (by step_io's road; the
+        download kernel runs after the sampler has finished, PDL or not); -> that buffer."""
+        ids = self._ids_host[turn]
+        if self.step_io == "kernel":
+            self.ops.copy_words(self._ids_host_device_ptrs[turn], self.arena.view("sampled_ids"), num_seqs)
+        else:
+            drv.memcpy_dtoh_async(ids[:num_seqs], int(self.arena.view("sampled_ids")), self.stream)
+        return ids
 
     def _token_inputs_end(self, num_tokens: int) -> int:
         """Where a prefill step's upload ends: past the first num_tokens of every prefill
@@ -213,14 +249,14 @@ class CudaRunner(ModelRunner):
         with self.device.active():
             S = batch.num_seqs
             graph_size = None if batch.is_prefill else self._graph_size_for(S)
-            step = self._stage_inputs(batch, sampling, rows=graph_size)
-            if graph_size is None or not replay:
-                self._forward_and_sample(step)
-            else:
+            replays = graph_size is not None and replay
+            step = self._stage_inputs(batch, sampling, rows=graph_size, graph_follows=replays)
+            if replays:
                 self.graphs[graph_size].launch(self.stream)
-            ids, ready = self._ids_host[self._turn], self._ids_ready[self._turn]
+            else:
+                self._forward_and_sample(step)
+            ids, ready = self._download_ids(self._turn, S), self._ids_ready[self._turn]
             self._turn ^= 1
-            drv.memcpy_dtoh_async(ids[:S], int(self.arena.view("sampled_ids")), self.stream)
             ready.record(self.stream)
         self.last_logprobs = None
 
@@ -242,12 +278,13 @@ class CudaRunner(ModelRunner):
         with self.device.active():
             S = batch.num_seqs
             graph_size = None if batch.is_prefill else self._graph_size_for(S)
-            step = self._stage_inputs(batch, sampling, rows=graph_size)
+            replays = graph_size is not None and replay
+            step = self._stage_inputs(batch, sampling, rows=graph_size, graph_follows=replays)
             edits_dev = self._upload_edits(sampling)       # overlaps the forward
-            if graph_size is None or not replay:
-                self.model.forward(step)
-            else:
+            if replays:
                 self._forward_graph(graph_size, step).launch(self.stream)
+            else:
+                self.model.forward(step)
             finish = self._process_and_sample(step, sampling, sampling.logprob_rows, edits_dev)
             self.arena.download_outputs(S * 4, self.stream)
             self.stream.synchronize()

@@ -20,6 +20,7 @@ callable that repeats it (benchmarks/decode_profile.py times ops so; trace.py pr
     sampling.cu       sample_tokens    sample()              sampling.sample                    test_gpu_sampling
     sampling.cu       apply_logit_edits apply_logit_edits()  sampling.apply_edits               test_gpu_logit_processing
     sampling.cu       step_logprobs    step_logprobs()       sampling.step_logprobs             test_gpu_logit_processing
+    step_io.cu        copy_words       copy_words()          dst[:n] = src[:n]                  test_gpu_kernels::test_copy_words
     (cuBLAS)          cublasGemmEx     linear()              X @ W^T in numpy                   test_gpu_kernels::test_linear
 
 The fused decode layer (`fuse`, on by default; TINYVLLM_FUSE=0 turns it off): when every
@@ -69,6 +70,7 @@ PREFILL = kernel_constants("attention_prefill.cu")
 DECODE = kernel_constants("attention_decode.cu")
 GEMV = kernel_constants("gemv.cu")
 SAMPLING = kernel_constants("sampling.cu")
+STEP_IO = kernel_constants("step_io.cu")
 
 DECODE_HEAD_DIMS, DECODE_GROUPS = (64, 128), (1, 2, 3, 4, 8)   # instantiated in attention_decode.cu
 PREFILL_HEAD_DIMS = (64, 128)                                  # instantiated in attention_prefill.cu
@@ -288,6 +290,17 @@ class GpuOps:
         if num_rows:
             self._launch("step_logprobs", num_rows, SAMPLING["SAMPLE_THREADS"], logits, vocab_size, rows,
                          sampled, k, sampled_logprob, sampled_rank, top_ids, top_logprobs)
+
+    def copy_words(self, dst, src, num_words: int) -> None:
+        """dst[:num_words] = src[:num_words], 4-byte words; either side device memory or mapped
+        page-locked host memory (step_io.cu: the step's inputs up and ids down without the copy
+        engine). Grid-stride, at most one wave of blocks. No words: no launch."""
+        if num_words < 0:
+            raise ValueError(f"copy_words: num_words must be >= 0, got {num_words}")
+        if num_words:
+            threads = STEP_IO["THREADS"]
+            self._launch("copy_words", min(math.ceil(num_words / threads), self.num_sms), threads,
+                         dst, src, num_words)
 
     # -- projections -------------------------------------------------------------------------------
     def on_gemv(self, m: int, n: int, k: int) -> bool:
