@@ -5,10 +5,11 @@ weights, cuBLAS bound to the stream and to a workspace inside the arena, then th
 whatever memory is left. Per step: write the batch into the arena's page-locked input mirror,
 one host-to-device copy, the forward pass, sampling, and one copy of S token ids back.
 
-How the two copies move (TINYVLLM_STEP_IO): `copy` (the default) puts them on the copy engine;
-`kernel` has step_io.cu's copy_words read the mirror and write the ids over PCIe (both host
-buffers are mapped into the device's address space), which skips the copy engine's ~10 us per
-transfer between two graphs (docs/perf-notes.md, session 10). The upload goes by kernel only
+How the two copies move (TINYVLLM_STEP_IO): `kernel` (the default) has step_io.cu's copy_words
+read the mirror and write the ids over PCIe (both host buffers are mapped into the device's
+address space); `copy` puts them on the copy engine, which costs ~8 us per transfer between two
+graphs against ~2-4 for the kernel (measured: 12 us less per decode step on Llama-1B,
+docs/perf-notes.md, session 10). The upload goes by kernel only
 before a decode graph: an eagerly launched step's kernels run under PDL, and the decode
 attention reads the block tables before its griddepcontrol.wait (attention_decode.cu's early
 K/V), which orders it after a copy engine's write but not after a kernel's. A graph launch waits
@@ -99,7 +100,7 @@ class CudaRunner(ModelRunner):
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig):
         self.cfg, self.engine_cfg = config, engine_config
-        self.step_io = os.environ.get("TINYVLLM_STEP_IO", "copy")     # module docstring
+        self.step_io = os.environ.get("TINYVLLM_STEP_IO", "kernel")     # module docstring
         if self.step_io not in ("copy", "kernel"):
             raise ValueError(f"TINYVLLM_STEP_IO must be copy or kernel, got {self.step_io!r}")
         self.device = CudaDevice()
