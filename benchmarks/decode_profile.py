@@ -9,7 +9,8 @@ CUDA-graph replay at several batch sizes, the GPU time of a replay alone, and pe
 "weights TB/s" is weight bytes over the graph's GPU time. Prints two tables; run on a GPU machine (the model is written to /tmp if absent).
 --compare-fuse adds, at the smallest batch, the graph time with TINYVLLM_FUSE=0's nine launches
 per layer and with the fused decode layer at each TINYVLLM_FUSE_NORM (none: seven, all: five,
-auto: the default rule), and the per-op tables of the nine and of the default, each op also per
+auto: the default rule, producer: five, the norms handed over), and the per-op tables of the
+nine, of the default and of producer, each op also per
 layer (decode graphs recaptured for each setting).
 --compare-prefetch adds, at the smallest batch, the graph time with the decode attention's L2
 prefetch of the next weights (gpu/model.py) at each budget in MB per layer (default: 0 = off, the
@@ -239,7 +240,7 @@ def time_prefill(runner, batch, repeats: int = 5) -> float:
 # (label, ops.fuse, ops.fuse_norm); the fused row at ops' own default is marked, and gets a per-op table
 FUSE_CONFIGS = [("TINYVLLM_FUSE=0", False, FUSE_NORM_DEFAULT)] + [
     (f"fused, TINYVLLM_FUSE_NORM={norm}{' (default)' if norm == FUSE_NORM_DEFAULT else ''}", True, norm)
-    for norm in ("none", "all", "auto")]
+    for norm in ("none", "all", "auto", "producer")]
 
 
 def graph_times(runner, batch) -> tuple[float, float]:
@@ -265,7 +266,7 @@ def compare_fuse(runner, batch, num_layers: int) -> None:
     for name, fuse, fuse_norm in FUSE_CONFIGS:
         with runner.recaptured(fuse=fuse, fuse_norm=fuse_norm):
             rows.append((name, *graph_times(runner, batch)))
-            if not fuse or fuse_norm == FUSE_NORM_DEFAULT:
+            if not fuse or fuse_norm in (FUSE_NORM_DEFAULT, "producer"):
                 tables[name] = per_op_times(runner, batch)
     print_graph_rows(f"fusion at batch {batch.num_seqs}", "setting", rows, batch.num_seqs)
     for name, ops in tables.items():

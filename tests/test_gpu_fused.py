@@ -305,6 +305,104 @@ def test_norm_gemvs_ring_changes_no_bits(gpu, rng, m, k_warps):
         np.testing.assert_array_equal(reg, ring_out, err_msg=f"{name}: the ring path changed bits")
 
 
+HANDOVER_SHAPES = [(2048, 8192, 32, 8, 64), (576, 1536, 9, 3, 64), (256, 768, 4, 2, 128), (64, 16, 1, 1, 16)]
+
+
+def _handed_over(gpu, rng, m, k, k_warps):
+    """gemv_residual_norm (the o / down GEMV handing the norm over) on a fresh residual stream,
+    checked against gemv() with accumulate at the same k_warps (bitwise: the same dot products),
+    against bf16(hidden * norm_w) (bitwise: one fp32 product, one rounding) and against the
+    float64 sums of squares of each CTA's 16 columns (a 16-term fp32 sum of exact squares: within
+    4 u of it). Its outputs start poisoned, with a poisoned guard row past m.
+    -> (stored hidden [m, k], norm_w, device normed, device row_ss)."""
+    from gpu_helpers import BF16, DeviceArray, to_bf16
+    inner = 3 * k
+    h0 = to_bf16(rng.standard_normal((m, k)) * rng.uniform(0.1, 30))
+    x = DeviceArray(_with_nan_rows(to_bf16(rng.standard_normal((m, inner)))))
+    _, d_w = _weights(rng, k, inner)
+    norm_w, d_nw = _norm_weight(rng, k)
+    hidden, reference = DeviceArray(h0), DeviceArray(h0)
+    normed = DeviceArray.poisoned((m + 1, k), BF16)
+    row_ss = DeviceArray.poisoned((m + 1, k // 16), np.float32)
+    gpu.gemv_residual_norm(hidden, x, d_w, m, k, inner, d_nw, normed, row_ss, k_warps=k_warps)
+    gpu.gemv(reference, x, d_w, m, k, inner, accumulate=True, k_warps=k_warps)
+    _sync()
+    stored = hidden.get()
+    np.testing.assert_array_equal(_bits(stored), _bits(reference.get()), err_msg="residual add != gemv(accumulate)")
+    got_normed, got_ss = normed.get(), row_ss.get()
+    np.testing.assert_array_equal(got_normed[:m].astype(np.float32), ref.rms_norm_operand(stored, norm_w),
+                                  err_msg="normed != bf16(hidden * norm_w)")
+    assert np.all(_bits(got_normed[m]) == 0x7FC0) and np.all(_bits(got_ss[m]) == 0x7FC00000), "wrote past row m"
+    exact = (stored.astype(np.float64) ** 2).reshape(m, k // 16, 16).sum(-1)
+    assert np.all(np.abs(got_ss[:m] - exact) <= 4 * U * exact + 1e-30), "row sums of squares"
+    return stored, norm_w, normed, row_ss
+
+
+@pytest.mark.parametrize("k_warps", [None, 1, 32])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("k,inter,hq,hkv,d", HANDOVER_SHAPES, ids=lambda v: str(v))
+def test_handed_over_norm(gpu, rng, k, inter, hq, hkv, d, m, k_warps):
+    """TINYVLLM_FUSE_NORM=producer (gpu/model.py): gemv_residual_norm's outputs (_handed_over),
+    then the prenormed gate_up + silu and qkv + RoPE GEMVs on them against the norm-inside twin
+    rms_norm_linear with the module docstring's bounds (item 2: the same operand bf16(x *
+    norm_w), the sum of squares in another fp32 order, still k terms). k_warps 32 on small k
+    leaves warps without steps (their copy of the row sums comes after the loop)."""
+    import dataclasses
+
+    from gpu_helpers import BF16, DeviceArray
+
+    from tinyvllm.checkpoint.model_writer import preset_config
+    from tinyvllm.config import rope_inv_freq
+    stored, norm_w, normed, row_ss = _handed_over(gpu, rng, m, k, k_warps)
+    w32, d_w = _weights(rng, 2 * inter, k)
+    act = DeviceArray.poisoned((m + 1, inter), BF16)
+    gpu.gemv_silu_mul(act, normed, d_w, m, 2 * inter, k, prenormed=(row_ss, EPS), k_warps=k_warps)
+    n = (hq + 2 * hkv) * d
+    q32, d_q = _weights(rng, n, k)
+    freqs = rope_inv_freq(dataclasses.replace(preset_config("llama-3.2-1b"), head_dim=d))
+    positions = rng.integers(0, 131072, m).astype(np.int32)
+    slots = rng.permutation(64)[:m].astype(np.int32)
+    qkv = DeviceArray.poisoned((m + 1, n), BF16)
+    caches = [DeviceArray.poisoned((64, hkv, d), BF16) for _ in range(2)]
+    gpu.gemv_rope_kv(qkv, normed, d_q, m, n, k, *caches, DeviceArray(positions), DeviceArray(slots),
+                     DeviceArray(freqs), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, prenormed=(row_ss, EPS),
+                     k_warps=k_warps)
+    _sync()
+    got_act, got_qkv = act.get(), qkv.get()
+    assert np.all(_bits(got_act[m]) == 0x7FC0) and np.all(_bits(got_qkv[m]) == 0x7FC0), "wrote past row m"
+    twin, bound = _norm_twin(stored, norm_w, w32)
+    g, u, dg, du = twin[:, :inter], twin[:, inter:], bound[:, :inter], bound[:, inter:]
+    act_got = got_act[:m].astype(np.float64)
+    silu_bound = ((np.abs(g) + dg) * du + 1.1 * np.abs(u) * dg + 2.0 ** -19 * (np.abs(g) + dg) * (np.abs(u) + du)
+                  + 2.0 ** -8 * np.abs(act_got))
+    _within(act_got, g / (1 + np.exp(-g)) * u, silu_bound, "prenormed silu(gate) * up")
+    twin, bound = _norm_twin(stored, norm_w, q32)
+    q_size = hq * d
+    _within(got_qkv[:m, q_size:].astype(np.float64), twin[:, q_size:], bound[:, q_size:], "prenormed k, v in qkv")
+    v_got = caches[1].get()[slots].astype(np.float64)
+    _within(v_got, twin[:, q_size + hkv * d:].reshape(m, hkv, d), bound[:, q_size + hkv * d:].reshape(m, hkv, d),
+            "prenormed v cache")
+
+
+def test_prenormed_gemvs_ring_changes_no_bits(gpu, rng):
+    """The handed-over norm's kernels give the same bits on the ring and the register path."""
+    from gpu_helpers import BF16, DeviceArray
+    m, k, inter = 2, 576, 1536
+    was, outs = gpu.gemv_ring, []
+    _, _, normed, row_ss = _handed_over(gpu, rng, m, k, None)
+    _, d_w = _weights(rng, 2 * inter, k)
+    try:
+        for ring in (False, True):
+            gpu.gemv_ring = ring
+            act = DeviceArray.poisoned((m, inter), BF16)
+            gpu.gemv_silu_mul(act, normed, d_w, m, 2 * inter, k, prenormed=(row_ss, EPS), k_warps=8)
+            _sync()
+            outs.append(_bits(act.get()))
+    finally:
+        gpu.gemv_ring = was
+    np.testing.assert_array_equal(*outs, err_msg="the ring path changed the prenormed GEMV's bits")
+
+
 def test_fused_launchers_reject(gpu):
     kw = dict(num_q_heads=2, num_kv_heads=1, head_dim=64)
     with pytest.raises(ValueError, match="head_dim"):
@@ -315,6 +413,10 @@ def test_fused_launchers_reject(gpu):
         gpu.gemv_silu_mul(0, 0, 0, 1, 32, 16, norm=(8, EPS))                          # the norm weight
     with pytest.raises(ValueError, match="multiple of 16"):
         gpu.gemv_silu_mul(0, 0, 0, 1, 40, 16)
+    with pytest.raises(ValueError, match="exclude each other"):
+        gpu.gemv_silu_mul(0, 0, 0, 1, 32, 64, norm=(0, EPS), prenormed=(0, EPS))
+    with pytest.raises(ValueError, match="k % 64 == 0"):
+        gpu.gemv_silu_mul(0, 0, 0, 1, 32, 48, prenormed=(0, EPS))                     # whole chunks of row sums
 
 
 def test_fuses_decode(gpu):

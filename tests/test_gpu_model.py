@@ -47,8 +47,20 @@ def _rel(got, want):
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def test_tiny_model_matches_reference(tiny):
+@pytest.mark.parametrize("fuse_norm", ["auto", "producer"])
+def test_tiny_model_matches_reference(tiny, fuse_norm):
+    """fuse_norm "producer": the decode steps (eager here, through forward_logits) hand each norm
+    over to the residual GEMV before it (gpu/model.py), with the same tolerances."""
     cfg, runner, refm, ref32 = tiny
+    was = runner.ops.fuse_norm
+    runner.ops.fuse_norm = fuse_norm
+    try:
+        _matches_reference(cfg, runner, refm, ref32)
+    finally:
+        runner.ops.fuse_norm = was
+
+
+def _matches_reference(cfg, runner, refm, ref32):
     rng = np.random.default_rng()
     prompt_lens, steps = [5, 23, 70], 32
     prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in prompt_lens]
@@ -162,8 +174,9 @@ def test_graph_replay_equals_eager(tiny):
         sampling.step += 1
 
 
-def _decode_run(cfg, runner, rng_seed: int, steps: int = 12, num_seqs: int = 3):
-    """Prefill up to 3 prompts, then greedy decode through the graphs; -> per-step logits."""
+def _decode_run(cfg, runner, rng_seed: int, steps: int = 12, num_seqs: int = 3, replay: bool = True):
+    """Prefill up to 3 prompts, then greedy decode through the graphs (replay=False: the same
+    launches eagerly); -> per-step logits."""
     rng = np.random.default_rng(rng_seed)
     lens = [9, 33, 20][:num_seqs]
     prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in lens]
@@ -174,7 +187,7 @@ def _decode_run(cfg, runner, rng_seed: int, steps: int = 12, num_seqs: int = 3):
     for _ in range(steps):
         ctx = [c + 1 for c in ctx]
         tokens = runner.execute(ForwardBatch.build([[int(t)] for t in tokens], ctx, tables, BLOCK, False),
-                                SamplingBatch.greedy(num_seqs))
+                                SamplingBatch.greedy(num_seqs), replay=replay)
         out.append(runner.read_logits(num_seqs))
     return out
 
@@ -233,6 +246,22 @@ def test_ring_graphs_equal_register_graphs(tiny, num_seqs):
     with runner.recaptured(gemv_ring=False):
         registers = _decode_run(cfg, runner, 19, steps=24, num_seqs=num_seqs)
     _assert_steps_equal(ring, registers)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_handed_over_norm_graphs_equal_eager_steps(tiny, num_seqs):
+    """TINYVLLM_FUSE_NORM=producer in the decode graphs (under PDL, gemv_residual_norm's
+    `normed` and row sums are read by the next GEMV and rewritten two kernels later) gives
+    bitwise the logits of the same launches run eagerly, one at a time without PDL."""
+    cfg, runner, _, _ = tiny
+    with runner.recaptured(fuse_norm="producer"):
+        graphs = _decode_run(cfg, runner, 29, steps=24, num_seqs=num_seqs)
+        runner.ops.pdl = False
+        try:
+            eager = _decode_run(cfg, runner, 29, steps=24, num_seqs=num_seqs, replay=False)
+        finally:
+            runner.ops.pdl = True
+    _assert_steps_equal(graphs, eager)
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3])

@@ -288,3 +288,36 @@ def test_sampler_launch_splits_the_argmax_by_vocabulary_and_batch():
         ops.sample(0x1000, 3, 128256, 0, 0, 0, 0, 0, 0, slices=4)
     with pytest.raises(ValueError, match="slices must be in 1..32"):
         ops.sample(0x1000, 3, 128256, 0, 0, 0, 0, 0, 0, argmax_partials=0x2000, slice_counters=0x3000, slices=33)
+
+
+def test_decode_layer_hands_the_norms_over(tiny_model_dir):
+    """TINYVLLM_FUSE_NORM=producer (gpu/model.py): each norm that follows a residual GEMV is
+    handed over — the o GEMV and every down GEMV but the last become gemv_residual_norm launches
+    that write `normed` (with the next norm's gain) and `norm_row_ss`, and the qkv (from layer 1)
+    and gate_up GEMVs read exactly those as prenormed. The first input norm keeps the auto rule
+    (inside, for the tiny preset), the final norm its own launch: one rms_norm per step."""
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
+    fake.ops.fuse_norm = "producer"
+    launches = []
+    fake.ops.observer = lambda op, repeat, details: launches.append((op, details))
+    try:
+        fake.execute(ForwardBatch.build([[7]], [12], [[5]], 16, is_prefill=False), SamplingBatch.greedy(1))
+    finally:
+        fake.ops.observer = None
+    L, v = config.num_hidden_layers, fake.arena.view
+    names = [op for op, _ in launches]
+    assert names.count("rms_norm") == 1 and names.count("gemv_norm_rope_kv_bf16") == 1
+    assert names.count("gemv_prenormed_rope_kv_bf16") == L - 1 and names.count("gemv_prenormed_silu_mul_bf16") == L
+    producers = [d["args"] for op, d in launches if op == "gemv_residual_norm_bf16"]
+    assert len(producers) == 2 * L - 1
+    gains = [g for lw, nxt in zip(fake.weights.layers, [*fake.weights.layers[1:], None])
+             for g in (lw.post_norm, nxt.input_norm if nxt else None) if g is not None]
+    for args, gain in zip(producers, gains):    # (y, x, w, m, n, k, norm_w, normed, row_ss, ...)
+        assert args[0] == int(v("hidden")) and args[3:6] == (1, config.hidden_size, args[5])
+        assert args[6:9] == (gain, int(v("normed")), int(v("norm_row_ss")))
+    for op, d in launches:
+        if "prenormed" in op:                   # (y, x, row_ss, w, m, n, k, eps, ...)
+            assert d["args"][1] == int(v("normed")) and d["args"][2] == int(v("norm_row_ss"))
+            assert d["args"][6] == config.hidden_size and d["shared_bytes"] > 0
+    assert names.index("gemv_residual_norm_bf16") > names.index("attention_decode_d64_g2")

@@ -31,7 +31,9 @@ from typing import Callable
 import numpy as np
 
 from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.gpu.ops import MAX_ARGMAX_SLICES, MAX_DECODE_SPLITS
+from tinyvllm.gpu.ops import GEMV, GEMV_MAX_ROWS, MAX_ARGMAX_SLICES, MAX_DECODE_SPLITS
+
+GEMV_ROWS_PER_CTA = GEMV["ROWS_PER_CTA"]
 
 ALIGN = 256                      # bytes; cuBLAS and 16-byte vector loads are happy with this
 CUBLAS_WORKSPACE_BYTES = 32 << 20
@@ -87,6 +89,9 @@ ACTIVATIONS = [
     # the sampler's argmax pass split over blocks (sampling.cu): each slice's max / index / flag
     BufferSpec("argmax_partials", lambda d: (d.seqs, MAX_ARGMAX_SLICES, 4), I32, "argmax_partials"),
     BufferSpec("argmax_slice_counters", lambda d: (d.seqs,), I32, "argmax_slice_counters"),
+    # the fused decode layer's handed-over norm (TINYVLLM_FUSE_NORM=producer, gpu/model.py): the
+    # residual GEMV's per-CTA sums of squares of the new rows, for the GEMV after the norm
+    BufferSpec("norm_row_ss", lambda d: (GEMV_MAX_ROWS, -(-d.hidden // GEMV_ROWS_PER_CTA)), F32, "norm_row_ss"),
     BufferSpec("cublas_workspace", lambda d: (CUBLAS_WORKSPACE_BYTES // 4,), F32, "cublas_workspace"),
 ]
 

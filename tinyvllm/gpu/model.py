@@ -27,6 +27,15 @@ rms_norm then GEMV (reference/kernels.py: rms_norm_linear is the formula). It pa
 GEMVs only (every CTA re-reads and scales all of x): ops.fuses_norm holds the measured rule
 (SmolLM2's norms go inside, Llama-1B's stay separate launches, with the bits of the nine).
 
+TINYVLLM_FUSE_NORM=producer hands each norm over instead (opt-in, not yet measured): the residual
+GEMV before it (o, or the previous layer's down: gemv_residual_norm) already holds the new
+residual rows in its epilogue, so it also writes bf16(hidden * norm_weight) into `normed` and
+each CTA's sum of squares of its 16 columns into `norm_row_ss`; the GEMV after the norm reads
+`normed` as a plain X, copies the row sums into shared memory with its first X chunks and scales
+its outputs by inv_rms (prenormed). The formula is the norm-inside one (rms_norm_linear), with no
+per-CTA work on x. The first layer's input norm (after the embedding) and the final norm (one
+row per sequence) keep the auto rule / their own launch.
+
 TINYVLLM_L2_PREFETCH=1 makes the fused layer's attention warm L2 (attention_decode's
 l2_prefetch): at batch 1 it is num_kv_heads blocks for ~4 us that leave HBM nearly idle, so
 extra blocks of its grid prefetch the o weight and then the start of gate_up,
@@ -100,6 +109,7 @@ class LlamaModel:
         self.last_token_idx, self.block_tables = v("last_token_idx"), v("block_tables")
         self.block_table_width = v("block_table_width")
         self.sampled_ids = v("sampled_ids")   # async scheduling's fed ids
+        self.norm_row_ss = v("norm_row_ss")   # the handed-over norm's sums of squares
         self.l2_prefetch_bytes = L2_PREFETCH_BYTES      # benchmarks/decode_profile.py may vary it
 
     def forward(self, step: StepShape) -> None:
@@ -130,28 +140,42 @@ class LlamaModel:
         ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32", last=True)
 
     def _decode_layer_fused(self, step: StepShape, layer: int, lw) -> None:
-        """One layer in five launches with the norms inside the qkv and gate_up GEMVs, seven with
-        them separate (ops.fuses_norm decides per GEMV; separate, the bits of forward()'s nine)."""
+        """One layer in five launches with the norms inside the qkv and gate_up GEMVs or handed
+        over, seven with them separate (ops.fuses_norm decides per GEMV; separate, the bits of
+        forward()'s nine)."""
         c, w, ops = self.cfg, self.w, self.ops
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
 
-        def normed_input(norm_weight, n: int):
-            """(X, norm) for the next [n, H] GEMV: the residual stream and its norm, or `normed`."""
-            if ops.fuses_norm(n, H):
-                return self.hidden, (norm_weight, eps)
-            ops.rms_norm(self.normed, self.hidden, norm_weight, T, H, eps)
-            return self.normed, None
+        handoff = ops.fuse_norm == "producer"      # the norms handed over (module docstring)
 
-        x, norm = normed_input(lw.input_norm, self.qkv_width)
+        def normed_input(norm_weight, n: int, handed_over: bool):
+            """(X, norm, prenormed) for the next [n, H] GEMV: `normed` and the sums of squares
+            the residual GEMV before left, the residual stream and its norm, or `normed`."""
+            if handed_over:
+                return self.normed, None, (self.norm_row_ss, eps)
+            if ops.fuses_norm(n, H):
+                return self.hidden, (norm_weight, eps), None
+            ops.rms_norm(self.normed, self.hidden, norm_weight, T, H, eps)
+            return self.normed, None, None
+
+        def add_residual(x, weight, k: int, next_norm):
+            """hidden += x @ weight^T; next_norm: the gain of the norm after it, handed over."""
+            if next_norm is None:
+                ops.linear(self.hidden, x, weight, T, H, k, accumulate=True)
+            else:
+                ops.gemv_residual_norm(self.hidden, x, weight, T, H, k, next_norm, self.normed, self.norm_row_ss)
+
+        x, norm, prenormed = normed_input(lw.input_norm, self.qkv_width, handoff and layer > 0)
         tok = self.token_inputs[False]
         ops.gemv_rope_kv(self.qkv, x, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),  # qkv, rope
                          tok.positions, tok.slot_mapping, w.rope_inv_freq, num_q_heads=c.num_attention_heads,
-                         num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, norm=norm)
+                         num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, norm=norm, prenormed=prenormed)
         self._attention(step, layer, l2_prefetch=self._l2_prefetch(lw))
-        ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True)
-        x, norm = normed_input(lw.post_norm, 2 * I)
-        ops.gemv_silu_mul(self.act, x, lw.gate_up, T, 2 * I, H, norm=norm)                           # gate_up, silu
-        ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True)
+        add_residual(self.attn_out, lw.o, c.q_size, lw.post_norm if handoff else None)                  # o
+        x, norm, prenormed = normed_input(lw.post_norm, 2 * I, handoff)
+        ops.gemv_silu_mul(self.act, x, lw.gate_up, T, 2 * I, H, norm=norm, prenormed=prenormed)        # gate_up, silu
+        last = layer == len(w.layers) - 1          # the final norm reads one row per sequence: separate
+        add_residual(self.act, lw.down, I, w.layers[layer + 1].input_norm if handoff and not last else None)  # down
 
     def _attention(self, step: StepShape, layer: int, l2_prefetch=None) -> None:
         c = self.cfg

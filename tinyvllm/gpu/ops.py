@@ -17,6 +17,8 @@ callable that repeats it (benchmarks/decode_profile.py times ops so; trace.py pr
     gemv.cu           gemv_bf16        gemv() (via linear()) X @ W^T in numpy                   test_gpu_gemv
     gemv.cu           gemv_[norm_]rope_kv_bf16   gemv_rope_kv()   [rms_norm_]linear, apply_rope + write_kv  test_gpu_fused::test_rope_kv
     gemv.cu           gemv_[norm_]silu_mul_bf16  gemv_silu_mul()  [rms_norm_]linear, silu_mul  test_gpu_fused::test_silu_mul
+    gemv.cu           gemv_residual_norm_bf16, gemv_prenormed_{rope_kv,silu_mul}_bf16  gemv_residual_norm(),
+                      gemv_rope_kv() / gemv_silu_mul() with prenormed  rms_norm_operand, rms_norm_linear  test_gpu_fused::test_handed_over_norm
     sampling.cu       sample_tokens    sample()              sampling.sample                    test_gpu_sampling
     sampling.cu       apply_logit_edits apply_logit_edits()  sampling.apply_edits               test_gpu_logit_processing
     sampling.cu       step_logprobs    step_logprobs()       sampling.step_logprobs             test_gpu_logit_processing
@@ -133,8 +135,8 @@ class GpuOps:
         self.gemv_l2_hint: bool | None = None
         # the decode attention's early K/V copies (module docstring); TINYVLLM_ATTN_EARLY_KV=0: off
         self.early_kv = os.environ.get("TINYVLLM_ATTN_EARLY_KV", "1") != "0"
-        if self.fuse_norm not in ("auto", "all", "none"):
-            raise ValueError(f"TINYVLLM_FUSE_NORM must be auto, all or none, got {self.fuse_norm!r}")
+        if self.fuse_norm not in ("auto", "all", "none", "producer"):
+            raise ValueError(f"TINYVLLM_FUSE_NORM must be auto, all, none or producer, got {self.fuse_norm!r}")
         self.stream_handle = stream.handle if stream is not None else 0
         self._gemv_shapes: dict[tuple[int, int, int], tuple] = {}
         # observer(op, repeat, details): called before each op with a zero-argument callable
@@ -339,8 +341,10 @@ class GpuOps:
         extra round trip, but every CTA re-reads and scales all of x) instead of as a separate
         rms_norm launch. TINYVLLM_FUSE_NORM: "auto" (default: where ceil(n / 16) * k <=
         NORM_INSIDE_MAX_VALUES, the measured rule), "all" or "none" (for A/B measurement; none
-        gives the bits of TINYVLLM_FUSE=0)."""
-        if self.fuse_norm == "auto":
+        gives the bits of TINYVLLM_FUSE=0). "producer" hands every norm that follows a residual
+        GEMV over to it (model.py: gemv_residual_norm, then prenormed); the first layer's input
+        norm has no such GEMV before it and follows the auto rule."""
+        if self.fuse_norm in ("auto", "producer"):
             return math.ceil(n / GEMV["ROWS_PER_CTA"]) * k <= NORM_INSIDE_MAX_VALUES
         return self.fuse_norm == "all"
 
@@ -434,41 +438,69 @@ class GpuOps:
         self._launch("gemv_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, OUT_DTYPES[out_dtype],
                      int(accumulate), wide, int(self.gemv_ring), shared_bytes=shared)
 
+    def gemv_residual_norm(self, y, x, w, m: int, n: int, k: int, norm_weight, normed, row_ss, *,
+                           k_warps: int | None = None) -> None:
+        """The handed-over norm's producer (gemv.cu's header): y += X @ W^T as gemv() with
+        accumulate (the o or down projection adding into the residual stream y [m, n]), and for
+        the RMSNorm after it normed [m, n] = bf16(y * norm_weight) and row_ss (fp32 [m,
+        ceil(n / 16)]) = each CTA's sum of its 16 new y values' squares per row: what
+        gemv_rope_kv / gemv_silu_mul take as prenormed=(row_ss, eps)."""
+        grid, block, shared, x_ptr, w_ptr, wide = self._gemv_args("gemv_residual_norm", x, w, m, n, k, "bfloat16",
+                                                                  k_warps, norm_weight, normed)
+        self._launch("gemv_residual_norm_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, int(norm_weight),
+                     int(normed), int(row_ss), wide, int(self.gemv_ring), shared_bytes=shared)
+
     def gemv_rope_kv(self, qkv, x, w, m: int, n: int, k: int, k_cache, v_cache, positions, slot_mapping,
                      inv_freq, *, num_q_heads: int, num_kv_heads: int, head_dim: int, norm=None,
-                     k_warps: int | None = None) -> None:
+                     prenormed=None, k_warps: int | None = None) -> None:
         """The decode qkv projection with rope_write_kv inside: qkv = X @ W^T, then RoPE on q (in
         place) and k, and k, v into the paged cache at slot_mapping — the bits of gemv() then
         rope_write_kv(). norm = (norm_weight, eps): x is the residual stream [m, k] and its
         RMSNorm goes inside, scale out of the dot product: qkv = inv_rms * (bf16(x * norm_weight)
         @ W^T) before the epilogue (reference/kernels.py: rms_norm_linear) — close to, not the
-        bits of, rms_norm() then the rest."""
+        bits of, rms_norm() then the rest. prenormed = (row_ss, eps): x is gemv_residual_norm()'s
+        normed output and row_ss its sums of squares; the same formula, the scale from them
+        (k % 64 == 0)."""
         if n != (num_q_heads + 2 * num_kv_heads) * head_dim or head_dim % GEMV["ROWS_PER_CTA"]:
             raise ValueError(f"gemv_rope_kv: n = {n} must be (q heads + 2 kv heads) * head_dim with "
                              f"head_dim % {GEMV['ROWS_PER_CTA']} == 0 (heads {num_q_heads}/{num_kv_heads}, "
                              f"head_dim {head_dim})")
         rope = (k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim)
-        self._fused_gemv("rope_kv", qkv, x, w, m, n, k, norm, k_warps, rope)
+        self._fused_gemv("rope_kv", qkv, x, w, m, n, k, norm, prenormed, k_warps, rope)
 
-    def gemv_silu_mul(self, act, x, w, m: int, n: int, k: int, *, norm=None, k_warps: int | None = None) -> None:
+    def gemv_silu_mul(self, act, x, w, m: int, n: int, k: int, *, norm=None, prenormed=None,
+                      k_warps: int | None = None) -> None:
         """The decode gate_up projection with silu_mul inside: act [m, n/2] = silu(gate) * up of
         X @ W^T, W = gate_up [n, k] (gate rows first) — the bits of gemv() then silu_mul().
-        norm as gemv_rope_kv()."""
+        norm and prenormed as gemv_rope_kv()."""
         if n % 16:
             raise ValueError(f"gemv_silu_mul: n = 2 * intermediate = {n} must be a multiple of 16")
-        self._fused_gemv("silu_mul", act, x, w, m, n, k, norm, k_warps, ())
+        self._fused_gemv("silu_mul", act, x, w, m, n, k, norm, prenormed, k_warps, ())
 
-    _FUSED_GEMVS = {("rope_kv", False): "gemv_rope_kv_bf16", ("rope_kv", True): "gemv_norm_rope_kv_bf16",
-                    ("silu_mul", False): "gemv_silu_mul_bf16", ("silu_mul", True): "gemv_norm_silu_mul_bf16"}
+    _FUSED_GEMVS = {("rope_kv", None): "gemv_rope_kv_bf16", ("rope_kv", "norm"): "gemv_norm_rope_kv_bf16",
+                    ("rope_kv", "prenormed"): "gemv_prenormed_rope_kv_bf16",
+                    ("silu_mul", None): "gemv_silu_mul_bf16", ("silu_mul", "norm"): "gemv_norm_silu_mul_bf16",
+                    ("silu_mul", "prenormed"): "gemv_prenormed_silu_mul_bf16"}
 
-    def _fused_gemv(self, epilogue: str, y, x, w, m, n, k, norm, k_warps, extra) -> None:
-        kernel = self._FUSED_GEMVS[epilogue, norm is not None]
+    def _fused_gemv(self, epilogue: str, y, x, w, m, n, k, norm, prenormed, k_warps, extra) -> None:
+        if norm is not None and prenormed is not None:
+            raise ValueError(f"gemv_{epilogue}: norm (inside) and prenormed (handed over) exclude each other")
+        kind = "norm" if norm is not None else "prenormed" if prenormed is not None else None
+        kernel = self._FUSED_GEMVS[epilogue, kind]
         grid, block, shared, x_ptr, w_ptr, wide = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps,
                                                                   *([norm[0]] if norm else []))
         if norm:    # (..., x, norm_w, w, m, n, k, eps, ...); each warp's row sums of squares in shared
             norm_weight, eps = norm
             shared += block[0] // 32 * GEMV["NORM_SS_BYTES_PER_WARP"]
             self._launch(kernel, grid, block, int(y), x_ptr, int(norm_weight), w_ptr, m, n, k, float(eps),
+                         *extra, wide, int(self.gemv_ring), shared_bytes=shared)
+        elif prenormed:   # (..., x, row_ss, w, m, n, k, eps, ...); the producer's sums in shared
+            row_ss, eps = prenormed
+            if k % 64 or int(row_ss) & 15:
+                raise ValueError(f"{kernel}: needs k % 64 == 0 (whole 16-byte chunks of row sums, got k = {k}) "
+                                 f"and a 16-byte aligned row_ss ({int(row_ss):#x})")
+            shared += m * (k // GEMV["ROWS_PER_CTA"]) * 4
+            self._launch(kernel, grid, block, int(y), x_ptr, int(row_ss), w_ptr, m, n, k, float(eps),
                          *extra, wide, int(self.gemv_ring), shared_bytes=shared)
         else:
             self._launch(kernel, grid, block, int(y), x_ptr, w_ptr, m, n, k, *extra, wide, int(self.gemv_ring),

@@ -64,13 +64,17 @@
 // it touches X or Y. That is a no-op for an ordinary launch; under programmatic dependent launch
 // the weight stream starts while the previous kernel (which produces X) is still finishing.
 // It calls allow_consumer() first thing, so the next kernel can be resident before this one ends.
-// Five entry points share this body; they differ in how X is loaded and how Y is stored:
+// Eight entry points share this body; they differ in how X is loaded and how Y is stored:
 //   gemv_bf16            X as stored; Y stored (or added: the residual add).
 //   gemv_rope_kv         the epilogue applies RoPE to q and k and writes k and v to the paged
 //                        cache: the qkv projection of a decode step with rope_write_kv inside.
 //   gemv_silu_mul        the epilogue stores silu(gate) * up: gate_up with silu_mul inside.
 //   gemv_norm_rope_kv,   the same two with the RMSNorm of the residual stream x inside (the
 //   gemv_norm_silu_mul   decode default): rms_norm needs no launch of its own.
+//   gemv_residual_norm   y += x @ W^T (o or down into the residual stream), and the norm after it
+//                        handed over: bf16(y * its gain) and per-CTA sums of y^2 per row.
+//   gemv_prenormed_rope_kv,  the two fused GEMVs on that handed-over operand: the norm-inside
+//   gemv_prenormed_silu_mul  formula, the scale from the producer's sums (TINYVLLM_FUSE_NORM=producer).
 // The norm's scale is one number per x row, so it comes out of the dot product:
 //   Y[j, n] = inv_rms[j] * sum_k W[n, k] * bf16(x[j, k] * norm_w[k]),
 //   inv_rms[j] = 1 / sqrt(mean_k x[j, k]^2 + eps).
@@ -171,13 +175,28 @@ __device__ __forceinline__ void mma_pair(float acc[4], const uint4& p, const uin
 }
 
 // How a kernel gets its X operand (B = X^T) and what its epilogue does with Y.
-enum class XLoad { plain, rms_norm };
-enum class Epilogue { store, rope_kv, silu_mul };
+//   plain       X as stored.
+//   rms_norm    X is the residual stream: the operand is bf16(x * norm weight), the kernel sums
+//               the squares itself and scales each output by inv_rms (header).
+//   prenormed   X is bf16(x * norm weight) already, written with its sums of squares by the
+//               residual GEMV before (Epilogue::residual_norm): the kernel only scales.
+// residual_norm: Y += X @ W^T (the residual add, bf16), and for the norm after it
+// bf16(Y * norm weight) and each CTA's sum of Y's squares per row (the handed-over norm, header).
+enum class XLoad { plain, rms_norm, prenormed };
+enum class Epilogue { store, rope_kv, silu_mul, residual_norm };
 
-// The norm inside the GEMV: x is the residual stream, weight the norm's gain.
+// The norm of X, for the modes that have one.
 struct NormArgs {
-    const bf16* weight;   // [k]
+    const bf16* weight;    // rms_norm: the norm's gain [k]
     float eps;
+    const float* row_ss;   // prenormed: the producer's per-CTA sums of squares [m][ceil(k / 16)]
+};
+
+// What Epilogue::residual_norm writes besides Y.
+struct NormOut {
+    const bf16* weight;    // the next norm's gain [n]
+    bf16* normed;          // [m, n]: bf16(Y * weight)
+    float* row_ss;         // [m][gridDim.x]: this CTA's sum of its 16 columns' Y^2 per row
 };
 
 // What the RoPE + KV-write epilogue needs besides Y (= the qkv rows [m, n], n = (Hq + 2 Hkv) D).
@@ -197,7 +216,7 @@ struct Tile {
 
 template <Epilogue EPI>
 __device__ __forceinline__ Tile cta_tile(int cta, int n, int head_dim) {
-    if constexpr (EPI == Epilogue::store) {
+    if constexpr (EPI == Epilogue::store || EPI == Epilogue::residual_norm) {
         return {cta * ROWS_PER_CTA, cta * ROWS_PER_CTA + 8};
     } else if constexpr (EPI == Epilogue::silu_mul) {         // gate rows [0, n/2), up rows [n/2, n)
         return {cta * 8, n / 2 + cta * 8};
@@ -233,9 +252,11 @@ template <XLoad MODE, Epilogue EPI>
 __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __restrict__ x,
                                           const NormArgs& norm, const bf16* __restrict__ w,
                                           int m, int n, int k, int out_f32, int accumulate,
-                                          const RopeArgs& rope, int wide_l2, int ring) {
+                                          const RopeArgs& rope, const NormOut& norm_out, int wide_l2, int ring) {
     extern __shared__ float partial[];   // [warps][8 rows of x][16 columns of the CTA]
-                                         // (rms_norm: then [warps][8 rows] sums of squares)
+                                         // (rms_norm: then [warps][8 rows] sums of squares;
+                                         // ring: then the warps' slots; prenormed: then
+                                         // [m][ss_count] producer sums of squares)
     allow_consumer();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -250,6 +271,20 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
     const bf16* w0 = w + (size_t)(w_ok0 ? w_tile.row_a + g : 0) * k + 8 * t;
     const bf16* w1 = w + (size_t)(w_ok1 ? w_tile.row_b + g : 0) * k + 8 * t;
     const bf16* xr = x + (x_ok ? g : 0) * (size_t)k + 8 * t;
+
+    // prenormed: the producer's m x ss_count sums of squares, copied into shared memory right
+    // after the wait with (ring path: in the same cp.async group as) the first X chunks, so
+    // the epilogue's inv_rms costs no memory round trip at the end. ss_count % 4 == 0 (k % 64
+    // == 0, checked in Python): whole 16-byte chunks, shared among all the CTA's lanes.
+    const int ss_count = (k + ROWS_PER_CTA - 1) / ROWS_PER_CTA;
+    float* const producer_ss = partial + warps * (8 * ROWS_PER_CTA) + (ring ? warps * (RING_BYTES_PER_WARP / 4) : 0);
+    auto copy_producer_ss = [&]() {
+        if constexpr (MODE == XLoad::prenormed) {
+            for (int c = threadIdx.x; c < m * ss_count / 4; c += blockDim.x)
+                cp_async16(smem_addr(producer_ss + 4 * c), norm.row_ss + 4 * c, 16);
+            cp_async_commit();
+        }
+    };
 
     // Plain gemv_bf16 loads its UNROLL X chunks together, then runs the mmas; the other modes
     // take each X chunk to its mmas one by one: the norm's conversion and the two-run tile's
@@ -297,6 +332,7 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             cp_async_commit();
         }
         wait_for_producer();   // X is the previous kernel's output
+        copy_producer_ss();    // its own group, committed before X's: done by X's wait below
 #pragma unroll
         for (int i = 0; i < RING_STEPS; ++i)
             if (i < my_steps) copy_x(i);
@@ -330,14 +366,17 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             if (in && w_ok0) wv0[u] = load_stream(w0 + kk, wide_l2);
             if (in && w_ok1) wv1[u] = load_stream(w1 + kk, wide_l2);
         }
-        if (s0 == s_begin) wait_for_producer();   // X is the previous kernel's output
+        if (s0 == s_begin) {   // X is the previous kernel's output
+            wait_for_producer();
+            copy_producer_ss();
+        }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int kk = (s0 + u) * STEP_K;
             const bool in = s0 + u < s_end && kk + 8 * t < k;
             xv[u] = make_uint4(0u, 0u, 0u, 0u);
             if (in && x_ok) {
-                if constexpr (MODE == XLoad::plain) {
+                if constexpr (MODE != XLoad::rms_norm) {
                     xv[u] = load_cached(xr + kk);
                 } else {
                     xv[u] = scale_by_weight(load_cached(xr + kk), load_weight(norm.weight + 8 * t + kk), ss);
@@ -351,6 +390,8 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
         }
     }
     wait_for_producer();   // warps without steps: Y is read/written below
+    if (!ring && s_begin >= s_end) copy_producer_ss();   // the register path's warps without steps
+    if constexpr (MODE == XLoad::prenormed) cp_async_wait<0>();   // visible to all after __syncthreads
 
     // Lane (g, t) holds tile columns g and 8 + g of x rows 2t and 2t+1 (this warp's share of K);
     // partial[warp][row][column].
@@ -390,8 +431,34 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             // fast division and rsqrt (2 ulp each, far below the bf16 rounding of the operand):
             // IEEE division's slow-path call costs registers this kernel does not have
             sum *= rsqrtf(__fdividef(row_sum_sq, (float)k) + norm.eps);
+        } else if constexpr (MODE == XLoad::prenormed) {   // the same scale from the producer's sums
+            // the row's 16 lanes each add every 16th partial, then meet in a fixed butterfly:
+            // every CTA gets the same inv_rms (all lanes take part: the shuffles need them)
+            float row_sum_sq = 0.f;
+            if (live)
+                for (int c = col; c < ss_count; c += ROWS_PER_CTA) row_sum_sq += producer_ss[row * ss_count + c];
+#pragma unroll
+            for (int lane_mask = 1; lane_mask < ROWS_PER_CTA; lane_mask <<= 1)
+                row_sum_sq += __shfl_xor_sync(0xffffffffu, row_sum_sq, lane_mask);
+            sum *= rsqrtf(__fdividef(row_sum_sq, (float)k) + norm.eps);
         }
-        if constexpr (EPI == Epilogue::store) {
+        if constexpr (EPI == Epilogue::residual_norm) {
+            // Y += the product, as store with accumulate; then the next norm's operand and this
+            // CTA's part of its sum of squares, from the bf16 Y the next kernels read
+            const size_t at = (size_t)row * n + out;
+            float value = 0.f;
+            if (in_n) {
+                bf16* yb = static_cast<bf16*>(y);
+                value = __bfloat162float(__float2bfloat16(__bfloat162float(yb[at]) + sum));
+                yb[at] = __float2bfloat16(value);
+                norm_out.normed[at] = __float2bfloat16(value * __bfloat162float(norm_out.weight[out]));
+            }
+            float sq = value * value;
+#pragma unroll
+            for (int lane_mask = 1; lane_mask < ROWS_PER_CTA; lane_mask <<= 1)
+                sq += __shfl_xor_sync(0xffffffffu, sq, lane_mask);
+            if (live && col == 0) norm_out.row_ss[(size_t)row * gridDim.x + blockIdx.x] = sq;
+        } else if constexpr (EPI == Epilogue::store) {
             const size_t at = (size_t)row * n + out;
             if (in_n && out_f32) {
                 float* yf = static_cast<float*>(y);
@@ -438,7 +505,7 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_bf16(void* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
           int m, int n, int k, int out_f32, int accumulate, int wide_l2, int ring) {
-    gemv_body<XLoad::plain, Epilogue::store>(y, x, NormArgs{}, w, m, n, k, out_f32, accumulate, RopeArgs{}, wide_l2, ring);
+    gemv_body<XLoad::plain, Epilogue::store>(y, x, NormArgs{}, w, m, n, k, out_f32, accumulate, RopeArgs{}, NormOut{}, wide_l2, ring);
 }
 
 // qkv = X @ W^T, then RoPE on its q and k heads (q rotated in place; k rotated into k_cache, v into
@@ -450,7 +517,7 @@ gemv_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const bf16
                   int num_q_heads, int num_kv_heads, int head_dim, int wide_l2, int ring) {
     gemv_body<XLoad::plain, Epilogue::rope_kv>(
         qkv, x, NormArgs{}, w, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, wide_l2, ring);
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, NormOut{}, wide_l2, ring);
 }
 
 // gemv_rope_kv_bf16 with the RMSNorm of x (the residual stream [m, k], gain norm_w) inside, its
@@ -464,7 +531,7 @@ gemv_norm_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const
                        int num_q_heads, int num_kv_heads, int head_dim, int wide_l2, int ring) {
     gemv_body<XLoad::rms_norm, Epilogue::rope_kv>(
         qkv, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, wide_l2, ring);
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, NormOut{}, wide_l2, ring);
 }
 
 // act = silu(gate) * up of gate_up = X @ W^T, W = [gate; up] ([n, k], gate rows first): gemv_bf16
@@ -472,12 +539,47 @@ gemv_norm_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ w,
                    int m, int n, int k, int wide_l2, int ring) {
-    gemv_body<XLoad::plain, Epilogue::silu_mul>(act, x, NormArgs{}, w, m, n, k, 0, 0, RopeArgs{}, wide_l2, ring);
+    gemv_body<XLoad::plain, Epilogue::silu_mul>(act, x, NormArgs{}, w, m, n, k, 0, 0, RopeArgs{}, NormOut{}, wide_l2, ring);
 }
 
 // gemv_silu_mul_bf16 with the RMSNorm of x inside, as gemv_norm_rope_kv_bf16.
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_norm_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
                         const bf16* __restrict__ w, int m, int n, int k, float eps, int wide_l2, int ring) {
-    gemv_body<XLoad::rms_norm, Epilogue::silu_mul>(act, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0, RopeArgs{}, wide_l2, ring);
+    gemv_body<XLoad::rms_norm, Epilogue::silu_mul>(act, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0, RopeArgs{}, NormOut{}, wide_l2, ring);
+}
+
+// The handed-over norm (header): y += x @ W^T as gemv_bf16 with accumulate = 1 (the o or down
+// projection adding into the residual stream y [m, n]), and for the RMSNorm that follows it
+// normed = bf16(y * norm_w) [m, n] and row_ss[j][cta] = the sum of this CTA's 16 new y[j]^2.
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_residual_norm_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
+                        int m, int n, int k, const bf16* __restrict__ norm_w, bf16* __restrict__ normed,
+                        float* __restrict__ row_ss, int wide_l2, int ring) {
+    gemv_body<XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, w, m, n, k, 0, 1, RopeArgs{},
+                                                     NormOut{norm_w, normed, row_ss}, wide_l2, ring);
+}
+
+// gemv_rope_kv_bf16 on x = normed from gemv_residual_norm_bf16, each output scaled by its row's
+// inv_rms = 1 / sqrt(sum(row_ss[j]) / k + eps) before the epilogue: the formula of
+// gemv_norm_rope_kv_bf16 without its per-CTA work on x. row_ss: [m][k / 16], k % 64 == 0.
+// Shared memory: m * k / 16 * 4 bytes more than gemv_bf16's.
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_prenormed_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                            const bf16* __restrict__ w, int m, int n, int k, float eps,
+                            bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                            const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                            int num_q_heads, int num_kv_heads, int head_dim, int wide_l2, int ring) {
+    gemv_body<XLoad::prenormed, Epilogue::rope_kv>(
+        qkv, x, NormArgs{nullptr, eps, row_ss}, w, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, NormOut{},
+        wide_l2, ring);
+}
+
+// gemv_silu_mul_bf16 on a prenormed x, as gemv_prenormed_rope_kv_bf16.
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_prenormed_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                             const bf16* __restrict__ w, int m, int n, int k, float eps, int wide_l2, int ring) {
+    gemv_body<XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{nullptr, eps, row_ss}, w, m, n, k, 0, 0,
+                                                    RopeArgs{}, NormOut{}, wide_l2, ring);
 }
