@@ -197,6 +197,16 @@ def _assert_steps_equal(a_steps, b_steps) -> None:
         np.testing.assert_array_equal(a, b, err_msg=f"decode step {step}")
 
 
+def _assert_settings_give_the_same_steps(tiny, rng_seed: int, num_seqs: int, a: dict, b: dict) -> None:
+    """24 decode steps through graphs captured with GpuOps settings a, then b: bitwise equal logits."""
+    cfg, runner, _, _ = tiny
+    runs = []
+    for settings in (a, b):
+        with runner.recaptured(**settings):
+            runs.append(_decode_run(cfg, runner, rng_seed, steps=24, num_seqs=num_seqs))
+    _assert_steps_equal(*runs)
+
+
 def test_pdl_graphs_equal_plain_graphs(tiny):
     """Programmatic dependent launch only lets a kernel start early and wait (gpu/kernels.py):
     the graphs captured with it give bitwise the logits of graphs captured without it."""
@@ -212,12 +222,7 @@ def test_l2_prefetch_graphs_equal_plain_graphs(tiny):
     """The fused decode layer's attention prefetches the o and gate_up weights into L2
     (gpu/model.py, TINYVLLM_L2_PREFETCH): timing only, so decode graphs captured with it give
     bitwise the logits of graphs captured without it."""
-    cfg, runner, _, _ = tiny
-    with runner.recaptured(l2_prefetch=True):
-        with_prefetch = _decode_run(cfg, runner, 13)
-    with runner.recaptured(l2_prefetch=False):
-        without = _decode_run(cfg, runner, 13)
-    _assert_steps_equal(with_prefetch, without)
+    _assert_settings_give_the_same_steps(tiny, 13, 3, {"l2_prefetch": True}, {"l2_prefetch": False})
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3])
@@ -226,12 +231,7 @@ def test_early_kv_graphs_equal_plain_graphs(tiny, num_seqs):
     header) run under PDL inside the graphs, where the qkv GEMV writing the newest K/V row may
     still be running: decode graphs captured with them give bitwise the logits of graphs
     captured without them."""
-    cfg, runner, _, _ = tiny
-    with runner.recaptured(early_kv=True):
-        early = _decode_run(cfg, runner, 17, steps=24, num_seqs=num_seqs)
-    with runner.recaptured(early_kv=False):
-        plain = _decode_run(cfg, runner, 17, steps=24, num_seqs=num_seqs)
-    _assert_steps_equal(early, plain)
+    _assert_settings_give_the_same_steps(tiny, 17, num_seqs, {"early_kv": True}, {"early_kv": False})
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3])
@@ -240,12 +240,7 @@ def test_ring_graphs_equal_register_graphs(tiny, num_seqs):
     products in the same order at one k-split, and under PDL in the graphs every kernel's weight
     copies may now be in flight while several kernels before it still run: decode graphs
     captured with it give bitwise the logits of graphs captured without it."""
-    cfg, runner, _, _ = tiny
-    with runner.recaptured(gemv_ring=True):
-        ring = _decode_run(cfg, runner, 19, steps=24, num_seqs=num_seqs)
-    with runner.recaptured(gemv_ring=False):
-        registers = _decode_run(cfg, runner, 19, steps=24, num_seqs=num_seqs)
-    _assert_steps_equal(ring, registers)
+    _assert_settings_give_the_same_steps(tiny, 19, num_seqs, {"gemv_ring": True}, {"gemv_ring": False})
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3])
