@@ -3,7 +3,7 @@
 # fails, the rest runs with TINYVLLM_GEMV=0 so their results still mean something), the fused
 # GEMV tests (if they fail, TINYVLLM_FUSE=0), then every
 # other GPU test, then the benchmarks. Logs go to $OUT (or ./gpu-pass-logs).
-#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [profile-loo] [bench] [bench-hf] [server-load] [soak] [smollm2]
+#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [profile-loo] [bench] [bench-hf] [latency-ab] [server-load] [soak] [smollm2]
 # (server-load needs the server extra: fastapi, uvicorn, pydantic, prometheus_client)
 set -u
 OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"
@@ -130,17 +130,25 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
     smollm2)
       # the real default model, SmolLM2-135M-Instruct: its GGUF arrives in two parts over two calls
       # (docs/device-runs.md) in /root/part.*, is joined and converted once, then batch-1 latency
-      # at the defaults and with each switch that is under test
+      # at the defaults and with each switch that is under test (AB="cfg ...": env settings, or default)
       model=/tmp/tinyvllm-models/smollm2-135m-instruct
       if [ ! -f $model/config.json ]; then
         cat /root/part.* > /root/smollm2.gguf && md5sum /root/smollm2.gguf | tee -a "$OUT/summary.log"
         python3 -m tinyvllm convert-gguf /root/smollm2.gguf $model > "$OUT/convert.log" 2>&1
         log "convert-gguf rc=$?"
       fi
-      for cfg in default TINYVLLM_ATTN_EARLY_KV=0 TINYVLLM_FUSE_NORM=none default TINYVLLM_ATTN_EARLY_KV=0; do
+      for cfg in ${AB:-default TINYVLLM_FUSE_NORM=producer TINYVLLM_GEMV_RING=0 default TINYVLLM_FUSE_NORM=producer}; do
         env ${cfg#default} timeout 90 python3 -m tinyvllm bench --model $model --workload latency \
           > "$OUT/bench-smollm2.log" 2>&1
         log "smollm2 latency [$cfg] rc=$?: $(grep -E '^latency' "$OUT/bench-smollm2.log" | tr -s ' ' | paste -sd';')"
+      done ;;
+    latency-ab)
+      # batch-1 latency on the 1B preset (MODEL=dir: that model), alternating the settings under
+      # test (AB="cfg ...", each an env setting or default), so drift hits every setting alike
+      for cfg in ${AB:-default TINYVLLM_FUSE_NORM=producer default TINYVLLM_FUSE_NORM=producer}; do
+        env ${cfg#default} timeout 90 python3 -m tinyvllm bench ${MODEL:+--model "$MODEL"} --workload latency \
+          > "$OUT/bench-ab.log" 2>&1
+        log "latency [$cfg] rc=$?: $(grep -E '^latency' "$OUT/bench-ab.log" | tr -s ' ' | paste -sd';')"
       done ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
