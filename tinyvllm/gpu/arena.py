@@ -33,8 +33,6 @@ import numpy as np
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.gpu.ops import GEMV, GEMV_MAX_ROWS, MAX_ARGMAX_SLICES, MAX_DECODE_SPLITS
 
-GEMV_ROWS_PER_CTA = GEMV["ROWS_PER_CTA"]
-
 ALIGN = 256                      # bytes; cuBLAS and 16-byte vector loads are happy with this
 CUBLAS_WORKSPACE_BYTES = 32 << 20
 
@@ -91,7 +89,7 @@ ACTIVATIONS = [
     BufferSpec("argmax_slice_counters", lambda d: (d.seqs,), I32, "argmax_slice_counters"),
     # the fused decode layer's handed-over norm (TINYVLLM_FUSE_NORM=producer, gpu/model.py): the
     # residual GEMV's per-CTA sums of squares of the new rows, for the GEMV after the norm
-    BufferSpec("norm_row_ss", lambda d: (GEMV_MAX_ROWS, -(-d.hidden // GEMV_ROWS_PER_CTA)), F32, "norm_row_ss"),
+    BufferSpec("norm_row_ss", lambda d: (GEMV_MAX_ROWS, -(-d.hidden // GEMV["ROWS_PER_CTA"])), F32, "norm_row_ss"),
     BufferSpec("cublas_workspace", lambda d: (CUBLAS_WORKSPACE_BYTES // 4,), F32, "cublas_workspace"),
 ]
 

@@ -8,12 +8,12 @@ one host-to-device copy, the forward pass, sampling, and one copy of S token ids
 How the two copies move (TINYVLLM_STEP_IO): `kernel` (the default) has step_io.cu's copy_words
 read the mirror and write the ids over PCIe (both host buffers are mapped into the device's
 address space); `copy` puts them on the copy engine, which costs ~8 us per transfer between two
-graphs against ~2-4 for the kernel (measured: 12 us less per decode step on Llama-1B,
-docs/perf-notes.md, session 10). The upload goes by kernel only
-before a decode graph: an eagerly launched step's kernels run under PDL, and the decode
-attention reads the block tables before its griddepcontrol.wait (attention_decode.cu's early
-K/V), which orders it after a copy engine's write but not after a kernel's. A graph launch waits
-for everything before it.
+graphs against ~1-2 for the kernel (measured on an H100: 10-12 us less per decode step on
+Llama-1B, docs/perf-notes.md, session 10). The upload goes by kernel only before a decode
+graph: an eagerly launched step's kernels run under PDL, and the decode attention reads the
+block tables before its griddepcontrol.wait (attention_decode.cu's early K/V), which orders it
+after a copy engine's write but not after a kernel's. A graph launch waits for everything
+before it.
 
 launch() returns once a plain step is enqueued (overlaps_steps: the engine's async scheduling
 prepares the next step meanwhile). Two steps may be in flight: the next one's inputs are

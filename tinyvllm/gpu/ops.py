@@ -425,7 +425,7 @@ class GpuOps:
         x_ptr, w_ptr = int(x), int(w)
         if (x_ptr | w_ptr) & 15 or any(int(p) & 15 for p in more):
             names = ", ".join(f"{p:#x}" for p in (x_ptr, w_ptr, *map(int, more)))
-            raise ValueError(f"{what}: x, w (and the norm weight) must be 16-byte aligned ({names})")
+            raise ValueError(f"{what}: x, w (and the norm weight or its row sums) must be 16-byte aligned ({names})")
         grid, block, shared = self.gemv_launch_shape(n, k, k_warps, last)
         return grid, block, shared, x_ptr, w_ptr, int(self.gemv_wide_l2(k, block[0] // 32))
 
@@ -488,21 +488,19 @@ class GpuOps:
             raise ValueError(f"gemv_{epilogue}: norm (inside) and prenormed (handed over) exclude each other")
         kind = "norm" if norm is not None else "prenormed" if prenormed is not None else None
         kernel = self._FUSED_GEMVS[epilogue, kind]
+        # with a norm the kernel takes (..., x, norm_w or row_ss, w, m, n, k, eps, ...)
+        norm_ptr, eps = norm or prenormed or (None, None)
         grid, block, shared, x_ptr, w_ptr, wide = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps,
-                                                                  *([norm[0]] if norm else []))
-        if norm:    # (..., x, norm_w, w, m, n, k, eps, ...); each warp's row sums of squares in shared
-            norm_weight, eps = norm
-            shared += block[0] // 32 * GEMV["NORM_SS_BYTES_PER_WARP"]
-            self._launch(kernel, grid, block, int(y), x_ptr, int(norm_weight), w_ptr, m, n, k, float(eps),
-                         *extra, wide, int(self.gemv_ring), shared_bytes=shared)
-        elif prenormed:   # (..., x, row_ss, w, m, n, k, eps, ...); the producer's sums in shared
-            row_ss, eps = prenormed
-            if k % 64 or int(row_ss) & 15:
-                raise ValueError(f"{kernel}: needs k % 64 == 0 (whole 16-byte chunks of row sums, got k = {k}) "
-                                 f"and a 16-byte aligned row_ss ({int(row_ss):#x})")
-            shared += m * (k // GEMV["ROWS_PER_CTA"]) * 4
-            self._launch(kernel, grid, block, int(y), x_ptr, int(row_ss), w_ptr, m, n, k, float(eps),
-                         *extra, wide, int(self.gemv_ring), shared_bytes=shared)
-        else:
+                                                                  *([norm_ptr] if kind else []))
+        if kind is None:
             self._launch(kernel, grid, block, int(y), x_ptr, w_ptr, m, n, k, *extra, wide, int(self.gemv_ring),
                          shared_bytes=shared)
+            return
+        if kind == "norm":       # each warp's row sums of squares in shared memory
+            shared += block[0] // 32 * GEMV["NORM_SS_BYTES_PER_WARP"]
+        else:                    # the producer's row sums, copied in whole 16-byte chunks
+            if k % 64:
+                raise ValueError(f"{kernel}: needs k % 64 == 0 (whole 16-byte chunks of row sums), got k = {k}")
+            shared += m * (k // GEMV["ROWS_PER_CTA"]) * 4
+        self._launch(kernel, grid, block, int(y), x_ptr, int(norm_ptr), w_ptr, m, n, k, float(eps),
+                     *extra, wide, int(self.gemv_ring), shared_bytes=shared)

@@ -233,6 +233,15 @@ __device__ __forceinline__ uint4 load_weight(const bf16* p) {
     return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
+// The sum of x over the 16 lanes of one epilogue row (a half warp: lanes i0 .. i0 + 15 hold its
+// 16 tile columns) in a fixed butterfly, so every CTA adds in the same order. Every lane of the
+// warp must call it.
+__device__ __forceinline__ float row_sum16(float x) {
+#pragma unroll
+    for (int lane_mask = 1; lane_mask < ROWS_PER_CTA; lane_mask <<= 1) x += __shfl_xor_sync(0xffffffffu, x, lane_mask);
+    return x;
+}
+
 // The norm's operand bf16(x * weight) of eight x values (the product of two bf16 values is exact
 // in fp32: one rounding), adding their squares (fp32) to ss.
 __device__ __forceinline__ uint4 scale_by_weight(const uint4& x_raw, const uint4& w_raw, float& ss) {
@@ -437,29 +446,11 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             float row_sum_sq = 0.f;
             if (live)
                 for (int c = col; c < ss_count; c += ROWS_PER_CTA) row_sum_sq += producer_ss[row * ss_count + c];
-#pragma unroll
-            for (int lane_mask = 1; lane_mask < ROWS_PER_CTA; lane_mask <<= 1)
-                row_sum_sq += __shfl_xor_sync(0xffffffffu, row_sum_sq, lane_mask);
-            sum *= rsqrtf(__fdividef(row_sum_sq, (float)k) + norm.eps);
+            sum *= rsqrtf(__fdividef(row_sum16(row_sum_sq), (float)k) + norm.eps);
         }
-        if constexpr (EPI == Epilogue::residual_norm) {
-            // Y += the product, as store with accumulate; then the next norm's operand and this
-            // CTA's part of its sum of squares, from the bf16 Y the next kernels read
+        if constexpr (EPI == Epilogue::store || EPI == Epilogue::residual_norm) {
             const size_t at = (size_t)row * n + out;
-            float value = 0.f;
-            if (in_n) {
-                bf16* yb = static_cast<bf16*>(y);
-                value = __bfloat162float(__float2bfloat16(__bfloat162float(yb[at]) + sum));
-                yb[at] = __float2bfloat16(value);
-                norm_out.normed[at] = __float2bfloat16(value * __bfloat162float(norm_out.weight[out]));
-            }
-            float sq = value * value;
-#pragma unroll
-            for (int lane_mask = 1; lane_mask < ROWS_PER_CTA; lane_mask <<= 1)
-                sq += __shfl_xor_sync(0xffffffffu, sq, lane_mask);
-            if (live && col == 0) norm_out.row_ss[(size_t)row * gridDim.x + blockIdx.x] = sq;
-        } else if constexpr (EPI == Epilogue::store) {
-            const size_t at = (size_t)row * n + out;
+            float stored = 0.f;   // the bf16 Y value written (residual_norm: what the next kernels read)
             if (in_n && out_f32) {
                 float* yf = static_cast<float*>(y);
                 yf[at] = accumulate ? yf[at] + sum : sum;
@@ -467,6 +458,12 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
                 bf16* yb = static_cast<bf16*>(y);
                 const bf16 value = __float2bfloat16(accumulate ? __bfloat162float(yb[at]) + sum : sum);
                 yb[at] = value;
+                stored = __bfloat162float(value);
+            }
+            if constexpr (EPI == Epilogue::residual_norm) {   // the next norm's operand, this CTA's part of its sum
+                if (in_n) norm_out.normed[at] = __float2bfloat16(stored * __bfloat162float(norm_out.weight[out]));
+                const float sq = row_sum16(stored * stored);
+                if (live && col == 0) norm_out.row_ss[(size_t)row * gridDim.x + blockIdx.x] = sq;
             }
         } else {
             // Both fused epilogues read the product as the unfused chain's next kernel would:
