@@ -313,6 +313,8 @@ def gemv_configs(vocab_size: int) -> list[tuple[str, dict]]:
     return [("default (ring path, wave 32, hint on)", {}),
             ("LM head on cuBLAS", {"gemv_max_n": vocab_size - 1}),
             ("ring path, wave 16", {"gemv_wave_warps": 16}),
+            ("o at 16 warps (resident beside the attention)", {"gemv_k_warps_for": {"o": 16}}),
+            ("o and down at 16 warps", {"gemv_k_warps_for": {"o": 16, "down": 16}}),
             ("registers (TINYVLLM_GEMV_RING=0)", {"gemv_ring": False})]
 
 
@@ -326,7 +328,7 @@ def compare_gemv(runner, batch, cfg) -> None:
     for _ in range(2):
         for name, settings in gemv_configs(cfg.vocab_size):
             with runner.recaptured(**settings):
-                warps = " ".join(f"{s}:{ops.gemv_k_warps(n, k, last=s == 'lm_head')}"
+                warps = " ".join(f"{s}:{ops.gemv_k_warps_for.get(s) or ops.gemv_k_warps(n, k, last=s == 'lm_head')}"
                                  if ops.on_gemv(batch.num_seqs, n, k) else f"{s}:cuBLAS" for s, (n, k) in shapes.items())
                 rows.append((name, *graph_times(runner, batch), warps))
     print_graph_rows(f"GEMV settings, batch {batch.num_seqs}", "setting", rows, batch.num_seqs, "k-split warps")

@@ -130,7 +130,8 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
     smollm2)
       # the real default model, SmolLM2-135M-Instruct: its GGUF arrives in two parts over two calls
       # (docs/device-runs.md) in /root/part.*, is joined and converted once, then batch-1 latency
-      # at the defaults and with each switch that is under test (AB="cfg ...": env settings, or default)
+      # at the defaults and with each switch that is under test (AB="cfg ...": default, or env
+      # settings joined by +)
       model=/tmp/tinyvllm-models/smollm2-135m-instruct
       if [ ! -f $model/config.json ]; then
         cat /root/part.* > /root/smollm2.gguf && md5sum /root/smollm2.gguf | tee -a "$OUT/summary.log"
@@ -138,15 +139,15 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
         log "convert-gguf rc=$?"
       fi
       for cfg in ${AB:-default TINYVLLM_FUSE_NORM=producer TINYVLLM_GEMV_RING=0 default TINYVLLM_FUSE_NORM=producer}; do
-        env ${cfg#default} timeout 90 python3 -m tinyvllm bench --model $model --workload latency \
+        c=${cfg#default}; env ${c//+/ } timeout 90 python3 -m tinyvllm bench --model $model --workload latency \
           > "$OUT/bench-smollm2.log" 2>&1
         log "smollm2 latency [$cfg] rc=$?: $(grep -E '^latency' "$OUT/bench-smollm2.log" | tr -s ' ' | paste -sd';')"
       done ;;
     latency-ab)
       # batch-1 latency on the 1B preset (MODEL=dir: that model), alternating the settings under
-      # test (AB="cfg ...", each an env setting or default), so drift hits every setting alike
+      # test (AB="cfg ...", each default or env settings joined by +), so drift hits every setting alike
       for cfg in ${AB:-default TINYVLLM_FUSE_NORM=producer default TINYVLLM_FUSE_NORM=producer}; do
-        env ${cfg#default} timeout 90 python3 -m tinyvllm bench ${MODEL:+--model "$MODEL"} --workload latency \
+        c=${cfg#default}; env ${c//+/ } timeout 90 python3 -m tinyvllm bench ${MODEL:+--model "$MODEL"} --workload latency \
           > "$OUT/bench-ab.log" 2>&1
         log "latency [$cfg] rc=$?: $(grep -E '^latency' "$OUT/bench-ab.log" | tr -s ' ' | paste -sd';')"
       done ;;

@@ -18,7 +18,7 @@ from tinyvllm.gpu.arena import ArenaDims, ArenaLayout, DeviceView, round_up
 from tinyvllm.gpu.cublas import Cublas
 from tinyvllm.gpu.device_weights import DeviceWeights, LayerWeights, device_tensor_shapes, device_weight_bytes
 from tinyvllm.gpu.model import LlamaModel, StepShape
-from tinyvllm.gpu.ops import GpuOps
+from tinyvllm.gpu.ops import GpuOps, parse_k_warps_for
 from tinyvllm.trace import TracingRunner
 
 
@@ -321,3 +321,46 @@ def test_decode_layer_hands_the_norms_over(tiny_model_dir):
             assert d["args"][1] == int(v("normed")) and d["args"][2] == int(v("norm_row_ss"))
             assert d["args"][6] == config.hidden_size and d["shared_bytes"] > 0
     assert names.index("gemv_residual_norm_bf16") > names.index("attention_decode_d64_g2")
+
+
+@pytest.mark.parametrize("fuse_norm", ["auto", "producer"])
+def test_decode_layer_takes_per_projection_k_warps(tiny_model_dir, fuse_norm):
+    """TINYVLLM_GEMV_K_WARPS (ops.gemv_k_warps_for): each named decode projection launches with
+    that many warps splitting K (block = 32 x warps), on both the norm and the handed-over norm
+    paths; the projections not named keep gemv_k_warps' rule. Bad settings are one clear error."""
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
+    ops, H, I = fake.ops, config.hidden_size, config.intermediate_size
+    ops.fuse_norm = fuse_norm
+    launched = []
+
+    class Recording:              # every kernel launch's (name, block, args), enqueueing nothing
+        def function(self, name):
+            def launch(grid, block, stream, args, shared_bytes, pdl):
+                launched.append((name, block, args))
+            return type("Fn", (), {"launch": staticmethod(launch), "max_dynamic_shared_bytes": 1 << 20})()
+
+    ops.library = Recording()
+
+    def blocks_by_k():
+        """{(n, k) of each GEMV's weight: the k-split warps it launched with}"""
+        launched.clear()
+        fake.execute(ForwardBatch.build([[7]], [12], [[5]], 16, is_prefill=False), SamplingBatch.greedy(1))
+        seen = {}
+        for name, block, a in launched:     # (y, x, w, m, n, k ...); norm / prenormed: (y, x, nw, w, m, n, k ...)
+            if name.startswith("gemv"):
+                n, k = (a[4], a[5]) if name in ("gemv_bf16", "gemv_residual_norm_bf16") else (a[5], a[6])
+                seen.setdefault((n, k), set()).add(block[0] // 32)
+        return seen
+
+    rule = blocks_by_k()
+    ops.gemv_k_warps_for = {"o": 2, "down": 4}
+    chosen = blocks_by_k()
+    o, down = (H, config.num_attention_heads * config.head_dim), (H, I)
+    assert chosen[o] == {2} and chosen[down] == {4} and rule[o] != {2}
+    assert {key: v for key, v in chosen.items() if key not in (o, down)} == \
+           {key: v for key, v in rule.items() if key not in (o, down)}
+    for bad in ("o=3", "lm_head=4", "o=64", "o"):
+        with pytest.raises(ValueError, match="TINYVLLM_GEMV_K_WARPS"):
+            parse_k_warps_for(bad)
+    assert parse_k_warps_for(" o=16, down=8 ") == {"o": 16, "down": 8} and parse_k_warps_for("") == {}

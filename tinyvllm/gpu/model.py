@@ -118,6 +118,7 @@ class LlamaModel:
         c, w, ops = self.cfg, self.w, self.ops
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
         fused = not step.is_prefill and ops.fuses_decode(T, H, self.qkv_width, I, c.head_dim)
+        kw = ops.gemv_k_warps_for   # per-projection k-splits, if set (gpu/ops.py; prefill: cuBLAS)
         tok = self.token_inputs[step.is_prefill]
         ops.embedding(self.hidden, w.embed, tok.token_ids, T, H, c.vocab_size, fed_rows=tok.fed_rows,
                       fed_ids=self.sampled_ids)
@@ -126,15 +127,15 @@ class LlamaModel:
                 self._decode_layer_fused(step, layer, lw)
                 continue
             ops.rms_norm(self.normed, self.hidden, lw.input_norm, T, H, eps)
-            ops.linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H)
+            ops.linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H, k_warps=kw.get("qkv"))
             ops.rope_write_kv(self.qkv, self.kv.k(layer), self.kv.v(layer), tok.positions, tok.slot_mapping,
                               w.rope_inv_freq, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
             self._attention(step, layer)
-            ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True)
+            ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True, k_warps=kw.get("o"))
             ops.rms_norm(self.normed, self.hidden, lw.post_norm, T, H, eps)
-            ops.linear(self.gate_up, self.normed, lw.gate_up, T, 2 * I, H)
+            ops.linear(self.gate_up, self.normed, lw.gate_up, T, 2 * I, H, k_warps=kw.get("gate_up"))
             ops.silu_mul(self.act, self.gate_up, T, I)
-            ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True)
+            ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True, k_warps=kw.get("down"))
         S = step.num_seqs
         ops.rms_norm(self.final_normed, self.hidden, w.final_norm, S, H, eps, rows=self.last_token_idx)
         ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32", last=True)
@@ -158,24 +159,30 @@ class LlamaModel:
             ops.rms_norm(self.normed, self.hidden, norm_weight, T, H, eps)
             return self.normed, None, None
 
-        def add_residual(x, weight, k: int, next_norm):
+        kw = ops.gemv_k_warps_for            # per-projection k-splits, if set (gpu/ops.py)
+
+        def add_residual(x, weight, k: int, next_norm, name: str):
             """hidden += x @ weight^T; next_norm: the gain of the norm after it, handed over."""
             if next_norm is None:
-                ops.linear(self.hidden, x, weight, T, H, k, accumulate=True)
+                ops.linear(self.hidden, x, weight, T, H, k, accumulate=True, k_warps=kw.get(name))
             else:
-                ops.gemv_residual_norm(self.hidden, x, weight, T, H, k, next_norm, self.normed, self.norm_row_ss)
+                ops.gemv_residual_norm(self.hidden, x, weight, T, H, k, next_norm, self.normed, self.norm_row_ss,
+                                       k_warps=kw.get(name))
 
         x, norm, prenormed = normed_input(lw.input_norm, self.qkv_width, handoff and layer > 0)
         tok = self.token_inputs[False]
         ops.gemv_rope_kv(self.qkv, x, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),  # qkv, rope
                          tok.positions, tok.slot_mapping, w.rope_inv_freq, num_q_heads=c.num_attention_heads,
-                         num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, norm=norm, prenormed=prenormed)
+                         num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, norm=norm, prenormed=prenormed,
+                         k_warps=kw.get("qkv"))
         self._attention(step, layer, l2_prefetch=self._l2_prefetch(lw))
-        add_residual(self.attn_out, lw.o, c.q_size, lw.post_norm if handoff else None)                  # o
+        add_residual(self.attn_out, lw.o, c.q_size, lw.post_norm if handoff else None, "o")             # o
         x, norm, prenormed = normed_input(lw.post_norm, 2 * I, handoff)
-        ops.gemv_silu_mul(self.act, x, lw.gate_up, T, 2 * I, H, norm=norm, prenormed=prenormed)        # gate_up, silu
+        ops.gemv_silu_mul(self.act, x, lw.gate_up, T, 2 * I, H, norm=norm, prenormed=prenormed,        # gate_up, silu
+                          k_warps=kw.get("gate_up"))
         last = layer == len(w.layers) - 1          # the final norm reads one row per sequence: separate
-        add_residual(self.act, lw.down, I, w.layers[layer + 1].input_norm if handoff and not last else None)  # down
+        add_residual(self.act, lw.down, I, w.layers[layer + 1].input_norm if handoff and not last else None,
+                     "down")                                                                            # down
 
     def _attention(self, step: StepShape, layer: int, l2_prefetch=None) -> None:
         c = self.cfg

@@ -97,6 +97,22 @@ def _dim3(d) -> tuple[int, int, int]:
     return d + (1,) * (3 - len(d))
 
 
+DECODE_PROJECTIONS = ("qkv", "o", "gate_up", "down")   # the decode layer's GEMVs, by name
+K_WARPS_CHOICES = tuple(1 << i for i in range(GEMV["MAX_K_WARPS"].bit_length()))   # 1, 2, 4 .. 32
+
+
+def parse_k_warps_for(spec: str) -> dict[str, int]:
+    """TINYVLLM_GEMV_K_WARPS ("o=16,down=16"; empty: none) -> {projection: k-split warps}."""
+    table = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, warps = item.partition("=")
+        if name not in DECODE_PROJECTIONS or not warps.isdigit() or int(warps) not in K_WARPS_CHOICES:
+            raise ValueError(f"TINYVLLM_GEMV_K_WARPS: {item!r} is not projection=warps with a projection in "
+                             f"{DECODE_PROJECTIONS} and warps a power of two up to {GEMV['MAX_K_WARPS']}")
+        table[name] = int(warps)
+    return table
+
+
 class GpuOps:
     """The launchers, bound to one kernel library, stream, cuBLAS handle and SM count."""
 
@@ -131,6 +147,11 @@ class GpuOps:
         self.gemv_ring = os.environ.get("TINYVLLM_GEMV_RING", "1") != "0"
         # the warps per SM that gemv_k_warps counts as one wave (decode_profile.py --compare-gemv)
         self.gemv_wave_warps = GEMV_WARPS_PER_SM
+        # per-projection k-split warps the decode layer uses instead of gemv_k_warps' rule, e.g.
+        # {"o": 16}: the o GEMV at half an SM per CTA, so its grid becomes resident beside the
+        # decode attention's blocks under PDL (parse_k_warps_for; TINYVLLM_GEMV_K_WARPS="o=16").
+        # Empty by default. A different k-split sums in a different order: other bits.
+        self.gemv_k_warps_for = parse_k_warps_for(os.environ.get("TINYVLLM_GEMV_K_WARPS", ""))
         # the GEMV's .L2::256B load hint: None follows gemv_wide_l2's rule, True / False force it
         # (benchmarks/gemv_bench.py and decode_profile.py --compare-gemv compare them)
         self.gemv_l2_hint: bool | None = None
@@ -311,13 +332,15 @@ class GpuOps:
         return self.use_gemv and n <= self.gemv_max_n and self.gemv_supports(m, n, k)
 
     def linear(self, y, x, w, m: int, n: int, k: int, *, accumulate: bool = False,
-               out_dtype: str = "bfloat16", last: bool = False) -> None:
+               out_dtype: str = "bfloat16", last: bool = False, k_warps: int | None = None) -> None:
         """Y[m, n] (+)= X[m, k] @ W[n, k]^T, row-major, W as HF stores it [out, in]; accumulate
         adds to Y (beta = 1: the fused residual add). The GEMV for small decode batches, else cuBLAS.
-        last: the step's last projection (the LM head), launched by gemv_k_warps' rule for it."""
+        last: the step's last projection (the LM head), launched by gemv_k_warps' rule for it;
+        k_warps: the GEMV's k-split (None: that rule)."""
         on_gemv = self.on_gemv(m, n, k)
         if on_gemv:
-            run = lambda: self.gemv(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype, last=last)  # noqa: E731
+            run = lambda: self.gemv(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype, last=last,  # noqa: E731
+                                    k_warps=k_warps)
         else:
             run = lambda: self.blas.matmul(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
         name = f"{'gemv' if on_gemv else 'cublas'} {n}x{k}"
