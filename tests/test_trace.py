@@ -118,10 +118,14 @@ def test_gpu_trace_names_every_argument(tiny_model_dir):
     assert "-- layer 1 --" in prefill and "final norm + LM head" in prefill
     # decode: GEMV for the layer projections, split attention, the graph note, the sampler
     assert "linear -> gemv:" in decode and "kernel gemv_bf16" in decode
-    # decode at batch 1 runs the fused layer (gpu/model.py), five launches: norm + qkv + RoPE/KV
-    # write, attention, o, norm + gate_up + silu, down
+    # decode at batch 1 runs the fused layer (gpu/model.py), five launches: qkv + RoPE/KV write,
+    # attention, o (+ the next norm's operand), gate_up + silu, down (+ the next norm's operand);
+    # the first input norm is inside layer 0's qkv GEMV, the rest are handed over (the default)
     L = config.num_hidden_layers
-    assert decode.count("gemv_norm_rope_kv_bf16  grid") == L and decode.count("gemv_norm_silu_mul_bf16  grid") == L
+    assert decode.count("gemv_norm_rope_kv_bf16  grid") == 1 and decode.count("gemv_prenormed_rope_kv_bf16  grid") == L - 1
+    assert decode.count("gemv_prenormed_silu_mul_bf16  grid") == L and decode.count("gemv_residual_norm_bf16  grid") == 2 * L - 1
+    assert re.search(r"normed\s+W\s+normed\|final_normed bfloat16", decode)
+    assert re.search(r"row_ss\s+W\s+norm_row_ss", decode) and re.search(r"row_ss\s+R\s+norm_row_ss", decode)
     assert re.search(r"k_cache\s+W\s+kv\.k\(0\)", decode)
     assert re.search(r"norm_w\s+R\s+layers\[0\]\.input_norm", decode)
     assert "silu_mul  grid" not in decode and "rope_write_kv" not in decode
@@ -229,11 +233,14 @@ def test_attention_decode_checks_its_prefetch_range():
 
 
 def test_fuses_norm_follows_the_measured_rule():
-    """TINYVLLM_FUSE_NORM=auto (the default) puts a norm inside the GEMV after it only where
-    ceil(n / 16) * k <= NORM_INSIDE_MAX_VALUES: SmolLM2-135M's qkv and gate_up, not Llama-1B's."""
+    """TINYVLLM_FUSE_NORM=producer (the default) hands the norms over and, like auto, puts the
+    first input norm inside the GEMV after it only where ceil(n / 16) * k <=
+    NORM_INSIDE_MAX_VALUES: SmolLM2-135M's qkv and gate_up, not Llama-1B's."""
     from tinyvllm.gpu.ops import FUSE_NORM_DEFAULT
     ops = GpuOps(_Launches(), num_sms=132)
-    assert FUSE_NORM_DEFAULT == "auto" and ops.fuse_norm == "auto"
+    assert FUSE_NORM_DEFAULT == "producer" and ops.fuse_norm == "producer"
+    assert ops.fuses_norm(960, 576) and not ops.fuses_norm(3072, 2048)
+    ops.fuse_norm = "auto"
     assert ops.fuses_norm(960, 576) and ops.fuses_norm(3072, 576)            # SmolLM2: qkv, gate_up
     assert not ops.fuses_norm(3072, 2048) and not ops.fuses_norm(16384, 2048)   # Llama-3.2-1B
     ops.fuse_norm = "all"
@@ -258,9 +265,9 @@ def test_skip_ops_leaves_ops_out_of_a_step(tiny_model_dir):
         return seen
 
     every = ops_of_a_decode_step()
-    o_proj = f"gemv {config.hidden_size}x{config.q_size}"
-    assert "rms_norm" in every and o_proj in every and "sample_tokens" in every
-    fake.ops.skip_ops = frozenset({"rms_norm", o_proj})
+    last_down = f"gemv {config.hidden_size}x{config.intermediate_size}"   # the others hand a norm over
+    assert "rms_norm" in every and last_down in every and "gemv_residual_norm_bf16" in every and "sample_tokens" in every
+    fake.ops.skip_ops = frozenset({"rms_norm", last_down, "gemv_residual_norm_bf16"})
     try:
         assert ops_of_a_decode_step() == [op for op in every if op not in fake.ops.skip_ops]
     finally:
@@ -353,10 +360,14 @@ def test_decode_layer_takes_per_projection_k_warps(tiny_model_dir, fuse_norm):
                 seen.setdefault((n, k), set()).add(block[0] // 32)
         return seen
 
+    # the o GEMV's rule: at most half an SM per CTA (Llama-1B's 32 warps -> 16; SmolLM2's 8 stay)
+    assert (ops.gemv_k_warps(2048, 2048), ops.gemv_k_warps(2048, 2048, beside_attention=True)) == (32, 16)
+    assert ops.gemv_k_warps(576, 576) == ops.gemv_k_warps(576, 576, beside_attention=True) == 8
     rule = blocks_by_k()
+    o, down = (H, config.num_attention_heads * config.head_dim), (H, I)
+    assert rule[o] == {ops.gemv_k_warps(*o, beside_attention=True)}
     ops.gemv_k_warps_for = {"o": 2, "down": 4}
     chosen = blocks_by_k()
-    o, down = (H, config.num_attention_heads * config.head_dim), (H, I)
     assert chosen[o] == {2} and chosen[down] == {4} and rule[o] != {2}
     assert {key: v for key, v in chosen.items() if key not in (o, down)} == \
            {key: v for key, v in rule.items() if key not in (o, down)}

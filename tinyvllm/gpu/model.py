@@ -119,6 +119,7 @@ class LlamaModel:
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
         fused = not step.is_prefill and ops.fuses_decode(T, H, self.qkv_width, I, c.head_dim)
         kw = ops.gemv_k_warps_for   # per-projection k-splits, if set (gpu/ops.py; prefill: cuBLAS)
+        o_warps = kw.get("o") or ops.gemv_k_warps(H, c.q_size, beside_attention=True)   # o follows the attention
         tok = self.token_inputs[step.is_prefill]
         ops.embedding(self.hidden, w.embed, tok.token_ids, T, H, c.vocab_size, fed_rows=tok.fed_rows,
                       fed_ids=self.sampled_ids)
@@ -131,7 +132,7 @@ class LlamaModel:
             ops.rope_write_kv(self.qkv, self.kv.k(layer), self.kv.v(layer), tok.positions, tok.slot_mapping,
                               w.rope_inv_freq, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
             self._attention(step, layer)
-            ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True, k_warps=kw.get("o"))
+            ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True, k_warps=o_warps)
             ops.rms_norm(self.normed, self.hidden, lw.post_norm, T, H, eps)
             ops.linear(self.gate_up, self.normed, lw.gate_up, T, 2 * I, H, k_warps=kw.get("gate_up"))
             ops.silu_mul(self.act, self.gate_up, T, I)
@@ -159,7 +160,8 @@ class LlamaModel:
             ops.rms_norm(self.normed, self.hidden, norm_weight, T, H, eps)
             return self.normed, None, None
 
-        kw = ops.gemv_k_warps_for            # per-projection k-splits, if set (gpu/ops.py)
+        kw = dict(ops.gemv_k_warps_for)      # per-projection k-splits, if set (gpu/ops.py)
+        kw.setdefault("o", ops.gemv_k_warps(H, c.q_size, beside_attention=True))   # o follows the attention
 
         def add_residual(x, weight, k: int, next_norm, name: str):
             """hidden += x @ weight^T; next_norm: the gain of the norm after it, handed over."""

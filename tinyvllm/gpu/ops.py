@@ -57,8 +57,10 @@ import os
 
 from tinyvllm.gpu.kernels import KernelLibrary, kernel_constants
 
-# TINYVLLM_FUSE_NORM when unset: a norm goes inside the GEMV after it where fuses_norm() says
-FUSE_NORM_DEFAULT = "auto"
+# TINYVLLM_FUSE_NORM when unset: each norm after a residual GEMV is handed over by it (model.py);
+# the first input norm goes inside the GEMV after it where fuses_norm() says. Measured (H100,
+# session 11, docs/perf-notes.md): Llama-1B 975 -> 1,004 decode tok/s, SmolLM2-135M 2,236 -> 2,276.
+FUSE_NORM_DEFAULT = "producer"
 # fuses_norm()'s "auto" bound on ceil(n / 16) * k, the x values a norm-inside GEMV re-reads and
 # scales (every CTA does all of x). Measured on the H200 (docs/perf-notes.md, session 7), batch 1,
 # every norm inside vs none: SmolLM2-135M's shapes (qkv 34,560, gate_up 110,592) gained 36-47 us
@@ -83,6 +85,12 @@ GEMV_MAX_ROWS = 8            # the GEMV's m limit (x rows held in one m16n8k16 t
 GEMV_MAX_K = 1 << 26         # its int step arithmetic (steps * warps) stays below 2^31
 GEMV_WARPS_PER_SM = 32       # residency at its 64 registers per thread
 GEMV_MIN_STEPS_PER_WARP = 2  # gemv_k_warps(): the fewest 32-wide k steps a warp is left with
+# The o GEMV's most k-split warps (gemv_k_warps' beside_attention): at 32 warps a CTA takes an
+# SM's whole register file, so under PDL none can be resident on an SM that holds one of the
+# decode attention's blocks, and those CTAs start (and stream their W) only after it ends. At 16
+# all of Llama-1B's 128 o CTAs sit beside the attention with their W already in their rings:
+# 1,004 -> 1,014 decode tok/s (H100, session 11). Smaller o GEMVs (SmolLM2: 8 warps) are unchanged.
+GEMV_BESIDE_ATTENTION_WARPS = GEMV_WARPS_PER_SM // 2
 GEMV_WIDE_L2_MIN_STEPS = 16  # gemv_wide_l2(): the steps per warp from which the .L2::256B hint pays
 # The LM head runs on the GEMV too (gemv_k_warps' `last` rule): alone 121 us against cuBLAS's
 # 127 on Llama-1B's 525 MB head (a tie inside its decode graph), and SmolLM2's decode graph
@@ -363,11 +371,11 @@ class GpuOps:
         """Whether the fused decode layer runs the RMSNorm before an [n, k] GEMV inside it
         (gemv_norm_*: the scale comes out of the dot product, so the norm costs no launch and no
         extra round trip, but every CTA re-reads and scales all of x) instead of as a separate
-        rms_norm launch. TINYVLLM_FUSE_NORM: "auto" (default: where ceil(n / 16) * k <=
-        NORM_INSIDE_MAX_VALUES, the measured rule), "all" or "none" (for A/B measurement; none
-        gives the bits of TINYVLLM_FUSE=0). "producer" hands every norm that follows a residual
-        GEMV over to it (model.py: gemv_residual_norm, then prenormed); the first layer's input
-        norm has no such GEMV before it and follows the auto rule."""
+        rms_norm launch. TINYVLLM_FUSE_NORM: "producer" (the default) hands every norm that
+        follows a residual GEMV over to it (model.py: gemv_residual_norm, then prenormed); the
+        first layer's input norm has no such GEMV before it and follows the auto rule. "auto":
+        inside where ceil(n / 16) * k <= NORM_INSIDE_MAX_VALUES (the measured rule), else
+        separate; "all" or "none" (for A/B measurement; none gives the bits of TINYVLLM_FUSE=0)."""
         if self.fuse_norm in ("auto", "producer"):
             return math.ceil(n / GEMV["ROWS_PER_CTA"]) * k <= NORM_INSIDE_MAX_VALUES
         return self.fuse_norm == "all"
@@ -386,10 +394,11 @@ class GpuOps:
     def gemv_supports(m: int, n: int, k: int) -> bool:
         return 1 <= m <= GEMV_MAX_ROWS and n >= 1 and 8 <= k < GEMV_MAX_K and k % 8 == 0
 
-    def gemv_k_warps(self, n: int, k: int, last: bool = False) -> int:
+    def gemv_k_warps(self, n: int, k: int, last: bool = False, beside_attention: bool = False) -> int:
         """Warps per CTA splitting K: double while the grid stays within one full wave
-        (num_sms * 32 warps) and every warp keeps at least GEMV_MIN_STEPS_PER_WARP steps.
-        Llama-3.2-1B on 132 SMs: qkv -> 16, o -> 32, down -> 32, gate_up -> 4; SmolLM2-135M:
+        (num_sms * 32 warps) and every warp keeps at least GEMV_MIN_STEPS_PER_WARP steps;
+        beside_attention (the o GEMV): at most GEMV_BESIDE_ATTENTION_WARPS.
+        Llama-3.2-1B on 132 SMs: qkv -> 16, o -> 16 (32 without the cap), down -> 32, gate_up -> 4; SmolLM2-135M:
         qkv, o, gate_up -> 8, down -> 16. More warps put more of a small matrix in flight at once:
         at SmolLM2's shapes 8-16 warps of ~2 steps beat 4 of ~4 by 0.6-1.0 us per call
         (benchmarks/gemv_bench.py --shapes 135m, H200, docs/perf-notes.md).
@@ -401,8 +410,8 @@ class GpuOps:
         with gate_up at 16): CTAs that start in later waves hold back the next kernel's launch
         under PDL (decode_profile.py --compare-gemv, session 8)."""
         ctas, steps = math.ceil(n / GEMV["ROWS_PER_CTA"]), math.ceil(k / GEMV["STEP_K"])
-        kw = 1
-        while kw < GEMV["MAX_K_WARPS"] and steps >= kw * 2 * GEMV_MIN_STEPS_PER_WARP:
+        kw, most = 1, GEMV_BESIDE_ATTENTION_WARPS if beside_attention else GEMV["MAX_K_WARPS"]
+        while kw < most and steps >= kw * 2 * GEMV_MIN_STEPS_PER_WARP:
             one_wave = ctas * kw * 2 <= self.num_sms * self.gemv_wave_warps
             if not (one_wave or (last and steps >= kw * 2 * GEMV["UNROLL"])):
                 break
