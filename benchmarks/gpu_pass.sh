@@ -138,7 +138,7 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
         python3 -m tinyvllm convert-gguf /root/smollm2.gguf $model > "$OUT/convert.log" 2>&1
         log "convert-gguf rc=$?"
       fi
-      for cfg in ${AB:-default TINYVLLM_FUSE_NORM=producer TINYVLLM_GEMV_RING=0 default TINYVLLM_FUSE_NORM=producer}; do
+      for cfg in ${AB:-default TINYVLLM_FUSE_NORM=auto TINYVLLM_GEMV_RING=0 default TINYVLLM_FUSE_NORM=auto}; do
         c=${cfg#default}; env ${c//+/ } timeout 90 python3 -m tinyvllm bench --model $model --workload latency \
           > "$OUT/bench-smollm2.log" 2>&1
         log "smollm2 latency [$cfg] rc=$?: $(grep -E '^latency' "$OUT/bench-smollm2.log" | tr -s ' ' | paste -sd';')"
@@ -146,7 +146,7 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
     latency-ab)
       # batch-1 latency on the 1B preset (MODEL=dir: that model), alternating the settings under
       # test (AB="cfg ...", each default or env settings joined by +), so drift hits every setting alike
-      for cfg in ${AB:-default TINYVLLM_FUSE_NORM=producer default TINYVLLM_FUSE_NORM=producer}; do
+      for cfg in ${AB:-default TINYVLLM_FUSE_NORM=auto TINYVLLM_GEMV_K_WARPS=o=32 default TINYVLLM_FUSE_NORM=auto TINYVLLM_GEMV_K_WARPS=o=32}; do
         c=${cfg#default}; env ${c//+/ } timeout 90 python3 -m tinyvllm bench ${MODEL:+--model "$MODEL"} --workload latency \
           > "$OUT/bench-ab.log" 2>&1
         log "latency [$cfg] rc=$?: $(grep -E '^latency' "$OUT/bench-ab.log" | tr -s ' ' | paste -sd';')"

@@ -27,14 +27,20 @@ rms_norm then GEMV (reference/kernels.py: rms_norm_linear is the formula). It pa
 GEMVs only (every CTA re-reads and scales all of x): ops.fuses_norm holds the measured rule
 (SmolLM2's norms go inside, Llama-1B's stay separate launches, with the bits of the nine).
 
-TINYVLLM_FUSE_NORM=producer hands each norm over instead (opt-in, not yet measured): the residual
+By default (TINYVLLM_FUSE_NORM=producer) each norm is handed over instead: the residual
 GEMV before it (o, or the previous layer's down: gemv_residual_norm) already holds the new
 residual rows in its epilogue, so it also writes bf16(hidden * norm_weight) into `normed` and
 each CTA's sum of squares of its 16 columns into `norm_row_ss`; the GEMV after the norm reads
 `normed` as a plain X, copies the row sums into shared memory with its first X chunks and scales
 its outputs by inv_rms (prenormed). The formula is the norm-inside one (rms_norm_linear), with no
 per-CTA work on x. The first layer's input norm (after the embedding) and the final norm (one
-row per sequence) keep the auto rule / their own launch.
+row per sequence) keep the auto rule / their own launch. Measured against norms separate (1B)
+or inside (SmolLM2): 975 -> 1,004 and 2,236 -> 2,276 decode tok/s (H100, docs/perf-notes.md).
+TINYVLLM_FUSE_NORM=auto gives the rule above back.
+
+The o GEMV follows the attention, whose few blocks (num_kv_heads at batch 1) hold some SMs; its
+k-split stays at most half an SM per CTA (ops.gemv_k_warps' beside_attention), so all its CTAs
+are resident under PDL while the attention runs and hold their weights when it ends.
 
 TINYVLLM_L2_PREFETCH=1 makes the fused layer's attention warm L2 (attention_decode's
 l2_prefetch): at batch 1 it is num_kv_heads blocks for ~4 us that leave HBM nearly idle, so

@@ -34,8 +34,9 @@ nine: test_gpu_fused holds them to their numpy twin, test_gpu_model the model to
 Where a norm goes inside is fuses_norm()'s measured rule (by default only small GEMVs: it won
 on SmolLM2's shapes and lost on Llama-1B's); TINYVLLM_FUSE_NORM=all|none overrides it. A norm
 left outside is a separate rms_norm launch, with the bits of the nine (common.cuh shares the
-arithmetic of RoPE and silu_mul). TINYVLLM_FUSE_NORM=producer (opt-in, model.py) hands the
-norms over to the residual GEMV before them instead (gemv_residual_norm, then prenormed).
+arithmetic of RoPE and silu_mul). TINYVLLM_FUSE_NORM=producer (the default, model.py) hands
+the norms over to the residual GEMV before them instead (gemv_residual_norm, then prenormed):
+only the first input norm and the final norm remain for that rule and rms_norm.
 
 TINYVLLM_L2_PREFETCH=1 makes the fused layer's attention prefetch the o weight and the start of
 gate_up into L2 while it runs (attention_decode's l2_prefetch; model.py says why). Off by

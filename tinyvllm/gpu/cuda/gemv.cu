@@ -74,7 +74,8 @@
 //   gemv_residual_norm   y += x @ W^T (o or down into the residual stream), and the norm after it
 //                        handed over: bf16(y * its gain) and per-CTA sums of y^2 per row.
 //   gemv_prenormed_rope_kv,  the two fused GEMVs on that handed-over operand: the norm-inside
-//   gemv_prenormed_silu_mul  formula, the scale from the producer's sums (TINYVLLM_FUSE_NORM=producer).
+//   gemv_prenormed_silu_mul  formula, the scale from the producer's sums (the decode default,
+//                            TINYVLLM_FUSE_NORM=producer).
 // The norm's scale is one number per x row, so it comes out of the dot product:
 //   Y[j, n] = inv_rms[j] * sum_k W[n, k] * bf16(x[j, k] * norm_w[k]),
 //   inv_rms[j] = 1 / sqrt(mean_k x[j, k]^2 + eps).
