@@ -167,12 +167,20 @@ def main() -> None:
                          "by the copy engine and by the copy_words kernel")
     ap.add_argument("--compare-gemv", action="store_true",
                     help="time the smallest batch under each GEMV setting (gemv_configs())")
+    ap.add_argument("--k-warps", nargs="+", default=[], metavar="SPEC",
+                    help="with --compare-gemv, also these per-projection k-splits, each as TINYVLLM_GEMV_K_WARPS "
+                         "takes them (e.g. qkv=8 gate_up=8,down=16)")
     ap.add_argument("--leave-one-out", action="store_true",
                     help="each op's in-graph cost at the smallest batch: the graph without it")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--prefill", type=int, nargs=2, default=[16, 512], metavar=("PROMPTS", "LEN"))
     args = ap.parse_args()
+    from tinyvllm.gpu.ops import parse_k_warps_for
+    try:
+        k_warps_specs = [(spec, parse_k_warps_for(spec)) for spec in args.k_warps]
+    except ValueError as e:
+        ap.error(str(e))
     from tinyvllm.checkpoint.model_writer import write_model
     from tinyvllm.gpu.cuda_runner import CudaRunner
     path = Path(args.model) if args.model else Path(f"/tmp/tinyvllm-models/{args.preset}")
@@ -206,7 +214,7 @@ def main() -> None:
     if args.step_copies:
         step_copies(runner, profile_batch)
     if args.compare_gemv:
-        compare_gemv(runner, profile_batch, cfg)
+        compare_gemv(runner, profile_batch, cfg, k_warps_specs)
     if args.leave_one_out:
         leave_one_out(runner, profile_batch)
     big = decode_batch(max(args.batch), args.context, runner.engine_cfg.block_size, rng)
@@ -309,8 +317,10 @@ def compare_early_kv(runner, batch) -> None:
 # wave of 16 warps/SM, where the next kernel's CTAs have room beside this one's; the register
 # path. Sessions 8 and 9 also timed the .L2::256B hint by rule and everywhere, waves of 24, grids
 # past one wave and CTAs of at most 16 warps (docs/perf-notes.md).
-def gemv_configs(vocab_size: int) -> list[tuple[str, dict]]:
+def gemv_configs(vocab_size: int, k_warps_specs=()) -> list[tuple[str, dict]]:
+    """The settings --compare-gemv times; k_warps_specs: [(label, {projection: warps})] added."""
     return [("default (ring path, wave 32, o capped at 16, hint on)", {}),
+            *[(f"k-split {label}", {"gemv_k_warps_for": table}) for label, table in k_warps_specs],
             ("LM head on cuBLAS", {"gemv_max_n": vocab_size - 1}),
             ("ring path, wave 16", {"gemv_wave_warps": 16}),
             ("o at 32 warps (no room beside the attention)", {"gemv_k_warps_for": {"o": 32}}),
@@ -318,7 +328,7 @@ def gemv_configs(vocab_size: int) -> list[tuple[str, dict]]:
             ("registers (TINYVLLM_GEMV_RING=0)", {"gemv_ring": False})]
 
 
-def compare_gemv(runner, batch, cfg) -> None:
+def compare_gemv(runner, batch, cfg, k_warps_specs=()) -> None:
     """Graph time and GPU time of one decode step under each gemv_configs() setting, two rounds
     alternating, with each setting's k-split warps per projection."""
     shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), "o": (cfg.hidden_size, cfg.q_size),
@@ -326,7 +336,7 @@ def compare_gemv(runner, batch, cfg) -> None:
               "down": (cfg.hidden_size, cfg.intermediate_size), "lm_head": (cfg.vocab_size, cfg.hidden_size)}
     ops, rows = runner.ops, []
     for _ in range(2):
-        for name, settings in gemv_configs(cfg.vocab_size):
+        for name, settings in gemv_configs(cfg.vocab_size, k_warps_specs):
             with runner.recaptured(**settings):
                 warps = " ".join(f"{s}:{ops.gemv_k_warps_for.get(s) or ops.gemv_k_warps(n, k, last=s == 'lm_head', beside_attention=s == 'o')}"
                                  if ops.on_gemv(batch.num_seqs, n, k) else f"{s}:cuBLAS" for s, (n, k) in shapes.items())

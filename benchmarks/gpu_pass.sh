@@ -3,7 +3,7 @@
 # fails, the rest runs with TINYVLLM_GEMV=0 so their results still mean something), the fused
 # GEMV tests (if they fail, TINYVLLM_FUSE=0), then every
 # other GPU test, then the benchmarks. Logs go to $OUT (or ./gpu-pass-logs).
-#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [profile-loo] [bench] [bench-hf] [latency-ab] [server-load] [soak] [smollm2]
+#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [profile-gemv] [profile-loo] [bench] [bench-hf] [latency-ab] [server-load] [soak] [smollm2]
 # (server-load needs the server extra: fastapi, uvicorn, pydantic, prometheus_client)
 set -u
 OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"
@@ -45,6 +45,13 @@ for step in $steps; do
       timeout 300 python3 benchmarks/decode_profile.py --batch 1 8 --compare-prefetch 0 8 16 24 32 \
         ${MODEL:+--model "$MODEL"} > "$OUT/profile-prefetch.log" 2>&1
       log "decode profile --compare-prefetch rc=$?"; sed -n '/^L2 prefetch of/,/^$/p' "$OUT/profile-prefetch.log" \
+        | tee -a "$OUT/summary.log" ;;
+    profile-gemv)
+      # batch 1: graph time under each GEMV setting (decode_profile.py's gemv_configs) and each
+      # per-projection k-split in KW (TINYVLLM_GEMV_K_WARPS specs); MODEL=dir as above
+      timeout 300 python3 benchmarks/decode_profile.py --batch 1 --compare-gemv \
+        --k-warps ${KW:-qkv=8 qkv=32 gate_up=2 gate_up=8 o=8} ${MODEL:+--model "$MODEL"} > "$OUT/profile-gemv.log" 2>&1
+      log "decode profile --compare-gemv rc=$?"; sed -n '/^GEMV settings/,/^$/p' "$OUT/profile-gemv.log" \
         | tee -a "$OUT/summary.log" ;;
     profile-loo)
       # batch 1: each op's in-graph cost (the graph without it), the early K/V and GEMV-setting A/Bs;
