@@ -331,14 +331,12 @@ def gemv_configs(vocab_size: int, k_warps_specs=()) -> list[tuple[str, dict]]:
 def compare_gemv(runner, batch, cfg, k_warps_specs=()) -> None:
     """Graph time and GPU time of one decode step under each gemv_configs() setting, two rounds
     alternating, with each setting's k-split warps per projection."""
-    shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), "o": (cfg.hidden_size, cfg.q_size),
-              "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
-              "down": (cfg.hidden_size, cfg.intermediate_size), "lm_head": (cfg.vocab_size, cfg.hidden_size)}
+    shapes = {**runner.model.projection_shapes, "lm_head": (cfg.vocab_size, cfg.hidden_size)}
     ops, rows = runner.ops, []
     for _ in range(2):
         for name, settings in gemv_configs(cfg.vocab_size, k_warps_specs):
             with runner.recaptured(**settings):
-                warps = " ".join(f"{s}:{ops.gemv_k_warps_for.get(s) or ops.gemv_k_warps(n, k, last=s == 'lm_head', beside_attention=s == 'o')}"
+                warps = " ".join(f"{s}:{ops.gemv_k_warps(n, k, last=True) if s == 'lm_head' else ops.decode_k_warps(s, n, k)}"
                                  if ops.on_gemv(batch.num_seqs, n, k) else f"{s}:cuBLAS" for s, (n, k) in shapes.items())
                 rows.append((name, *graph_times(runner, batch), warps))
     print_graph_rows(f"GEMV settings, batch {batch.num_seqs}", "setting", rows, batch.num_seqs, "k-split warps")

@@ -103,6 +103,10 @@ class LlamaModel:
         self.cfg, self.w, self.arena, self.kv, self.ops = config, weights, arena, kv_cache, ops
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.qkv_width = config.q_size + 2 * config.kv_size
+        H, I = config.hidden_size, config.intermediate_size
+        # each layer projection's weight [n, k] by name (ops.DECODE_PROJECTIONS)
+        self.projection_shapes = {"qkv": (self.qkv_width, H), "o": (H, config.q_size), "gate_up": (2 * I, H),
+                                  "down": (H, I)}
         v = arena.view
         self.hidden, self.normed, self.qkv, self.attn_out = v("hidden"), v("normed"), v("qkv"), v("attn_out")
         self.gate_up, self.act, self.final_normed, self.logits = v("gate_up"), v("act"), v("final_normed"), v("logits")
@@ -124,33 +128,33 @@ class LlamaModel:
         c, w, ops = self.cfg, self.w, self.ops
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
         fused = not step.is_prefill and ops.fuses_decode(T, H, self.qkv_width, I, c.head_dim)
-        kw = ops.gemv_k_warps_for   # per-projection k-splits, if set (gpu/ops.py; prefill: cuBLAS)
-        o_warps = kw.get("o") or ops.gemv_k_warps(H, c.q_size, beside_attention=True)   # o follows the attention
+        # each projection's GEMV k-split (ignored where linear() goes to cuBLAS, as at prefill)
+        kw = {name: ops.decode_k_warps(name, n, k) for name, (n, k) in self.projection_shapes.items()}
         tok = self.token_inputs[step.is_prefill]
         ops.embedding(self.hidden, w.embed, tok.token_ids, T, H, c.vocab_size, fed_rows=tok.fed_rows,
                       fed_ids=self.sampled_ids)
         for layer, lw in enumerate(w.layers):
             if fused:
-                self._decode_layer_fused(step, layer, lw)
+                self._decode_layer_fused(step, layer, lw, kw)
                 continue
             ops.rms_norm(self.normed, self.hidden, lw.input_norm, T, H, eps)
-            ops.linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H, k_warps=kw.get("qkv"))
+            ops.linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H, k_warps=kw["qkv"])
             ops.rope_write_kv(self.qkv, self.kv.k(layer), self.kv.v(layer), tok.positions, tok.slot_mapping,
                               w.rope_inv_freq, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
             self._attention(step, layer)
-            ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True, k_warps=o_warps)
+            ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True, k_warps=kw["o"])
             ops.rms_norm(self.normed, self.hidden, lw.post_norm, T, H, eps)
-            ops.linear(self.gate_up, self.normed, lw.gate_up, T, 2 * I, H, k_warps=kw.get("gate_up"))
+            ops.linear(self.gate_up, self.normed, lw.gate_up, T, 2 * I, H, k_warps=kw["gate_up"])
             ops.silu_mul(self.act, self.gate_up, T, I)
-            ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True, k_warps=kw.get("down"))
+            ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True, k_warps=kw["down"])
         S = step.num_seqs
         ops.rms_norm(self.final_normed, self.hidden, w.final_norm, S, H, eps, rows=self.last_token_idx)
         ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32", last=True)
 
-    def _decode_layer_fused(self, step: StepShape, layer: int, lw) -> None:
+    def _decode_layer_fused(self, step: StepShape, layer: int, lw, kw: dict[str, int]) -> None:
         """One layer in five launches with the norms inside the qkv and gate_up GEMVs or handed
         over, seven with them separate (ops.fuses_norm decides per GEMV; separate, the bits of
-        forward()'s nine)."""
+        forward()'s nine). kw: each projection's k-split (forward())."""
         c, w, ops = self.cfg, self.w, self.ops
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
 
@@ -166,28 +170,25 @@ class LlamaModel:
             ops.rms_norm(self.normed, self.hidden, norm_weight, T, H, eps)
             return self.normed, None, None
 
-        kw = dict(ops.gemv_k_warps_for)      # per-projection k-splits, if set (gpu/ops.py)
-        kw.setdefault("o", ops.gemv_k_warps(H, c.q_size, beside_attention=True))   # o follows the attention
-
         def add_residual(x, weight, k: int, next_norm, name: str):
             """hidden += x @ weight^T; next_norm: the gain of the norm after it, handed over."""
             if next_norm is None:
-                ops.linear(self.hidden, x, weight, T, H, k, accumulate=True, k_warps=kw.get(name))
+                ops.linear(self.hidden, x, weight, T, H, k, accumulate=True, k_warps=kw[name])
             else:
                 ops.gemv_residual_norm(self.hidden, x, weight, T, H, k, next_norm, self.normed, self.norm_row_ss,
-                                       k_warps=kw.get(name))
+                                       k_warps=kw[name])
 
         x, norm, prenormed = normed_input(lw.input_norm, self.qkv_width, handoff and layer > 0)
         tok = self.token_inputs[False]
         ops.gemv_rope_kv(self.qkv, x, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),  # qkv, rope
                          tok.positions, tok.slot_mapping, w.rope_inv_freq, num_q_heads=c.num_attention_heads,
                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, norm=norm, prenormed=prenormed,
-                         k_warps=kw.get("qkv"))
+                         k_warps=kw["qkv"])
         self._attention(step, layer, l2_prefetch=self._l2_prefetch(lw))
         add_residual(self.attn_out, lw.o, c.q_size, lw.post_norm if handoff else None, "o")             # o
         x, norm, prenormed = normed_input(lw.post_norm, 2 * I, handoff)
         ops.gemv_silu_mul(self.act, x, lw.gate_up, T, 2 * I, H, norm=norm, prenormed=prenormed,        # gate_up, silu
-                          k_warps=kw.get("gate_up"))
+                          k_warps=kw["gate_up"])
         last = layer == len(w.layers) - 1          # the final norm reads one row per sequence: separate
         add_residual(self.act, lw.down, I, w.layers[layer + 1].input_norm if handoff and not last else None,
                      "down")                                                                            # down

@@ -391,6 +391,12 @@ class GpuOps:
                 self._in_linear = False
         return quiet
 
+    def decode_k_warps(self, projection: str, n: int, k: int) -> int:
+        """The k-split of a decode layer's projection (DECODE_PROJECTIONS) with an [n, k] weight:
+        gemv_k_warps_for's override, else gemv_k_warps' rule (o: beside_attention, it follows
+        the attention)."""
+        return self.gemv_k_warps_for.get(projection) or self.gemv_k_warps(n, k, beside_attention=projection == "o")
+
     @staticmethod
     def gemv_supports(m: int, n: int, k: int) -> bool:
         return 1 <= m <= GEMV_MAX_ROWS and n >= 1 and 8 <= k < GEMV_MAX_K and k % 8 == 0
