@@ -308,27 +308,38 @@ def test_norm_gemvs_ring_changes_no_bits(gpu, rng, m, k_warps):
 HANDOVER_SHAPES = [(2048, 8192, 32, 8, 64), (576, 1536, 9, 3, 64), (256, 768, 4, 2, 128), (64, 16, 1, 1, 16)]
 
 
-def _handed_over(gpu, rng, m, k, k_warps):
+def _handed_over(gpu, rng, m, k, k_warps, producer="gemv"):
     """gemv_residual_norm (the o / down GEMV handing the norm over) on a fresh residual stream,
     checked against gemv() with accumulate at the same k_warps (bitwise: the same dot products),
-    against bf16(hidden * norm_w) (bitwise: one fp32 product, one rounding) and against the
-    float64 sums of squares of each CTA's 16 columns (a 16-term fp32 sum of exact squares: within
-    4 u of it). Its outputs start poisoned, with a poisoned guard row past m.
-    -> (stored hidden [m, k], norm_w, device normed, device row_ss)."""
+    or (producer "embedding") the embedding gather handing the first input norm over, checked
+    against the plain gather (bitwise: a copy); then against bf16(hidden * norm_w) (bitwise: one
+    fp32 product, one rounding) and against the float64 sums of squares of each 16 columns (a
+    16-term fp32 sum of exact squares: within 4 u of it). Its outputs start poisoned, with a
+    poisoned guard row past m. -> (stored hidden [m, k], norm_w, device normed, device row_ss)."""
     from gpu_helpers import BF16, DeviceArray, to_bf16
-    inner = 3 * k
-    h0 = to_bf16(rng.standard_normal((m, k)) * rng.uniform(0.1, 30))
-    x = DeviceArray(_with_nan_rows(to_bf16(rng.standard_normal((m, inner)))))
-    _, d_w = _weights(rng, k, inner)
     norm_w, d_nw = _norm_weight(rng, k)
-    hidden, reference = DeviceArray(h0), DeviceArray(h0)
     normed = DeviceArray.poisoned((m + 1, k), BF16)
     row_ss = DeviceArray.poisoned((m + 1, k // 16), np.float32)
-    gpu.gemv_residual_norm(hidden, x, d_w, m, k, inner, d_nw, normed, row_ss, k_warps=k_warps)
-    gpu.gemv(reference, x, d_w, m, k, inner, accumulate=True, k_warps=k_warps)
+    if producer == "embedding":
+        vocab = 50
+        table = DeviceArray(to_bf16(rng.standard_normal((vocab, k)) * rng.uniform(0.1, 30)))
+        ids = rng.integers(0, vocab, m).astype(np.int32)
+        ids[-1] = vocab + 3 if m > 2 else ids[-1]    # an invalid id: a zero row, inv_rms = 1 / sqrt(eps)
+        d_ids = DeviceArray(ids)
+        hidden, reference = DeviceArray.poisoned((m, k), BF16), DeviceArray.poisoned((m, k), BF16)
+        gpu.embedding(hidden, table, d_ids, m, k, vocab, norm=(d_nw, normed, row_ss))
+        gpu.embedding(reference, table, d_ids, m, k, vocab)
+    else:
+        inner = 3 * k
+        h0 = to_bf16(rng.standard_normal((m, k)) * rng.uniform(0.1, 30))
+        x = DeviceArray(_with_nan_rows(to_bf16(rng.standard_normal((m, inner)))))
+        _, d_w = _weights(rng, k, inner)
+        hidden, reference = DeviceArray(h0), DeviceArray(h0)
+        gpu.gemv_residual_norm(hidden, x, d_w, m, k, inner, d_nw, normed, row_ss, k_warps=k_warps)
+        gpu.gemv(reference, x, d_w, m, k, inner, accumulate=True, k_warps=k_warps)
     _sync()
     stored = hidden.get()
-    np.testing.assert_array_equal(_bits(stored), _bits(reference.get()), err_msg="residual add != gemv(accumulate)")
+    np.testing.assert_array_equal(_bits(stored), _bits(reference.get()), err_msg=f"{producer}: hidden changed")
     got_normed, got_ss = normed.get(), row_ss.get()
     np.testing.assert_array_equal(got_normed[:m].astype(np.float32), ref.rms_norm_operand(stored, norm_w),
                                   err_msg="normed != bf16(hidden * norm_w)")
@@ -338,22 +349,23 @@ def _handed_over(gpu, rng, m, k, k_warps):
     return stored, norm_w, normed, row_ss
 
 
+@pytest.mark.parametrize("producer", ["gemv", "embedding"])
 @pytest.mark.parametrize("k_warps", [None, 1, 32])
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("k,inter,hq,hkv,d", HANDOVER_SHAPES, ids=lambda v: str(v))
-def test_handed_over_norm(gpu, rng, k, inter, hq, hkv, d, m, k_warps):
-    """TINYVLLM_FUSE_NORM=producer (gpu/model.py): gemv_residual_norm's outputs (_handed_over),
-    then the prenormed gate_up + silu and qkv + RoPE GEMVs on them against the norm-inside twin
-    rms_norm_linear with the module docstring's bounds (item 2: the same operand bf16(x *
-    norm_w), the sum of squares in another fp32 order, still k terms). k_warps 32 on small k
-    leaves warps without steps (their copy of the row sums comes after the loop)."""
+def test_handed_over_norm(gpu, rng, k, inter, hq, hkv, d, m, k_warps, producer):
+    """TINYVLLM_FUSE_NORM=producer (gpu/model.py): gemv_residual_norm's or the embedding's outputs
+    (_handed_over), then the prenormed gate_up + silu and qkv + RoPE GEMVs on them against the
+    norm-inside twin rms_norm_linear with the module docstring's bounds (item 2: the same operand
+    bf16(x * norm_w), the sum of squares in another fp32 order, still k terms). k_warps 32 on
+    small k leaves warps without steps (their copy of the row sums comes after the loop)."""
     import dataclasses
 
     from gpu_helpers import BF16, DeviceArray
 
     from tinyvllm.checkpoint.model_writer import preset_config
     from tinyvllm.config import rope_inv_freq
-    stored, norm_w, normed, row_ss = _handed_over(gpu, rng, m, k, k_warps)
+    stored, norm_w, normed, row_ss = _handed_over(gpu, rng, m, k, k_warps, producer)
     w32, d_w = _weights(rng, 2 * inter, k)
     act = DeviceArray.poisoned((m + 1, inter), BF16)
     gpu.gemv_silu_mul(act, normed, d_w, m, 2 * inter, k, prenormed=(row_ss, EPS), k_warps=k_warps)
@@ -382,6 +394,36 @@ def test_handed_over_norm(gpu, rng, k, inter, hq, hkv, d, m, k_warps):
     v_got = caches[1].get()[slots].astype(np.float64)
     _within(v_got, twin[:, q_size + hkv * d:].reshape(m, hkv, d), bound[:, q_size + hkv * d:].reshape(m, hkv, d),
             "prenormed v cache")
+
+
+@pytest.mark.parametrize("k,n,last", [(2048, 128256, True), (576, 49152, True), (256, 1000, False), (64, 40, False)],
+                         ids=lambda v: str(v))
+def test_prenormed_head(gpu, rng, k, n, last):
+    """The LM head after the final norm handed over by the last down (gemv_prenormed_bf16):
+    Y = inv_rms * (normed @ W^T) stored fp32 (the logits) or bf16, for m = 1, 4, 8, against the
+    norm-inside twin with the module docstring's bound delta (item 2) and, for bf16, the 2^-8 of
+    its rounding; the fp32 store adds no rounding. Llama-1B's and SmolLM2's heads at
+    gemv_k_warps' `last` rule, small shapes at the plain rule (one weight draw per shape: the
+    big heads are 100-525 MB). A guard row past m keeps its poison. Also rejects what it cannot
+    do: accumulate, k % 64 != 0."""
+    from gpu_helpers import BF16, DeviceArray
+    w32, d_w = _weights(rng, n, k)
+    for m in (1, 4, 8):
+        stored, norm_w, normed, row_ss = _handed_over(gpu, rng, m, k, None)
+        twin, bound = _norm_twin(stored, norm_w, w32)
+        for out_dtype, dtype in (("float32", np.float32), ("bfloat16", BF16)):
+            y = DeviceArray.poisoned((m + 1, n), dtype)
+            gpu.gemv(y, normed, d_w, m, n, k, out_dtype=out_dtype, last=last, prenormed=(row_ss, EPS))
+            _sync()
+            got = y.get().astype(np.float32)
+            assert np.all(np.isnan(got[m])), "wrote past row m"
+            # fp32: _norm_twin's Delta less the bf16 rounding it adds
+            want = bound if out_dtype == "bfloat16" else (bound - 2.0 ** -8 * np.abs(twin)) / (1 + 2.0 ** -8)
+            _within(got[:m], twin, want, f"prenormed head m={m} ({out_dtype})")
+    with pytest.raises(ValueError, match="accumulate"):
+        gpu.gemv(y, normed, d_w, m, n, k, accumulate=True, prenormed=(row_ss, EPS))
+    with pytest.raises(ValueError, match="k % 64 == 0"):
+        gpu.gemv(y, normed, d_w, m, n, 72, prenormed=(row_ss, EPS))
 
 
 def test_prenormed_gemvs_ring_changes_no_bits(gpu, rng):

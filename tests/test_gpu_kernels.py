@@ -29,11 +29,22 @@ def _sync():
 
 @pytest.mark.parametrize("vocab,hidden,tokens", [(1000, 256, 37), (128256, 2048, 5), (49152, 576, 3)])
 @pytest.mark.parametrize("fed", [False, True])
-def test_embedding_gather(gpu, rng, vocab, hidden, tokens, fed):
+@pytest.mark.parametrize("norm", [False, True], ids=["gather", "handed_over_norm"])
+def test_embedding_gather(gpu, rng, vocab, hidden, tokens, fed, norm):
     """Exact (a copy). Ids out of range (-1, vocab) give zero rows; with fed rows, about half
     the tokens take their id from a previous step's sampled ids, which hold one -1 (the
-    sampler's non-finite row) and otherwise ids in range."""
-    from gpu_helpers import DeviceArray, to_bf16
+    sampler's non-finite row) and otherwise ids in range. norm (the first input norm handed over,
+    embedding.cu's header): normed must equal bf16(out * norm_w) bitwise (one exact fp32 product,
+    one rounding: ref.rms_norm_operand), and each row sum of 16 squares (exact products, a 16-term
+    fp32 sum: at most 4 roundings deep in chunk_sum_sq's tree) lie within 4 u of its float64 value;
+    a guard row past the tokens keeps its poison."""
+    from gpu_helpers import BF16, DeviceArray, to_bf16
+    norm_args = None
+    if norm:
+        norm_w = to_bf16(1 + 0.2 * rng.standard_normal(hidden))
+        normed = DeviceArray.poisoned((tokens + 1, hidden), BF16)
+        row_ss = DeviceArray.poisoned((tokens + 1, hidden // 16), np.float32)
+        norm_args = (DeviceArray(norm_w), normed, row_ss)
     table = to_bf16(rng.standard_normal((vocab, hidden)))
     ids = rng.integers(0, vocab, tokens).astype(np.int32)
     ids[rng.integers(0, tokens)] = rng.choice([-1, vocab])
@@ -46,11 +57,22 @@ def test_embedding_gather(gpu, rng, vocab, hidden, tokens, fed):
     keep = [DeviceArray(a) for a in (table, ids, fed_rows, fed_ids) if a is not None]   # alive until the sync
     out = DeviceArray.poisoned((tokens, hidden), table.dtype)
     gpu.embedding(out, keep[0], keep[1], tokens, hidden, vocab,
-                  fed_rows=keep[2] if fed else 0, fed_ids=keep[3] if fed else 0)
+                  fed_rows=keep[2] if fed else 0, fed_ids=keep[3] if fed else 0, norm=norm_args)
     _sync()
     expected = ref.embedding(ids, table, fed_rows, fed_ids)
     np.testing.assert_array_equal(out.get().astype(np.float32), expected)
     assert not expected[0].any() or not fed         # the fed -1 gave a zero row
+    if norm:
+        got_normed, got_ss = normed.get(), row_ss.get()
+        np.testing.assert_array_equal(got_normed[:tokens].astype(np.float32), ref.rms_norm_operand(expected, norm_w))
+        exact = (expected.astype(np.float64) ** 2).reshape(tokens, hidden // 16, 16).sum(-1)
+        assert np.all(np.abs(got_ss[:tokens] - exact) <= 4 * 2.0 ** -24 * exact), "row sums of squares"
+        assert np.all(np.isnan(got_normed[tokens].astype(np.float32))) and np.all(np.isnan(got_ss[tokens]))
+
+
+def test_embedding_rejects_a_norm_it_cannot_hand_over(gpu):
+    with pytest.raises(ValueError, match="hidden % 16"):
+        gpu.embedding(0, 0, 0, 1, 264, 10, norm=(16, 16, 16))
 
 
 @pytest.mark.parametrize("hidden", [256, 2056, 4096])

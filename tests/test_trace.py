@@ -117,19 +117,24 @@ def test_gpu_trace_names_every_argument(tiny_model_dir):
     assert re.search(r"rows\s+W?R?\s+NULL", prefill)
     assert "-- layer 1 --" in prefill and "final norm + LM head" in prefill
     # decode: GEMV for the layer projections, split attention, the graph note, the sampler
-    assert "linear -> gemv:" in decode and "kernel gemv_bf16" in decode
     # decode at batch 1 runs the fused layer (gpu/model.py), five launches: qkv + RoPE/KV write,
     # attention, o (+ the next norm's operand), gate_up + silu, down (+ the next norm's operand);
-    # the first input norm is inside layer 0's qkv GEMV, the rest are handed over (the default)
+    # every norm is handed over (the default): the first by the embedding, the final one by the
+    # last down to the LM head, which runs on the GEMV with the norm's scale (no linear() at all)
     L = config.num_hidden_layers
-    assert decode.count("gemv_norm_rope_kv_bf16  grid") == 1 and decode.count("gemv_prenormed_rope_kv_bf16  grid") == L - 1
-    assert decode.count("gemv_prenormed_silu_mul_bf16  grid") == L and decode.count("gemv_residual_norm_bf16  grid") == 2 * L - 1
+    assert decode.count("gemv_norm_rope_kv_bf16  grid") == 0 and decode.count("gemv_prenormed_rope_kv_bf16  grid") == L
+    assert decode.count("gemv_prenormed_silu_mul_bf16  grid") == L and decode.count("gemv_residual_norm_bf16  grid") == 2 * L
+    assert decode.count("gemv_prenormed_bf16  grid") == 1 and "linear ->" not in decode
+    head = decode[decode.index("gemv_prenormed_bf16  grid"):]
+    assert re.search(r"w\s+R\s+(embed \(= lm_head\)|lm_head)", head) and re.search(r"row_ss\s+R\s+norm_row_ss", head)
+    embedding = decode[decode.index("embedding_gather"):decode.index("gemv_prenormed_rope_kv_bf16")]
+    assert re.search(r"norm_w\s+R\s+layers\[0\]\.input_norm", embedding) and re.search(r"row_ss\s+W\s+norm_row_ss", embedding)
     assert re.search(r"normed\s+W\s+normed\|final_normed bfloat16", decode)
     assert re.search(r"row_ss\s+W\s+norm_row_ss", decode) and re.search(r"row_ss\s+R\s+norm_row_ss", decode)
     assert re.search(r"k_cache\s+W\s+kv\.k\(0\)", decode)
     assert re.search(r"norm_w\s+R\s+layers\[0\]\.input_norm", decode)
     assert "silu_mul  grid" not in decode and "rope_write_kv" not in decode
-    assert decode.count("rms_norm  grid") == 1             # the final norm only (ops.fuses_norm)
+    assert "rms_norm  grid" not in decode
     assert "attention_decode_d64_g2" in decode and "sample_tokens" in decode
     assert re.search(r"l2_prefetch\s+W?R?\s+NULL", decode)     # off by default (TINYVLLM_L2_PREFETCH=1: model.py)
     assert re.search(r"early_kv\s+1\b", decode)               # on by default (TINYVLLM_ATTN_EARLY_KV=0: off)
@@ -249,11 +254,15 @@ def test_fuses_norm_follows_the_measured_rule():
     assert not ops.fuses_norm(960, 576)
 
 
-def test_skip_ops_leaves_ops_out_of_a_step(tiny_model_dir):
+@pytest.mark.parametrize("fuse_norm", ["producer", "auto"])
+def test_skip_ops_leaves_ops_out_of_a_step(tiny_model_dir, fuse_norm):
     """GpuOps.skip_ops (benchmarks/decode_profile.py --leave-one-out): the named kernels and
-    linear() projections are not launched (nor shown to the observer); every other op is."""
+    linear() projections are not launched (nor shown to the observer); every other op is. With
+    every norm handed over (producer, the default) a decode step is kernels only; with the auto
+    rule the final norm is an rms_norm launch and the LM head a linear()."""
     config = ModelConfig.from_pretrained(tiny_model_dir)
     fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
+    fake.ops.fuse_norm = fuse_norm
 
     def ops_of_a_decode_step() -> list[str]:
         seen = []
@@ -265,9 +274,13 @@ def test_skip_ops_leaves_ops_out_of_a_step(tiny_model_dir):
         return seen
 
     every = ops_of_a_decode_step()
-    last_down = f"gemv {config.hidden_size}x{config.intermediate_size}"   # the others hand a norm over
-    assert "rms_norm" in every and last_down in every and "gemv_residual_norm_bf16" in every and "sample_tokens" in every
-    fake.ops.skip_ops = frozenset({"rms_norm", last_down, "gemv_residual_norm_bf16"})
+    if fuse_norm == "producer":
+        skip = {"gemv_prenormed_bf16", "gemv_residual_norm_bf16"}
+        assert "rms_norm" not in every and not any(op.startswith("gemv ") for op in every)
+    else:
+        skip = {"rms_norm", f"gemv {config.vocab_size}x{config.hidden_size}", "gemv_norm_rope_kv_bf16"}
+    assert skip <= set(every) and "sample_tokens" in every
+    fake.ops.skip_ops = frozenset(skip)
     try:
         assert ops_of_a_decode_step() == [op for op in every if op not in fake.ops.skip_ops]
     finally:
@@ -298,11 +311,11 @@ def test_sampler_launch_splits_the_argmax_by_vocabulary_and_batch():
 
 
 def test_decode_layer_hands_the_norms_over(tiny_model_dir):
-    """TINYVLLM_FUSE_NORM=producer (gpu/model.py): each norm that follows a residual GEMV is
-    handed over — the o GEMV and every down GEMV but the last become gemv_residual_norm launches
-    that write `normed` (with the next norm's gain) and `norm_row_ss`, and the qkv (from layer 1)
-    and gate_up GEMVs read exactly those as prenormed. The first input norm keeps the auto rule
-    (inside, for the tiny preset), the final norm its own launch: one rms_norm per step."""
+    """TINYVLLM_FUSE_NORM=producer (gpu/model.py): every norm is handed over by the kernel before
+    it — the embedding gather the first input norm, the o and every down GEMV (gemv_residual_norm)
+    the next one, the last down the final norm — each writing `normed` (with that norm's gain) and
+    `norm_row_ss`; the qkv and gate_up GEMVs and the LM head (gemv_prenormed_bf16, fp32 logits)
+    read exactly those. No rms_norm is launched."""
     config = ModelConfig.from_pretrained(tiny_model_dir)
     fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
     fake.ops.fuse_norm = "producer"
@@ -312,14 +325,16 @@ def test_decode_layer_hands_the_norms_over(tiny_model_dir):
         fake.execute(ForwardBatch.build([[7]], [12], [[5]], 16, is_prefill=False), SamplingBatch.greedy(1))
     finally:
         fake.ops.observer = None
-    L, v = config.num_hidden_layers, fake.arena.view
+    L, v, w = config.num_hidden_layers, fake.arena.view, fake.weights
     names = [op for op, _ in launches]
-    assert names.count("rms_norm") == 1 and names.count("gemv_norm_rope_kv_bf16") == 1
-    assert names.count("gemv_prenormed_rope_kv_bf16") == L - 1 and names.count("gemv_prenormed_silu_mul_bf16") == L
+    assert "rms_norm" not in names and names.count("gemv_norm_rope_kv_bf16") == 0
+    assert names.count("gemv_prenormed_rope_kv_bf16") == L and names.count("gemv_prenormed_silu_mul_bf16") == L
+    embedding = launches[names.index("embedding_gather")][1]["args"]   # (..., norm_w, normed, row_ss)
+    assert tuple(map(int, embedding[-3:])) == (int(w.layers[0].input_norm), int(v("normed")), int(v("norm_row_ss")))
     producers = [d["args"] for op, d in launches if op == "gemv_residual_norm_bf16"]
-    assert len(producers) == 2 * L - 1
-    gains = [g for lw, nxt in zip(fake.weights.layers, [*fake.weights.layers[1:], None])
-             for g in (lw.post_norm, nxt.input_norm if nxt else None) if g is not None]
+    assert len(producers) == 2 * L
+    gains = [g for lw, nxt in zip(w.layers, [*w.layers[1:], None])
+             for g in (lw.post_norm, nxt.input_norm if nxt else w.final_norm)]
     for args, gain in zip(producers, gains):    # (y, x, w, m, n, k, norm_w, normed, row_ss, ...)
         assert args[0] == int(v("hidden")) and args[3:6] == (1, config.hidden_size, args[5])
         assert args[6:9] == (gain, int(v("normed")), int(v("norm_row_ss")))
@@ -327,6 +342,9 @@ def test_decode_layer_hands_the_norms_over(tiny_model_dir):
         if "prenormed" in op:                   # (y, x, row_ss, w, m, n, k, eps, ...)
             assert d["args"][1] == int(v("normed")) and d["args"][2] == int(v("norm_row_ss"))
             assert d["args"][6] == config.hidden_size and d["shared_bytes"] > 0
+    head = launches[names.index("gemv_prenormed_bf16")][1]["args"]   # (y, x, row_ss, w, m, n, k, eps, out_f32, ...)
+    assert head[0] == int(v("logits")) and head[3] == w.lm_head and head[5] == config.vocab_size and head[8] == 1
+    assert names.index("gemv_prenormed_bf16") == len(names) - 2 and names[-1] == "sample_tokens"
     assert names.index("gemv_residual_norm_bf16") > names.index("attention_decode_d64_g2")
 
 

@@ -33,10 +33,12 @@ residual rows in its epilogue, so it also writes bf16(hidden * norm_weight) into
 each CTA's sum of squares of its 16 columns into `norm_row_ss`; the GEMV after the norm reads
 `normed` as a plain X, copies the row sums into shared memory with its first X chunks and scales
 its outputs by inv_rms (prenormed). The formula is the norm-inside one (rms_norm_linear), with no
-per-CTA work on x. The first layer's input norm (after the embedding) and the final norm (one
-row per sequence) keep the auto rule / their own launch. Measured against norms separate (1B)
-or inside (SmolLM2): 975 -> 1,004 and 2,236 -> 2,276 decode tok/s (H100, docs/perf-notes.md).
-TINYVLLM_FUSE_NORM=auto gives the rule above back.
+per-CTA work on x. The first layer's input norm is handed over by the embedding gather (it holds
+the new rows too), and the final norm by the last layer's down to the LM head (gemv_prenormed: a
+decode step's rows are its sequences' last tokens), so a decode step launches no rms_norm.
+Measured against norms separate (1B) or inside (SmolLM2): 975 -> 1,004 and 2,236 -> 2,276
+decode tok/s (H100, docs/perf-notes.md, session 11, with the first and final norms still
+launched). TINYVLLM_FUSE_NORM=auto gives the rule above back.
 
 The o GEMV follows the attention, whose few blocks (num_kv_heads at batch 1) hold some SMs; its
 k-split stays at most half an SM per CTA (ops.gemv_k_warps' beside_attention), so all its CTAs
@@ -130,12 +132,21 @@ class LlamaModel:
         fused = not step.is_prefill and ops.fuses_decode(T, H, self.qkv_width, I, c.head_dim)
         # each projection's GEMV k-split (ignored where linear() goes to cuBLAS, as at prefill)
         kw = {name: ops.decode_k_warps(name, n, k) for name, (n, k) in self.projection_shapes.items()}
+        # the handed-over norm (module docstring): the embedding hands over the first layer's input
+        # norm, each residual GEMV the norm after it, the last down the final norm to the LM head
+        # (a decode step has one token per sequence, so the final norm's rows are all of them)
+        handoff = fused and ops.fuse_norm == "producer"
+        head_prenormed = handoff and ops.on_gemv(T, c.vocab_size, H)
+        if fused and T != step.num_seqs:
+            raise TinyVLLMError(f"a decode step has one token per sequence, got {T} tokens for {step.num_seqs}")
         tok = self.token_inputs[step.is_prefill]
         ops.embedding(self.hidden, w.embed, tok.token_ids, T, H, c.vocab_size, fed_rows=tok.fed_rows,
-                      fed_ids=self.sampled_ids)
+                      fed_ids=self.sampled_ids,
+                      norm=(w.layers[0].input_norm, self.normed, self.norm_row_ss) if handoff else None)
         for layer, lw in enumerate(w.layers):
             if fused:
-                self._decode_layer_fused(step, layer, lw, kw)
+                final_norm = w.final_norm if head_prenormed else None
+                self._decode_layer_fused(step, layer, lw, kw, final_norm)
                 continue
             ops.rms_norm(self.normed, self.hidden, lw.input_norm, T, H, eps)
             ops.linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H, k_warps=kw["qkv"])
@@ -148,13 +159,18 @@ class LlamaModel:
             ops.silu_mul(self.act, self.gate_up, T, I)
             ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True, k_warps=kw["down"])
         S = step.num_seqs
+        if head_prenormed:
+            ops.gemv(self.logits, self.normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32", last=True,
+                     prenormed=(self.norm_row_ss, eps))
+            return
         ops.rms_norm(self.final_normed, self.hidden, w.final_norm, S, H, eps, rows=self.last_token_idx)
         ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32", last=True)
 
-    def _decode_layer_fused(self, step: StepShape, layer: int, lw, kw: dict[str, int]) -> None:
+    def _decode_layer_fused(self, step: StepShape, layer: int, lw, kw: dict[str, int], final_norm=None) -> None:
         """One layer in five launches with the norms inside the qkv and gate_up GEMVs or handed
         over, seven with them separate (ops.fuses_norm decides per GEMV; separate, the bits of
-        forward()'s nine). kw: each projection's k-split (forward())."""
+        forward()'s nine). kw: each projection's k-split (forward()); final_norm: the final
+        norm's gain, which the last layer's down hands over to the LM head (None: not)."""
         c, w, ops = self.cfg, self.w, self.ops
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
 
@@ -178,7 +194,7 @@ class LlamaModel:
                 ops.gemv_residual_norm(self.hidden, x, weight, T, H, k, next_norm, self.normed, self.norm_row_ss,
                                        k_warps=kw[name])
 
-        x, norm, prenormed = normed_input(lw.input_norm, self.qkv_width, handoff and layer > 0)
+        x, norm, prenormed = normed_input(lw.input_norm, self.qkv_width, handoff)   # layer 0: by the embedding
         tok = self.token_inputs[False]
         ops.gemv_rope_kv(self.qkv, x, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),  # qkv, rope
                          tok.positions, tok.slot_mapping, w.rope_inv_freq, num_q_heads=c.num_attention_heads,
@@ -189,8 +205,8 @@ class LlamaModel:
         x, norm, prenormed = normed_input(lw.post_norm, 2 * I, handoff)
         ops.gemv_silu_mul(self.act, x, lw.gate_up, T, 2 * I, H, norm=norm, prenormed=prenormed,        # gate_up, silu
                           k_warps=kw["gate_up"])
-        last = layer == len(w.layers) - 1          # the final norm reads one row per sequence: separate
-        add_residual(self.act, lw.down, I, w.layers[layer + 1].input_norm if handoff and not last else None,
+        last = layer == len(w.layers) - 1          # the final norm goes to the LM head
+        add_residual(self.act, lw.down, I, (final_norm if last else w.layers[layer + 1].input_norm) if handoff else None,
                      "down")                                                                            # down
 
     def _attention(self, step: StepShape, layer: int, l2_prefetch=None) -> None:

@@ -17,8 +17,9 @@ callable that repeats it (benchmarks/decode_profile.py times ops so; trace.py pr
     gemv.cu           gemv_bf16        gemv() (via linear()) X @ W^T in numpy                   test_gpu_gemv
     gemv.cu           gemv_[norm_]rope_kv_bf16   gemv_rope_kv()   [rms_norm_]linear, apply_rope + write_kv  test_gpu_fused::test_rope_kv
     gemv.cu           gemv_[norm_]silu_mul_bf16  gemv_silu_mul()  [rms_norm_]linear, silu_mul  test_gpu_fused::test_silu_mul
-    gemv.cu           gemv_residual_norm_bf16, gemv_prenormed_{rope_kv,silu_mul}_bf16  gemv_residual_norm(),
-                      gemv_rope_kv() / gemv_silu_mul() with prenormed  rms_norm_operand, rms_norm_linear  test_gpu_fused::test_handed_over_norm
+    gemv.cu           gemv_residual_norm_bf16, gemv_prenormed_{rope_kv,silu_mul,}_bf16  gemv_residual_norm(),
+                      gemv_rope_kv() / gemv_silu_mul() / gemv() with prenormed  rms_norm_operand, rms_norm_linear
+                                                                                          test_gpu_fused::test_handed_over_norm
     sampling.cu       sample_tokens    sample()              sampling.sample                    test_gpu_sampling
     sampling.cu       apply_logit_edits apply_logit_edits()  sampling.apply_edits               test_gpu_logit_processing
     sampling.cu       step_logprobs    step_logprobs()       sampling.step_logprobs             test_gpu_logit_processing
@@ -35,8 +36,9 @@ Where a norm goes inside is fuses_norm()'s measured rule (by default only small 
 on SmolLM2's shapes and lost on Llama-1B's); TINYVLLM_FUSE_NORM=all|none overrides it. A norm
 left outside is a separate rms_norm launch, with the bits of the nine (common.cuh shares the
 arithmetic of RoPE and silu_mul). TINYVLLM_FUSE_NORM=producer (the default, model.py) hands
-the norms over to the residual GEMV before them instead (gemv_residual_norm, then prenormed):
-only the first input norm and the final norm remain for that rule and rms_norm.
+the norms over to the kernel before them instead (gemv_residual_norm or, for the first layer's
+input norm, the embedding gather; then prenormed GEMVs, the LM head included): a decode step
+then launches no rms_norm at all.
 
 TINYVLLM_L2_PREFETCH=1 makes the fused layer's attention prefetch the o weight and the start of
 gate_up into L2 while it runs (attention_decode's l2_prefetch; model.py says why). Off by
@@ -189,12 +191,19 @@ class GpuOps:
 
     # -- one launcher per kernel, in the order the model calls them ------------------------------
     def embedding(self, out, table, token_ids, num_tokens: int, hidden: int, vocab_size: int,
-                  fed_rows=0, fed_ids=0) -> None:
+                  fed_rows=0, fed_ids=0, norm=None) -> None:
         """out[t] = table[id_t] (bf16 rows; an id outside the vocab gives a zero row), id_t =
         fed_ids[fed_rows[t]] where fed_rows (int32 [num_tokens], 0: none) is >= 0, else
-        token_ids[t]."""
+        token_ids[t]. norm = (norm_weight, normed, row_ss): the first layer's input norm handed
+        over as gemv_residual_norm() hands the others over (embedding.cu's header): normed [T,
+        hidden] = bf16(out * norm_weight), row_ss (fp32 [T, hidden / 16]) the rows' sums of
+        squares of 16 columns each, for gemv_rope_kv(prenormed=(row_ss, eps))."""
+        norm_w, normed, row_ss = norm or (0, 0, 0)
+        if norm is not None and (hidden % 16 or not (int(norm_w) and int(normed) and int(row_ss))):
+            raise ValueError(f"embedding: the handed-over norm needs hidden % 16 == 0 (got {hidden}) and its "
+                             f"weight, normed and row_ss pointers")
         self._launch("embedding_gather", num_tokens, EMBEDDING["THREADS"], out, table, token_ids,
-                     fed_rows, fed_ids, num_tokens, hidden, vocab_size)
+                     fed_rows, fed_ids, num_tokens, hidden, vocab_size, norm_w, normed, row_ss)
 
     def rms_norm(self, out, x, weight, num_rows: int, hidden: int, eps: float, rows=0) -> None:
         """out[r] = RMSNorm(x[rows[r] if rows else r]) * weight; one block per output row."""
@@ -372,9 +381,9 @@ class GpuOps:
         """Whether the fused decode layer runs the RMSNorm before an [n, k] GEMV inside it
         (gemv_norm_*: the scale comes out of the dot product, so the norm costs no launch and no
         extra round trip, but every CTA re-reads and scales all of x) instead of as a separate
-        rms_norm launch. TINYVLLM_FUSE_NORM: "producer" (the default) hands every norm that
-        follows a residual GEMV over to it (model.py: gemv_residual_norm, then prenormed); the
-        first layer's input norm has no such GEMV before it and follows the auto rule. "auto":
+        rms_norm launch. TINYVLLM_FUSE_NORM: "producer" (the default) hands every norm over to
+        the kernel before it (model.py: gemv_residual_norm or the embedding, then prenormed), so
+        this rule is not asked; it answers as "auto" would. "auto":
         inside where ceil(n / 16) * k <= NORM_INSIDE_MAX_VALUES (the measured rule), else
         separate; "all" or "none" (for A/B measurement; none gives the bits of TINYVLLM_FUSE=0)."""
         if self.fuse_norm in ("auto", "producer"):
@@ -469,14 +478,36 @@ class GpuOps:
         return grid, block, shared, x_ptr, w_ptr, int(self.gemv_wide_l2(k, block[0] // 32))
 
     def gemv(self, y, x, w, m: int, n: int, k: int, *, accumulate: bool = False,
-             out_dtype: str = "bfloat16", k_warps: int | None = None, last: bool = False) -> None:
+             out_dtype: str = "bfloat16", k_warps: int | None = None, last: bool = False,
+             prenormed=None) -> None:
         """linear()'s small-batch path: the same arguments and meaning as Cublas.matmul, for
         1 <= m <= 8 and k % 8 == 0 with x and w 16-byte aligned. Streams W once with 16-byte
-        loads, maths on the tensor cores (gemv.cu's header has the layout). last: gemv_k_warps'."""
-        grid, block, shared, x_ptr, w_ptr, wide = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps,
-                                                                  last=last)
-        self._launch("gemv_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, OUT_DTYPES[out_dtype],
-                     int(accumulate), wide, int(self.gemv_ring), shared_bytes=shared)
+        loads, maths on the tensor cores (gemv.cu's header has the layout). last: gemv_k_warps'.
+        prenormed = (row_ss, eps): Y = inv_rms * (X @ W^T) with X and row_ss handed over by
+        gemv_residual_norm() (gemv_prenormed_bf16: the decode LM head after the final norm; no
+        accumulate, k % 64 == 0)."""
+        if prenormed is None:
+            grid, block, shared, x_ptr, w_ptr, wide = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps,
+                                                                      last=last)
+            self._launch("gemv_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, OUT_DTYPES[out_dtype],
+                         int(accumulate), wide, int(self.gemv_ring), shared_bytes=shared)
+            return
+        if accumulate:
+            raise ValueError("gemv: a prenormed GEMV stores its product; accumulate is not built")
+        row_ss, eps = prenormed
+        grid, block, shared, x_ptr, w_ptr, wide = self._gemv_args("gemv_prenormed_bf16", x, w, m, n, k, out_dtype,
+                                                                  k_warps, row_ss, last=last)
+        shared += self._producer_ss_bytes("gemv_prenormed_bf16", m, k)
+        self._launch("gemv_prenormed_bf16", grid, block, int(y), x_ptr, int(row_ss), w_ptr, m, n, k, float(eps),
+                     OUT_DTYPES[out_dtype], wide, int(self.gemv_ring), shared_bytes=shared)
+
+    @staticmethod
+    def _producer_ss_bytes(kernel: str, m: int, k: int) -> int:
+        """The shared memory a prenormed GEMV adds: the producer's m x k / 16 row sums, copied in
+        whole 16-byte chunks (so k % 64 == 0)."""
+        if k % 64:
+            raise ValueError(f"{kernel}: needs k % 64 == 0 (whole 16-byte chunks of row sums), got k = {k}")
+        return m * (k // GEMV["ROWS_PER_CTA"]) * 4
 
     def gemv_residual_norm(self, y, x, w, m: int, n: int, k: int, norm_weight, normed, row_ss, *,
                            k_warps: int | None = None) -> None:
@@ -537,9 +568,7 @@ class GpuOps:
             return
         if kind == "norm":       # each warp's row sums of squares in shared memory
             shared += block[0] // 32 * GEMV["NORM_SS_BYTES_PER_WARP"]
-        else:                    # the producer's row sums, copied in whole 16-byte chunks
-            if k % 64:
-                raise ValueError(f"{kernel}: needs k % 64 == 0 (whole 16-byte chunks of row sums), got k = {k}")
-            shared += m * (k // GEMV["ROWS_PER_CTA"]) * 4
+        else:                    # the producer's row sums
+            shared += self._producer_ss_bytes(kernel, m, k)
         self._launch(kernel, grid, block, int(y), x_ptr, int(norm_ptr), w_ptr, m, n, k, float(eps),
                      *extra, wide, int(self.gemv_ring), shared_bytes=shared)

@@ -98,6 +98,24 @@ __device__ __forceinline__ float warp_max(float x) {
     return x;
 }
 
+// ---- a row's sum of squares, 16 columns at a time ---------------------------------------------
+// rms_norm (rmsnorm.cu) sums a row's squares as chunk sums of SS_CHUNK columns, and the embedding's
+// handed-over norm (embedding.cu) stores such chunk sums for the GEMV after it: one tree for both.
+constexpr int SS_CHUNK = 16;   // columns per chunk of the sum of squares
+
+// The chunk tree over v[0..15] (missing columns are 0): pairs (j, j+8), then (j, j+4), (j, j+2),
+// (0, 1).
+__device__ __forceinline__ float chunk_sum_sq(const float v[SS_CHUNK]) {
+    float s[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s[j] = __fadd_rn(__fmul_rn(v[j], v[j]), __fmul_rn(v[j + 8], v[j + 8]));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s[j] = __fadd_rn(s[j], s[j + 4]);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) s[j] = __fadd_rn(s[j], s[j + 2]);
+    return __fadd_rn(s[0], s[1]);
+}
+
 // ---- RoPE and SwiGLU arithmetic, shared by the standalone kernels and the fused GEMVs -----------
 // At decode gemv.cu folds RoPE with the KV-cache write into the qkv GEMV's epilogue and silu_mul
 // into the gate_up GEMV's epilogue; a fused kernel gives the bits of the kernels it replaces

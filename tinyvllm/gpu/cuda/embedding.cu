@@ -4,6 +4,14 @@
 // read it back yet when this step is launched (engine/batch.py, "Fed tokens").
 // Launch: one block per token, threads stride over the row 16 bytes at a time. Requires
 // hidden % 8 == 0. Out-of-range ids produce a zero row rather than a wild read.
+//
+// The handed-over norm (norm_w non-null; the fused decode layer's default, gpu/model.py): the
+// first layer's input RMSNorm has no residual GEMV before it to hand it over (gemv.cu's
+// gemv_residual_norm), so the gather does that GEMV's part: normed[t] = bf16(out[t] * norm_w)
+// and row_ss[t][c] = the sum of squares of out[t]'s columns 16c .. 16c + 15 (chunk_sum_sq's tree),
+// the operand and the row sums the prenormed qkv GEMV reads. The first layer's norm then needs
+// no launch of its own, as every other norm of the step. Requires hidden % 16 == 0 (checked in
+// gpu/ops.py; the prenormed GEMV needs hidden % 64 == 0 anyway).
 #include "common.cuh"
 
 constexpr int THREADS = 128;   // block size (gpu/ops.py launches with it)
@@ -11,7 +19,8 @@ constexpr int THREADS = 128;   // block size (gpu/ops.py launches with it)
 extern "C" __global__ void __launch_bounds__(THREADS) embedding_gather(bf16* __restrict__ out, const bf16* __restrict__ table,
                                             const int* __restrict__ token_ids, const int* __restrict__ fed_rows,
                                             const int* __restrict__ fed_ids, int num_tokens,
-                                            int hidden, int vocab_size) {
+                                            int hidden, int vocab_size, const bf16* __restrict__ norm_w,
+                                            bf16* __restrict__ normed, float* __restrict__ row_ss) {
     allow_consumer();
     wait_for_producer();
     const int t = blockIdx.x;
@@ -21,9 +30,37 @@ extern "C" __global__ void __launch_bounds__(THREADS) embedding_gather(bf16* __r
     // a zero row, like any other
     const int id = fed >= 0 ? fed_ids[fed] : token_ids[t];
     const bool valid = id >= 0 && id < vocab_size;
-    for (int col = threadIdx.x * 8; col < hidden; col += blockDim.x * 8) {
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (valid) v = *reinterpret_cast<const uint4*>(table + (size_t)id * hidden + col);
-        *reinterpret_cast<uint4*>(out + (size_t)t * hidden + col) = v;
+    const bf16* src = table + (size_t)id * hidden;
+    bf16* dst = out + (size_t)t * hidden;
+    if (!norm_w) {
+        for (int col = threadIdx.x * 8; col < hidden; col += blockDim.x * 8) {
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (valid) v = *reinterpret_cast<const uint4*>(src + col);
+            *reinterpret_cast<uint4*>(dst + col) = v;
+        }
+        return;
+    }
+    // handed-over norm: one 16-column chunk per thread and iteration
+    const int chunks = hidden / SS_CHUNK;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        const int col = c * SS_CHUNK;
+        uint4 raw[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+        if (valid) {
+            raw[0] = *reinterpret_cast<const uint4*>(src + col);
+            raw[1] = *reinterpret_cast<const uint4*>(src + col + 8);
+        }
+        float v[SS_CHUNK], w[SS_CHUNK];
+        unpack_bf16x8(raw[0], v);
+        unpack_bf16x8(raw[1], v + 8);
+        load_bf16x8(norm_w + col, w);
+        load_bf16x8(norm_w + col + 8, w + 8);
+        *reinterpret_cast<uint4*>(dst + col) = raw[0];
+        *reinterpret_cast<uint4*>(dst + col + 8) = raw[1];
+        row_ss[(size_t)t * chunks + c] = chunk_sum_sq(v);
+        // the product of two bf16 values is exact in fp32: one rounding, as gemv_residual_norm's
+#pragma unroll
+        for (int i = 0; i < SS_CHUNK; ++i) w[i] = __fmul_rn(v[i], w[i]);
+        store_bf16x8(normed + (size_t)t * hidden + col, w);
+        store_bf16x8(normed + (size_t)t * hidden + col + 8, w + 8);
     }
 }

@@ -64,8 +64,10 @@
 // it touches X or Y. That is a no-op for an ordinary launch; under programmatic dependent launch
 // the weight stream starts while the previous kernel (which produces X) is still finishing.
 // It calls allow_consumer() first thing, so the next kernel can be resident before this one ends.
-// Eight entry points share this body; they differ in how X is loaded and how Y is stored:
+// Nine entry points share this body; they differ in how X is loaded and how Y is stored:
 //   gemv_bf16            X as stored; Y stored (or added: the residual add).
+//   gemv_prenormed_bf16  X handed over by the norm's producer (below), Y = inv_rms * (X @ W^T)
+//                        stored: the LM head after the final norm, which the last down hands over.
 //   gemv_rope_kv         the epilogue applies RoPE to q and k and writes k and v to the paged
 //                        cache: the qkv projection of a decode step with rope_write_kv inside.
 //   gemv_silu_mul        the epilogue stores silu(gate) * up: gate_up with silu_mul inside.
@@ -572,6 +574,16 @@ gemv_prenormed_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, 
         qkv, x, NormArgs{nullptr, eps, row_ss}, w, m, n, k, 0, 0,
         RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, NormOut{},
         wide_l2, ring);
+}
+
+// Y = inv_rms * (x @ W^T) on a prenormed x, as gemv_prenormed_rope_kv_bf16, stored as gemv_bf16
+// stores it (bf16 or fp32, out_f32): the decode step's LM head, its final norm handed over by the
+// last layer's down GEMV (gpu/model.py). y: [m, n]; row_ss: [m][k / 16], k % 64 == 0.
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_prenormed_bf16(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                    const bf16* __restrict__ w, int m, int n, int k, float eps, int out_f32, int wide_l2, int ring) {
+    gemv_body<XLoad::prenormed, Epilogue::store>(y, x, NormArgs{nullptr, eps, row_ss}, w, m, n, k, out_f32, 0,
+                                                 RopeArgs{}, NormOut{}, wide_l2, ring);
 }
 
 // gemv_silu_mul_bf16 on a prenormed x, as gemv_prenormed_rope_kv_bf16.

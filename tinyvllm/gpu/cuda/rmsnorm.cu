@@ -1,28 +1,13 @@
 // RMSNorm: out[r] = in[src(r)] / sqrt(mean(in[src(r)]^2) + eps) * weight, fp32 math, bf16 storage.
 // `rows` (may be null) maps output row r to input row src(r): the final norm reads only each
 // sequence's last token, so the LM head never sees the other prompt rows.
-// The sum of squares: chunk sums of 16 columns (chunk_sum_sq) in shared memory, added in
-// sum_of_chunk_sums' order.
+// The sum of squares: chunk sums of SS_CHUNK = 16 columns (common.cuh's chunk_sum_sq, the tree the
+// embedding's handed-over norm uses too) in shared memory, added in sum_of_chunk_sums' order.
 // Launch: one block per output row, THREADS threads, 16-byte loads. Requires hidden % 8 == 0 and
 // hidden <= MAX_HIDDEN (gpu/ops.py checks both).
 // `in` is the previous kernel's output: no __restrict__, so its loads are never the read-only
 // (.nc) kind that ptxas may move above wait_for_producer() (see common.cuh).
 #include "common.cuh"
-
-constexpr int SS_CHUNK = 16;   // columns per chunk of the sum of squares
-
-// The chunk tree over v[0..15] (missing columns are 0): pairs (j, j+8), then (j, j+4), (j, j+2),
-// (0, 1).
-__device__ __forceinline__ float chunk_sum_sq(const float v[SS_CHUNK]) {
-    float s[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) s[j] = __fadd_rn(__fmul_rn(v[j], v[j]), __fmul_rn(v[j + 8], v[j + 8]));
-#pragma unroll
-    for (int j = 0; j < 4; ++j) s[j] = __fadd_rn(s[j], s[j + 4]);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) s[j] = __fadd_rn(s[j], s[j + 2]);
-    return __fadd_rn(s[0], s[1]);
-}
 
 // A row's sum of squares from its chunk sums p[0..chunks): lane l adds p[l], p[l + 32], ... in
 // order, then the lanes' sums meet in warp_sum's butterfly. Every lane gets the total. All 32
