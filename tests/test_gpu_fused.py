@@ -305,6 +305,7 @@ def test_norm_gemvs_ring_changes_no_bits(gpu, rng, m, k_warps):
         np.testing.assert_array_equal(reg, ring_out, err_msg=f"{name}: the ring path changed bits")
 
 
+GUARD_KEY = 0x0123456789ABCDEF   # an argmax key no row of logits has (its low word is no index here)
 HANDOVER_SHAPES = [(2048, 8192, 32, 8, 64), (576, 1536, 9, 3, 64), (256, 768, 4, 2, 128), (64, 16, 1, 1, 16)]
 
 
@@ -405,23 +406,36 @@ def test_prenormed_head(gpu, rng, k, n, last):
     its rounding; the fp32 store adds no rounding. Llama-1B's and SmolLM2's heads at
     gemv_k_warps' `last` rule, small shapes at the plain rule (one weight draw per shape: the
     big heads are 100-525 MB). A guard row past m keeps its poison. Also rejects what it cannot
-    do: accumulate, k % 64 != 0."""
+    do: accumulate, k % 64 != 0, argmax keys beside bf16 output. With fp32 output it also keeps
+    each row's greedy argmax key (atomicMax over its CTAs), which must equal the twin
+    head_argmax_keys of the very logits it stored, bit for bit; a key past row m keeps its value."""
     from gpu_helpers import BF16, DeviceArray
+
+    from tinyvllm.reference.sampling import head_argmax_keys
     w32, d_w = _weights(rng, n, k)
     for m in (1, 4, 8):
         stored, norm_w, normed, row_ss = _handed_over(gpu, rng, m, k, None)
         twin, bound = _norm_twin(stored, norm_w, w32)
         for out_dtype, dtype in (("float32", np.float32), ("bfloat16", BF16)):
             y = DeviceArray.poisoned((m + 1, n), dtype)
-            gpu.gemv(y, normed, d_w, m, n, k, out_dtype=out_dtype, last=last, prenormed=(row_ss, EPS))
+            keys = DeviceArray(np.array([0] * m + [GUARD_KEY], np.uint64))   # the embedding clears them
+            fp32 = out_dtype == "float32"
+            gpu.gemv(y, normed, d_w, m, n, k, out_dtype=out_dtype, last=last, prenormed=(row_ss, EPS),
+                     head_argmax=keys if fp32 else 0)
             _sync()
             got = y.get().astype(np.float32)
             assert np.all(np.isnan(got[m])), "wrote past row m"
+            if fp32:   # the greedy argmax keys of exactly the logits it stored
+                got_keys = keys.get()
+                np.testing.assert_array_equal(got_keys[:m], head_argmax_keys(got[:m]))
+                assert got_keys[m] == GUARD_KEY, "a key past row m"
             # fp32: _norm_twin's Delta less the bf16 rounding it adds
             want = bound if out_dtype == "bfloat16" else (bound - 2.0 ** -8 * np.abs(twin)) / (1 + 2.0 ** -8)
             _within(got[:m], twin, want, f"prenormed head m={m} ({out_dtype})")
     with pytest.raises(ValueError, match="accumulate"):
         gpu.gemv(y, normed, d_w, m, n, k, accumulate=True, prenormed=(row_ss, EPS))
+    with pytest.raises(ValueError, match="head_argmax"):
+        gpu.gemv(y, normed, d_w, m, n, k, out_dtype="bfloat16", prenormed=(row_ss, EPS), head_argmax=keys)
     with pytest.raises(ValueError, match="k % 64 == 0"):
         gpu.gemv(y, normed, d_w, m, n, 72, prenormed=(row_ss, EPS))
 

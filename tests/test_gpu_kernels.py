@@ -37,7 +37,8 @@ def test_embedding_gather(gpu, rng, vocab, hidden, tokens, fed, norm):
     embedding.cu's header): normed must equal bf16(out * norm_w) bitwise (one exact fp32 product,
     one rounding: ref.rms_norm_operand), and each row sum of 16 squares (exact products, a 16-term
     fp32 sum: at most 4 roundings deep in chunk_sum_sq's tree) lie within 4 u of its float64 value;
-    a guard row past the tokens keeps its poison."""
+    a guard row past the tokens keeps its poison. The LM head's argmax keys of the step's tokens
+    are cleared to 0 (a guard entry past them keeps its value)."""
     from gpu_helpers import BF16, DeviceArray, to_bf16
     norm_args = None
     if norm:
@@ -45,6 +46,7 @@ def test_embedding_gather(gpu, rng, vocab, hidden, tokens, fed, norm):
         normed = DeviceArray.poisoned((tokens + 1, hidden), BF16)
         row_ss = DeviceArray.poisoned((tokens + 1, hidden // 16), np.float32)
         norm_args = (DeviceArray(norm_w), normed, row_ss)
+        keys = DeviceArray(np.full(tokens + 1, 0x0123456789ABCDEF, np.uint64))   # the LM head's argmax keys
     table = to_bf16(rng.standard_normal((vocab, hidden)))
     ids = rng.integers(0, vocab, tokens).astype(np.int32)
     ids[rng.integers(0, tokens)] = rng.choice([-1, vocab])
@@ -57,7 +59,8 @@ def test_embedding_gather(gpu, rng, vocab, hidden, tokens, fed, norm):
     keep = [DeviceArray(a) for a in (table, ids, fed_rows, fed_ids) if a is not None]   # alive until the sync
     out = DeviceArray.poisoned((tokens, hidden), table.dtype)
     gpu.embedding(out, keep[0], keep[1], tokens, hidden, vocab,
-                  fed_rows=keep[2] if fed else 0, fed_ids=keep[3] if fed else 0, norm=norm_args)
+                  fed_rows=keep[2] if fed else 0, fed_ids=keep[3] if fed else 0, norm=norm_args,
+                  head_argmax=keys if norm else 0)
     _sync()
     expected = ref.embedding(ids, table, fed_rows, fed_ids)
     np.testing.assert_array_equal(out.get().astype(np.float32), expected)
@@ -68,6 +71,8 @@ def test_embedding_gather(gpu, rng, vocab, hidden, tokens, fed, norm):
         exact = (expected.astype(np.float64) ** 2).reshape(tokens, hidden // 16, 16).sum(-1)
         assert np.all(np.abs(got_ss[:tokens] - exact) <= 4 * 2.0 ** -24 * exact), "row sums of squares"
         assert np.all(np.isnan(got_normed[tokens].astype(np.float32))) and np.all(np.isnan(got_ss[tokens]))
+        got_keys = keys.get()     # cleared for the step's tokens, for the head's atomicMax
+        assert not got_keys[:tokens].any() and got_keys[tokens] == 0x0123456789ABCDEF
 
 
 def test_embedding_rejects_a_norm_it_cannot_hand_over(gpu):

@@ -7,7 +7,7 @@ import pytest
 
 from tinyvllm.engine.batch import SamplingBatch
 from tinyvllm.gpu.ops import MAX_ARGMAX_SLICES
-from tinyvllm.reference.sampling import exp_weights, mass, random_bits24, sample
+from tinyvllm.reference.sampling import exp_weights, head_argmax_keys, mass, random_bits24, sample
 
 pytestmark = pytest.mark.gpu
 
@@ -21,20 +21,32 @@ def gpu(gpu_ops):
     return drv, gpu_ops
 
 
-# argmax blocks per row: one, an uneven split (and, at vocab 7, empty slices), the most
-SLICES = [1, 7, MAX_ARGMAX_SLICES]
+# argmax blocks per row: one, an uneven split (and, at vocab 7, empty slices), the most; "head":
+# no argmax pass, the keys the decode LM head keeps (reference.sampling.head_argmax_keys) instead
+SLICES = [1, 7, MAX_ARGMAX_SLICES, "head"]
 
 
 def gpu_sample(gpu, logits: np.ndarray, batch: SamplingBatch, slices: int | None = 1) -> np.ndarray:
     """The GPU's ids for these logits. slices > 1 (None: the launcher's sample_slices) splits the
     argmax pass over blocks with a poisoned partials workspace, runs the launch twice on fresh
     copies of the logits (the slice counters must come back to 0 for the second, as graph
-    replays need) and requires the same ids from both."""
+    replays need) and requires the same ids from both. slices = "head": the argmax keys of these
+    logits (head_argmax_keys, the LM head's twin) in place of the argmax pass, one block per row."""
     drv, sampler = gpu
     num_seqs, vocab = logits.shape
     dev = {name: drv.to_device(np.ascontiguousarray(a)) for name, a in (
         ("temperature", batch.temperature), ("top_k", batch.top_k), ("top_p", batch.top_p),
         ("seed", batch.seed), ("step", batch.step))}
+    if slices == "head":
+        keys = drv.to_device(head_argmax_keys(logits))
+        dev_logits = drv.to_device(np.ascontiguousarray(logits, np.float32))
+        out = drv.to_device(np.full(num_seqs + 1, POISON, np.int32))
+        sampler.sample(int(dev_logits), num_seqs, vocab, *(int(dev[n]) for n in ("temperature", "top_k", "top_p",
+                       "seed", "step")), int(out), head_argmax=int(keys))
+        drv.Context.synchronize()
+        result = drv.from_device(out, (num_seqs + 1,), np.int32)
+        assert result[-1] == POISON, "sampler wrote past the last row"
+        return result[:-1]
     sliced = slices is None or slices > 1
     partials = drv.to_device(np.full((num_seqs, MAX_ARGMAX_SLICES, 4), POISON, np.int32)) if sliced else 0
     counters = drv.to_device(np.zeros(num_seqs, np.int32)) if sliced else 0
@@ -92,7 +104,7 @@ def test_greedy_is_exact_argmax_with_ties(gpu, slices):
     logits[4, :] = -np.inf
     logits[4, 77] = 0.0
     logits[5, :] = 1.0                           # all equal -> 0
-    per_slice = -(-VOCAB // max(slices, 2))      # ties across a slice boundary: the earlier slice's index
+    per_slice = -(-VOCAB // (slices if slices != "head" and slices > 1 else 2))   # ties across a slice boundary
     logits[6, [per_slice - 1, per_slice, VOCAB - 1]] = 60.0
     logits[7, [per_slice, 2 * per_slice - 1]] = 60.0
     batch = SamplingBatch.greedy(33)

@@ -154,3 +154,30 @@ def test_non_finite_rows_get_minus_one_and_the_others_are_untouched(logits, temp
     alone = sample(x[healthy], SamplingBatch.build([temperature] * 5, [50] * 5, [0.9] * 5, healthy, [3] * 5))
     assert out[healthy].tolist() == alone.tolist()
     assert all(0 <= t < V for t in alone) and np.isfinite(x[6, out[6]])
+
+
+def test_head_argmax_keys_name_the_greedy_token_and_broken_rows():
+    """reference.sampling.head_argmax_keys (the decode LM head's keys, common.cuh argmax_key):
+    the largest key's high word is the row max's ordered bits and its low word the lowest index
+    of that max (np.argmax); rows with a NaN (either sign), a +inf or nothing finite decode as
+    broken, as sample() has them; -0 and +0 are one value, the lower index wins."""
+    from tinyvllm.reference.sampling import head_argmax_keys, ordered_keys
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((9, 1000)) * 3).astype(np.float32)
+    x[1, [5, 700]] = 40.0                                   # tie: 5
+    x[2, 300] = np.nan
+    x[3, 10] = -np.float32(np.nan)                          # a negative NaN is still the largest key
+    x[4, 20] = np.inf
+    x[5, :] = -np.inf
+    x[6, :] = -1.0
+    x[6, [3, 9]] = [-0.0, 0.0]                              # -0 == +0: index 3
+    x[7, :] = np.float32(-3e38)
+    keys = head_argmax_keys(x)
+    high, index = (keys >> np.uint64(32)).astype(np.uint32), (np.uint64(0xFFFFFFFF) - (keys & np.uint64(0xFFFFFFFF)))
+    pos_inf_key, neg_inf_key = ordered_keys(np.float32([np.inf, -np.inf]))
+    broken = (high >= pos_inf_key) | (high <= neg_inf_key)
+    assert broken.tolist() == [False, False, True, True, True, True, False, False, False]
+    ok = ~broken
+    np.testing.assert_array_equal(index[ok], np.argmax(x[ok], axis=-1))
+    assert index[1] == 5 and index[6] == 3
+    np.testing.assert_array_equal(broken, ~np.isfinite(x.max(axis=-1)) | np.isnan(x).any(axis=-1))

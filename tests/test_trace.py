@@ -79,12 +79,13 @@ class _FakeCudaRunner:
 
     def execute(self, batch, sampling, replay=True):
         self.replays.append(replay)
-        self.model.forward(StepShape(batch.num_tokens, batch.num_seqs, batch.is_prefill,
-                                     int(np.diff(batch.query_start).max())))
-        v = self.arena.view
+        step = StepShape(batch.num_tokens, batch.num_seqs, batch.is_prefill, int(np.diff(batch.query_start).max()))
+        self.model.forward(step)
+        v = self.arena.view          # as CudaRunner._forward_and_sample (which needs PyCUDA to import)
         self.ops.sample(v("logits"), batch.num_seqs, self.cfg.vocab_size, v("temperature"), v("top_k"),
                         v("top_p"), v("seeds"), v("steps"), v("sampled_ids"), min_p=v("min_p"),
-                        argmax_partials=v("argmax_partials"), slice_counters=v("argmax_slice_counters"))
+                        argmax_partials=v("argmax_partials"), slice_counters=v("argmax_slice_counters"),
+                        head_argmax=self.model.head_argmax_for(step))
         return np.zeros(batch.num_seqs, np.int32)
 
 
@@ -308,6 +309,12 @@ def test_sampler_launch_splits_the_argmax_by_vocabulary_and_batch():
         ops.sample(0x1000, 3, 128256, 0, 0, 0, 0, 0, 0, slices=4)
     with pytest.raises(ValueError, match="slices must be in 1..32"):
         ops.sample(0x1000, 3, 128256, 0, 0, 0, 0, 0, 0, argmax_partials=0x2000, slice_counters=0x3000, slices=33)
+    # the LM head's argmax keys replace the argmax pass: one block per row, whatever the workspace
+    grids.clear()
+    ops.sample(0x1000, 1, 128256, 0, 0, 0, 0, 0, 0, argmax_partials=0x2000, slice_counters=0x3000, head_argmax=0x4000)
+    assert grids == [(1, 1, 1)]
+    with pytest.raises(ValueError, match="no argmax pass to split"):
+        ops.sample(0x1000, 1, 128256, 0, 0, 0, 0, 0, 0, slices=4, head_argmax=0x4000)
 
 
 def test_decode_layer_hands_the_norms_over(tiny_model_dir):
@@ -329,8 +336,9 @@ def test_decode_layer_hands_the_norms_over(tiny_model_dir):
     names = [op for op, _ in launches]
     assert "rms_norm" not in names and names.count("gemv_norm_rope_kv_bf16") == 0
     assert names.count("gemv_prenormed_rope_kv_bf16") == L and names.count("gemv_prenormed_silu_mul_bf16") == L
-    embedding = launches[names.index("embedding_gather")][1]["args"]   # (..., norm_w, normed, row_ss)
-    assert tuple(map(int, embedding[-3:])) == (int(w.layers[0].input_norm), int(v("normed")), int(v("norm_row_ss")))
+    embedding = launches[names.index("embedding_gather")][1]["args"]   # (..., norm_w, normed, row_ss, head_argmax)
+    assert tuple(map(int, embedding[-4:])) == (int(w.layers[0].input_norm), int(v("normed")), int(v("norm_row_ss")),
+                                               int(v("head_argmax")))
     producers = [d["args"] for op, d in launches if op == "gemv_residual_norm_bf16"]
     assert len(producers) == 2 * L
     gains = [g for lw, nxt in zip(w.layers, [*w.layers[1:], None])
@@ -342,9 +350,14 @@ def test_decode_layer_hands_the_norms_over(tiny_model_dir):
         if "prenormed" in op:                   # (y, x, row_ss, w, m, n, k, eps, ...)
             assert d["args"][1] == int(v("normed")) and d["args"][2] == int(v("norm_row_ss"))
             assert d["args"][6] == config.hidden_size and d["shared_bytes"] > 0
-    head = launches[names.index("gemv_prenormed_bf16")][1]["args"]   # (y, x, row_ss, w, m, n, k, eps, out_f32, ...)
+    # the LM head (y, x, row_ss, w, m, n, k, eps, out_f32, head_argmax, ...) keeps the greedy argmax
+    # keys the sampler then reads instead of the logits (one block per row, no workspace)
+    head = launches[names.index("gemv_prenormed_bf16")][1]["args"]
     assert head[0] == int(v("logits")) and head[3] == w.lm_head and head[5] == config.vocab_size and head[8] == 1
+    assert int(head[9]) == int(v("head_argmax"))
     assert names.index("gemv_prenormed_bf16") == len(names) - 2 and names[-1] == "sample_tokens"
+    sampler = launches[-1][1]
+    assert sampler["grid"] == (1, 1, 1) and int(sampler["args"][-1]) == int(v("head_argmax"))
     assert names.index("gemv_residual_norm_bf16") > names.index("attention_decode_d64_g2")
 
 

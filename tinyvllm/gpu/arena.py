@@ -87,6 +87,9 @@ ACTIVATIONS = [
     # the sampler's argmax pass split over blocks (sampling.cu): each slice's max / index / flag
     BufferSpec("argmax_partials", lambda d: (d.seqs, MAX_ARGMAX_SLICES, 4), I32, "argmax_partials"),
     BufferSpec("argmax_slice_counters", lambda d: (d.seqs,), I32, "argmax_slice_counters"),
+    # the decode LM head's greedy argmax key per sequence (common.cuh's argmax_key), cleared by
+    # the step's embedding; the sampler reads it instead of the logits
+    BufferSpec("head_argmax", lambda d: (d.seqs,), U64, "head_argmax"),
     # the fused decode layer's handed-over norm (TINYVLLM_FUSE_NORM=producer, gpu/model.py): the
     # residual GEMV's per-CTA sums of squares of the new rows, for the GEMV after the norm
     BufferSpec("norm_row_ss", lambda d: (GEMV_MAX_ROWS, -(-d.hidden // GEMV["ROWS_PER_CTA"])), F32, "norm_row_ss"),

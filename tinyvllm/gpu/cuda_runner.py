@@ -224,15 +224,18 @@ class CudaRunner(ModelRunner):
         return max(inputs[name].offset + num_tokens * 4 for name in TOKEN_INPUTS)
 
     def _forward_and_sample(self, step: StepShape) -> None:
-        """The device work of one step, as captured into a decode graph."""
+        """The device work of one step, as captured into a decode graph: the sampler reads the
+        greedy argmax keys the LM head kept, where it kept them (model.head_argmax_for)."""
         self.model.forward(step)
-        self._sample(step)
+        self._sample(step, head_argmax=self.model.head_argmax_for(step))
 
-    def _sample(self, step: StepShape) -> None:
+    def _sample(self, step: StepShape, head_argmax: int = 0) -> None:
+        """head_argmax: the LM head's argmax keys of these very logits (not after logit edits)."""
         v = self.arena.view
         self.ops.sample(v("logits"), step.num_seqs, self.cfg.vocab_size, v("temperature"), v("top_k"),
                         v("top_p"), v("seeds"), v("steps"), v("sampled_ids"), min_p=v("min_p"),
-                        argmax_partials=v("argmax_partials"), slice_counters=v("argmax_slice_counters"))
+                        argmax_partials=v("argmax_partials"), slice_counters=v("argmax_slice_counters"),
+                        head_argmax=head_argmax)
 
     @staticmethod
     def _is_plain(sampling: SamplingBatch | None) -> bool:
@@ -334,7 +337,8 @@ class CudaRunner(ModelRunner):
         if edits_dev is not None:
             self.stream.wait_for_event(self.edits_uploaded)
             self.ops.apply_logit_edits(v("logits"), V, edits_dev, sampling.edits.num_entries)
-        self._sample(step)
+        # edited logits are not the ones the LM head took its argmax keys of
+        self._sample(step, head_argmax=self.model.head_argmax_for(step) if edits_dev is None else 0)
         if not R:
             return None
         k = sampling.logprob_k

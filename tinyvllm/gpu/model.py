@@ -122,27 +122,48 @@ class LlamaModel:
         self.block_table_width = v("block_table_width")
         self.sampled_ids = v("sampled_ids")   # async scheduling's fed ids
         self.norm_row_ss = v("norm_row_ss")   # the handed-over norm's sums of squares
+        self.head_argmax = v("head_argmax")   # the decode LM head's greedy argmax keys
         self.l2_prefetch_bytes = L2_PREFETCH_BYTES      # benchmarks/decode_profile.py may vary it
+
+    def head_argmax_for(self, step: StepShape) -> int:
+        """The device pointer of the greedy argmax keys this step's LM head keeps beside the
+        logits (the decode LM head on the handed-over norm: gemv_prenormed_bf16), for the sampler
+        to read instead of the logits' argmax pass; 0 when this step's head keeps none."""
+        return int(self.head_argmax) if self._head_prenormed(step) else 0
+
+    def _fused(self, step: StepShape) -> bool:
+        c = self.cfg
+        return not step.is_prefill and self.ops.fuses_decode(step.num_tokens, c.hidden_size, self.qkv_width,
+                                                             c.intermediate_size, c.head_dim)
+
+    def _head_prenormed(self, step: StepShape) -> bool:
+        """Whether the last down hands the final norm over to an LM head on the GEMV."""
+        return (self._fused(step) and self.ops.fuse_norm == "producer"
+                and self.ops.on_gemv(step.num_tokens, self.cfg.vocab_size, self.cfg.hidden_size))
 
     def forward(self, step: StepShape) -> None:
         """Run all layers for the step's tokens; logits of each sequence's last token land in
-        the arena's `logits` view, fp32 [num_seqs, vocab]."""
+        the arena's `logits` view, fp32 [num_seqs, vocab] (and, where head_argmax_for(step) is
+        non-zero, their greedy argmax keys in `head_argmax`)."""
         c, w, ops = self.cfg, self.w, self.ops
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
-        fused = not step.is_prefill and ops.fuses_decode(T, H, self.qkv_width, I, c.head_dim)
+        fused = self._fused(step)
         # each projection's GEMV k-split (ignored where linear() goes to cuBLAS, as at prefill)
         kw = {name: ops.decode_k_warps(name, n, k) for name, (n, k) in self.projection_shapes.items()}
         # the handed-over norm (module docstring): the embedding hands over the first layer's input
         # norm, each residual GEMV the norm after it, the last down the final norm to the LM head
         # (a decode step has one token per sequence, so the final norm's rows are all of them)
+        # (and the LM head keeps each row's greedy argmax key for the sampler; the embedding
+        # clears them first)
         handoff = fused and ops.fuse_norm == "producer"
-        head_prenormed = handoff and ops.on_gemv(T, c.vocab_size, H)
+        head_prenormed = self._head_prenormed(step)
         if fused and T != step.num_seqs:
             raise TinyVLLMError(f"a decode step has one token per sequence, got {T} tokens for {step.num_seqs}")
         tok = self.token_inputs[step.is_prefill]
         ops.embedding(self.hidden, w.embed, tok.token_ids, T, H, c.vocab_size, fed_rows=tok.fed_rows,
                       fed_ids=self.sampled_ids,
-                      norm=(w.layers[0].input_norm, self.normed, self.norm_row_ss) if handoff else None)
+                      norm=(w.layers[0].input_norm, self.normed, self.norm_row_ss) if handoff else None,
+                      head_argmax=self.head_argmax if head_prenormed else 0)
         for layer, lw in enumerate(w.layers):
             if fused:
                 final_norm = w.final_norm if head_prenormed else None
@@ -161,7 +182,7 @@ class LlamaModel:
         S = step.num_seqs
         if head_prenormed:
             ops.gemv(self.logits, self.normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32", last=True,
-                     prenormed=(self.norm_row_ss, eps))
+                     prenormed=(self.norm_row_ss, eps), head_argmax=self.head_argmax)
             return
         ops.rms_norm(self.final_normed, self.hidden, w.final_norm, S, H, eps, rows=self.last_token_idx)
         ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32", last=True)

@@ -191,19 +191,20 @@ class GpuOps:
 
     # -- one launcher per kernel, in the order the model calls them ------------------------------
     def embedding(self, out, table, token_ids, num_tokens: int, hidden: int, vocab_size: int,
-                  fed_rows=0, fed_ids=0, norm=None) -> None:
+                  fed_rows=0, fed_ids=0, norm=None, head_argmax=0) -> None:
         """out[t] = table[id_t] (bf16 rows; an id outside the vocab gives a zero row), id_t =
         fed_ids[fed_rows[t]] where fed_rows (int32 [num_tokens], 0: none) is >= 0, else
         token_ids[t]. norm = (norm_weight, normed, row_ss): the first layer's input norm handed
         over as gemv_residual_norm() hands the others over (embedding.cu's header): normed [T,
         hidden] = bf16(out * norm_weight), row_ss (fp32 [T, hidden / 16]) the rows' sums of
-        squares of 16 columns each, for gemv_rope_kv(prenormed=(row_ss, eps))."""
+        squares of 16 columns each, for gemv_rope_kv(prenormed=(row_ss, eps)). head_argmax (uint64
+        [num_tokens], 0: none): cleared to 0 for the LM head's argmax keys (gemv(head_argmax=))."""
         norm_w, normed, row_ss = norm or (0, 0, 0)
         if norm is not None and (hidden % 16 or not (int(norm_w) and int(normed) and int(row_ss))):
             raise ValueError(f"embedding: the handed-over norm needs hidden % 16 == 0 (got {hidden}) and its "
                              f"weight, normed and row_ss pointers")
         self._launch("embedding_gather", num_tokens, EMBEDDING["THREADS"], out, table, token_ids,
-                     fed_rows, fed_ids, num_tokens, hidden, vocab_size, norm_w, normed, row_ss)
+                     fed_rows, fed_ids, num_tokens, hidden, vocab_size, norm_w, normed, row_ss, head_argmax)
 
     def rms_norm(self, out, x, weight, num_rows: int, hidden: int, eps: float, rows=0) -> None:
         """out[r] = RMSNorm(x[rows[r] if rows else r]) * weight; one block per output row."""
@@ -296,14 +297,23 @@ class GpuOps:
         return max(1, min(SAMPLING["MAX_ARGMAX_SLICES"], by_vocab, 2 * self.num_sms // max(num_seqs, 1)))
 
     def sample(self, logits, num_seqs: int, vocab_size: int, temperature, top_k, top_p, seeds, steps,
-               out, min_p=0, argmax_partials=0, slice_counters=0, slices: int | None = None) -> None:
+               out, min_p=0, argmax_partials=0, slice_counters=0, slices: int | None = None,
+               head_argmax=0) -> None:
         """One token id per row of fp32 logits (reference/sampling.py defines the algorithm).
         Non-greedy rows' logits are overwritten with their sampling weights. min_p: a float32
         [num_seqs] device array, or 0 (null) for min_p off in every row. argmax_partials (int32
         [num_seqs, MAX_ARGMAX_SLICES, 4]) and slice_counters (int32 [num_seqs], zero, and left
         zero by the kernel) let the argmax pass run in `slices` blocks per row (None:
-        sample_slices'); without them it runs in one."""
+        sample_slices'); without them it runs in one. head_argmax (uint64 [num_seqs], 0: none):
+        the argmax keys the decode LM head kept (gemv(head_argmax=)), which replace the argmax
+        pass: one block per row, the same token (sampling.cu's header)."""
         if not num_seqs:
+            return
+        if head_argmax:
+            if slices not in (None, 1):
+                raise ValueError(f"sample: the LM head's argmax keys leave no argmax pass to split ({slices} slices)")
+            self._launch("sample_tokens", (num_seqs, 1), SAMPLING["SAMPLE_THREADS"], logits, vocab_size,
+                         temperature, top_k, top_p, min_p, seeds, steps, out, 0, 0, head_argmax)
             return
         if not (argmax_partials and slice_counters):
             if slices not in (None, 1):
@@ -313,7 +323,7 @@ class GpuOps:
         if not 1 <= slices <= SAMPLING["MAX_ARGMAX_SLICES"]:
             raise ValueError(f"sample: slices must be in 1..{SAMPLING['MAX_ARGMAX_SLICES']}, got {slices}")
         self._launch("sample_tokens", (num_seqs, slices), SAMPLING["SAMPLE_THREADS"], logits, vocab_size,
-                     temperature, top_k, top_p, min_p, seeds, steps, out, argmax_partials, slice_counters)
+                     temperature, top_k, top_p, min_p, seeds, steps, out, argmax_partials, slice_counters, 0)
 
     def apply_logit_edits(self, logits, vocab_size: int, edits, num_edits: int) -> None:
         """LogitEdits (engine/batch.py, uploaded as its packed() int32 [E, EDIT_WORDS]) applied
@@ -479,13 +489,16 @@ class GpuOps:
 
     def gemv(self, y, x, w, m: int, n: int, k: int, *, accumulate: bool = False,
              out_dtype: str = "bfloat16", k_warps: int | None = None, last: bool = False,
-             prenormed=None) -> None:
+             prenormed=None, head_argmax=0) -> None:
         """linear()'s small-batch path: the same arguments and meaning as Cublas.matmul, for
         1 <= m <= 8 and k % 8 == 0 with x and w 16-byte aligned. Streams W once with 16-byte
         loads, maths on the tensor cores (gemv.cu's header has the layout). last: gemv_k_warps'.
         prenormed = (row_ss, eps): Y = inv_rms * (X @ W^T) with X and row_ss handed over by
         gemv_residual_norm() (gemv_prenormed_bf16: the decode LM head after the final norm; no
-        accumulate, k % 64 == 0)."""
+        accumulate, k % 64 == 0). head_argmax (uint64 [m], zeroed before: embedding()'s, 0: none),
+        prenormed with fp32 Y only: each row's greedy argmax key (common.cuh), for sample()."""
+        if head_argmax and (prenormed is None or out_dtype != "float32"):
+            raise ValueError("gemv: head_argmax is kept by the prenormed GEMV with fp32 output (the decode LM head)")
         if prenormed is None:
             grid, block, shared, x_ptr, w_ptr, wide = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps,
                                                                       last=last)
@@ -499,7 +512,7 @@ class GpuOps:
                                                                   k_warps, row_ss, last=last)
         shared += self._producer_ss_bytes("gemv_prenormed_bf16", m, k)
         self._launch("gemv_prenormed_bf16", grid, block, int(y), x_ptr, int(row_ss), w_ptr, m, n, k, float(eps),
-                     OUT_DTYPES[out_dtype], wide, int(self.gemv_ring), shared_bytes=shared)
+                     OUT_DTYPES[out_dtype], head_argmax, wide, int(self.gemv_ring), shared_bytes=shared)
 
     @staticmethod
     def _producer_ss_bytes(kernel: str, m: int, k: int) -> int:

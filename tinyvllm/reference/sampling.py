@@ -169,6 +169,18 @@ def ordered_keys(x: np.ndarray) -> np.ndarray:
     return np.where(u & np.uint32(0x80000000), ~u, u | np.uint32(0x80000000)).astype(np.uint32)
 
 
+def head_argmax_keys(logits: np.ndarray) -> np.ndarray:
+    """Numpy twin of the decode LM head's greedy argmax keys (gpu/cuda/common.cuh argmax_key):
+    per row the largest (ordered key of the value) << 32 | (2^32 - 1 - index), NaN (either sign)
+    as the largest key and -0 as +0, so the key names the row's max, its lowest index among equal
+    values (float equality), and whether the row is broken. -> uint64 [rows]."""
+    x = np.asarray(logits, np.float32)
+    x = np.where(x == 0, np.float32(0), x)
+    bits = np.where(np.isnan(x), np.uint32(0xFFFFFFFF), ordered_keys(x)).astype(np.uint64)
+    low = np.uint64(0xFFFFFFFF) - np.arange(x.shape[-1], dtype=np.uint64)
+    return ((bits << np.uint64(32)) | low).max(axis=-1)
+
+
 def step_logprobs(logits_rows: np.ndarray, sampled_ids: np.ndarray, k: int):
     """Numpy twin of sampling.cu's step_logprobs: raw log-probabilities of rows of fp32 logits.
     -> (sampled_logprob float32 [R], sampled_rank int32 [R], top_ids int32 [R, k],

@@ -116,6 +116,39 @@ __device__ __forceinline__ float chunk_sum_sq(const float v[SS_CHUNK]) {
     return __fadd_rn(s[0], s[1]);
 }
 
+// ---- greedy argmax as one 64-bit key per value -----------------------------------------------
+// The sampler's first pass (sampling.cu) finds each row's max logit, its lowest index among equal
+// values, and whether the row is broken (a NaN or +inf, or nothing finite). The decode LM head
+// (gemv.cu's gemv_prenormed_bf16) finds the same while it stores the logits: every output becomes
+// one key, (ordered bits of the value) << 32 | (0xFFFFFFFF - index), and the row's largest key,
+// kept by atomicMax, holds the max and its lowest index; the sampler then reads one word instead
+// of the row. NaN (either sign) maps to the largest key, so a row with one is seen as broken, as
+// +inf is (its key comes next); -0 maps to +0, which float comparison calls equal.
+// reference/sampling.py's head_argmax_keys is the twin.
+
+// A float's bits remapped so that unsigned integer order is float order (negatives too):
+// reference/sampling.py's ordered_keys. For e >= 0 the plain bits already are.
+__device__ __forceinline__ unsigned ordered_key(float v) {
+    const unsigned u = __float_as_uint(v);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float from_ordered_key(unsigned key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+__device__ __forceinline__ unsigned long long argmax_key(float v, int index) {
+    const unsigned bits = v != v ? 0xffffffffu : ordered_key(v == 0.0f ? 0.0f : v);
+    return (unsigned long long)bits << 32 | (0xffffffffu - (unsigned)index);
+}
+// The row's largest key read back: max value and index; broken (NaN, +inf, or no finite value)
+// as sampling.cu's finish_row_argmax has it.
+__device__ __forceinline__ bool decode_argmax_key(unsigned long long key, float& best_val, int& best_idx) {
+    const unsigned bits = (unsigned)(key >> 32);
+    best_val = from_ordered_key(bits);
+    best_idx = (int)(0xffffffffu - (unsigned)key);
+    constexpr unsigned POS_INF_KEY = 0xff800000u, NEG_INF_KEY = 0x007fffffu;   // ordered_key(+inf), (-inf)
+    return bits >= POS_INF_KEY || bits <= NEG_INF_KEY;
+}
+
 // ---- RoPE and SwiGLU arithmetic, shared by the standalone kernels and the fused GEMVs -----------
 // At decode gemv.cu folds RoPE with the KV-cache write into the qkv GEMV's epilogue and silu_mul
 // into the gate_up GEMV's epilogue; a fused kernel gives the bits of the kernels it replaces

@@ -12,6 +12,11 @@
 // the operand and the row sums the prenormed qkv GEMV reads. The first layer's norm then needs
 // no launch of its own, as every other norm of the step. Requires hidden % 16 == 0 (checked in
 // gpu/ops.py; the prenormed GEMV needs hidden % 64 == 0 anyway).
+//
+// head_argmax (non-null: the decode LM head keeps each row's greedy argmax key, gemv.cu's
+// gemv_prenormed_bf16): the gather, the step's first kernel, sets row t's key to 0, the value the
+// head's atomicMax starts from. Every later kernel waits for the one before it, so the clear is
+// complete before the head's first atomic, and the sampler of the step before has read its key.
 #include "common.cuh"
 
 constexpr int THREADS = 128;   // block size (gpu/ops.py launches with it)
@@ -20,11 +25,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) embedding_gather(bf16* __r
                                             const int* __restrict__ token_ids, const int* __restrict__ fed_rows,
                                             const int* __restrict__ fed_ids, int num_tokens,
                                             int hidden, int vocab_size, const bf16* __restrict__ norm_w,
-                                            bf16* __restrict__ normed, float* __restrict__ row_ss) {
+                                            bf16* __restrict__ normed, float* __restrict__ row_ss,
+                                            unsigned long long* __restrict__ head_argmax) {
     allow_consumer();
     wait_for_producer();
     const int t = blockIdx.x;
     if (t >= num_tokens) return;
+    if (head_argmax && threadIdx.x == 0) head_argmax[t] = 0ull;   // the LM head's atomicMax starts from 0
     const int fed = fed_rows ? fed_rows[t] : -1;
     // a fed id of -1 (the sampler's non-finite row, thrown away by the engine) is out of range:
     // a zero row, like any other

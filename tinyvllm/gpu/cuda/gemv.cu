@@ -67,7 +67,8 @@
 // Nine entry points share this body; they differ in how X is loaded and how Y is stored:
 //   gemv_bf16            X as stored; Y stored (or added: the residual add).
 //   gemv_prenormed_bf16  X handed over by the norm's producer (below), Y = inv_rms * (X @ W^T)
-//                        stored: the LM head after the final norm, which the last down hands over.
+//                        stored: the LM head after the final norm, which the last down hands over;
+//                        it may also keep each row's greedy argmax key (head_argmax).
 //   gemv_rope_kv         the epilogue applies RoPE to q and k and writes k and v to the paged
 //                        cache: the qkv projection of a decode step with rope_write_kv inside.
 //   gemv_silu_mul        the epilogue stores silu(gate) * up: gate_up with silu_mul inside.
@@ -264,7 +265,8 @@ template <XLoad MODE, Epilogue EPI>
 __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __restrict__ x,
                                           const NormArgs& norm, const bf16* __restrict__ w,
                                           int m, int n, int k, int out_f32, int accumulate,
-                                          const RopeArgs& rope, const NormOut& norm_out, int wide_l2, int ring) {
+                                          const RopeArgs& rope, const NormOut& norm_out, int wide_l2, int ring,
+                                          unsigned long long* head_argmax = nullptr) {
     extern __shared__ float partial[];   // [warps][8 rows of x][16 columns of the CTA]
                                          // (rms_norm: then [warps][8 rows] sums of squares;
                                          // ring: then the warps' slots; prenormed: then
@@ -468,6 +470,17 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
                 const float sq = row_sum16(stored * stored);
                 if (live && col == 0) norm_out.row_ss[(size_t)row * gridDim.x + blockIdx.x] = sq;
             }
+            if constexpr (EPI == Epilogue::store && MODE == XLoad::prenormed) {
+                if (head_argmax) {   // the LM head: the row's greedy argmax key (common.cuh), fp32 logits only
+                    unsigned long long key = in_n ? argmax_key(sum, out) : 0ull;
+#pragma unroll
+                    for (int lane_mask = 1; lane_mask < ROWS_PER_CTA; lane_mask <<= 1) {
+                        const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, lane_mask);
+                        key = other > key ? other : key;
+                    }
+                    if (live && col == 0) atomicMax(head_argmax + row, key);
+                }
+            }
         } else {
             // Both fused epilogues read the product as the unfused chain's next kernel would:
             // rounded to bf16 (with the norm: the scaled product). The partner of column c is column c ^ 8 (the other run).
@@ -579,11 +592,16 @@ gemv_prenormed_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, 
 // Y = inv_rms * (x @ W^T) on a prenormed x, as gemv_prenormed_rope_kv_bf16, stored as gemv_bf16
 // stores it (bf16 or fp32, out_f32): the decode step's LM head, its final norm handed over by the
 // last layer's down GEMV (gpu/model.py). y: [m, n]; row_ss: [m][k / 16], k % 64 == 0.
+// head_argmax (non-null with out_f32 = 1): [m] keys that must start at 0 (the step's embedding
+// clears them); each CTA folds its 16 logits per row in with one atomicMax of the largest
+// argmax_key (common.cuh), so when the kernel ends every row's key names its greedy token and the
+// sampler need not read the logits for it (sampling.cu's head_argmax).
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_prenormed_bf16(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss,
-                    const bf16* __restrict__ w, int m, int n, int k, float eps, int out_f32, int wide_l2, int ring) {
+                    const bf16* __restrict__ w, int m, int n, int k, float eps, int out_f32,
+                    unsigned long long* __restrict__ head_argmax, int wide_l2, int ring) {
     gemv_body<XLoad::prenormed, Epilogue::store>(y, x, NormArgs{nullptr, eps, row_ss}, w, m, n, k, out_f32, 0,
-                                                 RopeArgs{}, NormOut{}, wide_l2, ring);
+                                                 RopeArgs{}, NormOut{}, wide_l2, ring, head_argmax);
 }
 
 // gemv_silu_mul_bf16 on a prenormed x, as gemv_prenormed_rope_kv_bf16.

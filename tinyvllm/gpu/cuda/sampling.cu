@@ -9,7 +9,9 @@
 //
 // Launch: grid = (num_seqs, slices), block = (SAMPLE_THREADS = 1024), no dynamic shared memory.
 // Passes over the row (vocab = 128256 -> 126 elements per thread):
-//   1. argmax / max; a row with NaN or +inf, or with no finite value, gets id -1 (NON_FINITE in
+//   1. argmax / max (or, head_argmax non-null, read from the keys the decode LM head kept as it
+//      stored the logits: common.cuh's argmax_key, the same max, index and broken flag in one word);
+//      a row with NaN or +inf, or with no finite value, gets id -1 (NON_FINITE in
 //      sampling.py) and stops: the engine fails that request alone (greedy rows stop here too).
 //      With slices > 1 this pass is split: block (row, y) takes the y-th slice of the row and
 //      stores its max, lowest index and NaN/+inf flag in partials[row][y]; the block that
@@ -68,12 +70,7 @@ __device__ __forceinline__ float weight_exp(float x, float m, float inv_t) {
 
 __device__ __forceinline__ u64 mass_of(float e) { return __float2ull_rn(__fmul_rn(e, MASS_SCALE)); }
 
-// A float's bits remapped so that unsigned integer order is float order (negatives too):
-// reference/sampling.py's ordered_keys. For e >= 0 the plain bits already are.
-__device__ __forceinline__ unsigned ordered_key(float v) {
-    const unsigned u = __float_as_uint(v);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
+// ordered_key (a float's bits in float order) lives in common.cuh, beside the LM head's argmax keys.
 
 // ---- block-wide helpers (all threads of the block must call them) --------------------------
 struct Scratch {
@@ -290,7 +287,8 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
               const int* __restrict__ step,           // [num_seqs]; tokens generated so far
               int* __restrict__ out,                  // [num_seqs] sampled token ids
               ArgmaxPartial* __restrict__ partials,   // [num_seqs, MAX_ARGMAX_SLICES]; null: gridDim.y = 1
-              unsigned* __restrict__ slice_counters)  // [num_seqs], 0 between launches; null: gridDim.y = 1
+              unsigned* __restrict__ slice_counters,  // [num_seqs], 0 between launches; null: gridDim.y = 1
+              const unsigned long long* head_argmax)  // [num_seqs] the LM head's argmax keys; null: pass 1 here
 {
     allow_consumer();
     wait_for_producer();   // the logits are the LM head's output
@@ -301,7 +299,9 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
     float m;
     int argmax;
     bool broken;
-    if (gridDim.y == 1) {
+    if (head_argmax) {                                    // pass 1 done by the LM head (gridDim.y = 1)
+        broken = decode_argmax_key(__ldcg(head_argmax + row), m, argmax);
+    } else if (gridDim.y == 1) {
         broken = block_argmax(x, vocab, &m, &argmax, s);
     } else if (!sliced_argmax(x, vocab, partials + (size_t)row * MAX_ARGMAX_SLICES, slice_counters + row,
                               &m, &argmax, &broken, s)) {
