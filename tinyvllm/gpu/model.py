@@ -38,7 +38,9 @@ the new rows too), and the final norm by the last layer's down to the LM head (g
 decode step's rows are its sequences' last tokens), so a decode step launches no rms_norm.
 Measured against norms separate (1B) or inside (SmolLM2): 975 -> 1,004 and 2,236 -> 2,276
 decode tok/s (H100, docs/perf-notes.md, session 11, with the first and final norms still
-launched). TINYVLLM_FUSE_NORM=auto gives the rule above back.
+launched). TINYVLLM_FUSE_NORM=auto gives the rule above back. That LM head also keeps each
+row's greedy argmax key as it stores the logits (gemv_prenormed_bf16's head_argmax, cleared by
+the embedding), so the sampler reads one word per row instead of the row (head_argmax_for).
 
 The o GEMV follows the attention, whose few blocks (num_kv_heads at batch 1) hold some SMs; its
 k-split stays at most half an SM per CTA (ops.gemv_k_warps' beside_attention), so all its CTAs
