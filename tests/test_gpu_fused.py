@@ -114,18 +114,26 @@ def _weights(rng, n, k):
     return w.astype(np.float32), DeviceArray(_with_nan_rows(w, 16))
 
 
+def _embedding_inputs(rng, m, k):
+    """A 50-row table [50, k] and m ids into it for the embedding gather, the last of them out of
+    range when m > 2 (a zero row: inv_rms = 1 / sqrt(eps), every product 0).
+    -> (device table, device ids, vocab)."""
+    from gpu_helpers import DeviceArray, to_bf16
+    vocab = 50
+    table = to_bf16(rng.standard_normal((vocab, k)) * rng.uniform(0.1, 30))
+    ids = rng.integers(0, vocab, m).astype(np.int32)
+    ids[-1] = vocab + 3 if m > 2 else ids[-1]
+    return DeviceArray(table), DeviceArray(ids), vocab
+
+
 def _residual(gpu, rng, m, k, producer):
     """The residual stream [m, k] as the model makes it: the o/down GEMV's residual add
     (hidden += x @ W^T), or the embedding gather. -> (device hidden, host hidden as stored)."""
-    from gpu_helpers import DeviceArray, to_bf16
+    from gpu_helpers import BF16, DeviceArray, to_bf16
     if producer == "embedding":
-        vocab = 50
-        table = to_bf16(rng.standard_normal((vocab, k)) * rng.uniform(0.1, 30))
-        ids = rng.integers(0, vocab, m).astype(np.int32)
-        # an invalid id gives a zero row: inv_rms = 1 / sqrt(eps), every product 0
-        ids[-1] = vocab + 3 if m > 2 else ids[-1]
-        hidden = DeviceArray.poisoned((m, k), table.dtype)
-        gpu.embedding(hidden, DeviceArray(table), DeviceArray(ids), m, k, vocab)
+        table, ids, vocab = _embedding_inputs(rng, m, k)
+        hidden = DeviceArray.poisoned((m, k), BF16)
+        gpu.embedding(hidden, table, ids, m, k, vocab)
     else:
         h0 = to_bf16(rng.standard_normal((m, k)) * rng.uniform(0.1, 30))
         inner = 3 * k
@@ -322,14 +330,10 @@ def _handed_over(gpu, rng, m, k, k_warps, producer="gemv"):
     normed = DeviceArray.poisoned((m + 1, k), BF16)
     row_ss = DeviceArray.poisoned((m + 1, k // 16), np.float32)
     if producer == "embedding":
-        vocab = 50
-        table = DeviceArray(to_bf16(rng.standard_normal((vocab, k)) * rng.uniform(0.1, 30)))
-        ids = rng.integers(0, vocab, m).astype(np.int32)
-        ids[-1] = vocab + 3 if m > 2 else ids[-1]    # an invalid id: a zero row, inv_rms = 1 / sqrt(eps)
-        d_ids = DeviceArray(ids)
+        table, ids, vocab = _embedding_inputs(rng, m, k)
         hidden, reference = DeviceArray.poisoned((m, k), BF16), DeviceArray.poisoned((m, k), BF16)
-        gpu.embedding(hidden, table, d_ids, m, k, vocab, norm=(d_nw, normed, row_ss))
-        gpu.embedding(reference, table, d_ids, m, k, vocab)
+        gpu.embedding(hidden, table, ids, m, k, vocab, norm=(d_nw, normed, row_ss))
+        gpu.embedding(reference, table, ids, m, k, vocab)
     else:
         inner = 3 * k
         h0 = to_bf16(rng.standard_normal((m, k)) * rng.uniform(0.1, 30))

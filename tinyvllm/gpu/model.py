@@ -154,11 +154,11 @@ class LlamaModel:
         kw = {name: ops.decode_k_warps(name, n, k) for name, (n, k) in self.projection_shapes.items()}
         # the handed-over norm (module docstring): the embedding hands over the first layer's input
         # norm, each residual GEMV the norm after it, the last down the final norm to the LM head
-        # (a decode step has one token per sequence, so the final norm's rows are all of them)
-        # (and the LM head keeps each row's greedy argmax key for the sampler; the embedding
-        # clears them first)
+        # (a decode step has one token per sequence, so the final norm's rows are all of them),
+        # which also keeps each row's greedy argmax key for the sampler (the embedding clears them)
         handoff = fused and ops.fuse_norm == "producer"
         head_prenormed = self._head_prenormed(step)
+        final_norm = w.final_norm if head_prenormed else None
         if fused and T != step.num_seqs:
             raise TinyVLLMError(f"a decode step has one token per sequence, got {T} tokens for {step.num_seqs}")
         tok = self.token_inputs[step.is_prefill]
@@ -168,7 +168,6 @@ class LlamaModel:
                       head_argmax=self.head_argmax if head_prenormed else 0)
         for layer, lw in enumerate(w.layers):
             if fused:
-                final_norm = w.final_norm if head_prenormed else None
                 self._decode_layer_fused(step, layer, lw, kw, final_norm)
                 continue
             ops.rms_norm(self.normed, self.hidden, lw.input_norm, T, H, eps)

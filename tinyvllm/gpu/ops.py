@@ -312,10 +312,8 @@ class GpuOps:
         if head_argmax:
             if slices not in (None, 1):
                 raise ValueError(f"sample: the LM head's argmax keys leave no argmax pass to split ({slices} slices)")
-            self._launch("sample_tokens", (num_seqs, 1), SAMPLING["SAMPLE_THREADS"], logits, vocab_size,
-                         temperature, top_k, top_p, min_p, seeds, steps, out, 0, 0, head_argmax)
-            return
-        if not (argmax_partials and slice_counters):
+            argmax_partials, slice_counters, slices = 0, 0, 1
+        elif not (argmax_partials and slice_counters):
             if slices not in (None, 1):
                 raise ValueError(f"sample: {slices} slices need argmax_partials and slice_counters")
             slices = 1
@@ -323,7 +321,8 @@ class GpuOps:
         if not 1 <= slices <= SAMPLING["MAX_ARGMAX_SLICES"]:
             raise ValueError(f"sample: slices must be in 1..{SAMPLING['MAX_ARGMAX_SLICES']}, got {slices}")
         self._launch("sample_tokens", (num_seqs, slices), SAMPLING["SAMPLE_THREADS"], logits, vocab_size,
-                     temperature, top_k, top_p, min_p, seeds, steps, out, argmax_partials, slice_counters, 0)
+                     temperature, top_k, top_p, min_p, seeds, steps, out, argmax_partials, slice_counters,
+                     head_argmax)
 
     def apply_logit_edits(self, logits, vocab_size: int, edits, num_edits: int) -> None:
         """LogitEdits (engine/batch.py, uploaded as its packed() int32 [E, EDIT_WORDS]) applied

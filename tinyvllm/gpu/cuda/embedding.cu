@@ -37,7 +37,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) embedding_gather(bf16* __r
     // a zero row, like any other
     const int id = fed >= 0 ? fed_ids[fed] : token_ids[t];
     const bool valid = id >= 0 && id < vocab_size;
-    const bf16* src = table + (size_t)id * hidden;
+    const bf16* src = table + (size_t)(valid ? id : 0) * hidden;   // read only when valid
     bf16* dst = out + (size_t)t * hidden;
     if (!norm_w) {
         for (int col = threadIdx.x * 8; col < hidden; col += blockDim.x * 8) {

@@ -246,6 +246,16 @@ __device__ __forceinline__ float row_sum16(float x) {
     return x;
 }
 
+// The largest of x over the 16 lanes of one epilogue row, as row_sum16 (the LM head's argmax keys).
+__device__ __forceinline__ unsigned long long row_max16(unsigned long long x) {
+#pragma unroll
+    for (int lane_mask = 1; lane_mask < ROWS_PER_CTA; lane_mask <<= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, x, lane_mask);
+        x = other > x ? other : x;
+    }
+    return x;
+}
+
 // The norm's operand bf16(x * weight) of eight x values (the product of two bf16 values is exact
 // in fp32: one rounding), adding their squares (fp32) to ss.
 __device__ __forceinline__ uint4 scale_by_weight(const uint4& x_raw, const uint4& w_raw, float& ss) {
@@ -472,12 +482,7 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             }
             if constexpr (EPI == Epilogue::store && MODE == XLoad::prenormed) {
                 if (head_argmax) {   // the LM head: the row's greedy argmax key (common.cuh), fp32 logits only
-                    unsigned long long key = in_n ? argmax_key(sum, out) : 0ull;
-#pragma unroll
-                    for (int lane_mask = 1; lane_mask < ROWS_PER_CTA; lane_mask <<= 1) {
-                        const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, lane_mask);
-                        key = other > key ? other : key;
-                    }
+                    const unsigned long long key = row_max16(in_n ? argmax_key(sum, out) : 0ull);
                     if (live && col == 0) atomicMax(head_argmax + row, key);
                 }
             }
