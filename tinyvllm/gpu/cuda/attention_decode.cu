@@ -3,7 +3,7 @@
 //
 // One new query token per sequence (token index = sequence index). Grid: (num_seqs *
 // num_kv_heads, 1, max_splits), the kv heads of one sequence adjacent so that the blocks reading
-// the same cache pages run together; block: 128 threads. One block serves all GROUP query heads
+// the same cache pages run together; block: 256 threads. One block serves all GROUP query heads
 // that share one kv head, so each K/V row is read from memory once per GQA group.
 //
 // Splits. The grid's split count is fixed per batch size (a CUDA graph fixes the grid); a
@@ -69,16 +69,21 @@
 
 namespace {
 
-constexpr int THREADS = 128;
+// 8 warps a block: at batch 1 a block's tokens are on the step's critical path, and 8 warps take
+// half as many steps each as 4 did (at most 4 up to ONE_SPLIT_TOKENS, the first STAGES - 1 of
+// them copied before the wait under early_kv). At large batches an SM holds as many warps either
+// way (2 blocks of 8 at 96 KB of shared memory for head_dim 64, or 4 of 4 at 48 KB).
+constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
 constexpr int STEP = 16;                          // tokens per warp step: the MMA's M
 constexpr int STAGES = 3;                         // cp.async ring depth per warp
 constexpr int MIN_SPLIT_TOKENS = WARPS * STEP;    // a split gives every warp at least one step
-// Contexts up to ONE_SPLIT_TOKENS run in one split: at batch 1 on the H200 one block over 256
-// tokens took 4.07 us (SmolLM2 shapes) / 4.14 us (Llama-1B) against 4.6-4.9 us with the four
-// 64-token splits and their merge (benchmarks/decode_attention_bench.py --splits, perf-notes):
-// the merge's extra round trip through L2 costs more than the parallel blocks save.
-constexpr int ONE_SPLIT_TOKENS = 256;
+// Contexts up to ONE_SPLIT_TOKENS run in one split: the merge of several (a fence, an atomic
+// and two rounds of L2 reads in the last block) costs more at batch 1 than the parallel blocks
+// save. Measured end to end (`bench --workload latency`, H100, contexts 128..384): 8 warps with
+// one split up to 512 tokens against 4 warps with one split up to 256 (then 5-6 splits of 64):
+// Llama-1B 1,020 -> 1,042 tok/s, SmolLM2-135M 2,310 -> 2,505 (perf-notes, session 13).
+constexpr int ONE_SPLIT_TOKENS = 512;
 constexpr int MAX_SPLITS = 32;                    // the merge gives each split one lane
 constexpr int MERGE_UNROLL = 8;                   // partials each merging thread loads at once
 constexpr int SMEM_BYTES_PER_DIM = WARPS * STAGES * STEP * 2 * 2;   // x head_dim: K and V rows, bf16
@@ -237,21 +242,25 @@ __device__ __forceinline__ void decode_attention(
         cp_async_commit();
         next_slot = load_slot(i + 1);
     }
+    // early_kv: the newest row, where a prologue step holds it, is loaded (coherently) by the
+    // lanes issue() gives that row, together with q below, and stored to the same swizzled place
+    // after both loads are out (a later step's copy of it is issued in the main loop, after the
+    // wait, as usual). At most one prologue step holds it.
+    uint4 fresh_k = make_uint4(0, 0, 0, 0), fresh_v = fresh_k;
+    uint32_t fresh_dst = 0;
+    bool fresh = false;
     if (early_kv) {
         wait_for_producer();
-        // The newest row, now written, where a prologue step holds it: the lanes issue() gives
-        // that row copy it with coherent loads into the same swizzled place (a later step's copy
-        // of it is issued in the main loop, after the wait, as usual).
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i) {
             const int row = newest - step_begin(i);
             if (i < steps && row >= 0 && row < STEP && lane / CHUNKS == row % (32 / CHUNKS)) {
                 const int chunk = lane % CHUNKS;
                 const size_t src = (size_t)newest_slot * kv_row + chunk * 8;
-                const uint4 k = load_fresh(k_head + src), v = load_fresh(v_head + src);
-                const uint32_t dst = ring + i * STAGE_BYTES + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4);
-                st_shared16(dst, k);
-                st_shared16(dst + TILE_BYTES, v);
+                fresh_k = load_fresh(k_head + src);
+                fresh_v = load_fresh(v_head + src);
+                fresh_dst = ring + i * STAGE_BYTES + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4);
+                fresh = true;
             }
         }
     }
@@ -270,6 +279,10 @@ __device__ __forceinline__ void decode_attention(
                 qf[t][half] = h < GROUP ? v : 0u;
             }
         }
+    }
+    if (fresh) {
+        st_shared16(fresh_dst, fresh_k);
+        st_shared16(fresh_dst + TILE_BYTES, fresh_v);
     }
     const float scale_log2 = scale * 1.4426950408889634f;   // scores in base 2: exp(x) = 2^(x log2 e)
 
