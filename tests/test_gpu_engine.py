@@ -110,9 +110,14 @@ def test_async_scheduling_gives_the_sync_steps_on_cuda(setup, tiny_model_dir):
         engine = LLMEngine(tiny_model_dir, device="cuda", kv_cache_gb=0.5, async_scheduling=mode)
         try:
             runs[mode] = _run_steps(engine, requests), engine.num_steps_ahead
-            if mode:      # g0 alone, stopped by its own 4th greedy token (from the sync run)
+            if mode:      # g0 alone, stopped by one of its own greedy tokens (from the sync run)
                 g0 = [t for call in runs[False][0] for rid, t, _ in call if rid == "g0"][-1]
-                stop_id = g0[3]
+                # The 4th token, unless it occurred before: a random tiny model repeats itself, and
+                # a stop at the prefill's token (index 0) has no step launched ahead of it (no
+                # step goes ahead of a prefill: llm_engine._launch_ahead), so nothing is thrown
+                # away. A first occurrence at index >= 1 is a decode step's, the next one ahead.
+                first = [i for i in range(1, len(g0)) if g0[i] not in g0[:i]]
+                stop_id = g0[3] if 3 in first else g0[first[0] if first else 3]
                 stopped = _run_steps(engine, [("one", prompts[0], SamplingParams(
                     temperature=0, ignore_eos=True, max_tokens=20, stop_token_ids=[stop_id]))])
                 thrown_away = engine.num_rows_thrown_away
@@ -123,7 +128,9 @@ def test_async_scheduling_gives_the_sync_steps_on_cuda(setup, tiny_model_dir):
     tokens, reason = stopped[-1][0][1], stopped[-1][0][2]
     expected = g0[:g0.index(stop_id) + 1]            # where sync scheduling stops it
     if assert_same_greedy(refm, prompts[0], list(tokens), list(expected), "stop id") is None:
-        assert reason == "stop" and thrown_away >= 1, (reason, thrown_away)
+        assert reason == "stop", reason
+        if g0.index(stop_id) >= 1:       # a decode step's token: the step after it was launched
+            assert thrown_away >= 1, thrown_away
 
 
 def test_step_io_by_kernel_gives_the_copy_engine_steps(setup, tiny_model_dir, monkeypatch):
