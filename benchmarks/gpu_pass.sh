@@ -3,7 +3,7 @@
 # fails, the rest runs with TINYVLLM_GEMV=0 so their results still mean something), the fused
 # GEMV tests (if they fail, TINYVLLM_FUSE=0), then every
 # other GPU test, then the benchmarks. Logs go to $OUT (or ./gpu-pass-logs).
-#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [profile-gemv] [profile-loo] [bench] [bench-hf] [latency-ab] [server-load] [soak] [smollm2]
+#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [profile-gemv] [profile-loo] [bench] [bench-hf] [latency-ab] [sweep] [server-load] [soak] [smollm2]
 # (server-load needs the server extra: fastapi, uvicorn, pydantic, prometheus_client)
 set -u
 OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"
@@ -150,6 +150,13 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
           > "$OUT/bench-smollm2.log" 2>&1
         log "smollm2 latency [$cfg] rc=$?: $(grep -E '^latency' "$OUT/bench-smollm2.log" | tr -s ' ' | paste -sd';')"
       done ;;
+    sweep)
+      # batch-1 latency under other launch constants of one kernel file (benchmarks/constant_sweep.py),
+      # alternating with the code as it is: SWEEP_FILE=attention_decode.cu SWEEP="THREADS=256 ..."
+      # (each variant NAME=INT[,NAME=INT]); MODEL=dir for another model
+      timeout 560 python3 benchmarks/constant_sweep.py --file "${SWEEP_FILE:-attention_decode.cu}" \
+        ${SWEEP:-THREADS=512} ${MODEL:+--model "$MODEL"} > "$OUT/sweep.log" 2>&1
+      log "constant sweep rc=$?"; sed -n '/^$/,$p' "$OUT/sweep.log" | tee -a "$OUT/summary.log" ;;
     latency-ab)
       # batch-1 latency on the 1B preset (MODEL=dir: that model), alternating the settings under
       # test (AB="cfg ...", each default or env settings joined by +), so drift hits every setting alike
