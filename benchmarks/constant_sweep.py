@@ -8,8 +8,8 @@ A kernel's launch constants (`constexpr int THREADS = 128;`) are read by its lau
 rewritten: each variant gets its own copy in a temporary directory, and `python -m tinyvllm
 bench --workload latency` runs on it with PYTHONPATH pointing there. "as is" (the checkout)
 runs between them every round, so clock and thermal drift hit every setting alike. Each
-setting's first run is a warm-up and is not reported: right after a compile, runs were often
-5-15 % low (perf-notes, session 13). A constant the file does not define is an error, never
+setting's first run is a warm-up and is not reported: the first run after a compile (or the first
+of a device call) was often 5-15 % low (perf-notes, session 13). A constant the file does not define is an error, never
 skipped. Prints one table: decode tok/s per round, and ms per token of the median.
 """
 from __future__ import annotations
