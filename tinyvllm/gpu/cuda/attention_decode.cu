@@ -242,25 +242,21 @@ __device__ __forceinline__ void decode_attention(
         cp_async_commit();
         next_slot = load_slot(i + 1);
     }
-    // early_kv: the newest row, where a prologue step holds it, is loaded (coherently) by the
-    // lanes issue() gives that row, together with q below, and stored to the same swizzled place
-    // after both loads are out (a later step's copy of it is issued in the main loop, after the
-    // wait, as usual). At most one prologue step holds it.
-    uint4 fresh_k = make_uint4(0, 0, 0, 0), fresh_v = fresh_k;
-    uint32_t fresh_dst = 0;
-    bool fresh = false;
     if (early_kv) {
         wait_for_producer();
+        // The newest row, now written, where a prologue step holds it: the lanes issue() gives
+        // that row copy it with coherent loads into the same swizzled place (a later step's copy
+        // of it is issued in the main loop, after the wait, as usual).
 #pragma unroll
         for (int i = 0; i < STAGES - 1; ++i) {
             const int row = newest - step_begin(i);
             if (i < steps && row >= 0 && row < STEP && lane / CHUNKS == row % (32 / CHUNKS)) {
                 const int chunk = lane % CHUNKS;
                 const size_t src = (size_t)newest_slot * kv_row + chunk * 8;
-                fresh_k = load_fresh(k_head + src);
-                fresh_v = load_fresh(v_head + src);
-                fresh_dst = ring + i * STAGE_BYTES + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4);
-                fresh = true;
+                const uint4 k = load_fresh(k_head + src), v = load_fresh(v_head + src);
+                const uint32_t dst = ring + i * STAGE_BYTES + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4);
+                st_shared16(dst, k);
+                st_shared16(dst + TILE_BYTES, v);
             }
         }
     }
@@ -279,10 +275,6 @@ __device__ __forceinline__ void decode_attention(
                 qf[t][half] = h < GROUP ? v : 0u;
             }
         }
-    }
-    if (fresh) {
-        st_shared16(fresh_dst, fresh_k);
-        st_shared16(fresh_dst + TILE_BYTES, fresh_v);
     }
     const float scale_log2 = scale * 1.4426950408889634f;   // scores in base 2: exp(x) = 2^(x log2 e)
 
