@@ -63,7 +63,7 @@ def package_copy(workdir: Path, filename: str, values: dict[str, int]) -> Path:
 
 def run_bench(pythonpath: Path, args) -> tuple[float, float] | None:
     """(decode tok/s, ms per token) of one `bench` run on the package under pythonpath."""
-    cmd = [sys.executable, "-m", "tinyvllm", "bench", "--workload", args.workload]
+    cmd = [sys.executable, "-m", "tinyvllm", "bench", "--workload", "latency"]
     if args.model:
         cmd += ["--model", args.model]
     cmd += shlex.split(args.bench_args)
@@ -82,7 +82,6 @@ def main() -> int:
     ap.add_argument("variants", nargs="+", help="NAME=INTEGER[,NAME=INTEGER...], one per variant")
     ap.add_argument("--file", required=True, help="the kernel file under tinyvllm/gpu/cuda, e.g. attention_decode.cu")
     ap.add_argument("--model", help="a model directory (default: bench's Llama-1B preset)")
-    ap.add_argument("--workload", default="latency", choices=["latency"])
     ap.add_argument("--bench-args", default="", help="more `bench` arguments, e.g. \"--preset tiny --device cpu\"")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=180, help="seconds per bench run")
@@ -107,7 +106,7 @@ def main() -> int:
     except ValueError as e:
         print(f"constant_sweep: {e}", file=sys.stderr)
         return 2
-    print(f"\n{args.file}, bench --workload {args.workload}{' --model ' + args.model if args.model else ''}")
+    print(f"\n{args.file}, bench --workload latency{' --model ' + args.model if args.model else ''}")
     print(f"{'setting':<48} {'decode tok/s per round':<28} {'median ms/token':>15}")
     for name, _ in settings:
         runs = results[name]
