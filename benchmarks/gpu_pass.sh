@@ -3,7 +3,7 @@
 # fails, the rest runs with TINYVLLM_GEMV=0 so their results still mean something), the fused
 # GEMV tests (if they fail, TINYVLLM_FUSE=0), then every
 # other GPU test, then the benchmarks. Logs go to $OUT (or ./gpu-pass-logs).
-#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [profile-gemv] [profile-loo] [bench] [bench-hf] [latency-ab] [sweep] [server-load] [soak] [smollm2]
+#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [profile-gemv] [profile-loo] [bench] [bench-hf] [latency-ab] [sweep] [handoff] [server-load] [soak] [smollm2]
 # (server-load needs the server extra: fastapi, uvicorn, pydantic, prometheus_client)
 set -u
 OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"
@@ -150,6 +150,11 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
           > "$OUT/bench-smollm2.log" 2>&1
         log "smollm2 latency [$cfg] rc=$?: $(grep -E '^latency' "$OUT/bench-smollm2.log" | tr -s ' ' | paste -sd';')"
       done ;;
+    handoff)
+      # what a kernel boundary costs: griddepcontrol.wait against a counter in global memory, on
+      # stub chains with the decode layer's grids (benchmarks/handoff_bench.py); MODEL=dir as above
+      timeout 200 python3 benchmarks/handoff_bench.py ${MODEL:+--model "$MODEL"} > "$OUT/handoff.log" 2>&1
+      log "handoff bench rc=$?"; cat "$OUT/handoff.log" | tee -a "$OUT/summary.log" ;;
     sweep)
       # batch-1 latency under other launch constants of one kernel file (benchmarks/constant_sweep.py),
       # alternating with the code as it is: SWEEP_FILE=attention_decode.cu SWEEP="THREADS=256 ..."

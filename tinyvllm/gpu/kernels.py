@@ -59,7 +59,8 @@ def _param_code(param: str) -> str:
 @functools.lru_cache(maxsize=None)
 def kernel_parameters(filename: str) -> dict[str, tuple[str, ...]]:
     """{kernel name or regex pattern: its C parameter declarations} of every kernel in one .cu
-    file (`attention_decode_d##D##_g##G` -> the pattern ^attention_decode_d\\w+_g\\w+$)."""
+    file of gpu/cuda, or of the file at an absolute path (a benchmark's own)
+    (`attention_decode_d##D##_g##G` -> the pattern ^attention_decode_d\\w+_g\\w+$)."""
     source = _strip_comments((CUDA_DIR / filename).read_text())
     kernels = {}
     for name, params in _KERNEL_RE.findall(source):
@@ -90,8 +91,10 @@ def kernel_constants(filename: str) -> dict[str, int]:
 
 @functools.lru_cache(maxsize=None)
 def waits_for_producer(filename: str) -> bool:
-    """True when the file's kernels call common.cuh's wait_for_producer(): PDL-safe."""
-    return "wait_for_producer()" in _strip_comments((CUDA_DIR / filename).read_text())
+    """True when the file's kernels call common.cuh's wait_for_producer() (or handoff_wait(), which
+    calls it outside a counter chain): PDL-safe."""
+    source = _strip_comments((CUDA_DIR / filename).read_text())
+    return "wait_for_producer()" in source or "handoff_wait(" in source
 
 
 def device_arch() -> str:
@@ -137,23 +140,27 @@ class Kernel:
         self.max_dynamic_shared_bytes = nbytes
 
 
+def load_module(path: Path, arch: str, options: tuple[str, ...]) -> ctypes.c_void_p:
+    """Compile one .cu file (its #includes from gpu/cuda) and load it into the current context.
+    A benchmark's own kernels (benchmarks/handoff_bench.cu) load the same way."""
+    from pycuda.compiler import compile as nvcc_compile
+    cubin = nvcc_compile(path.read_text(), arch=arch, no_extern_c=True, options=list(options),
+                         include_dirs=[str(CUDA_DIR)])
+    module = ctypes.c_void_p()
+    driver.check(driver.libcuda().cuModuleLoadData(ctypes.byref(module), cubin), f"loading {path.name}")
+    return module
+
+
 class KernelLibrary:
     """Every kernel of gpu/cuda/*.cu, compiled once per process and loaded into the current
     context. `library.function("rms_norm")` -> its Kernel."""
 
     def __init__(self, extra_options: tuple[str, ...] = ()):
-        from pycuda.compiler import compile as nvcc_compile
         self.arch = device_arch()
         # No --use_fast_math: RoPE needs sincosf's full range reduction at large positions;
         # kernels ask for fast intrinsics (__expf) explicitly where they are safe.
-        options = ["-std=c++17", "-O3", *extra_options]
-        self._modules: dict[str, ctypes.c_void_p] = {}
-        for path in sorted(CUDA_DIR.glob("*.cu")):
-            cubin = nvcc_compile(path.read_text(), arch=self.arch, no_extern_c=True, options=options,
-                                 include_dirs=[str(CUDA_DIR)])
-            module = ctypes.c_void_p()
-            driver.check(driver.libcuda().cuModuleLoadData(ctypes.byref(module), cubin), f"loading {path.name}")
-            self._modules[path.name] = module
+        self.options = ("-std=c++17", "-O3", *extra_options)
+        self._modules = {path.name: load_module(path, self.arch, self.options) for path in sorted(CUDA_DIR.glob("*.cu"))}
         self._kernels: dict[str, Kernel] = {}
 
     def function(self, name: str) -> Kernel:
