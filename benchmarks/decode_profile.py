@@ -4,8 +4,7 @@ CUDA-graph replay at several batch sizes, the GPU time of a replay alone, and pe
 
     python benchmarks/decode_profile.py [--preset llama-3.2-1b | --model DIR] [--context 256]
                                         [--batch 1 8 64 256] [--compare-fuse] [--compare-prefetch [MB ...]]
-                                        [--compare-early-kv] [--compare-handoff] [--compare-gemv]
-                                        [--leave-one-out]
+                                        [--compare-early-kv] [--compare-gemv] [--leave-one-out]
 
 "weights TB/s" is weight bytes over the graph's GPU time. Prints two tables; run on a GPU machine (the model is written to /tmp if absent).
 --compare-fuse adds, at the smallest batch, the graph time with TINYVLLM_FUSE=0's nine launches
@@ -21,10 +20,6 @@ it can profit.
 --compare-early-kv adds, at the smallest batch, the graph time with the decode attention's early
 K/V copies (TINYVLLM_ATTN_EARLY_KV, attention_decode.cu) off and on, twice each, alternating (the
 spread of the repeats is the noise to judge the difference by).
---compare-handoff adds, at the smallest batch, the graph time with the fused layers' kernels
-handing over by griddepcontrol.wait (the default) and by counters (TINYVLLM_HANDOFF=counter,
-gpu/handoff.py), twice each, alternating. The per-op tables and --leave-one-out always run
-without counters (a chain does not survive an op replayed alone or left out).
 --compare-gemv adds, at the smallest batch, the graph time under each GEMV setting of
 gemv_configs() (the LM head on the GEMV or cuBLAS, the .L2::256B hint off or everywhere, the wave
 the per-layer GEMVs fill), two rounds alternating.
@@ -167,8 +162,6 @@ def main() -> None:
                     help="time the smallest batch with these L2 prefetch budgets per layer (0: off)")
     ap.add_argument("--compare-early-kv", action="store_true",
                     help="time the smallest batch with the decode attention's early K/V copies off and on")
-    ap.add_argument("--compare-handoff", action="store_true",
-                    help="time the smallest batch with the kernels handing over by griddepcontrol.wait and by counters")
     ap.add_argument("--step-copies", action="store_true",
                     help="GPU time per step with the engine's input upload / id download between graphs, "
                          "by the copy engine and by the copy_words kernel")
@@ -218,8 +211,6 @@ def main() -> None:
         compare_prefetch(runner, profile_batch, args.compare_prefetch)
     if args.compare_early_kv:
         compare_early_kv(runner, profile_batch)
-    if args.compare_handoff:
-        compare_handoff(runner, profile_batch)
     if args.step_copies:
         step_copies(runner, profile_batch)
     if args.compare_gemv:
@@ -318,18 +309,6 @@ def compare_early_kv(runner, batch) -> None:
         with runner.recaptured(early_kv=on):
             rows.append(("on (default)" if on else "off (TINYVLLM_ATTN_EARLY_KV=0)", *graph_times(runner, batch)))
     print_graph_rows(f"early K/V copies in the decode attention, batch {batch.num_seqs}", "early_kv",
-                     rows, batch.num_seqs)
-
-
-def compare_handoff(runner, batch) -> None:
-    """Graph time and GPU time of one decode step with the fused layers' kernels handing over by
-    griddepcontrol.wait and by counters (runner.ops.handoff; graphs recaptured), pdl/counter twice."""
-    rows = []
-    for how in ("pdl", "counter", "pdl", "counter"):
-        with runner.recaptured(handoff=how):
-            label = "griddepcontrol.wait (default)" if how == "pdl" else "counters (TINYVLLM_HANDOFF=counter)"
-            rows.append((label, *graph_times(runner, batch)))
-    print_graph_rows(f"kernel boundaries of the decode layers, batch {batch.num_seqs}", "handoff",
                      rows, batch.num_seqs)
 
 

@@ -1,16 +1,16 @@
 """What a kernel boundary costs in a decode graph: griddepcontrol.wait against a counter.
 
     python benchmarks/handoff_bench.py [--preset llama-3.2-1b | --model DIR] [--layers N]
-                                       [--context 256] [--repeats 50]
+                                       [--context 256] [--repeats 50] [--counter-stride 128]
+                                       [--variant NAME=INT[,NAME=INT] ...]
 
-The decode step is a chain of kernels in which each one needs all of the one before it. Today
-every boundary is programmatic dependent launch (common.cuh): the next kernel is resident early
-and its griddepcontrol.wait returns once the whole previous grid has completed and flushed. A
+The decode step is a chain of kernels in which each one needs all of the one before it. Every
+boundary is programmatic dependent launch (common.cuh): the next kernel is resident early and
+its griddepcontrol.wait returns once the whole previous grid has completed and flushed. A
 boundary can instead be a counter in global memory that each block of the producer bumps
-(release) when its stores are done and the consumer's warps poll (acquire) — the way a
-persistent megakernel hands work on; the engine has it as TINYVLLM_HANDOFF=counter (gpu/handoff.py
-says how the counters are wired and reset). This benchmark measures both on chains of stub
-kernels (benchmarks/handoff_bench.cu, with the engine's own handoff helpers):
+(release) when its stores are done and the consumer polls (acquire) — the way a persistent
+megakernel hands work on. This benchmark measures both on chains of stub kernels
+(benchmarks/handoff_bench.cu says how the counters are bumped, polled and reset):
 
   * the decode layer's five grids (qkv, attention, o, gate_up, down) with the engine's launch
     shapes (gpu/ops.py's rules: block counts, threads, shared memory, so residency is the
@@ -18,12 +18,15 @@ kernels (benchmarks/handoff_bench.cu, with the engine's own handoff helpers):
     stage streaming its projection's bytes (K/V for the attention) as the engine does;
   * a uniform chain of one block per SM, the boundary at its simplest.
 
-Each chain is timed three ways inside one CUDA graph: `serial` (plain launches: each kernel
-starts when the one before has ended), `pdl` (the engine today), `counter` (PDL launches that
-poll counters instead of griddepcontrol.wait). The table gives the GPU time per stage (median of
---repeats replays / stages). Before timing, each graph is replayed with two different inputs and
-the chain's end is checked against input + stages (handoff_bench.cu: a block that read before its
-producer was done poisons the result); a wrong chain prints WRONG and the script exits 1.
+Each chain is timed inside one CUDA graph as `serial` (plain launches: each kernel starts when
+the one before has ended), `pdl` (the engine), `counter` (PDL launches that poll counters
+instead of griddepcontrol.wait), and `counter` again for each --variant of the stub's polling
+constants. The table gives the GPU time per stage (median of --repeats replays / stages).
+Before timing, each graph is replayed with two different inputs and the chain's end is checked
+against input + stages (a block that read before its producer was done poisons the result); a
+wrong chain prints WRONG and the script exits 1.
+Session 14 (H100, docs/perf-notes.md): the counter lost in every form tried, so the engine
+keeps griddepcontrol.wait.
 """
 from __future__ import annotations
 
@@ -31,14 +34,13 @@ import argparse
 import ctypes
 import math
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tinyvllm.gpu.handoff import Handoff, counter_plan  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent / "handoff_bench.cu"
 KERNEL = "handoff_stage"
@@ -60,6 +62,35 @@ class Stage:
         return self.blocks if self.busy is None else self.busy
 
 
+@dataclass(frozen=True)
+class Handoff:
+    """How one stage of a counter chain waits and signals: counter indices (None: not used).
+    wait None means griddepcontrol.wait."""
+    wait: int | None
+    wait_count: int
+    done: int | None
+    reset: int | None
+
+
+def counter_plan(blocks: list[int]) -> list[Handoff]:
+    """The counters of a chain of K = len(blocks) stages (counter i = stage i's blocks done).
+    The first and the last stage wait with griddepcontrol.wait; stage i in between polls counter
+    i - 1 until it holds blocks[i - 1]. Stages 0 .. K - 3 bump their counter (a stage nobody polls
+    bumps none). Counter i may be zeroed once every block of stage i + 1 has passed its poll of
+    it, which stage i + 2 knows (its own handoff passed only once every block of stage i + 1 was
+    done), so stage i + 2 zeroes it, inside the same pass, and every pass leaves the counters at
+    zero. Why not the last stage by counter too: the counter it polls could then be zeroed only
+    by the next replay's first stage, and under PDL the next replay's later stages may poll
+    before that stage runs (the model in tests/test_handoff_bench.py finds that schedule)."""
+    k = len(blocks)
+    if k < 3:
+        raise ValueError(f"a counter chain needs at least 3 stages, got {k}")
+    polled = lambda i: 1 <= i <= k - 2   # noqa: E731
+    return [Handoff(wait=i - 1 if polled(i) else None, wait_count=blocks[i - 1] if polled(i) else 0,
+                    done=i if polled(i + 1) else None, reset=i - 2 if i >= 2 else None)
+            for i in range(k)]
+
+
 def decode_layer_stages(config, ops, context: int, with_weights: bool) -> list[Stage]:
     """The fused decode layer's five grids at batch 1, shaped by the engine's own launch rules."""
     from tinyvllm.gpu.ops import DECODE
@@ -79,10 +110,10 @@ def decode_layer_stages(config, ops, context: int, with_weights: bool) -> list[S
             gemv("gate_up", 2 * inter, h), gemv("down", h, inter)]
 
 
-def build(kernel, stages: list[Stage], mode: str, stream, weights, counters, buffers, first_in):
+def build(kernel, stages: list[Stage], mode: str, stream, weights, counters, buffers, first_in, stride: int):
     """Enqueue one pass of the chain on stream (inside a capture). mode: serial | pdl | counter."""
     plan = counter_plan([s.blocks for s in stages]) if mode == "counter" else None
-    counter_at = lambda i: 0 if i is None else int(counters) + 4 * i   # noqa: E731
+    counter_at = lambda i: 0 if i is None else int(counters) + stride * i   # noqa: E731
     width = min(2048, min(s.busy_blocks * s.threads for s in stages))
     offset = 0
     for i, stage in enumerate(stages):
@@ -99,8 +130,9 @@ def build(kernel, stages: list[Stage], mode: str, stream, weights, counters, buf
     return width
 
 
-def run_chain(drv, kernel, stages: list[Stage], repeats: int) -> dict[str, float | None]:
-    """{mode: µs per stage, None if the chain's result was wrong}."""
+def run_chain(drv, runs: list[tuple[str, object, str]], stages: list[Stage], repeats: int,
+              stride: int) -> dict[str, float | None]:
+    """runs: (column, stub kernel, mode) -> {column: µs per stage, None if the chain's result was wrong}."""
     from tinyvllm.gpu.graphs import CudaGraph
     stream = drv.Stream()
     most = max(s.blocks * s.threads for s in stages)
@@ -108,12 +140,12 @@ def run_chain(drv, kernel, stages: list[Stage], repeats: int) -> dict[str, float
     first_in = drv.mem_alloc(4 * most)
     weights = drv.mem_alloc(WEIGHT_POOL_BYTES)
     drv.memset_d32(weights, 0, WEIGHT_POOL_BYTES // 4)
-    counters = drv.mem_alloc(4 * len(stages))
+    counters = drv.mem_alloc(stride * len(stages))
     result: dict[str, float | None] = {}
-    for mode in ("serial", "pdl", "counter"):
-        drv.memset_d32(counters, 0, len(stages))
+    for column, kernel, mode in runs:
+        drv.memset_d32(counters, 0, stride * len(stages) // 4)
         with CudaGraph.capture(stream) as graph:
-            width = build(kernel, stages, mode, stream, weights, counters, buffers, first_in)
+            width = build(kernel, stages, mode, stream, weights, counters, buffers, first_in, stride)
         try:
             ok = True
             for value in (1.0, 7.0):   # two inputs: a read of the replay before would show
@@ -131,12 +163,29 @@ def run_chain(drv, kernel, stages: list[Stage], repeats: int) -> dict[str, float
                 graph.launch(stream)
             stop.record(stream)
             stop.synchronize()
-            result[mode] = stop.time_since(start) * 1e3 / repeats / len(stages) if ok else None
+            result[column] = stop.time_since(start) * 1e3 / repeats / len(stages) if ok else None
         finally:
             graph.close()
     for b in (*buffers, first_in, weights, counters):
         b.free()
     return result
+
+
+def stub_kernel(kernels, library, variant: dict[str, int], workdir: Path):
+    """The stub compiled with `variant`'s constants of handoff_bench.cu rewritten (constant_sweep's
+    rewrite_constants; {}: as it is)."""
+    from constant_sweep import rewrite_constants
+
+    from tinyvllm.gpu.driver import check, libcuda
+    source = SOURCE
+    if variant:
+        source = Path(tempfile.mkdtemp(dir=workdir)) / SOURCE.name
+        source.write_text(rewrite_constants(SOURCE.read_text(), variant))
+    module = kernels.load_module(source, library.arch, library.options)
+    handle = ctypes.c_void_p()
+    check(libcuda().cuModuleGetFunction(ctypes.byref(handle), module, KERNEL.encode()), KERNEL)
+    return kernels.Kernel(KERNEL, handle, kernels.kernel_signatures(str(SOURCE))[KERNEL],
+                          kernels.waits_for_producer(str(SOURCE)))
 
 
 def main() -> None:
@@ -147,46 +196,60 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="decode layers in the chain (default: the model's)")
     ap.add_argument("--context", type=int, default=256, help="tokens of K/V the attention stage streams")
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--counter-stride", type=int, default=128,
+                    help="bytes between two stages' counters (128: one L2 line each; 4: packed)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=INT[,NAME=INT]",
+                    help="also time the counter handoff with these constants of handoff_bench.cu rewritten "
+                         "(e.g. POLL_PER_BLOCK=0,POLL_SLEEP_NS=0); repeatable")
     args = ap.parse_args()
+
+    from constant_sweep import parse_variant
 
     from tinyvllm.checkpoint.model_writer import preset_config
     from tinyvllm.config import ModelConfig
     from tinyvllm.gpu import kernels
-    from tinyvllm.gpu.driver import CudaDevice, check, libcuda
+    from tinyvllm.gpu.driver import CudaDevice
     from tinyvllm.gpu.ops import GpuOps
 
+    variants = [(spec, parse_variant(spec)) for spec in args.variant]
     config = ModelConfig.from_pretrained(args.model) if args.model else preset_config(args.preset)
     layers = args.layers or config.num_hidden_layers
     device = CudaDevice()
-    with device.active():
+    with device.active(), tempfile.TemporaryDirectory() as workdir:
         drv = device.drv
         library = kernels.KernelLibrary()
         ops = GpuOps(library, num_sms=device.num_sms)
-        module = kernels.load_module(SOURCE, library.arch, library.options)
-        handle = ctypes.c_void_p()
-        check(libcuda().cuModuleGetFunction(ctypes.byref(handle), module, KERNEL.encode()), KERNEL)
-        kernel = kernels.Kernel(KERNEL, handle, kernels.kernel_signatures(str(SOURCE))[KERNEL],
-                                kernels.waits_for_producer(str(SOURCE)))
+        kernel = stub_kernel(kernels, library, {}, Path(workdir))
+        runs = [("serial", kernel, "serial"), ("pdl", kernel, "pdl"), ("counter", kernel, "counter"),
+                *[(f"counter {spec}", stub_kernel(kernels, library, v, Path(workdir)), "counter") for spec, v in variants]]
         chains = [(f"decode layer x{layers}, no weights", decode_layer_stages(config, ops, args.context, False) * layers),
                   (f"decode layer x{layers}, weights", decode_layer_stages(config, ops, args.context, True) * layers),
                   (f"{device.num_sms} blocks x 256, x{5 * layers}", [Stage("uniform", device.num_sms, 256)] * (5 * layers))]
         most_shared = max(s.shared_bytes for _, chain in chains for s in chain)
-        kernel.set_max_dynamic_shared_bytes(most_shared)
+        for _, k, _ in runs:
+            k.set_max_dynamic_shared_bytes(most_shared)
         print(f"{device.name}, {config.num_hidden_layers}-layer model, hidden {config.hidden_size}; one layer's grids:")
         for s in chains[1][1][:5]:
             print(f"  {s.name:9s} {s.blocks:5d} blocks ({s.busy_blocks} busy) x {s.threads:4d} threads, "
                   f"{s.shared_bytes / 1024:6.1f} KB shared, "
                   f"{s.weight_bytes / 1e6:6.2f} MB")
-        print()
-        print("| chain | serial µs/stage | pdl µs/stage | counter µs/stage | counter - pdl, µs per step |")
-        print("|---|---|---|---|---|")
+        print("\nµs per stage (median of --repeats replays / stages); in brackets, per step against pdl:")
+        columns = [c for c, _, _ in runs]
+        print("| chain | " + " | ".join(columns) + " |")
+        print("|---|" + "---|" * len(columns))
         wrong = False
         for label, chain in chains:
-            r = run_chain(drv, kernel, chain, args.repeats)
-            cells = ["WRONG" if r[m] is None else f"{r[m]:.2f}" for m in ("serial", "pdl", "counter")]
-            wrong |= any(r[m] is None for m in r)
-            step = "-" if None in (r["pdl"], r["counter"]) else f"{(r['counter'] - r['pdl']) * len(chain):+.1f}"
-            print(f"| {label} | {' | '.join(cells)} | {step} |")
+            r = run_chain(drv, runs, chain, args.repeats, args.counter_stride)
+            wrong |= any(v is None for v in r.values())
+            cells = []
+            for c in columns:
+                if r[c] is None:
+                    cells.append("WRONG")
+                elif c.startswith("counter") and r["pdl"] is not None:
+                    cells.append(f"{r[c]:.2f} ({(r[c] - r['pdl']) * len(chain):+.0f} µs)")
+                else:
+                    cells.append(f"{r[c]:.2f}")
+            print(f"| {label} | " + " | ".join(cells) + " |")
     if wrong:
         sys.exit("a chain's result was wrong: a stage read its input before its producer was done")
 

@@ -259,46 +259,6 @@ def test_handed_over_norm_graphs_equal_eager_steps(tiny, num_seqs):
     _assert_steps_equal(graphs, eager)
 
 
-def _handoff_counters(runner) -> np.ndarray:
-    import pycuda.driver as drv
-    with runner.device.active():
-        runner.stream.synchronize()
-        view = runner.arena.view("handoff_counters")
-        out = np.empty(view.shape, np.uint32)
-        drv.memcpy_dtoh(out, int(view))
-    return out
-
-
-@pytest.mark.parametrize("num_seqs", [1, 3])
-def test_counter_handoff_graphs_equal_pdl_graphs(tiny, num_seqs):
-    """TINYVLLM_HANDOFF=counter (gpu/handoff.py): the fused layers' kernels poll counters instead
-    of griddepcontrol.wait, so a kernel reads its input as soon as every block of the kernel
-    before it has bumped its counter. Timing only: decode graphs captured with counters give
-    bitwise the logits of graphs captured without them, the same launches run eagerly with
-    counters give them too, and every pass leaves every counter at zero for the next."""
-    from tinyvllm.gpu.ops import GpuOps
-    cfg, runner, _, _ = tiny
-    assert runner.ops.handoff == "pdl", "griddepcontrol.wait by default (TINYVLLM_HANDOFF unset)"
-    pdl = _decode_run(cfg, runner, 31, steps=24, num_seqs=num_seqs)
-    chained = []   # the launches that took a place in a chain: the counters were really used
-
-    def handoff_args(chain, grid):
-        chained.append(chain is not None)
-        return GpuOps._handoff_args(chain, grid)
-    runner.ops._handoff_args = handoff_args
-    try:
-        with runner.recaptured(handoff="counter"):
-            counters = _decode_run(cfg, runner, 31, steps=24, num_seqs=num_seqs)
-            assert not _handoff_counters(runner).any(), "a graph replay left a counter set"
-            eager = _decode_run(cfg, runner, 31, steps=24, num_seqs=num_seqs, replay=False)
-            assert not _handoff_counters(runner).any(), "an eager step left a counter set"
-    finally:
-        del runner.ops._handoff_args
-    assert sum(chained) >= 24 * 5 * cfg.num_hidden_layers, "the eager steps' launches were chained"
-    _assert_steps_equal(counters, pdl)
-    _assert_steps_equal(eager, pdl)
-
-
 @pytest.mark.parametrize("num_seqs", [1, 3])
 def test_step_io_by_kernel_equals_copy_engine(tiny, num_seqs):
     """TINYVLLM_STEP_IO=kernel (cuda_runner's module docstring): the inputs go up and the ids

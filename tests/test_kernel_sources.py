@@ -15,19 +15,17 @@ def test_signatures_match_the_c_parameter_lists():
     assert kernel_signatures("embedding.cu") == {"embedding_gather": "PPPPPiiiPPPP"}   # + the handed-over norm, head keys
     assert kernel_signatures("sampling.cu") == {"sample_tokens": "PiPPPPPPPPPP",   # comments inside the list
                                                 "apply_logit_edits": "PiPi", "step_logprobs": "PiPPiPPPP"}
-    chain = "PIPP"    # a counter chain's wait/count/done/reset (common.cuh's Handoff), last in every one
-    assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiiiii" + chain,      # plain and the two fused,
-                                            "gemv_rope_kv_bf16": "PPPiiiPPPPPiiiii" + chain,  # wide_l2, ring, chain
-                                            "gemv_norm_rope_kv_bf16": "PPPPiiifPPPPPiiiii" + chain,
-                                            "gemv_silu_mul_bf16": "PPPiiiii" + chain,
-                                            "gemv_norm_silu_mul_bf16": "PPPPiiifii" + chain,
-                                            "gemv_residual_norm_bf16": "PPPiiiPPPii" + chain,   # the handed-over norm
-                                            "gemv_prenormed_rope_kv_bf16": "PPPPiiifPPPPPiiiii" + chain,
-                                            "gemv_prenormed_silu_mul_bf16": "PPPPiiifii" + chain,
-                                            "gemv_prenormed_bf16": "PPPPiiifiPii" + chain}        # the LM head
+    assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiiiii",            # plain and the two fused,
+                                            "gemv_rope_kv_bf16": "PPPiiiPPPPPiiiii",  # each ending in wide_l2, ring
+                                            "gemv_norm_rope_kv_bf16": "PPPPiiifPPPPPiiiii",
+                                            "gemv_silu_mul_bf16": "PPPiiiii", "gemv_norm_silu_mul_bf16": "PPPPiiifii",
+                                            "gemv_residual_norm_bf16": "PPPiiiPPPii",   # the handed-over norm
+                                            "gemv_prenormed_rope_kv_bf16": "PPPPiiifPPPPPiiiii",
+                                            "gemv_prenormed_silu_mul_bf16": "PPPPiiifii",
+                                            "gemv_prenormed_bf16": "PPPPiiifiPii"}        # the LM head
     assert kernel_signatures("step_io.cu") == {"copy_words": "PPi"}
     (pattern, sig), = kernel_signatures("attention_decode.cu").items()          # a macro-made family
-    assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiifPQi" + chain  # l2 prefetch, early_kv
+    assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiifPQi"  # ..., l2 prefetch, early_kv
 
 
 def test_constants_are_read_with_their_dependencies():

@@ -3,25 +3,97 @@ LlamaModel.forward, GpuOps launchers and Cublas.matmul, with the device replaced
 arithmetic: nothing is launched, every argument the kernels would get is printed."""
 from __future__ import annotations
 
+import ctypes
 import io
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
-from fake_device import FakeCudaRunner, Launches
 
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
+from tinyvllm.gpu.arena import ArenaDims, ArenaLayout, DeviceView, round_up
+from tinyvllm.gpu.cublas import Cublas
+from tinyvllm.gpu.device_weights import DeviceWeights, LayerWeights, device_tensor_shapes, device_weight_bytes
+from tinyvllm.gpu.model import LlamaModel, StepShape
 from tinyvllm.gpu.ops import GpuOps, parse_k_warps_for
 from tinyvllm.trace import TracingRunner
+
+
+class _Launches:             # a KernelLibrary whose functions enqueue nothing
+    def function(self, name):
+        return type("Fn", (), {"launch": lambda *a, **k: None, "max_dynamic_shared_bytes": 1 << 20})()
+
+
+class _FakeArena:
+    def __init__(self, layout: ArenaLayout, base: int):
+        self.layout, self.inputs_ptr = layout, base + layout.activation_bytes
+        self._views = {}
+        for start, ps in ((base, layout.activations), (self.inputs_ptr, layout.inputs),
+                          (self.inputs_ptr + layout.input_bytes, layout.outputs)):
+            self._views.update({p.name: DeviceView(p.name, start + p.offset, p.shape, p.dtype) for p in ps.values()})
+
+    def view(self, name):
+        return self._views[name]
+
+
+class _FakeKV:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, base: int):
+        self.num_blocks, self.block_size, self.base = num_blocks, block_size, base
+        self.layer_stride = num_blocks * block_size * config.kv_bytes_per_token // config.num_hidden_layers
+
+    def k(self, layer):
+        return self.base + layer * self.layer_stride
+
+    def v(self, layer):
+        return self.k(layer) + self.layer_stride // 2
+
+
+class _FakeCudaRunner:
+    """CudaRunner's shape (arena, weights, kv_cache, ops, blas, graphs) without a device."""
+
+    def __init__(self, config: ModelConfig, engine: EngineConfig):
+        self.cfg, self.num_kv_blocks = config, 64
+        self.arena = _FakeArena(ArenaLayout.plan(ArenaDims.from_configs(config, engine)), 0x7F0000000000)
+        ptrs, offset = {}, 0x7E0000000000
+        for key, shape in device_tensor_shapes(config).items():
+            ptrs[key] = offset
+            offset += round_up(int(np.prod(shape)) * (4 if key == "rope_inv_freq" else 2))
+        layers = tuple(LayerWeights(**{f: ptrs[f"{n}.{f}"] for f in LayerWeights.__dataclass_fields__})
+                       for n in range(config.num_hidden_layers))
+        self.weights = DeviceWeights(ptrs["embed"], ptrs["final_norm"], ptrs.get("lm_head", ptrs["embed"]),
+                                     ptrs["rope_inv_freq"], layers, device_weight_bytes(config), 0x7E0000000000)
+        self.kv_cache = _FakeKV(config, self.num_kv_blocks, engine.block_size, 0x7D0000000000)
+        self.blas = object.__new__(Cublas)          # the real matmul, a GemmEx that does nothing
+        self.blas.observer, self.blas.handle = None, ctypes.c_void_p()
+        self.blas._one, self.blas._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.blas.lib = type("Lib", (), {"cublasGemmEx": staticmethod(lambda *a: 0)})()
+        self.ops = GpuOps(_Launches(), blas=self.blas, num_sms=132, fuse=True)   # the fused decode layer
+        self.model = LlamaModel(config, self.weights, self.arena, self.kv_cache, self.ops)
+        self.graphs, self.replays = {1: None, 2: None}, []
+
+    def memory_report(self):
+        return "fake device\narena:\n" + self.arena.layout.memory_map()
+
+    def execute(self, batch, sampling, replay=True):
+        self.replays.append(replay)
+        step = StepShape(batch.num_tokens, batch.num_seqs, batch.is_prefill, int(np.diff(batch.query_start).max()))
+        self.model.forward(step)
+        v = self.arena.view          # as CudaRunner._forward_and_sample (which needs PyCUDA to import)
+        self.ops.sample(v("logits"), batch.num_seqs, self.cfg.vocab_size, v("temperature"), v("top_k"),
+                        v("top_p"), v("seeds"), v("steps"), v("sampled_ids"), min_p=v("min_p"),
+                        argmax_partials=v("argmax_partials"), slice_counters=v("argmax_slice_counters"),
+                        head_argmax=self.model.head_argmax_for(step))
+        return np.zeros(batch.num_seqs, np.int32)
 
 
 def test_gpu_trace_names_every_argument(tiny_model_dir):
     config = ModelConfig.from_pretrained(tiny_model_dir)
     engine = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, trace_steps=2)
     out = io.StringIO()
-    fake = FakeCudaRunner(config, engine)
+    fake = _FakeCudaRunner(config, engine)
     runner = TracingRunner(fake, config, engine, out=out)
     prompt = ForwardBatch.build([list(range(1, 12))], [11], [[5]], 16, is_prefill=True)   # 11 rows: cuBLAS
     runner.execute(prompt, SamplingBatch.greedy(1))
@@ -96,16 +168,10 @@ def test_trace_steps_must_be_non_negative():
 
 
 def _decode_attention_launches(fake, l2_prefetch: bool) -> list[dict]:
-    """The attention_decode launches of one decode step of the fake runner: their details, args
-    without the last four (a counter chain's, all 0 here: test_handoff checks them)."""
+    """The attention_decode launches of one decode step of the fake runner: their details."""
     launches = []
     fake.ops.l2_prefetch = l2_prefetch
-
-    def keep(op, repeat, details):
-        if op.startswith("attention_decode"):
-            assert details["args"][-4:] == (0, 0, 0, 0)
-            launches.append({**details, "args": details["args"][:-4]})
-    fake.ops.observer = keep
+    fake.ops.observer = lambda op, repeat, details: launches.append(details) if op.startswith("attention_decode") else None
     try:
         fake.execute(ForwardBatch.build([[7]], [12], [[5]], 16, is_prefill=False), SamplingBatch.greedy(1))
     finally:
@@ -121,7 +187,7 @@ def test_decode_attention_prefetches_the_next_weights(tiny_model_dir):
     from tinyvllm.gpu.model import L2_PREFETCH_BYTES
     from tinyvllm.gpu.ops import DECODE
     config = ModelConfig.from_pretrained(tiny_model_dir)
-    fake = FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
+    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
     on, off = _decode_attention_launches(fake, True), _decode_attention_launches(fake, False)
     assert len(on) == len(off) == config.num_hidden_layers
     H, inter = config.hidden_size, config.intermediate_size
@@ -139,7 +205,7 @@ def test_attention_decode_passes_early_kv(tiny_model_dir, monkeypatch):
     the launcher's own early_kv argument wins; no other argument changes."""
     monkeypatch.delenv("TINYVLLM_ATTN_EARLY_KV", raising=False)
     config = ModelConfig.from_pretrained(tiny_model_dir)
-    fake = FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
+    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
     assert fake.ops.early_kv is True
     on = _decode_attention_launches(fake, False)
     fake.ops.early_kv = False
@@ -149,10 +215,10 @@ def test_attention_decode_passes_early_kv(tiny_model_dir, monkeypatch):
         assert a["args"][-1] == 1 and b["args"][-1] == 0 and a["args"][:-1] == b["args"][:-1]
         assert a["grid"] == b["grid"]
     monkeypatch.setenv("TINYVLLM_ATTN_EARLY_KV", "0")
-    ops = GpuOps(Launches(), num_sms=132)
+    ops = GpuOps(_Launches(), num_sms=132)
     assert ops.early_kv is False
     args = []
-    ops.observer = lambda op, repeat, details: args.append(details["args"][-5])   # before the chain's four
+    ops.observer = lambda op, repeat, details: args.append(details["args"][-1])
     for explicit in (True, None, False):
         ops.attention_decode(0, 0, 0, 0, 0, 64, 0, 0, 0, 0, 0, num_seqs=1, num_q_heads=1, num_kv_heads=1,
                              head_dim=64, block_size=16, scale=1.0, early_kv=explicit)
@@ -160,7 +226,7 @@ def test_attention_decode_passes_early_kv(tiny_model_dir, monkeypatch):
 
 
 def test_attention_decode_checks_its_prefetch_range():
-    ops = GpuOps(Launches(), num_sms=132)
+    ops = GpuOps(_Launches(), num_sms=132)
     launch = lambda prefetch: ops.attention_decode(  # noqa: E731
         0, 0, 0, 0, 0, 64, 0, 0, 0, 0, 0, num_seqs=1, num_q_heads=1, num_kv_heads=1, head_dim=64,
         block_size=16, scale=1.0, l2_prefetch=prefetch)
@@ -177,7 +243,7 @@ def test_fuses_norm_follows_the_measured_rule():
     first input norm inside the GEMV after it only where ceil(n / 16) * k <=
     NORM_INSIDE_MAX_VALUES: SmolLM2-135M's qkv and gate_up, not Llama-1B's."""
     from tinyvllm.gpu.ops import FUSE_NORM_DEFAULT
-    ops = GpuOps(Launches(), num_sms=132)
+    ops = GpuOps(_Launches(), num_sms=132)
     assert FUSE_NORM_DEFAULT == "producer" and ops.fuse_norm == "producer"
     assert ops.fuses_norm(960, 576) and not ops.fuses_norm(3072, 2048)
     ops.fuse_norm = "auto"
@@ -196,7 +262,7 @@ def test_skip_ops_leaves_ops_out_of_a_step(tiny_model_dir, fuse_norm):
     every norm handed over (producer, the default) a decode step is kernels only; with the auto
     rule the final norm is an rms_norm launch and the LM head a linear()."""
     config = ModelConfig.from_pretrained(tiny_model_dir)
-    fake = FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
+    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
     fake.ops.fuse_norm = fuse_norm
 
     def ops_of_a_decode_step() -> list[str]:
@@ -228,7 +294,7 @@ def test_sampler_launch_splits_the_argmax_by_vocabulary_and_batch():
     most MAX_ARGMAX_SLICES, about two blocks per SM in all; the launch's grid is (rows, slices)
     with the workspace and (rows, 1) without it; a slice count it cannot honour is an error."""
     from tinyvllm.gpu.ops import MAX_ARGMAX_SLICES, SAMPLING
-    ops = GpuOps(Launches(), num_sms=132)
+    ops = GpuOps(_Launches(), num_sms=132)
     assert SAMPLING["ARGMAX_SLICE_VALUES"] == 4096 and MAX_ARGMAX_SLICES == 32
     assert [ops.sample_slices(1, v) for v in (128256, 49152, 4097, 4096, 7)] == [32, 12, 2, 1, 1]
     assert [ops.sample_slices(s, 128256) for s in (8, 9, 64, 132, 264, 1000)] == [32, 29, 4, 2, 1, 1]
@@ -258,7 +324,7 @@ def test_decode_layer_hands_the_norms_over(tiny_model_dir):
     `norm_row_ss`; the qkv and gate_up GEMVs and the LM head (gemv_prenormed_bf16, fp32 logits)
     read exactly those. No rms_norm is launched."""
     config = ModelConfig.from_pretrained(tiny_model_dir)
-    fake = FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
+    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
     fake.ops.fuse_norm = "producer"
     launches = []
     fake.ops.observer = lambda op, repeat, details: launches.append((op, details))
@@ -301,7 +367,7 @@ def test_decode_layer_takes_per_projection_k_warps(tiny_model_dir, fuse_norm):
     that many warps splitting K (block = 32 x warps), on both the norm and the handed-over norm
     paths; the projections not named keep gemv_k_warps' rule. Bad settings are one clear error."""
     config = ModelConfig.from_pretrained(tiny_model_dir)
-    fake = FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
+    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
     ops, H, I = fake.ops, config.hidden_size, config.intermediate_size
     ops.fuse_norm = fuse_norm
     launched = []

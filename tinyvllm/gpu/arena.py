@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 
 from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.gpu.ops import DECODE_LAUNCHES_PER_LAYER, GEMV, GEMV_MAX_ROWS, MAX_ARGMAX_SLICES, MAX_DECODE_SPLITS
+from tinyvllm.gpu.ops import GEMV, GEMV_MAX_ROWS, MAX_ARGMAX_SLICES, MAX_DECODE_SPLITS
 
 ALIGN = 256                      # bytes; cuBLAS and 16-byte vector loads are happy with this
 CUBLAS_WORKSPACE_BYTES = 32 << 20
@@ -50,7 +50,6 @@ class ArenaDims:
     kv_heads: int
     head_dim: int
     blocks_per_seq: int
-    layers: int
 
     @classmethod
     def from_configs(cls, model: ModelConfig, engine: EngineConfig) -> ArenaDims:
@@ -59,8 +58,7 @@ class ArenaDims:
                    hidden=model.hidden_size, q_width=model.q_size,
                    qkv_width=model.q_size + 2 * model.kv_size, inter=model.intermediate_size,
                    vocab=model.vocab_size, heads=model.num_attention_heads,
-                   kv_heads=model.num_key_value_heads, head_dim=model.head_dim, blocks_per_seq=engine.max_blocks_per_seq(model),
-                   layers=model.num_hidden_layers)
+                   kv_heads=model.num_key_value_heads, head_dim=model.head_dim, blocks_per_seq=engine.max_blocks_per_seq(model))
 
 
 @dataclass(frozen=True)
@@ -95,9 +93,6 @@ ACTIVATIONS = [
     # the fused decode layer's handed-over norm (TINYVLLM_FUSE_NORM=producer, gpu/model.py): the
     # residual GEMV's per-CTA sums of squares of the new rows, for the GEMV after the norm
     BufferSpec("norm_row_ss", lambda d: (GEMV_MAX_ROWS, -(-d.hidden // GEMV["ROWS_PER_CTA"])), F32, "norm_row_ss"),
-    # the decode layers' kernel boundaries by counter (TINYVLLM_HANDOFF=counter, gpu/handoff.py):
-    # one uint32 per launch of the fused layers, zero between steps
-    BufferSpec("handoff_counters", lambda d: (DECODE_LAUNCHES_PER_LAYER * d.layers,), I32, "handoff_counters"),
     BufferSpec("cublas_workspace", lambda d: (CUBLAS_WORKSPACE_BYTES // 4,), F32, "cublas_workspace"),
 ]
 

@@ -91,10 +91,8 @@ def kernel_constants(filename: str) -> dict[str, int]:
 
 @functools.lru_cache(maxsize=None)
 def waits_for_producer(filename: str) -> bool:
-    """True when the file's kernels call common.cuh's wait_for_producer() (or handoff_wait(), which
-    calls it outside a counter chain): PDL-safe."""
-    source = _strip_comments((CUDA_DIR / filename).read_text())
-    return "wait_for_producer()" in source or "handoff_wait(" in source
+    """True when the file's kernels call common.cuh's wait_for_producer(): PDL-safe."""
+    return "wait_for_producer()" in _strip_comments((CUDA_DIR / filename).read_text())
 
 
 def device_arch() -> str:

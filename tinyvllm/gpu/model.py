@@ -54,12 +54,6 @@ is issued before the attention waits for the qkv GEMV (the weights are written b
 and writes nothing: it changes no bit, only when bytes arrive. Off by default: measured on the
 H200 it gained nothing (docs/perf-notes.md, session 7); it stays for the next tuning.
 
-TINYVLLM_HANDOFF=counter (under test, off by default) makes the fused layers' five launches per
-layer one counter chain (gpu/handoff.py): each kernel polls a counter that every block of the
-kernel before it bumps when its stores are done, instead of griddepcontrol.wait's whole-grid
-completion. The first qkv GEMV waits for the embedding and the LM head for the last down as
-usual. The same bits either way.
-
 "linear" is gpu/ops.py's linear(): our GEMV for decode batches of at most 8 tokens, cuBLAS
 else. Every kernel is launched through its typed launcher in gpu/ops.py (the same ones the GPU
 tests call); the numpy twins of this exact sequence are reference/model.py's ReferenceModel.
@@ -74,7 +68,7 @@ from tinyvllm.errors import TinyVLLMError
 from tinyvllm.gpu.arena import TOKEN_INPUTS, Arena
 from tinyvllm.gpu.device_weights import DeviceWeights
 from tinyvllm.gpu.kv_cache import DeviceKVCache
-from tinyvllm.gpu.ops import DECODE_GROUPS, DECODE_HEAD_DIMS, DECODE_LAUNCHES_PER_LAYER, GpuOps
+from tinyvllm.gpu.ops import DECODE_GROUPS, DECODE_HEAD_DIMS, GpuOps
 
 # The most weight bytes the decode attention prefetches into L2 per layer (_l2_prefetch): its
 # ~4 us of nearly idle HBM at batch 1 (Llama-3.2-1B, H200) is ~16 MB at ~4 TB/s, enough for o
@@ -131,7 +125,6 @@ class LlamaModel:
         self.sampled_ids = v("sampled_ids")   # async scheduling's fed ids
         self.norm_row_ss = v("norm_row_ss")   # the handed-over norm's sums of squares
         self.head_argmax = v("head_argmax")   # the decode LM head's greedy argmax keys
-        self.handoff_counters = v("handoff_counters")   # the fused layers' counter chain (TINYVLLM_HANDOFF)
         self.l2_prefetch_bytes = L2_PREFETCH_BYTES      # benchmarks/decode_profile.py may vary it
 
     def head_argmax_for(self, step: StepShape) -> int:
@@ -173,13 +166,9 @@ class LlamaModel:
                       fed_ids=self.sampled_ids,
                       norm=(w.layers[0].input_norm, self.normed, self.norm_row_ss) if handoff else None,
                       head_argmax=self.head_argmax if head_prenormed else 0)
-        # TINYVLLM_HANDOFF=counter: the fused layers' launches hand over through counters (module
-        # docstring); the first waits for the embedding and the LM head for the last as usual
-        chain = ops.counter_chain(self.handoff_counters, DECODE_LAUNCHES_PER_LAYER * c.num_hidden_layers) \
-            if fused and handoff else None
         for layer, lw in enumerate(w.layers):
             if fused:
-                self._decode_layer_fused(step, layer, lw, kw, final_norm, chain)
+                self._decode_layer_fused(step, layer, lw, kw, final_norm)
                 continue
             ops.rms_norm(self.normed, self.hidden, lw.input_norm, T, H, eps)
             ops.linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H, k_warps=kw["qkv"])
@@ -191,8 +180,6 @@ class LlamaModel:
             ops.linear(self.gate_up, self.normed, lw.gate_up, T, 2 * I, H, k_warps=kw["gate_up"])
             ops.silu_mul(self.act, self.gate_up, T, I)
             ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True, k_warps=kw["down"])
-        if chain is not None and not chain.finished:
-            raise TinyVLLMError(f"the counter chain planned {chain.stages} launches, {chain.next_stage} ran")
         S = step.num_seqs
         if head_prenormed:
             ops.gemv(self.logits, self.normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32", last=True,
@@ -201,13 +188,11 @@ class LlamaModel:
         ops.rms_norm(self.final_normed, self.hidden, w.final_norm, S, H, eps, rows=self.last_token_idx)
         ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32", last=True)
 
-    def _decode_layer_fused(self, step: StepShape, layer: int, lw, kw: dict[str, int], final_norm=None,
-                            chain=None) -> None:
+    def _decode_layer_fused(self, step: StepShape, layer: int, lw, kw: dict[str, int], final_norm=None) -> None:
         """One layer in five launches with the norms inside the qkv and gate_up GEMVs or handed
         over, seven with them separate (ops.fuses_norm decides per GEMV; separate, the bits of
         forward()'s nine). kw: each projection's k-split (forward()); final_norm: the final
-        norm's gain, which the last layer's down hands over to the LM head (None: not); chain:
-        the counter chain the five launches are stages of (norms handed over only; None: PDL)."""
+        norm's gain, which the last layer's down hands over to the LM head (None: not)."""
         c, w, ops = self.cfg, self.w, self.ops
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
 
@@ -229,24 +214,24 @@ class LlamaModel:
                 ops.linear(self.hidden, x, weight, T, H, k, accumulate=True, k_warps=kw[name])
             else:
                 ops.gemv_residual_norm(self.hidden, x, weight, T, H, k, next_norm, self.normed, self.norm_row_ss,
-                                       k_warps=kw[name], handoff=chain)
+                                       k_warps=kw[name])
 
         x, norm, prenormed = normed_input(lw.input_norm, self.qkv_width, handoff)   # layer 0: by the embedding
         tok = self.token_inputs[False]
         ops.gemv_rope_kv(self.qkv, x, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),  # qkv, rope
                          tok.positions, tok.slot_mapping, w.rope_inv_freq, num_q_heads=c.num_attention_heads,
                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, norm=norm, prenormed=prenormed,
-                         k_warps=kw["qkv"], handoff=chain)
-        self._attention(step, layer, l2_prefetch=self._l2_prefetch(lw), handoff=chain)
+                         k_warps=kw["qkv"])
+        self._attention(step, layer, l2_prefetch=self._l2_prefetch(lw))
         add_residual(self.attn_out, lw.o, c.q_size, lw.post_norm if handoff else None, "o")             # o
         x, norm, prenormed = normed_input(lw.post_norm, 2 * I, handoff)
         ops.gemv_silu_mul(self.act, x, lw.gate_up, T, 2 * I, H, norm=norm, prenormed=prenormed,        # gate_up, silu
-                          k_warps=kw["gate_up"], handoff=chain)
+                          k_warps=kw["gate_up"])
         last = layer == len(w.layers) - 1          # the final norm goes to the LM head
         add_residual(self.act, lw.down, I, (final_norm if last else w.layers[layer + 1].input_norm) if handoff else None,
                      "down")                                                                            # down
 
-    def _attention(self, step: StepShape, layer: int, l2_prefetch=None, handoff=None) -> None:
+    def _attention(self, step: StepShape, layer: int, l2_prefetch=None) -> None:
         c = self.cfg
         paged = (self.kv.k(layer), self.kv.v(layer), self.block_tables, self.block_table_width)
         shape = dict(num_seqs=step.num_seqs, num_q_heads=c.num_attention_heads,
@@ -258,7 +243,7 @@ class LlamaModel:
         else:
             self.ops.attention_decode(self.attn_out, self.partial_out, self.partial_ml, self.split_counters,
                                       self.qkv, self.qkv_width, *paged, self.context_lens, **shape,
-                                      l2_prefetch=l2_prefetch, handoff=handoff)
+                                      l2_prefetch=l2_prefetch)
 
     def _l2_prefetch(self, lw) -> tuple[int, int] | None:
         """(pointer, bytes) of the weights the decode attention prefetches into L2: o, then (o,

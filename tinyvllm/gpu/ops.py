@@ -58,7 +58,6 @@ from __future__ import annotations
 import math
 import os
 
-from tinyvllm.gpu.handoff import NO_HANDOFF, HandoffChain
 from tinyvllm.gpu.kernels import KernelLibrary, kernel_constants
 
 # TINYVLLM_FUSE_NORM when unset: each norm after a residual GEMV is handed over by it (model.py);
@@ -110,9 +109,6 @@ def _dim3(d) -> tuple[int, int, int]:
 
 
 DECODE_PROJECTIONS = ("qkv", "o", "gate_up", "down")   # the decode layer's GEMVs, by name
-# the fused decode layer's launches with the norms handed over: qkv, attention, o, gate_up, down
-DECODE_LAUNCHES_PER_LAYER = 5
-HANDOFFS = ("pdl", "counter")   # TINYVLLM_HANDOFF: how the fused decode layers' kernels hand over
 K_WARPS_CHOICES = tuple(1 << i for i in range(GEMV["MAX_K_WARPS"].bit_length()))   # 1, 2, 4 .. 32
 
 
@@ -172,17 +168,8 @@ class GpuOps:
         self.gemv_l2_hint: bool | None = None
         # the decode attention's early K/V copies (module docstring); TINYVLLM_ATTN_EARLY_KV=0: off
         self.early_kv = os.environ.get("TINYVLLM_ATTN_EARLY_KV", "1") != "0"
-        # how the fused decode layers' kernels hand over (gpu/handoff.py): "pdl" (the default),
-        # griddepcontrol.wait at every boundary; "counter", counters in the arena, polled (under test)
-        self.handoff = os.environ.get("TINYVLLM_HANDOFF", "pdl")
         if self.fuse_norm not in ("auto", "all", "none", "producer"):
             raise ValueError(f"TINYVLLM_FUSE_NORM must be auto, all, none or producer, got {self.fuse_norm!r}")
-        if self.handoff not in HANDOFFS:
-            raise ValueError(f"TINYVLLM_HANDOFF must be one of {HANDOFFS}, got {self.handoff!r}")
-        if self.handoff == "counter" and not (self.pdl and self.fuse_norm == "producer"):
-            raise ValueError("TINYVLLM_HANDOFF=counter needs programmatic dependent launch (TINYVLLM_PDL=1) and "
-                             "the handed-over norms (TINYVLLM_FUSE_NORM=producer): its chain is their five "
-                             "launches per layer")
         self.stream_handle = stream.handle if stream is not None else 0
         self._gemv_shapes: dict[tuple[int, int, int], tuple] = {}
         # observer(op, repeat, details): called before each op with a zero-argument callable
@@ -201,19 +188,6 @@ class GpuOps:
         if self.observer is not None and not self._in_linear:
             self.observer(kernel, launch, {"grid": grid, "block": block, "args": args, "shared_bytes": shared_bytes})
         launch()
-
-    def counter_chain(self, counters, stages: int) -> HandoffChain | None:
-        """A counter chain over the next `stages` launches (gpu/handoff.py) when
-        TINYVLLM_HANDOFF=counter, else None. None too while ops are skipped or observed
-        (decode_profile.py replays ops alone or leaves them out, which no chain survives)."""
-        if self.handoff != "counter" or self.skip_ops or self.observer is not None:
-            return None
-        return HandoffChain(int(counters), stages)
-
-    @staticmethod
-    def _handoff_args(chain: HandoffChain | None, grid) -> tuple[int, int, int, int]:
-        """A launch's last four kernel arguments: its place in a counter chain, or none."""
-        return NO_HANDOFF if chain is None else chain.args(grid[0] * grid[1] * grid[2])
 
     # -- one launcher per kernel, in the order the model calls them ------------------------------
     def embedding(self, out, table, token_ids, num_tokens: int, hidden: int, vocab_size: int,
@@ -269,8 +243,7 @@ class GpuOps:
                          k_cache, v_cache, block_tables, block_table_width, context_lens, *,
                          num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                          block_size: int, scale: float, splits: int | None = None,
-                         l2_prefetch: tuple | None = None, early_kv: bool | None = None,
-                         handoff: HandoffChain | None = None) -> None:
+                         l2_prefetch: tuple | None = None, early_kv: bool | None = None) -> None:
         """One query token per sequence over its paged context, split over the context; the last
         split to finish merges. Grid: (sequences x kv heads, 1, splits); one block per GQA group,
         SMEM_BYTES_PER_DIM x head_dim bytes of dynamic shared memory (its cp.async rings).
@@ -281,19 +254,17 @@ class GpuOps:
         early_kv (None: self.early_kv, on unless TINYVLLM_ATTN_EARLY_KV=0): issue the K/V copies of every row
         but each sequence's newest (position context - 1) before waiting for the previous kernel;
         only for decode, where that row is the only one a still-running kernel writes. The same
-        bits either way. handoff: the counter chain this launch is the next stage of (None: none)."""
+        bits either way."""
         splits = splits or self.decode_splits(num_seqs, num_kv_heads)
         if not 1 <= splits <= MAX_DECODE_SPLITS:
             raise ValueError(f"attention_decode: splits must be in 1..{MAX_DECODE_SPLITS}, got {splits}")
         ptr, nbytes = self._prefetch_range(l2_prefetch)
         columns = math.ceil(DECODE["PREFETCH_CTAS"] / splits) if nbytes else 0   # the kernel's prefetch_columns()
-        grid = (num_seqs * num_kv_heads + columns, 1, splits)
         self._launch(f"attention_decode_d{head_dim}_g{num_q_heads // num_kv_heads}",
-                     grid, DECODE["THREADS"], out, partial_out,
+                     (num_seqs * num_kv_heads + columns, 1, splits), DECODE["THREADS"], out, partial_out,
                      partial_ml, split_counters, q, q_row_stride, k_cache, v_cache, block_tables,
                      block_table_width, context_lens, block_size, num_kv_heads, scale, ptr, nbytes,
-                     int(self.early_kv if early_kv is None else early_kv), *self._handoff_args(handoff, grid),
-                     shared_bytes=DECODE["SMEM_BYTES_PER_DIM"] * head_dim)
+                     int(self.early_kv if early_kv is None else early_kv), shared_bytes=DECODE["SMEM_BYTES_PER_DIM"] * head_dim)
 
     @staticmethod
     def _prefetch_range(l2_prefetch) -> tuple[int, int]:
@@ -531,7 +502,7 @@ class GpuOps:
             grid, block, shared, x_ptr, w_ptr, wide = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps,
                                                                       last=last)
             self._launch("gemv_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, OUT_DTYPES[out_dtype],
-                         int(accumulate), wide, int(self.gemv_ring), *NO_HANDOFF, shared_bytes=shared)
+                         int(accumulate), wide, int(self.gemv_ring), shared_bytes=shared)
             return
         if accumulate:
             raise ValueError("gemv: a prenormed GEMV stores its product; accumulate is not built")
@@ -540,7 +511,7 @@ class GpuOps:
                                                                   k_warps, row_ss, last=last)
         shared += self._producer_ss_bytes("gemv_prenormed_bf16", m, k)
         self._launch("gemv_prenormed_bf16", grid, block, int(y), x_ptr, int(row_ss), w_ptr, m, n, k, float(eps),
-                     OUT_DTYPES[out_dtype], head_argmax, wide, int(self.gemv_ring), *NO_HANDOFF, shared_bytes=shared)
+                     OUT_DTYPES[out_dtype], head_argmax, wide, int(self.gemv_ring), shared_bytes=shared)
 
     @staticmethod
     def _producer_ss_bytes(kernel: str, m: int, k: int) -> int:
@@ -551,21 +522,20 @@ class GpuOps:
         return m * (k // GEMV["ROWS_PER_CTA"]) * 4
 
     def gemv_residual_norm(self, y, x, w, m: int, n: int, k: int, norm_weight, normed, row_ss, *,
-                           k_warps: int | None = None, handoff: HandoffChain | None = None) -> None:
+                           k_warps: int | None = None) -> None:
         """The handed-over norm's producer (gemv.cu's header): y += X @ W^T as gemv() with
         accumulate (the o or down projection adding into the residual stream y [m, n]), and for
         the RMSNorm after it normed [m, n] = bf16(y * norm_weight) and row_ss (fp32 [m,
         ceil(n / 16)]) = each CTA's sum of its 16 new y values' squares per row: what
-        gemv_rope_kv / gemv_silu_mul take as prenormed=(row_ss, eps). handoff: as attention_decode()."""
+        gemv_rope_kv / gemv_silu_mul take as prenormed=(row_ss, eps)."""
         grid, block, shared, x_ptr, w_ptr, wide = self._gemv_args("gemv_residual_norm", x, w, m, n, k, "bfloat16",
                                                                   k_warps, norm_weight, normed)
         self._launch("gemv_residual_norm_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, int(norm_weight),
-                     int(normed), int(row_ss), wide, int(self.gemv_ring), *self._handoff_args(handoff, grid),
-                     shared_bytes=shared)
+                     int(normed), int(row_ss), wide, int(self.gemv_ring), shared_bytes=shared)
 
     def gemv_rope_kv(self, qkv, x, w, m: int, n: int, k: int, k_cache, v_cache, positions, slot_mapping,
                      inv_freq, *, num_q_heads: int, num_kv_heads: int, head_dim: int, norm=None,
-                     prenormed=None, k_warps: int | None = None, handoff: HandoffChain | None = None) -> None:
+                     prenormed=None, k_warps: int | None = None) -> None:
         """The decode qkv projection with rope_write_kv inside: qkv = X @ W^T, then RoPE on q (in
         place) and k, and k, v into the paged cache at slot_mapping — the bits of gemv() then
         rope_write_kv(). norm = (norm_weight, eps): x is the residual stream [m, k] and its
@@ -573,29 +543,29 @@ class GpuOps:
         @ W^T) before the epilogue (reference/kernels.py: rms_norm_linear) — close to, not the
         bits of, rms_norm() then the rest. prenormed = (row_ss, eps): x is gemv_residual_norm()'s
         normed output and row_ss its sums of squares; the same formula, the scale from them
-        (k % 64 == 0). handoff: as attention_decode()."""
+        (k % 64 == 0)."""
         if n != (num_q_heads + 2 * num_kv_heads) * head_dim or head_dim % GEMV["ROWS_PER_CTA"]:
             raise ValueError(f"gemv_rope_kv: n = {n} must be (q heads + 2 kv heads) * head_dim with "
                              f"head_dim % {GEMV['ROWS_PER_CTA']} == 0 (heads {num_q_heads}/{num_kv_heads}, "
                              f"head_dim {head_dim})")
         rope = (k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim)
-        self._fused_gemv("rope_kv", qkv, x, w, m, n, k, norm, prenormed, k_warps, rope, handoff)
+        self._fused_gemv("rope_kv", qkv, x, w, m, n, k, norm, prenormed, k_warps, rope)
 
     def gemv_silu_mul(self, act, x, w, m: int, n: int, k: int, *, norm=None, prenormed=None,
-                      k_warps: int | None = None, handoff: HandoffChain | None = None) -> None:
+                      k_warps: int | None = None) -> None:
         """The decode gate_up projection with silu_mul inside: act [m, n/2] = silu(gate) * up of
         X @ W^T, W = gate_up [n, k] (gate rows first) — the bits of gemv() then silu_mul().
         norm and prenormed as gemv_rope_kv()."""
         if n % 16:
             raise ValueError(f"gemv_silu_mul: n = 2 * intermediate = {n} must be a multiple of 16")
-        self._fused_gemv("silu_mul", act, x, w, m, n, k, norm, prenormed, k_warps, (), handoff)
+        self._fused_gemv("silu_mul", act, x, w, m, n, k, norm, prenormed, k_warps, ())
 
     _FUSED_GEMVS = {("rope_kv", None): "gemv_rope_kv_bf16", ("rope_kv", "norm"): "gemv_norm_rope_kv_bf16",
                     ("rope_kv", "prenormed"): "gemv_prenormed_rope_kv_bf16",
                     ("silu_mul", None): "gemv_silu_mul_bf16", ("silu_mul", "norm"): "gemv_norm_silu_mul_bf16",
                     ("silu_mul", "prenormed"): "gemv_prenormed_silu_mul_bf16"}
 
-    def _fused_gemv(self, epilogue: str, y, x, w, m, n, k, norm, prenormed, k_warps, extra, handoff) -> None:
+    def _fused_gemv(self, epilogue: str, y, x, w, m, n, k, norm, prenormed, k_warps, extra) -> None:
         if norm is not None and prenormed is not None:
             raise ValueError(f"gemv_{epilogue}: norm (inside) and prenormed (handed over) exclude each other")
         kind = "norm" if norm is not None else "prenormed" if prenormed is not None else None
@@ -604,14 +574,13 @@ class GpuOps:
         norm_ptr, eps = norm or prenormed or (None, None)
         grid, block, shared, x_ptr, w_ptr, wide = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps,
                                                                   *([norm_ptr] if kind else []))
-        chain_args = self._handoff_args(handoff, grid)
         if kind is None:
             self._launch(kernel, grid, block, int(y), x_ptr, w_ptr, m, n, k, *extra, wide, int(self.gemv_ring),
-                         *chain_args, shared_bytes=shared)
+                         shared_bytes=shared)
             return
         if kind == "norm":       # each warp's row sums of squares in shared memory
             shared += block[0] // 32 * GEMV["NORM_SS_BYTES_PER_WARP"]
         else:                    # the producer's row sums
             shared += self._producer_ss_bytes(kernel, m, k)
         self._launch(kernel, grid, block, int(y), x_ptr, int(norm_ptr), w_ptr, m, n, k, float(eps),
-                     *extra, wide, int(self.gemv_ring), *chain_args, shared_bytes=shared)
+                     *extra, wide, int(self.gemv_ring), shared_bytes=shared)

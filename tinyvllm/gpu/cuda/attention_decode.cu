@@ -36,10 +36,6 @@
 //
 // PDL-aware: launched with programmatic stream serialization; every attention block waits for
 // the producer first and lets the consumer launch at once (see decode_attention's first lines).
-// In a counter chain (the last four arguments: common.cuh's Handoff, TINYVLLM_HANDOFF=counter)
-// the wait polls the qkv GEMV's counter instead, and every block, whichever way it leaves (a
-// surplus split, a prefetch block, a split that is not the last, the merging one), bumps this
-// kernel's counter on its way out, so the o GEMV's count is the whole grid.
 //
 // Early K/V (early_kv = 1, the launcher's default; 0 keeps the order above). At batch 1
 // the kernel is ~4 us and latency-bound, and its first K/V copies wait behind the wait for the
@@ -161,7 +157,7 @@ __device__ __forceinline__ void decode_attention(
     int* __restrict__ split_counters, const bf16* q, int q_row_stride, const bf16* k_cache,
     const bf16* v_cache, const int* __restrict__ block_tables, const int* __restrict__ block_table_width,
     const int* __restrict__ context_lens, int block_size, int num_kv_heads, float scale,
-    const void* l2_prefetch, unsigned long long prefetch_bytes, int early_kv, const Handoff& handoff) {
+    const void* l2_prefetch, unsigned long long prefetch_bytes, int early_kv) {
     static_assert(GROUP >= 1 && GROUP <= 8, "the query heads of a group are one MMA n-tile of 8");
     static_assert(HEAD_DIM % 64 == 0, "rows are whole 8 x 16-byte swizzle groups");
     constexpr int DSTEPS = HEAD_DIM / 16;            // MMA k-steps of the scores = m-tiles of O^T
@@ -186,7 +182,7 @@ __device__ __forceinline__ void decode_attention(
     // anything else (those pointers carry no __restrict__, so no read-only load of them can be
     // hoisted above the wait). early_kv (header) waits after the prologue's copies instead, below.
     allow_consumer();
-    if (!early_kv) handoff_wait(handoff);   // griddepcontrol.wait, or the qkv GEMV's counter (common.cuh)
+    if (!early_kv) wait_for_producer();
 
     const int seq = blockIdx.x / num_kv_heads, kv_head = blockIdx.x % num_kv_heads, split = blockIdx.z;
     const int num_q_heads = num_kv_heads * GROUP;
@@ -247,7 +243,7 @@ __device__ __forceinline__ void decode_attention(
         next_slot = load_slot(i + 1);
     }
     if (early_kv) {
-        handoff_wait(handoff);
+        wait_for_producer();
         // The newest row, now written, where a prologue step holds it: the lanes issue() gives
         // that row copy it with coherent loads into the same swizzled place (a later step's copy
         // of it is issued in the main loop, after the wait, as usual).
@@ -495,15 +491,11 @@ __device__ __forceinline__ void decode_attention(
         bf16* out, float* partial_out, float* partial_ml, int* split_counters, const bf16* q,    \
         int q_row_stride, const bf16* k_cache, const bf16* v_cache, const int* block_tables,     \
         const int* block_table_width, const int* context_lens, int block_size, int num_kv_heads, \
-        float scale, const void* l2_prefetch, unsigned long long prefetch_bytes, int early_kv,   \
-        const unsigned* wait_counter, unsigned wait_count, unsigned* done_counter,               \
-        unsigned* reset_counter) {                                                               \
-        const Handoff handoff{wait_counter, wait_count, done_counter, reset_counter};            \
+        float scale, const void* l2_prefetch, unsigned long long prefetch_bytes, int early_kv) { \
         decode_attention<D, G>(out, partial_out, partial_ml, split_counters, q, q_row_stride,    \
                                k_cache, v_cache, block_tables, block_table_width, context_lens,  \
                                block_size, num_kv_heads, scale, l2_prefetch, prefetch_bytes,     \
-                               early_kv, handoff);                                               \
-        handoff_done(handoff); /* every block, whichever way it left: the count is the grid's */ \
+                               early_kv);                                                        \
     }
 // head_dim x group: Llama 3.2 1B is (64, 4), 3B (128, 3), 3.1 8B (128, 4); the tiny preset (64, 2)
 DECODE_ATTENTION_KERNEL(64, 1)

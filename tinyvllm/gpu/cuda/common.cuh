@@ -25,51 +25,6 @@ typedef __nv_bfloat16 bf16;
 __device__ __forceinline__ void wait_for_producer() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void allow_consumer() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
-// ---- kernel boundaries by counter (gpu/handoff.py; TINYVLLM_HANDOFF=counter) ------------------
-// Instead of griddepcontrol.wait, a kernel of a counter chain polls its producer's counter until
-// it holds the producer's block count, and each of its own blocks bumps its counter when all its
-// stores are done. The semaphore pattern: the producer's block syncs, then one thread publishes
-// with a release reduction (cumulative over the block's stores, which the barrier ordered before
-// it); the consumer's lane 0 of each warp polls with acquire loads (at gpu scope they also drop
-// the SM's stale L1 lines) and __syncwarp orders the warp's later loads after the poll. The
-// kernel's launch arguments (4 per kernel, wait/count/done/reset) are 0 outside a chain, which
-// keeps griddepcontrol.wait and bumps nothing.
-struct Handoff {
-    const unsigned* wait;   // the producer's counter; null: griddepcontrol.wait
-    unsigned count;         // the producer's block count
-    unsigned* done;         // this kernel's counter, bumped once per block at its end; null: none
-    unsigned* reset;        // zeroed by block 0 once past its wait (the counter two kernels back)
-};
-// A poll that spins this long (~2 s) means a chain planned wrong: trap (a launch error) rather
-// than hang the GPU.
-constexpr long long HANDOFF_SPIN_LIMIT_CYCLES = 4000000000LL;
-
-// Every lane of a warp calls it (warp-uniform), once, before reading what the producer wrote.
-__device__ __forceinline__ void handoff_wait(const Handoff& h) {
-    if (h.wait == nullptr) {
-        wait_for_producer();
-    } else {
-        if ((threadIdx.x & 31) == 0) {
-            const long long start = clock64();
-            unsigned seen;
-            do {
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(h.wait) : "memory");
-                if (clock64() - start > HANDOFF_SPIN_LIMIT_CYCLES) __trap();
-            } while (seen < h.count);
-        }
-        __syncwarp();
-    }
-    if (h.reset != nullptr && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0)
-        *h.reset = 0u;
-}
-
-// Every thread of the block calls it (block-uniform), after its last store.
-__device__ __forceinline__ void handoff_done(const Handoff& h) {
-    if (h.done == nullptr) return;
-    __syncthreads();
-    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(h.done) : "memory");
-}
-
 // ---- cp.async: 16-byte global -> shared copies that land while the thread goes on -------------
 // Used by the decode attention's K/V rings and the GEMV's weight ring. A thread's copies become
 // visible to that thread at cp_async_wait<N>() (N = groups it may leave in flight); other threads

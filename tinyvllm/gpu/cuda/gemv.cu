@@ -100,14 +100,11 @@
 // partners then sit 8 lanes apart in the epilogue (one shuffle). Each output's dot product is
 // the same code in every mode, so gemv_rope_kv / gemv_silu_mul give the bits of their kernel
 // chains (tests/test_gpu_fused.py checks that; the norm modes it checks against the numpy twin).
-// ptxas (nvcc 13.0, sm_90, both paths in one body, with the counter handoff below): 63-64
-// registers and no spill in any entry point (the RoPE ones keep a 32-byte stack frame for
-// sincosf's slow path). Before the handoff arguments came, the two norm-inside variants spilled
-// 32-40 bytes; the register allocation moved, not by design.
-// Every entry point's last four arguments place it in a counter chain (common.cuh's Handoff,
-// gpu/handoff.py; TINYVLLM_HANDOFF=counter): each warp waits for X by polling the producer's
-// counter instead of griddepcontrol.wait, and the CTA bumps its own counter after its epilogue's
-// stores. All zero (the default, and every launch outside the decode layers): griddepcontrol.wait.
+// ptxas (nvcc 13.0, sm_90, both paths in one body): 64 registers; gemv_bf16, gemv_silu_mul and
+// gemv_rope_kv spill nothing (gemv_rope_kv keeps a 32-byte stack frame for sincosf's slow path).
+// The norm variants do NOT meet the no-spill goal: gemv_norm_silu_mul stores 40 bytes and loads
+// 24, gemv_norm_rope_kv stores 32 and loads 44 (loop-invariant values reloaded from local
+// memory; they run only where FUSE_NORM puts the norm inside, not on Llama-1B by default).
 // wide_l2 = 1 (every entry point's last argument) adds the .L2::256B prefetch hint to the W
 // loads: each 64-byte load asks L2 for the whole 256-byte sector group it lies in, which the
 // lane's next steps read. gemv_bench measured it 1.4 us faster on Llama-1B's gate_up (16 steps
@@ -279,19 +276,12 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
                                           const NormArgs& norm, const bf16* __restrict__ w,
                                           int m, int n, int k, int out_f32, int accumulate,
                                           const RopeArgs& rope, const NormOut& norm_out, int wide_l2, int ring,
-                                          const Handoff& handoff, unsigned long long* head_argmax = nullptr) {
+                                          unsigned long long* head_argmax = nullptr) {
     extern __shared__ float partial[];   // [warps][8 rows of x][16 columns of the CTA]
                                          // (rms_norm: then [warps][8 rows] sums of squares;
                                          // ring: then the warps' slots; prenormed: then
                                          // [m][ss_count] producer sums of squares)
     allow_consumer();
-    // X is the previous kernel's output: each warp waits for it once (griddepcontrol.wait, or its
-    // counter in a counter chain: common.cuh), where it first needs X or Y
-    bool waited = false;
-    auto wait_once = [&]() {
-        if (!waited) handoff_wait(handoff);
-        waited = true;
-    };
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const Tile w_tile = cta_tile<EPI>(blockIdx.x, n, rope.head_dim);
@@ -365,7 +355,7 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             if (i < my_steps) copy_w(i);
             cp_async_commit();
         }
-        wait_once();           // X is the previous kernel's output
+        wait_for_producer();   // X is the previous kernel's output
         copy_producer_ss();    // its own group, committed before X's: done by X's wait below
 #pragma unroll
         for (int i = 0; i < RING_STEPS; ++i)
@@ -401,7 +391,7 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             if (in && w_ok1) wv1[u] = load_stream(w1 + kk, wide_l2);
         }
         if (s0 == s_begin) {   // X is the previous kernel's output
-            wait_once();
+            wait_for_producer();
             copy_producer_ss();
         }
 #pragma unroll
@@ -423,7 +413,7 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             for (int u = 0; u < UNROLL; ++u) mma_pair(acc, wv0[u], wv1[u], xv[u]);
         }
     }
-    wait_once();           // warps without steps: Y is read/written below
+    wait_for_producer();   // warps without steps: Y is read/written below
     if (!ring && s_begin >= s_end) copy_producer_ss();   // the register path's warps without steps
     if constexpr (MODE == XLoad::prenormed) cp_async_wait<0>();   // visible to all after __syncthreads
 
@@ -525,7 +515,6 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             }
         }
     }
-    handoff_done(handoff);   // in a counter chain: this CTA's stores are done
 }
 
 }  // namespace
@@ -533,9 +522,8 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
 // Y (+)= X @ W^T. y: [m, n] bf16 (out_f32 = 0) or fp32 (out_f32 = 1); x: [m, k]; w: [n, k].
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_bf16(void* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
-          int m, int n, int k, int out_f32, int accumulate, int wide_l2, int ring,
-          const unsigned* wait_counter, unsigned wait_count, unsigned* done_counter, unsigned* reset_counter) {
-    gemv_body<XLoad::plain, Epilogue::store>(y, x, NormArgs{}, w, m, n, k, out_f32, accumulate, RopeArgs{}, NormOut{}, wide_l2, ring, Handoff{wait_counter, wait_count, done_counter, reset_counter});
+          int m, int n, int k, int out_f32, int accumulate, int wide_l2, int ring) {
+    gemv_body<XLoad::plain, Epilogue::store>(y, x, NormArgs{}, w, m, n, k, out_f32, accumulate, RopeArgs{}, NormOut{}, wide_l2, ring);
 }
 
 // qkv = X @ W^T, then RoPE on its q and k heads (q rotated in place; k rotated into k_cache, v into
@@ -544,11 +532,10 @@ extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const bf16* __restrict__ w,
                   int m, int n, int k, bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                  int num_q_heads, int num_kv_heads, int head_dim, int wide_l2, int ring,
-          const unsigned* wait_counter, unsigned wait_count, unsigned* done_counter, unsigned* reset_counter) {
+                  int num_q_heads, int num_kv_heads, int head_dim, int wide_l2, int ring) {
     gemv_body<XLoad::plain, Epilogue::rope_kv>(
         qkv, x, NormArgs{}, w, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, NormOut{}, wide_l2, ring, Handoff{wait_counter, wait_count, done_counter, reset_counter});
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, NormOut{}, wide_l2, ring);
 }
 
 // gemv_rope_kv_bf16 with the RMSNorm of x (the residual stream [m, k], gain norm_w) inside, its
@@ -559,28 +546,25 @@ gemv_norm_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const
                        const bf16* __restrict__ w, int m, int n, int k, float eps,
                        bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
                        const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                       int num_q_heads, int num_kv_heads, int head_dim, int wide_l2, int ring,
-          const unsigned* wait_counter, unsigned wait_count, unsigned* done_counter, unsigned* reset_counter) {
+                       int num_q_heads, int num_kv_heads, int head_dim, int wide_l2, int ring) {
     gemv_body<XLoad::rms_norm, Epilogue::rope_kv>(
         qkv, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, NormOut{}, wide_l2, ring, Handoff{wait_counter, wait_count, done_counter, reset_counter});
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, NormOut{}, wide_l2, ring);
 }
 
 // act = silu(gate) * up of gate_up = X @ W^T, W = [gate; up] ([n, k], gate rows first): gemv_bf16
 // and silu_mul in one launch, the same bits. act: [m, n/2].
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ w,
-                   int m, int n, int k, int wide_l2, int ring,
-          const unsigned* wait_counter, unsigned wait_count, unsigned* done_counter, unsigned* reset_counter) {
-    gemv_body<XLoad::plain, Epilogue::silu_mul>(act, x, NormArgs{}, w, m, n, k, 0, 0, RopeArgs{}, NormOut{}, wide_l2, ring, Handoff{wait_counter, wait_count, done_counter, reset_counter});
+                   int m, int n, int k, int wide_l2, int ring) {
+    gemv_body<XLoad::plain, Epilogue::silu_mul>(act, x, NormArgs{}, w, m, n, k, 0, 0, RopeArgs{}, NormOut{}, wide_l2, ring);
 }
 
 // gemv_silu_mul_bf16 with the RMSNorm of x inside, as gemv_norm_rope_kv_bf16.
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_norm_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
-                        const bf16* __restrict__ w, int m, int n, int k, float eps, int wide_l2, int ring,
-          const unsigned* wait_counter, unsigned wait_count, unsigned* done_counter, unsigned* reset_counter) {
-    gemv_body<XLoad::rms_norm, Epilogue::silu_mul>(act, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0, RopeArgs{}, NormOut{}, wide_l2, ring, Handoff{wait_counter, wait_count, done_counter, reset_counter});
+                        const bf16* __restrict__ w, int m, int n, int k, float eps, int wide_l2, int ring) {
+    gemv_body<XLoad::rms_norm, Epilogue::silu_mul>(act, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0, RopeArgs{}, NormOut{}, wide_l2, ring);
 }
 
 // The handed-over norm (header): y += x @ W^T as gemv_bf16 with accumulate = 1 (the o or down
@@ -589,10 +573,9 @@ gemv_norm_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, cons
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_residual_norm_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
                         int m, int n, int k, const bf16* __restrict__ norm_w, bf16* __restrict__ normed,
-                        float* __restrict__ row_ss, int wide_l2, int ring,
-          const unsigned* wait_counter, unsigned wait_count, unsigned* done_counter, unsigned* reset_counter) {
+                        float* __restrict__ row_ss, int wide_l2, int ring) {
     gemv_body<XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, w, m, n, k, 0, 1, RopeArgs{},
-                                                     NormOut{norm_w, normed, row_ss}, wide_l2, ring, Handoff{wait_counter, wait_count, done_counter, reset_counter});
+                                                     NormOut{norm_w, normed, row_ss}, wide_l2, ring);
 }
 
 // gemv_rope_kv_bf16 on x = normed from gemv_residual_norm_bf16, each output scaled by its row's
@@ -604,12 +587,11 @@ gemv_prenormed_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, 
                             const bf16* __restrict__ w, int m, int n, int k, float eps,
                             bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
                             const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                            int num_q_heads, int num_kv_heads, int head_dim, int wide_l2, int ring,
-          const unsigned* wait_counter, unsigned wait_count, unsigned* done_counter, unsigned* reset_counter) {
+                            int num_q_heads, int num_kv_heads, int head_dim, int wide_l2, int ring) {
     gemv_body<XLoad::prenormed, Epilogue::rope_kv>(
         qkv, x, NormArgs{nullptr, eps, row_ss}, w, m, n, k, 0, 0,
         RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, NormOut{},
-        wide_l2, ring, Handoff{wait_counter, wait_count, done_counter, reset_counter});
+        wide_l2, ring);
 }
 
 // Y = inv_rms * (x @ W^T) on a prenormed x, as gemv_prenormed_rope_kv_bf16, stored as gemv_bf16
@@ -622,17 +604,15 @@ gemv_prenormed_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, 
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_prenormed_bf16(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss,
                     const bf16* __restrict__ w, int m, int n, int k, float eps, int out_f32,
-                    unsigned long long* __restrict__ head_argmax, int wide_l2, int ring,
-          const unsigned* wait_counter, unsigned wait_count, unsigned* done_counter, unsigned* reset_counter) {
+                    unsigned long long* __restrict__ head_argmax, int wide_l2, int ring) {
     gemv_body<XLoad::prenormed, Epilogue::store>(y, x, NormArgs{nullptr, eps, row_ss}, w, m, n, k, out_f32, 0,
-                                                 RopeArgs{}, NormOut{}, wide_l2, ring, Handoff{wait_counter, wait_count, done_counter, reset_counter}, head_argmax);
+                                                 RopeArgs{}, NormOut{}, wide_l2, ring, head_argmax);
 }
 
 // gemv_silu_mul_bf16 on a prenormed x, as gemv_prenormed_rope_kv_bf16.
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_prenormed_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const float* __restrict__ row_ss,
-                             const bf16* __restrict__ w, int m, int n, int k, float eps, int wide_l2, int ring,
-          const unsigned* wait_counter, unsigned wait_count, unsigned* done_counter, unsigned* reset_counter) {
+                             const bf16* __restrict__ w, int m, int n, int k, float eps, int wide_l2, int ring) {
     gemv_body<XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{nullptr, eps, row_ss}, w, m, n, k, 0, 0,
-                                                    RopeArgs{}, NormOut{}, wide_l2, ring, Handoff{wait_counter, wait_count, done_counter, reset_counter});
+                                                    RopeArgs{}, NormOut{}, wide_l2, ring);
 }
