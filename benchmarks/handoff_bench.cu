@@ -123,3 +123,42 @@ extern "C" __global__ void handoff_stage(float* out, const float* in, int width,
 
     handoff_done(done_counter);
 }
+
+// The same chain inside one thread-block cluster: a single launch of one cluster (gridDim.x CTAs,
+// 8 portable or 16 with the non-portable size allowed) runs `stages` stages, each reading all
+// `width` floats the cluster wrote in the stage before (ping-pong buffers a and b), streaming
+// `weight_quads` quads of weights per CTA, writing its share of the output, and ending with a
+// cluster barrier (release/acquire at cluster scope) instead of a kernel boundary. It prices the
+// sync a cluster-persistent decode step would pay per stage, and the bandwidth a cluster's few SMs
+// can pull: the question for a small model whose step is all boundaries.
+extern "C" __global__ void cluster_chain(float* buf_a, float* buf_b, int width, int stages, const uint4* weights,
+                                         int weight_quads, unsigned long long pool_quads) {
+    const int ctas = gridDim.x, rank = blockIdx.x;
+    const int share = (width + ctas - 1) / ctas;
+    unsigned folded = 0;
+    for (int s = 0; s < stages; ++s) {
+        const float* in = (s & 1) ? buf_b : buf_a;
+        float* out = (s & 1) ? buf_a : buf_b;
+        const uint4* w = weights + ((unsigned long long)s * weight_quads * ctas + (unsigned long long)rank * weight_quads)
+                                       % (pool_quads - weight_quads);
+        for (int i0 = threadIdx.x; i0 < weight_quads; i0 += UNROLL * blockDim.x) {
+            uint4 v[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int i = i0 + u * blockDim.x;
+                v[u] = i < weight_quads ? load_weight(w + i) : make_uint4(0u, 0u, 0u, 0u);
+            }
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) folded ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+        }
+        const float first = __ldcg(in);
+        bool same = true;
+        for (int i = threadIdx.x; i < width; i += blockDim.x) same &= __ldcg(in + i) == first;
+        // a block's verdict: every thread's, so one early read anywhere poisons the chain
+        same = __syncthreads_and(same);
+        for (int i = rank * share + threadIdx.x; i < min(width, (rank + 1) * share); i += blockDim.x)
+            out[i] = same && folded != 0xFFFFFFFFu ? first + 1.0f : CUDART_NAN_F;
+        asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+        asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    }
+}

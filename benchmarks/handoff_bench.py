@@ -25,6 +25,11 @@ constants. The table gives the GPU time per stage (median of --repeats replays /
 Before timing, each graph is replayed with two different inputs and the chain's end is checked
 against input + stages (a block that read before its producer was done poisons the result); a
 wrong chain prints WRONG and the script exits 1.
+Last, one table for the other way to drop the grid boundary: the whole chain in ONE launch of
+a single thread-block cluster (8 blocks, or 16 where the GPU allows a non-portable size),
+stages separated by a cluster barrier (cluster_chain), without weights and with the layer's
+average bytes per stage spread over the cluster's blocks: the sync a cluster-persistent decode
+step would pay per stage, and the bandwidth so few SMs pull.
 Session 14 (H100, docs/perf-notes.md): the counter lost in every form tried, so the engine
 keeps griddepcontrol.wait.
 """
@@ -171,7 +176,69 @@ def run_chain(drv, runs: list[tuple[str, object, str]], stages: list[Stage], rep
     return result
 
 
-def stub_kernel(kernels, library, variant: dict[str, int], workdir: Path):
+CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4            # cuda.h
+CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+
+
+def launch_cluster(kernel, ctas: int, threads: int, stream, args) -> None:
+    """One launch of `kernel` as a single cluster of `ctas` blocks (cuLaunchKernelEx with the
+    cluster-dimension attribute; Kernel.launch carries only PDL's)."""
+    from tinyvllm.gpu import driver
+    attr = (driver.LaunchAttribute * 1)()
+    attr[0].id, attr[0].value = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, ctas       # clusterDim.x
+    ctypes.memmove(ctypes.addressof(attr[0]) + 12, (ctypes.c_uint * 2)(1, 1), 8)    # .y, .z
+    values = [t(int(a)) if t is ctypes.c_void_p else t(a) for t, a in zip(kernel._types, args, strict=True)]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    config = driver.LaunchConfig((ctas, 1, 1), (threads, 1, 1), 0, stream.handle, attr, 1)
+    driver.check(driver.libcuda().cuLaunchKernelEx(ctypes.byref(config), kernel.handle, params, None),
+                 f"cluster launch of {kernel.name} ({ctas} blocks)")
+
+
+def run_cluster_chain(drv, kernel, ctas: int, stages: int, width: int, stage_bytes: int,
+                      repeats: int) -> tuple[float | None, float]:
+    """(µs per stage or None if wrong, weight TB/s) of cluster_chain: `stages` stages of one
+    `ctas`-block cluster, each streaming stage_bytes of weights in all."""
+    from tinyvllm.gpu.graphs import CudaGraph
+    stream = drv.Stream()
+    a, b = drv.mem_alloc(4 * width), drv.mem_alloc(4 * width)
+    weights = drv.mem_alloc(WEIGHT_POOL_BYTES)
+    drv.memset_d32(weights, 0, WEIGHT_POOL_BYTES // 4)
+    quads = stage_bytes // 16 // ctas
+    args = (a, b, width, stages, weights, quads, WEIGHT_POOL_BYTES // 16)
+    try:
+        with CudaGraph.capture(stream) as graph:
+            launch_cluster(kernel, ctas, 256, stream, args)
+        ok = True
+        for value in (1.0, 7.0):
+            drv.memcpy_htod(a, np.full(width, value, np.float32))
+            graph.launch(stream)
+            stream.synchronize()
+            end = np.empty(width, np.float32)
+            drv.memcpy_dtoh(end, a if stages % 2 == 0 else b)
+            ok &= bool(np.all(end == value + stages))
+        for _ in range(WARMUP):
+            graph.launch(stream)
+        start, stop = drv.Event(), drv.Event()
+        start.record(stream)
+        for _ in range(repeats):
+            graph.launch(stream)
+        stop.record(stream)
+        stop.synchronize()
+        us = stop.time_since(start) * 1e3 / repeats / stages
+        graph.close()
+    finally:
+        for buf in (a, b, weights):
+            buf.free()
+    return (us if ok else None), quads * 16 * ctas / us / 1e6
+
+
+def driver_check(kernel, attribute: int, value: int) -> None:
+    from tinyvllm.gpu import driver
+    driver.check(driver.libcuda().cuFuncSetAttribute(kernel.handle, attribute, value),
+                 f"cuFuncSetAttribute({kernel.name}, {attribute}, {value})")
+
+
+def stub_kernel(kernels, library, variant: dict[str, int], workdir: Path, name: str = KERNEL):
     """The stub compiled with `variant`'s constants of handoff_bench.cu rewritten (constant_sweep's
     rewrite_constants; {}: as it is)."""
     from constant_sweep import rewrite_constants
@@ -183,8 +250,8 @@ def stub_kernel(kernels, library, variant: dict[str, int], workdir: Path):
         source.write_text(rewrite_constants(SOURCE.read_text(), variant))
     module = kernels.load_module(source, library.arch, library.options)
     handle = ctypes.c_void_p()
-    check(libcuda().cuModuleGetFunction(ctypes.byref(handle), module, KERNEL.encode()), KERNEL)
-    return kernels.Kernel(KERNEL, handle, kernels.kernel_signatures(str(SOURCE))[KERNEL],
+    check(libcuda().cuModuleGetFunction(ctypes.byref(handle), module, name.encode()), name)
+    return kernels.Kernel(name, handle, kernels.kernel_signatures(str(SOURCE))[name],
                           kernels.waits_for_producer(str(SOURCE)))
 
 
@@ -207,7 +274,7 @@ def main() -> None:
 
     from tinyvllm.checkpoint.model_writer import preset_config
     from tinyvllm.config import ModelConfig
-    from tinyvllm.gpu import kernels
+    from tinyvllm.gpu import driver, kernels
     from tinyvllm.gpu.driver import CudaDevice
     from tinyvllm.gpu.ops import GpuOps
 
@@ -250,6 +317,27 @@ def main() -> None:
                 else:
                     cells.append(f"{r[c]:.2f}")
             print(f"| {label} | " + " | ".join(cells) + " |")
+        # one cluster instead of a grid per stage: the sync and the bandwidth of a few SMs
+        cluster = stub_kernel(kernels, library, {}, Path(workdir), name="cluster_chain")
+        cluster_sizes = (8, 16)
+        driver_check(cluster, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        layer = decode_layer_stages(config, ops, args.context, True)
+        stage_bytes = sum(st.weight_bytes for st in layer) // len(layer)
+        width = min(2048, config.hidden_size)
+        print(f"\none cluster, {5 * layers} stages, a cluster barrier between them "
+              f"(weights: the layer's average, {stage_bytes / 1e6:.2f} MB a stage):")
+        print("| cluster blocks | µs/stage, no weights | µs/stage, weights | weights TB/s |")
+        print("|---|---|---|---|")
+        for ctas in cluster_sizes:
+            try:
+                bare, _ = run_cluster_chain(drv, cluster, ctas, 5 * layers, width, 0, args.repeats)
+                loaded, tbs = run_cluster_chain(drv, cluster, ctas, 5 * layers, width, stage_bytes, args.repeats)
+            except driver.CudaDriverError as e:   # e.g. no room for a cluster of 16 on this GPU
+                print(f"| {ctas} | {e} | | |")
+                continue
+            wrong |= bare is None or loaded is None
+            cells = ["WRONG" if v is None else f"{v:.2f}" for v in (bare, loaded)]
+            print(f"| {ctas} | {cells[0]} | {cells[1]} | {tbs:.2f} |")
     if wrong:
         sys.exit("a chain's result was wrong: a stage read its input before its producer was done")
 

@@ -84,7 +84,8 @@ def test_stub_kernel_signature_matches_the_launch():
     source = str(bench.SOURCE)
     # out, in, width, weights, weight_quads, wait_counter, wait_count, done_counter, reset_counter,
     # busy_blocks
-    assert kernel_signatures(source) == {bench.KERNEL: "PPiPiPIPPi"}
+    # cluster_chain: buf_a, buf_b, width, stages, weights, weight_quads, pool_quads
+    assert kernel_signatures(source) == {bench.KERNEL: "PPiPiPIPPi", "cluster_chain": "PPiiPiQ"}
     assert waits_for_producer(source)
 
 
