@@ -44,6 +44,21 @@ __device__ __forceinline__ uint4 load_weight(const uint4* p) {   // read once, p
     return v;
 }
 
+// This block's weight quads [begin, quads) of w (begin and the loop are per block; each thread
+// takes every blockDim.x-th), UNROLL loads in flight per thread, folded into `folded`.
+__device__ __forceinline__ void stream_weights(const uint4* w, int begin, int quads, unsigned& folded) {
+    for (int i0 = begin + threadIdx.x; i0 < quads; i0 += UNROLL * blockDim.x) {
+        uint4 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = i0 + u * blockDim.x;
+            v[u] = i < quads ? load_weight(w + i) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) folded ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+}
+
 __device__ __forceinline__ void handoff_wait(const unsigned* wait_counter, unsigned wait_count) {
     if (wait_counter == nullptr) {
         wait_for_producer();
@@ -107,16 +122,7 @@ extern "C" __global__ void handoff_stage(float* out, const float* in, int width,
     for (int i = threadIdx.x; i < width; i += blockDim.x) same &= __ldcg(in + i) == first;
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) folded ^= early[u].x ^ early[u].y ^ early[u].z ^ early[u].w;
-    for (int i0 = threadIdx.x + UNROLL * blockDim.x; i0 < weight_quads; i0 += UNROLL * blockDim.x) {
-        uint4 v[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int i = i0 + u * blockDim.x;
-            v[u] = i < weight_quads ? load_weight(w + i) : make_uint4(0u, 0u, 0u, 0u);
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) folded ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-    }
+    stream_weights(w, UNROLL * blockDim.x, weight_quads, folded);
     // the weights are zeros: `folded` only keeps their loads alive (the compiler cannot know)
     out[(size_t)blockIdx.x * blockDim.x + threadIdx.x] =
         same && folded != 0xFFFFFFFFu ? first + 1.0f : CUDART_NAN_F;
@@ -141,16 +147,7 @@ extern "C" __global__ void cluster_chain(float* buf_a, float* buf_b, int width, 
         float* out = (s & 1) ? buf_a : buf_b;
         const uint4* w = weights + ((unsigned long long)s * weight_quads * ctas + (unsigned long long)rank * weight_quads)
                                        % (pool_quads - weight_quads);
-        for (int i0 = threadIdx.x; i0 < weight_quads; i0 += UNROLL * blockDim.x) {
-            uint4 v[UNROLL];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int i = i0 + u * blockDim.x;
-                v[u] = i < weight_quads ? load_weight(w + i) : make_uint4(0u, 0u, 0u, 0u);
-            }
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) folded ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-        }
+        stream_weights(w, 0, weight_quads, folded);
         const float first = __ldcg(in);
         bool same = true;
         for (int i = threadIdx.x; i < width; i += blockDim.x) same &= __ldcg(in + i) == first;

@@ -21,7 +21,7 @@ megakernel hands work on. This benchmark measures both on chains of stub kernels
 Each chain is timed inside one CUDA graph as `serial` (plain launches: each kernel starts when
 the one before has ended), `pdl` (the engine), `counter` (PDL launches that poll counters
 instead of griddepcontrol.wait), and `counter` again for each --variant of the stub's polling
-constants. The table gives the GPU time per stage (median of --repeats replays / stages).
+constants. The table gives the GPU time per stage (--repeats back-to-back replays between two events, / stages).
 Before timing, each graph is replayed with two different inputs and the chain's end is checked
 against input + stages (a block that read before its producer was done poisons the result); a
 wrong chain prints WRONG and the script exits 1.
@@ -136,6 +136,19 @@ def build(kernel, stages: list[Stage], mode: str, stream, weights, counters, buf
     return width
 
 
+def replay_us(drv, graph, stream, repeats: int) -> float:
+    """GPU µs of one replay: WARMUP replays, then `repeats` back to back between two events."""
+    for _ in range(WARMUP):
+        graph.launch(stream)
+    start, stop = drv.Event(), drv.Event()
+    start.record(stream)
+    for _ in range(repeats):
+        graph.launch(stream)
+    stop.record(stream)
+    stop.synchronize()
+    return stop.time_since(start) * 1e3 / repeats
+
+
 def run_chain(drv, runs: list[tuple[str, object, str]], stages: list[Stage], repeats: int,
               stride: int) -> dict[str, float | None]:
     """runs: (column, stub kernel, mode) -> {column: µs per stage, None if the chain's result was wrong}."""
@@ -161,15 +174,7 @@ def run_chain(drv, runs: list[tuple[str, object, str]], stages: list[Stage], rep
                 end = np.empty(width, np.float32)
                 drv.memcpy_dtoh(end, buffers[-1])
                 ok &= bool(np.all(end == value + len(stages)))
-            for _ in range(WARMUP):
-                graph.launch(stream)
-            start, stop = drv.Event(), drv.Event()
-            start.record(stream)
-            for _ in range(repeats):
-                graph.launch(stream)
-            stop.record(stream)
-            stop.synchronize()
-            result[column] = stop.time_since(start) * 1e3 / repeats / len(stages) if ok else None
+            result[column] = replay_us(drv, graph, stream, repeats) / len(stages) if ok else None
         finally:
             graph.close()
     for b in (*buffers, first_in, weights, counters):
@@ -217,15 +222,7 @@ def run_cluster_chain(drv, kernel, ctas: int, stages: int, width: int, stage_byt
             end = np.empty(width, np.float32)
             drv.memcpy_dtoh(end, a if stages % 2 == 0 else b)
             ok &= bool(np.all(end == value + stages))
-        for _ in range(WARMUP):
-            graph.launch(stream)
-        start, stop = drv.Event(), drv.Event()
-        start.record(stream)
-        for _ in range(repeats):
-            graph.launch(stream)
-        stop.record(stream)
-        stop.synchronize()
-        us = stop.time_since(start) * 1e3 / repeats / stages
+        us = replay_us(drv, graph, stream, repeats) / stages
         graph.close()
     finally:
         for buf in (a, b, weights):
@@ -301,7 +298,7 @@ def main() -> None:
             print(f"  {s.name:9s} {s.blocks:5d} blocks ({s.busy_blocks} busy) x {s.threads:4d} threads, "
                   f"{s.shared_bytes / 1024:6.1f} KB shared, "
                   f"{s.weight_bytes / 1e6:6.2f} MB")
-        print("\nµs per stage (median of --repeats replays / stages); in brackets, per step against pdl:")
+        print("\nµs per stage (GPU time of --repeats back-to-back replays / replays / stages); in brackets, per step against pdl:")
         columns = [c for c, _, _ in runs]
         print("| chain | " + " | ".join(columns) + " |")
         print("|---|" + "---|" * len(columns))
