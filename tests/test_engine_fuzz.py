@@ -211,11 +211,13 @@ class EngineMachine(RuleBasedStateMachine):
         assert self.engine.dead is None
 
 
-def run_machine(engine, prompts, greedy, examples, steps=FUZZ_STEPS, preemptions=True) -> None:
+def run_machine(engine, prompts, greedy, examples, steps=FUZZ_STEPS, preemptions=True, derandomize=False) -> None:
+    """derandomize: the same draws on every run and machine (hypothesis' fixed seed), for a run of
+    so few examples that random draws may miss an outcome asserted below."""
     EngineMachine.engine, EngineMachine.prompts, EngineMachine.greedy = engine, prompts, staticmethod(greedy)
     EngineMachine.outcomes = collections.Counter()
     run_state_machine_as_test(EngineMachine, settings=settings(
-        max_examples=examples, stateful_step_count=steps, deadline=None,
+        max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=derandomize,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
     print(f"{examples} examples, {engine.num_preemptions} preemptions, outcomes "
           f"{dict(sorted(EngineMachine.outcomes.items()))}")
@@ -244,5 +246,8 @@ def test_fuzzed_engine_over_the_numpy_model(tiny_model_dir, async_scheduling):
     pool = [[int(t) for t in rng.integers(1000, 100000, n)] for n in (1, 5, 13, 22, 31)]
     model = base.runner.model
     greedy = functools.lru_cache(maxsize=None)(lambda prompt: model.greedy_generate(list(prompt), MAX_NEW))
-    # few and mostly small examples (hypothesis starts small): preemption is the hash model's part
-    run_machine(engine, st.sampled_from(pool), greedy, NUMPY_EXAMPLES, NUMPY_STEPS, preemptions=False)
+    # few and mostly small examples (hypothesis starts small): preemption is the hash model's part.
+    # Fixed draws: five random examples once finished no greedy request by length (CI, session 14),
+    # which the outcome check in run_machine rightly calls a vacuous run.
+    run_machine(engine, st.sampled_from(pool), greedy, NUMPY_EXAMPLES, NUMPY_STEPS, preemptions=False,
+                derandomize=True)
