@@ -149,6 +149,20 @@ def replay_us(drv, graph, stream, repeats: int) -> float:
     return stop.time_since(start) * 1e3 / repeats
 
 
+def chain_is_right(drv, graph, stream, first_in, fill: int, last_out, width: int, stages: int) -> bool:
+    """Replay the graph with two inputs (fill floats of `first_in` each time; a stage that read the
+    replay before would show) and check the chain's end: width floats of last_out = input + stages."""
+    ok = True
+    for value in (1.0, 7.0):
+        drv.memcpy_htod(first_in, np.full(fill, value, np.float32))
+        graph.launch(stream)
+        stream.synchronize()
+        end = np.empty(width, np.float32)
+        drv.memcpy_dtoh(end, last_out)
+        ok &= bool(np.all(end == value + stages))
+    return ok
+
+
 def run_chain(drv, runs: list[tuple[str, object, str]], stages: list[Stage], repeats: int,
               stride: int) -> dict[str, float | None]:
     """runs: (column, stub kernel, mode) -> {column: µs per stage, None if the chain's result was wrong}."""
@@ -166,14 +180,7 @@ def run_chain(drv, runs: list[tuple[str, object, str]], stages: list[Stage], rep
         with CudaGraph.capture(stream) as graph:
             width = build(kernel, stages, mode, stream, weights, counters, buffers, first_in, stride)
         try:
-            ok = True
-            for value in (1.0, 7.0):   # two inputs: a read of the replay before would show
-                drv.memcpy_htod(first_in, np.full(most, value, np.float32))
-                graph.launch(stream)
-                stream.synchronize()
-                end = np.empty(width, np.float32)
-                drv.memcpy_dtoh(end, buffers[-1])
-                ok &= bool(np.all(end == value + len(stages)))
+            ok = chain_is_right(drv, graph, stream, first_in, most, buffers[-1], width, len(stages))
             result[column] = replay_us(drv, graph, stream, repeats) / len(stages) if ok else None
         finally:
             graph.close()
@@ -211,20 +218,13 @@ def run_cluster_chain(drv, kernel, ctas: int, stages: int, width: int, stage_byt
     drv.memset_d32(weights, 0, WEIGHT_POOL_BYTES // 4)
     quads = stage_bytes // 16 // ctas
     args = (a, b, width, stages, weights, quads, WEIGHT_POOL_BYTES // 16)
+    with CudaGraph.capture(stream) as graph:
+        launch_cluster(kernel, ctas, 256, stream, args)
     try:
-        with CudaGraph.capture(stream) as graph:
-            launch_cluster(kernel, ctas, 256, stream, args)
-        ok = True
-        for value in (1.0, 7.0):
-            drv.memcpy_htod(a, np.full(width, value, np.float32))
-            graph.launch(stream)
-            stream.synchronize()
-            end = np.empty(width, np.float32)
-            drv.memcpy_dtoh(end, a if stages % 2 == 0 else b)
-            ok &= bool(np.all(end == value + stages))
+        ok = chain_is_right(drv, graph, stream, a, width, a if stages % 2 == 0 else b, width, stages)
         us = replay_us(drv, graph, stream, repeats) / stages
-        graph.close()
     finally:
+        graph.close()
         for buf in (a, b, weights):
             buf.free()
     return (us if ok else None), quads * 16 * ctas / us / 1e6
@@ -236,9 +236,9 @@ def driver_check(kernel, attribute: int, value: int) -> None:
                  f"cuFuncSetAttribute({kernel.name}, {attribute}, {value})")
 
 
-def stub_kernel(kernels, library, variant: dict[str, int], workdir: Path, name: str = KERNEL):
-    """The stub compiled with `variant`'s constants of handoff_bench.cu rewritten (constant_sweep's
-    rewrite_constants; {}: as it is)."""
+def load_stub(kernels, library, variant: dict[str, int], workdir: Path) -> dict:
+    """{kernel name: Kernel} of handoff_bench.cu, compiled once with `variant`'s constants rewritten
+    (constant_sweep's rewrite_constants; {}: as it is)."""
     from constant_sweep import rewrite_constants
 
     from tinyvllm.gpu.driver import check, libcuda
@@ -247,10 +247,12 @@ def stub_kernel(kernels, library, variant: dict[str, int], workdir: Path, name: 
         source = Path(tempfile.mkdtemp(dir=workdir)) / SOURCE.name
         source.write_text(rewrite_constants(SOURCE.read_text(), variant))
     module = kernels.load_module(source, library.arch, library.options)
-    handle = ctypes.c_void_p()
-    check(libcuda().cuModuleGetFunction(ctypes.byref(handle), module, name.encode()), name)
-    return kernels.Kernel(name, handle, kernels.kernel_signatures(str(SOURCE))[name],
-                          kernels.waits_for_producer(str(SOURCE)))
+    stubs = {}
+    for name, signature in kernels.kernel_signatures(str(SOURCE)).items():
+        handle = ctypes.c_void_p()
+        check(libcuda().cuModuleGetFunction(ctypes.byref(handle), module, name.encode()), name)
+        stubs[name] = kernels.Kernel(name, handle, signature, kernels.waits_for_producer(str(SOURCE)))
+    return stubs
 
 
 def main() -> None:
@@ -284,9 +286,11 @@ def main() -> None:
         drv = device.drv
         library = kernels.KernelLibrary()
         ops = GpuOps(library, num_sms=device.num_sms)
-        kernel = stub_kernel(kernels, library, {}, Path(workdir))
+        stubs = load_stub(kernels, library, {}, Path(workdir))
+        kernel = stubs[KERNEL]
         runs = [("serial", kernel, "serial"), ("pdl", kernel, "pdl"), ("counter", kernel, "counter"),
-                *[(f"counter {spec}", stub_kernel(kernels, library, v, Path(workdir)), "counter") for spec, v in variants]]
+                *[(f"counter {spec}", load_stub(kernels, library, v, Path(workdir))[KERNEL], "counter")
+                  for spec, v in variants]]
         chains = [(f"decode layer x{layers}, no weights", decode_layer_stages(config, ops, args.context, False) * layers),
                   (f"decode layer x{layers}, weights", decode_layer_stages(config, ops, args.context, True) * layers),
                   (f"{device.num_sms} blocks x 256, x{5 * layers}", [Stage("uniform", device.num_sms, 256)] * (5 * layers))]
@@ -316,7 +320,7 @@ def main() -> None:
                     cells.append(f"{r[c]:.2f}")
             print(f"| {label} | " + " | ".join(cells) + " |")
         # one cluster instead of a grid per stage: the sync and the bandwidth of a few SMs
-        cluster = stub_kernel(kernels, library, {}, Path(workdir), name="cluster_chain")
+        cluster = stubs["cluster_chain"]
         cluster_sizes = (8, 16)
         driver_check(cluster, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
         layer = decode_layer_stages(config, ops, args.context, True)
