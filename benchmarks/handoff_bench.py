@@ -37,7 +37,6 @@ one cluster 2.0-2.2 µs per stage, but 16 SMs pull only 0.47 TB/s.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import math
 import sys
 import tempfile
@@ -189,24 +188,6 @@ def run_chain(drv, runs: list[tuple[str, object, str]], stages: list[Stage], rep
     return result
 
 
-CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4            # cuda.h
-CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
-
-
-def launch_cluster(kernel, ctas: int, threads: int, stream, args) -> None:
-    """One launch of `kernel` as a single cluster of `ctas` blocks (cuLaunchKernelEx with the
-    cluster-dimension attribute; Kernel.launch carries only PDL's)."""
-    from tinyvllm.gpu import driver
-    attr = (driver.LaunchAttribute * 1)()
-    attr[0].id, attr[0].value = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, ctas       # clusterDim.x
-    ctypes.memmove(ctypes.addressof(attr[0]) + 12, (ctypes.c_uint * 2)(1, 1), 8)    # .y, .z
-    values = [t(int(a)) if t is ctypes.c_void_p else t(a) for t, a in zip(kernel._types, args, strict=True)]
-    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    config = driver.LaunchConfig((ctas, 1, 1), (threads, 1, 1), 0, stream.handle, attr, 1)
-    driver.check(driver.libcuda().cuLaunchKernelEx(ctypes.byref(config), kernel.handle, params, None),
-                 f"cluster launch of {kernel.name} ({ctas} blocks)")
-
-
 def run_cluster_chain(drv, kernel, ctas: int, stages: int, width: int, stage_bytes: int,
                       repeats: int) -> tuple[float | None, float]:
     """(µs per stage or None if wrong, weight TB/s) of cluster_chain: `stages` stages of one
@@ -219,7 +200,7 @@ def run_cluster_chain(drv, kernel, ctas: int, stages: int, width: int, stage_byt
     quads = stage_bytes // 16 // ctas
     args = (a, b, width, stages, weights, quads, WEIGHT_POOL_BYTES // 16)
     with CudaGraph.capture(stream) as graph:
-        launch_cluster(kernel, ctas, 256, stream, args)
+        kernel.launch((ctas, 1, 1), (256, 1, 1), stream.handle, args, cluster=ctas)
     try:
         ok = chain_is_right(drv, graph, stream, a, width, a if stages % 2 == 0 else b, width, stages)
         us = replay_us(drv, graph, stream, repeats) / stages
@@ -230,29 +211,18 @@ def run_cluster_chain(drv, kernel, ctas: int, stages: int, width: int, stage_byt
     return (us if ok else None), quads * 16 * ctas / us / 1e6
 
 
-def driver_check(kernel, attribute: int, value: int) -> None:
-    from tinyvllm.gpu import driver
-    driver.check(driver.libcuda().cuFuncSetAttribute(kernel.handle, attribute, value),
-                 f"cuFuncSetAttribute({kernel.name}, {attribute}, {value})")
-
-
 def load_stub(kernels, library, variant: dict[str, int], workdir: Path) -> dict:
     """{kernel name: Kernel} of handoff_bench.cu, compiled once with `variant`'s constants rewritten
     (constant_sweep's rewrite_constants; {}: as it is)."""
     from constant_sweep import rewrite_constants
 
-    from tinyvllm.gpu.driver import check, libcuda
     source = SOURCE
     if variant:
         source = Path(tempfile.mkdtemp(dir=workdir)) / SOURCE.name
         source.write_text(rewrite_constants(SOURCE.read_text(), variant))
     module = kernels.load_module(source, library.arch, library.options)
-    stubs = {}
-    for name, signature in kernels.kernel_signatures(str(SOURCE)).items():
-        handle = ctypes.c_void_p()
-        check(libcuda().cuModuleGetFunction(ctypes.byref(handle), module, name.encode()), name)
-        stubs[name] = kernels.Kernel(name, handle, signature, kernels.waits_for_producer(str(SOURCE)))
-    return stubs
+    return {name: kernels.Kernel.from_module(module, name, signature, kernels.waits_for_producer(str(SOURCE)))
+            for name, signature in kernels.kernel_signatures(str(SOURCE)).items()}
 
 
 def main() -> None:
@@ -322,7 +292,7 @@ def main() -> None:
         # one cluster instead of a grid per stage: the sync and the bandwidth of a few SMs
         cluster = stubs["cluster_chain"]
         cluster_sizes = (8, 16)
-        driver_check(cluster, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        cluster.set_attribute(driver.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
         layer = decode_layer_stages(config, ops, args.context, True)
         stage_bytes = sum(st.weight_bytes for st in layer) // len(layer)
         width = min(2048, config.hidden_size)

@@ -55,3 +55,31 @@ def test_sampler_constants_agree_with_the_host_side():
     from tinyvllm.engine.batch import EDIT_WORDS, MAX_LOGPROBS
     assert ops.SAMPLING["EDIT_WORDS"] == EDIT_WORDS
     assert ops.SAMPLING["MAX_TOP_LOGPROBS"] == MAX_LOGPROBS
+
+
+def test_launch_attributes_reach_the_driver_in_cuda_h_layout(monkeypatch):
+    """Kernel.launch's attributes as cuLaunchKernelEx reads them (a fake libcuda records the
+    CUlaunchConfig): PDL only for a PDL-capable kernel, clusterDim's x, y, z in the union's first
+    three words, 72-byte attributes (cuda.h: id, padding, a 64-byte union)."""
+    import ctypes
+
+    from tinyvllm.gpu import driver, kernels
+    assert ctypes.sizeof(driver.LaunchAttribute) == 72
+    seen = []
+
+    class FakeCuda:
+        def cuLaunchKernelEx(self, config, handle, params, extra):
+            c = config._obj
+            seen.append(([(c.attrs[i].id, tuple(c.attrs[i].value)) for i in range(c.num_attrs)],
+                         ctypes.cast(params[1], ctypes.POINTER(ctypes.c_int32))[0]))
+            return 0
+
+    monkeypatch.setattr(driver, "libcuda", lambda: FakeCuda())
+    pdl, cluster = driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, driver.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    capable, plain = (kernels.Kernel("k", ctypes.c_void_p(1), "Pi", c) for c in (True, False))
+    for kernel, options, attrs in ((capable, {"pdl": True, "cluster": 8}, [(pdl, (1, 0, 0)), (cluster, (8, 1, 1))]),
+                                   (capable, {"pdl": True}, [(pdl, (1, 0, 0))]),
+                                   (plain, {"pdl": True, "cluster": 16}, [(cluster, (16, 1, 1))]),
+                                   (capable, {}, [])):
+        kernel.launch((8, 1, 1), (32, 1, 1), 0, (5, -3), **options)
+        assert seen.pop() == (attrs, -3)

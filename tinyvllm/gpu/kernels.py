@@ -113,28 +113,45 @@ class Kernel:
         self._types = [_CTYPES[c] for c in signature]
         self.max_dynamic_shared_bytes = 0       # raised by set_max_dynamic_shared_bytes
         self._pdl = (driver.LaunchAttribute * 1)()
-        self._pdl[0].id, self._pdl[0].value = driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1
+        self._pdl[0].id, self._pdl[0].value[0] = driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1
+
+    @classmethod
+    def from_module(cls, module: ctypes.c_void_p, name: str, signature: str, pdl_capable: bool) -> Kernel:
+        """The kernel `name` of a loaded module (load_module)."""
+        handle = ctypes.c_void_p()
+        driver.check(driver.libcuda().cuModuleGetFunction(ctypes.byref(handle), module, name.encode()),
+                     f"the module's kernel {name}")
+        return cls(name, handle, signature, pdl_capable)
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], stream_handle: int, args,
-               shared_bytes: int = 0, pdl: bool = False) -> None:
+               shared_bytes: int = 0, pdl: bool = False, cluster: int = 0) -> None:
+        """cuLaunchKernelEx; pdl: with programmatic stream serialization (if the kernel waits for
+        its producer); cluster: grid x in thread-block clusters of this many blocks (0: none)."""
         if len(args) != len(self._types):
             raise TypeError(f"kernel {self.name} takes {len(self._types)} arguments ({self.signature}), "
                             f"got {len(args)}")
         # pointers arrive as ints or objects with __int__ (arena views, device arrays)
         values = [t(int(a)) if t is ctypes.c_void_p else t(a) for t, a in zip(self._types, args)]
-        pdl = pdl and self.pdl_capable
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        config = driver.LaunchConfig(grid, block, shared_bytes, stream_handle, self._pdl if pdl else None,
-                                     1 if pdl else 0)
+        attrs, count = (self._pdl, 1) if pdl and self.pdl_capable else (None, 0)
+        if cluster:
+            attrs = (driver.LaunchAttribute * (count + 1))(*(attrs or ()))
+            attrs[count].id = driver.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attrs[count].value[:] = (cluster, 1, 1)
+            count += 1
+        config = driver.LaunchConfig(grid, block, shared_bytes, stream_handle, attrs, count)
         driver.check(driver.libcuda().cuLaunchKernelEx(ctypes.byref(config), self.handle, params, None),
-                     f"launch of {self.name} grid {grid} block {block}")
+                     f"launch of {self.name} grid {grid} block {block}" + (f" cluster {cluster}" if cluster else ""))
+
+    def set_attribute(self, attribute: int, value: int) -> None:
+        """cuFuncSetAttribute (driver.CU_FUNC_ATTRIBUTE_*)."""
+        driver.check(driver.libcuda().cuFuncSetAttribute(self.handle, attribute, value),
+                     f"cuFuncSetAttribute({self.name}, attribute {attribute} = {value})")
 
     def set_max_dynamic_shared_bytes(self, nbytes: int) -> None:
         """Allow launches with up to nbytes of dynamic shared memory (above 48 KB a kernel must
         ask for it)."""
-        driver.check(driver.libcuda().cuFuncSetAttribute(
-            self.handle, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
-            f"cuFuncSetAttribute({self.name}, max dynamic shared {nbytes})")
+        self.set_attribute(driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
         self.max_dynamic_shared_bytes = nbytes
 
 
@@ -168,10 +185,7 @@ class KernelLibrary:
                 sig = next((s for pattern, s in kernel_signatures(filename).items()
                             if pattern == name or (pattern.startswith("^") and re.match(pattern, name))), None)
                 if sig is not None:
-                    handle = ctypes.c_void_p()
-                    driver.check(driver.libcuda().cuModuleGetFunction(ctypes.byref(handle), module, name.encode()),
-                                 f"{filename} has no kernel {name}")
-                    kernel = Kernel(name, handle, sig, waits_for_producer(filename))
+                    kernel = Kernel.from_module(module, name, sig, waits_for_producer(filename))
                     break
             else:
                 raise KeyError(f"no kernel {name!r} in {sorted(self._modules)}")
