@@ -221,7 +221,8 @@ def load_stub(kernels, library, variant: dict[str, int], workdir: Path) -> dict:
         source = Path(tempfile.mkdtemp(dir=workdir)) / SOURCE.name
         source.write_text(rewrite_constants(SOURCE.read_text(), variant))
     module = kernels.load_module(source, library.arch, library.options)
-    return {name: kernels.Kernel.from_module(module, name, signature, kernels.waits_for_producer(str(SOURCE)))
+    return {name: kernels.Kernel.from_module(module, SOURCE.name, name, signature,
+                                             kernels.waits_for_producer(str(SOURCE)))
             for name, signature in kernels.kernel_signatures(str(SOURCE)).items()}
 
 

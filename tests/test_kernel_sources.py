@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 import re
 
+import pytest
+
 from tinyvllm.gpu import ops
 from tinyvllm.gpu.kernels import CUDA_DIR, kernel_constants, kernel_signatures
 
@@ -72,6 +74,10 @@ def test_launch_attributes_reach_the_driver_in_cuda_h_layout(monkeypatch):
             c = config._obj
             seen.append(([(c.attrs[i].id, tuple(c.attrs[i].value)) for i in range(c.num_attrs)],
                          ctypes.cast(params[1], ctypes.POINTER(ctypes.c_int32))[0]))
+            return 0 if config._obj.grid[0] else 1      # an empty grid fails, as CUDA's does
+
+        def cuGetErrorString(self, status, message):
+            message._obj.value = b"invalid argument"
             return 0
 
     monkeypatch.setattr(driver, "libcuda", lambda: FakeCuda())
@@ -83,3 +89,6 @@ def test_launch_attributes_reach_the_driver_in_cuda_h_layout(monkeypatch):
                                    (capable, {}, [])):
         kernel.launch((8, 1, 1), (32, 1, 1), 0, (5, -3), **options)
         assert seen.pop() == (attrs, -3)
+    with pytest.raises(driver.CudaDriverError, match=r"launch of k grid \(0, 1, 1\) block \(32, 1, 1\) cluster 8 "
+                                                     r"failed: invalid argument \(CUresult 1\)"):
+        capable.launch((0, 1, 1), (32, 1, 1), 0, (5, -3), cluster=8)

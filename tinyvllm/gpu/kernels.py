@@ -116,11 +116,11 @@ class Kernel:
         self._pdl[0].id, self._pdl[0].value[0] = driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1
 
     @classmethod
-    def from_module(cls, module: ctypes.c_void_p, name: str, signature: str, pdl_capable: bool) -> Kernel:
-        """The kernel `name` of a loaded module (load_module)."""
+    def from_module(cls, module: ctypes.c_void_p, source: str, name: str, signature: str, pdl_capable: bool) -> Kernel:
+        """The kernel `name` of a loaded module (load_module); source: its file's name, for the error."""
         handle = ctypes.c_void_p()
         driver.check(driver.libcuda().cuModuleGetFunction(ctypes.byref(handle), module, name.encode()),
-                     f"the module's kernel {name}")
+                     f"{source} has no kernel {name}")
         return cls(name, handle, signature, pdl_capable)
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], stream_handle: int, args,
@@ -140,8 +140,10 @@ class Kernel:
             attrs[count].value[:] = (cluster, 1, 1)
             count += 1
         config = driver.LaunchConfig(grid, block, shared_bytes, stream_handle, attrs, count)
-        driver.check(driver.libcuda().cuLaunchKernelEx(ctypes.byref(config), self.handle, params, None),
-                     f"launch of {self.name} grid {grid} block {block}" + (f" cluster {cluster}" if cluster else ""))
+        status = driver.libcuda().cuLaunchKernelEx(ctypes.byref(config), self.handle, params, None)
+        if status:      # the message only on failure: eager decode launches ~100 kernels a step
+            driver.check(status, f"launch of {self.name} grid {grid} block {block}"
+                                 + (f" cluster {cluster}" if cluster else ""))
 
     def set_attribute(self, attribute: int, value: int) -> None:
         """cuFuncSetAttribute (driver.CU_FUNC_ATTRIBUTE_*)."""
@@ -185,7 +187,7 @@ class KernelLibrary:
                 sig = next((s for pattern, s in kernel_signatures(filename).items()
                             if pattern == name or (pattern.startswith("^") and re.match(pattern, name))), None)
                 if sig is not None:
-                    kernel = Kernel.from_module(module, name, sig, waits_for_producer(filename))
+                    kernel = Kernel.from_module(module, filename, name, sig, waits_for_producer(filename))
                     break
             else:
                 raise KeyError(f"no kernel {name!r} in {sorted(self._modules)}")
