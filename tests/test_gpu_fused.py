@@ -493,11 +493,11 @@ def test_next_weights_prefetch_changes_no_bits(gpu, rng, lines):
                                    next_weights=next_weights)
             _sync()
             runs.append([_bits(a.get()) for a in (act, hidden, normed_out, ss_out)])
-            assert gpu._next_weights((d_next, 4096, 584, 8))[4] == lines
     finally:
         gpu.gemv_prefetch_lines = was
     for name, without, with_prefetch in zip(("act", "hidden", "normed", "row_ss"), *runs):
         np.testing.assert_array_equal(with_prefetch, without, err_msg=f"the prefetch changed {name}")
+    assert gpu._next_weights((d_next, 4096, 584, 8))[-1] == lines
 
 
 def test_fused_launchers_reject(gpu):

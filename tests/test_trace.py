@@ -434,19 +434,19 @@ def test_cold_boundaries_prefetch_the_next_weights(tiny_model_dir):
 
     ops.gemv_prefetch_lines = 2
     launches = decode_launches()
-    # (..., next_w, next_n, next_k, next_warps, next_lines, next_at_end, wide_l2, ring)
-    gate_up = [d["args"][-8:-2] for op, d in launches if op == "gemv_prenormed_silu_mul_bf16"]
-    residual = [d["args"][-8:-2] for op, d in launches if op == "gemv_residual_norm_bf16"]
+    # (..., next_w, next_n, next_k, next_warps, next_lines, wide_l2, ring)
+    gate_up = [d["args"][-7:-2] for op, d in launches if op == "gemv_prenormed_silu_mul_bf16"]
+    residual = [d["args"][-7:-2] for op, d in launches if op == "gemv_residual_norm_bf16"]
     o, down = residual[0::2], residual[1::2]
     down_warps, qkv_warps = warps_of(launches, "gemv_residual_norm_bf16")[1::2], \
         warps_of(launches, "gemv_prenormed_rope_kv_bf16")
-    assert gate_up == [(int(lw.down), H, I, kw, 2, 0) for lw, kw in zip(w.layers, down_warps)]
-    assert down == [(int(nxt.qkv), qkv_width, H, kw, 2, 0) for nxt, kw in zip(w.layers[1:], qkv_warps[1:])] + \
-        [(0, 0, 0, 0, 0, 0)]
-    assert o == [(0, 0, 0, 0, 0, 0)] * L
+    assert gate_up == [(int(lw.down), H, I, kw, 2) for lw, kw in zip(w.layers, down_warps)]
+    assert down == [(int(nxt.qkv), qkv_width, H, kw, 2) for nxt, kw in zip(w.layers[1:], qkv_warps[1:])] + \
+        [(0, 0, 0, 0, 0)]
+    assert o == [(0, 0, 0, 0, 0)] * L
     ops.gemv_prefetch_lines = 0
     launches = decode_launches()
-    assert all(d["args"][-8:-2] == (0, 0, 0, 0, 0, 0) for op, d in launches
+    assert all(d["args"][-7:-2] == (0, 0, 0, 0, 0) for op, d in launches
                if op in ("gemv_prenormed_silu_mul_bf16", "gemv_residual_norm_bf16"))
     assert parse_prefetch_lines(None) == GEMV_PREFETCH_LINES and parse_prefetch_lines("2") == 2
     for bad in ("-1", "5", "two", ""):

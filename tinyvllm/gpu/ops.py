@@ -191,8 +191,6 @@ class GpuOps:
         # the lines per (row, warp) of the next GEMV's weight that gemv_silu_mul / gemv_residual_norm
         # prefetch into L2 at their tail (next_weights; module docstring); 0: none
         self.gemv_prefetch_lines = parse_prefetch_lines(os.environ.get("TINYVLLM_GEMV_PREFETCH_LINES"))
-        # when: as each warp's last weight copy goes out (refill), or after its last mma (end)
-        self.gemv_prefetch_at_end = os.environ.get("TINYVLLM_GEMV_PREFETCH_AT", "refill") == "end"
         # the decode attention's early K/V copies (module docstring); TINYVLLM_ATTN_EARLY_KV=0: off
         self.early_kv = os.environ.get("TINYVLLM_ATTN_EARLY_KV", "1") != "0"
         if self.fuse_norm not in ("auto", "all", "none", "producer"):
@@ -568,7 +566,7 @@ class GpuOps:
         k-split): gemv.cu's NextWeights, gemv_prefetch_lines lines per (row, warp) from where each
         of its warps starts. None, or gemv_prefetch_lines = 0: nothing is prefetched."""
         if next_weights is None or not self.gemv_prefetch_lines:
-            return (0, 0, 0, 0, 0, 0)
+            return (0, 0, 0, 0, 0)
         w, n, k, warps = next_weights
         w, n, k, warps, lines = int(w), int(n), int(k), int(warps), self.gemv_prefetch_lines
         if not w or w & 15 or n < 1 or k < 8 or k % 8 or not 1 <= warps <= GEMV["MAX_K_WARPS"]:
@@ -576,7 +574,7 @@ class GpuOps:
                              f"{GEMV['MAX_K_WARPS']} warps; got w={w:#x}, n={n}, k={k}, warps={warps}")
         if n * warps * lines >= 2**31:
             raise ValueError(f"next_weights: {n} rows x {warps} warps x {lines} lines is too many to prefetch")
-        return (w, n, k, warps, lines, int(self.gemv_prefetch_at_end))
+        return (w, n, k, warps, lines)
 
     def gemv_rope_kv(self, qkv, x, w, m: int, n: int, k: int, k_cache, v_cache, positions, slot_mapping,
                      inv_freq, *, num_q_heads: int, num_kv_heads: int, head_dim: int, norm=None,

@@ -125,9 +125,6 @@ constexpr int RING_STEPS = 4;     // ring path: steps per warp in flight (cp.asy
 // modes' 4 norm-weight chunks (one per t)
 constexpr int RING_SLOT_QUADS = 3 * 32 + 4;
 constexpr int RING_BYTES_PER_WARP = RING_STEPS * RING_SLOT_QUADS * 16;   // gpu/ops.py sizes shared memory by it
-// 1: the ring's weight copies carry an L2 evict_first policy (weights are read once a step, so
-// they need not displace what is read again); an experiment (perf-notes, session 16)
-constexpr int W_EVICT_FIRST = 0;
 
 // W: read once, keep out of L1; wide_l2: with the .L2::256B prefetch hint (header)
 __device__ __forceinline__ uint4 load_stream(const bf16* p, int wide_l2) {
@@ -146,18 +143,6 @@ __device__ __forceinline__ uint4 load_stream(const bf16* p, int wide_l2) {
 // zeros); wide_l2 as load_stream. cp.async.cg goes through L2 only, which X needs as well: it is
 // the previous kernel's output, never to be served from a stale L1 line.
 __device__ __forceinline__ void ring_copy(uint4* slot, const bf16* src, int src_bytes, int wide_l2) {
-    if constexpr (W_EVICT_FIRST) {
-        uint64_t policy;
-        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-        if (wide_l2) {
-            asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n"
-                         ::"r"(smem_addr(slot)), "l"(src), "r"(src_bytes), "l"(policy) : "memory");
-        } else {
-            asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
-                         ::"r"(smem_addr(slot)), "l"(src), "r"(src_bytes), "l"(policy) : "memory");
-        }
-        return;
-    }
     if (wide_l2) {
         asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
                      ::"r"(smem_addr(slot)), "l"(src), "r"(src_bytes) : "memory");
@@ -234,7 +219,6 @@ struct NextWeights {
     const bf16* w;      // [n, k], as the next GEMV reads it
     int n, k, warps;    // warps: the next GEMV's k-split (its block.x / 32)
     int lines;
-    int at_end;         // 0: as this warp's last weight copy goes out; 1: after its last mma
 };
 
 // Prefetch the next GEMV's first weight lines into L2 (header: next weights). The next GEMV's warp
@@ -421,8 +405,7 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             cp_async_commit();
             // this warp's last weight copy is out (or, with at most RING_STEPS steps, was out
             // before the wait): its ring now drains, the moment to ask for the next weights
-            if (next.lines && !next.at_end && i == (my_steps > RING_STEPS ? my_steps - RING_STEPS - 1 : 0))
-                prefetch_next_weights(next);
+            if (next.lines && i == (my_steps > RING_STEPS ? my_steps - RING_STEPS - 1 : 0)) prefetch_next_weights(next);
         }
     }
     for (int s0 = ring ? s_end : s_begin; s0 < s_end; s0 += UNROLL) {
@@ -435,7 +418,7 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             if (in && w_ok0) wv0[u] = load_stream(w0 + kk, wide_l2);
             if (in && w_ok1) wv1[u] = load_stream(w1 + kk, wide_l2);
         }
-        if (next.lines && !next.at_end && s0 + UNROLL >= s_end) prefetch_next_weights(next);   // the last loads are out
+        if (next.lines && s0 + UNROLL >= s_end) prefetch_next_weights(next);   // the last loads are out
         if (s0 == s_begin) {   // X is the previous kernel's output
             wait_for_producer();
             copy_producer_ss();
@@ -460,7 +443,6 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
         }
     }
     wait_for_producer();   // warps without steps: Y is read/written below
-    if (next.lines && next.at_end && s_begin < s_end) prefetch_next_weights(next);
     if (!ring && s_begin >= s_end) copy_producer_ss();   // the register path's warps without steps
     if constexpr (MODE == XLoad::prenormed) cp_async_wait<0>();   // visible to all after __syncthreads
 
@@ -603,18 +585,18 @@ gemv_norm_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const
 // and silu_mul in one launch, the same bits. act: [m, n/2].
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ w,
-                   int m, int n, int k, const bf16* __restrict__ next_w, int next_n, int next_k, int next_warps, int next_lines, int next_at_end, int wide_l2, int ring) {
+                   int m, int n, int k, const bf16* __restrict__ next_w, int next_n, int next_k, int next_warps, int next_lines, int wide_l2, int ring) {
     gemv_body<XLoad::plain, Epilogue::silu_mul>(act, x, NormArgs{}, w, m, n, k, 0, 0, RopeArgs{}, NormOut{}, wide_l2, ring,
-                                                nullptr, NextWeights{next_w, next_n, next_k, next_warps, next_lines, next_at_end});
+                                                nullptr, NextWeights{next_w, next_n, next_k, next_warps, next_lines});
 }
 
 // gemv_silu_mul_bf16 with the RMSNorm of x inside, as gemv_norm_rope_kv_bf16.
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_norm_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
                         const bf16* __restrict__ w, int m, int n, int k, float eps,
-                        const bf16* __restrict__ next_w, int next_n, int next_k, int next_warps, int next_lines, int next_at_end, int wide_l2, int ring) {
+                        const bf16* __restrict__ next_w, int next_n, int next_k, int next_warps, int next_lines, int wide_l2, int ring) {
     gemv_body<XLoad::rms_norm, Epilogue::silu_mul>(act, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0, RopeArgs{}, NormOut{},
-                                                   wide_l2, ring, nullptr, NextWeights{next_w, next_n, next_k, next_warps, next_lines, next_at_end});
+                                                   wide_l2, ring, nullptr, NextWeights{next_w, next_n, next_k, next_warps, next_lines});
 }
 
 // The handed-over norm (header): y += x @ W^T as gemv_bf16 with accumulate = 1 (the o or down
@@ -623,9 +605,9 @@ gemv_norm_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, cons
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_residual_norm_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
                         int m, int n, int k, const bf16* __restrict__ norm_w, bf16* __restrict__ normed,
-                        float* __restrict__ row_ss, const bf16* __restrict__ next_w, int next_n, int next_k, int next_warps, int next_lines, int next_at_end, int wide_l2, int ring) {
+                        float* __restrict__ row_ss, const bf16* __restrict__ next_w, int next_n, int next_k, int next_warps, int next_lines, int wide_l2, int ring) {
     gemv_body<XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, w, m, n, k, 0, 1, RopeArgs{},
-                                                     NormOut{norm_w, normed, row_ss}, wide_l2, ring, nullptr, NextWeights{next_w, next_n, next_k, next_warps, next_lines, next_at_end});
+                                                     NormOut{norm_w, normed, row_ss}, wide_l2, ring, nullptr, NextWeights{next_w, next_n, next_k, next_warps, next_lines});
 }
 
 // gemv_rope_kv_bf16 on x = normed from gemv_residual_norm_bf16, each output scaled by its row's
@@ -663,7 +645,7 @@ gemv_prenormed_bf16(void* __restrict__ y, const bf16* __restrict__ x, const floa
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_prenormed_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const float* __restrict__ row_ss,
                              const bf16* __restrict__ w, int m, int n, int k, float eps,
-                             const bf16* __restrict__ next_w, int next_n, int next_k, int next_warps, int next_lines, int next_at_end, int wide_l2, int ring) {
+                             const bf16* __restrict__ next_w, int next_n, int next_k, int next_warps, int next_lines, int wide_l2, int ring) {
     gemv_body<XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{nullptr, eps, row_ss}, w, m, n, k, 0, 0,
-                                                    RopeArgs{}, NormOut{}, wide_l2, ring, nullptr, NextWeights{next_w, next_n, next_k, next_warps, next_lines, next_at_end});
+                                                    RopeArgs{}, NormOut{}, wide_l2, ring, nullptr, NextWeights{next_w, next_n, next_k, next_warps, next_lines});
 }
