@@ -463,43 +463,6 @@ def test_prenormed_gemvs_ring_changes_no_bits(gpu, rng):
     np.testing.assert_array_equal(*outs, err_msg="the ring path changed the prenormed GEMV's bits")
 
 
-@pytest.mark.parametrize("lines", [1, 4])
-def test_next_weights_prefetch_changes_no_bits(gpu, rng, lines):
-    """gemv_silu_mul and gemv_residual_norm prefetching the next GEMV's weight lines into L2 at
-    their tail (gemv.cu's NextWeights, ops' next_weights) give the bits they give without it, on
-    both weight paths. The next weight (4,096 x 584 at 8 warps: 19 k steps, so some warps' later
-    lines fall past k and are skipped) has more lines than the grid has threads at 4 lines a run,
-    so threads take several each."""
-    from gpu_helpers import BF16, DeviceArray, to_bf16
-    m, k, inter = 3, 576, 1536
-    _, _, normed, row_ss = _handed_over(gpu, rng, m, k, None)
-    _, d_gate_up = _weights(rng, 2 * inter, k)
-    _, d_down = _weights(rng, k, inter)
-    _, d_next = _weights(rng, 4096, 584)
-    act_in = DeviceArray(_with_nan_rows(to_bf16(rng.standard_normal((m, inter)))))
-    h0 = to_bf16(rng.standard_normal((m, k)) * rng.uniform(0.1, 30))
-    norm_w, d_nw = _norm_weight(rng, k)
-    was, runs = gpu.gemv_prefetch_lines, []
-    try:
-        gpu.gemv_prefetch_lines = lines
-        for next_weights in (None, (d_next, 4096, 584, 8)):
-            act = DeviceArray.poisoned((m, inter), BF16)
-            gpu.gemv_silu_mul(act, normed, d_gate_up, m, 2 * inter, k, prenormed=(row_ss, EPS), k_warps=8,
-                              next_weights=next_weights)
-            hidden = DeviceArray(h0)
-            normed_out = DeviceArray.poisoned((m, k), BF16)
-            ss_out = DeviceArray.poisoned((m, k // 16), np.float32)
-            gpu.gemv_residual_norm(hidden, act_in, d_down, m, k, inter, d_nw, normed_out, ss_out, k_warps=32,
-                                   next_weights=next_weights)
-            _sync()
-            runs.append([_bits(a.get()) for a in (act, hidden, normed_out, ss_out)])
-    finally:
-        gpu.gemv_prefetch_lines = was
-    for name, without, with_prefetch in zip(("act", "hidden", "normed", "row_ss"), *runs):
-        np.testing.assert_array_equal(with_prefetch, without, err_msg=f"the prefetch changed {name}")
-    assert gpu._next_weights((d_next, 4096, 584, 8))[-1] == lines
-
-
 def test_fused_launchers_reject(gpu):
     kw = dict(num_q_heads=2, num_kv_heads=1, head_dim=64)
     with pytest.raises(ValueError, match="head_dim"):

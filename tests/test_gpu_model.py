@@ -226,14 +226,6 @@ def test_l2_prefetch_graphs_equal_plain_graphs(tiny):
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3])
-def test_next_weights_prefetch_graphs_equal_plain_graphs(tiny, num_seqs):
-    """gate_up and down prefetch the next GEMV's first weight lines into L2 at their tail
-    (gpu/model.py, TINYVLLM_GEMV_PREFETCH_LINES): timing only, so decode graphs captured with it
-    (two lines a run) give bitwise the logits of graphs captured without it."""
-    _assert_settings_give_the_same_steps(tiny, 23, num_seqs, {"gemv_prefetch_lines": 2}, {"gemv_prefetch_lines": 0})
-
-
-@pytest.mark.parametrize("num_seqs", [1, 3])
 def test_early_kv_graphs_equal_plain_graphs(tiny, num_seqs):
     """The decode attention's early K/V copies (TINYVLLM_ATTN_EARLY_KV, attention_decode.cu's
     header) run under PDL inside the graphs, where the qkv GEMV writing the newest K/V row may

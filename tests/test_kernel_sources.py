@@ -20,12 +20,10 @@ def test_signatures_match_the_c_parameter_lists():
     assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiiiii",            # plain and the two fused,
                                             "gemv_rope_kv_bf16": "PPPiiiPPPPPiiiii",  # each ending in wide_l2, ring
                                             "gemv_norm_rope_kv_bf16": "PPPPiiifPPPPPiiiii",
-                                            # + next weights (P, n, k, warps, lines) before wide_l2, ring
-                                            "gemv_silu_mul_bf16": "PPPiiiPiiiiii",
-                                            "gemv_norm_silu_mul_bf16": "PPPPiiifPiiiiii",
-                                            "gemv_residual_norm_bf16": "PPPiiiPPPPiiiiii",   # the handed-over norm
+                                            "gemv_silu_mul_bf16": "PPPiiiii", "gemv_norm_silu_mul_bf16": "PPPPiiifii",
+                                            "gemv_residual_norm_bf16": "PPPiiiPPPii",   # the handed-over norm
                                             "gemv_prenormed_rope_kv_bf16": "PPPPiiifPPPPPiiiii",
-                                            "gemv_prenormed_silu_mul_bf16": "PPPPiiifPiiiiii",
+                                            "gemv_prenormed_silu_mul_bf16": "PPPPiiifii",
                                             "gemv_prenormed_bf16": "PPPPiiifiPii"}        # the LM head
     assert kernel_signatures("step_io.cu") == {"copy_words": "PPi"}
     (pattern, sig), = kernel_signatures("attention_decode.cu").items()          # a macro-made family

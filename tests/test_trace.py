@@ -18,7 +18,7 @@ from tinyvllm.gpu.arena import ArenaDims, ArenaLayout, DeviceView, round_up
 from tinyvllm.gpu.cublas import Cublas
 from tinyvllm.gpu.device_weights import DeviceWeights, LayerWeights, device_tensor_shapes, device_weight_bytes
 from tinyvllm.gpu.model import LlamaModel, StepShape
-from tinyvllm.gpu.ops import GEMV_PREFETCH_LINES, GpuOps, parse_k_warps_for, parse_prefetch_lines
+from tinyvllm.gpu.ops import GpuOps, parse_k_warps_for
 from tinyvllm.trace import TracingRunner
 
 
@@ -406,55 +406,3 @@ def test_decode_layer_takes_per_projection_k_warps(tiny_model_dir, fuse_norm):
         with pytest.raises(ValueError, match="TINYVLLM_GEMV_K_WARPS"):
             parse_k_warps_for(bad)
     assert parse_k_warps_for(" o=16, down=8 ") == {"o": 16, "down": 8} and parse_k_warps_for("") == {}
-
-
-def test_cold_boundaries_prefetch_the_next_weights(tiny_model_dir):
-    """gpu/model.py: each gate_up GEMV names its layer's down weight as the next weights to
-    prefetch into L2, each down the next layer's qkv (the last down none), at the k-split those
-    GEMVs then launch with; the o GEMV names none. TINYVLLM_GEMV_PREFETCH_LINES sets the lines
-    (0: every next-weights argument zero); a bad value is one clear error."""
-    config = ModelConfig.from_pretrained(tiny_model_dir)
-    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
-    ops, w, L = fake.ops, fake.weights, config.num_hidden_layers
-    H, I = config.hidden_size, config.intermediate_size
-    qkv_width = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
-    ops.fuse_norm = "producer"
-
-    def decode_launches():
-        launches = []
-        ops.observer = lambda op, repeat, details: launches.append((op, details))
-        try:
-            fake.execute(ForwardBatch.build([[7]], [12], [[5]], 16, is_prefill=False), SamplingBatch.greedy(1))
-        finally:
-            ops.observer = None
-        return launches
-
-    def warps_of(launches, kernel):
-        return [d["block"][0] // 32 for op, d in launches if op == kernel]
-
-    ops.gemv_prefetch_lines = 2
-    launches = decode_launches()
-    # (..., next_w, next_n, next_k, next_warps, next_lines, wide_l2, ring)
-    gate_up = [d["args"][-7:-2] for op, d in launches if op == "gemv_prenormed_silu_mul_bf16"]
-    residual = [d["args"][-7:-2] for op, d in launches if op == "gemv_residual_norm_bf16"]
-    o, down = residual[0::2], residual[1::2]
-    down_warps, qkv_warps = warps_of(launches, "gemv_residual_norm_bf16")[1::2], \
-        warps_of(launches, "gemv_prenormed_rope_kv_bf16")
-    assert gate_up == [(int(lw.down), H, I, kw, 2) for lw, kw in zip(w.layers, down_warps)]
-    assert down == [(int(nxt.qkv), qkv_width, H, kw, 2) for nxt, kw in zip(w.layers[1:], qkv_warps[1:])] + \
-        [(0, 0, 0, 0, 0)]
-    assert o == [(0, 0, 0, 0, 0)] * L
-    ops.gemv_prefetch_lines = 0
-    launches = decode_launches()
-    assert all(d["args"][-7:-2] == (0, 0, 0, 0, 0) for op, d in launches
-               if op in ("gemv_prenormed_silu_mul_bf16", "gemv_residual_norm_bf16"))
-    assert parse_prefetch_lines(None) == GEMV_PREFETCH_LINES and parse_prefetch_lines("2") == 2
-    for bad in ("-1", "5", "two", ""):
-        with pytest.raises(ValueError, match="TINYVLLM_GEMV_PREFETCH_LINES"):
-            parse_prefetch_lines(bad)
-    ops.gemv_prefetch_lines = 1                 # a bad next weight is one clear error
-    for bad in ((8, 64, 64, 4), (0, 64, 64, 4), (16, 64, 60, 4), (16, 64, 64, 33), (16, 0, 64, 4)):
-        with pytest.raises(ValueError, match="next_weights"):
-            ops._next_weights(bad)
-    with pytest.raises(ValueError, match="too many"):
-        ops._next_weights((16, 1 << 30, 64, 4))

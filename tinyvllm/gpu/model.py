@@ -46,13 +46,6 @@ The o GEMV follows the attention, whose few blocks (num_kv_heads at batch 1) hol
 k-split stays at most half an SM per CTA (ops.gemv_k_warps' beside_attention), so all its CTAs
 are resident under PDL while the attention runs and hold their weights when it ends.
 
-Two boundaries of the fused layer start cold: down's 32-warp CTAs need a whole SM, so none is
-resident until gate_up's CTAs there have left, and the next layer's qkv CTAs find no room beside
-down's. So gate_up prefetches the first weight lines down's warps read into L2 as its own loads
-end, and down those of the next layer's qkv (ops' next_weights, TINYVLLM_GEMV_PREFETCH_LINES):
-the producer's drain then carries bytes the consumer needs, and the consumer's first round hits
-L2. A hint, no bit changes (docs/perf-notes.md, session 16, has what it measured).
-
 TINYVLLM_L2_PREFETCH=1 makes the fused layer's attention warm L2 (attention_decode's
 l2_prefetch): at batch 1 it is num_kv_heads blocks for ~4 us that leave HBM nearly idle, so
 extra blocks of its grid prefetch the o weight and then the start of gate_up,
@@ -215,14 +208,13 @@ class LlamaModel:
             ops.rms_norm(self.normed, self.hidden, norm_weight, T, H, eps)
             return self.normed, None, None
 
-        def add_residual(x, weight, k: int, next_norm, name: str, next_weights=None):
-            """hidden += x @ weight^T; next_norm: the gain of the norm after it, handed over;
-            next_weights: the next GEMV's, prefetched at the tail (module docstring)."""
+        def add_residual(x, weight, k: int, next_norm, name: str):
+            """hidden += x @ weight^T; next_norm: the gain of the norm after it, handed over."""
             if next_norm is None:
                 ops.linear(self.hidden, x, weight, T, H, k, accumulate=True, k_warps=kw[name])
             else:
                 ops.gemv_residual_norm(self.hidden, x, weight, T, H, k, next_norm, self.normed, self.norm_row_ss,
-                                       k_warps=kw[name], next_weights=next_weights)
+                                       k_warps=kw[name])
 
         x, norm, prenormed = normed_input(lw.input_norm, self.qkv_width, handoff)   # layer 0: by the embedding
         tok = self.token_inputs[False]
@@ -234,11 +226,10 @@ class LlamaModel:
         add_residual(self.attn_out, lw.o, c.q_size, lw.post_norm if handoff else None, "o")             # o
         x, norm, prenormed = normed_input(lw.post_norm, 2 * I, handoff)
         ops.gemv_silu_mul(self.act, x, lw.gate_up, T, 2 * I, H, norm=norm, prenormed=prenormed,        # gate_up, silu
-                          k_warps=kw["gate_up"], next_weights=(lw.down, H, I, kw["down"]))
+                          k_warps=kw["gate_up"])
         last = layer == len(w.layers) - 1          # the final norm goes to the LM head
-        next_qkv = None if last else (w.layers[layer + 1].qkv, self.qkv_width, H, kw["qkv"])
         add_residual(self.act, lw.down, I, (final_norm if last else w.layers[layer + 1].input_norm) if handoff else None,
-                     "down", next_qkv)                                                                  # down
+                     "down")                                                                            # down
 
     def _attention(self, step: StepShape, layer: int, l2_prefetch=None) -> None:
         c = self.cfg

@@ -44,13 +44,6 @@ TINYVLLM_L2_PREFETCH=1 makes the fused layer's attention prefetch the o weight a
 gate_up into L2 while it runs (attention_decode's l2_prefetch; model.py says why). Off by
 default: it measured no gain (docs/perf-notes.md, session 7). Timing only: the same bits either way.
 
-At the two boundaries of a decode layer that start cold (down after gate_up, the next layer's
-qkv after down: their CTAs cannot be resident beside the producer's, gemv.cu's header), the
-producer prefetches the consumer's first weight lines into L2 as its own loads end (gemv_silu_mul
-and gemv_residual_norm's next_weights; model.py passes them). TINYVLLM_GEMV_PREFETCH_LINES sets
-the 128-byte lines per (row, warp) run (GEMV_PREFETCH_LINES by default, 0: none). Timing only:
-the same bits either way.
-
 The decode attention issues its first K/V copies (all rows but each sequence's newest) before it
 waits for the qkv GEMV under PDL (attention_decode.cu's header, the launcher's early_kv): the same
 bits (tests/test_gpu_kernels.py, test_gpu_model.py), 22-54 us less GPU time per step at batch 1
@@ -102,11 +95,6 @@ GEMV_MIN_STEPS_PER_WARP = 2  # gemv_k_warps(): the fewest 32-wide k steps a warp
 # 1,004 -> 1,014 decode tok/s (H100, session 11). Smaller o GEMVs (SmolLM2: 8 warps) are unchanged.
 GEMV_BESIDE_ATTENTION_WARPS = GEMV_WARPS_PER_SM // 2
 GEMV_WIDE_L2_MIN_STEPS = 16  # gemv_wide_l2(): the steps per warp from which the .L2::256B hint pays
-# The 128-byte lines per (row, warp) of the next GEMV's weight a cold boundary's producer prefetches
-# into L2 (module docstring); 2 covers the next warps' whole first ring round. Measured: perf-notes,
-# session 16.
-GEMV_PREFETCH_LINES = 1
-GEMV_MAX_PREFETCH_LINES = 4
 # The LM head runs on the GEMV too (gemv_k_warps' `last` rule): alone 121 us against cuBLAS's
 # 127 on Llama-1B's 525 MB head (a tie inside its decode graph), and SmolLM2's decode graph
 # 15-20 us shorter, where the cuBLAS kernel broke the PDL chain (docs/perf-notes.md, session 8);
@@ -122,16 +110,6 @@ def _dim3(d) -> tuple[int, int, int]:
 
 DECODE_PROJECTIONS = ("qkv", "o", "gate_up", "down")   # the decode layer's GEMVs, by name
 K_WARPS_CHOICES = tuple(1 << i for i in range(GEMV["MAX_K_WARPS"].bit_length()))   # 1, 2, 4 .. 32
-
-
-def parse_prefetch_lines(text: str | None) -> int:
-    """TINYVLLM_GEMV_PREFETCH_LINES (unset: GEMV_PREFETCH_LINES) -> lines, 0 .. GEMV_MAX_PREFETCH_LINES."""
-    if text is None:
-        return GEMV_PREFETCH_LINES
-    if not text.strip().isdigit() or int(text) > GEMV_MAX_PREFETCH_LINES:
-        raise ValueError(f"TINYVLLM_GEMV_PREFETCH_LINES must be an integer from 0 to {GEMV_MAX_PREFETCH_LINES}, "
-                         f"got {text!r}")
-    return int(text)
 
 
 def parse_k_warps_for(spec: str) -> dict[str, int]:
@@ -188,9 +166,6 @@ class GpuOps:
         # the GEMV's .L2::256B load hint: None follows gemv_wide_l2's rule, True / False force it
         # (benchmarks/gemv_bench.py and decode_profile.py --compare-gemv compare them)
         self.gemv_l2_hint: bool | None = None
-        # the lines per (row, warp) of the next GEMV's weight that gemv_silu_mul / gemv_residual_norm
-        # prefetch into L2 at their tail (next_weights; module docstring); 0: none
-        self.gemv_prefetch_lines = parse_prefetch_lines(os.environ.get("TINYVLLM_GEMV_PREFETCH_LINES"))
         # the decode attention's early K/V copies (module docstring); TINYVLLM_ATTN_EARLY_KV=0: off
         self.early_kv = os.environ.get("TINYVLLM_ATTN_EARLY_KV", "1") != "0"
         if self.fuse_norm not in ("auto", "all", "none", "producer"):
@@ -547,34 +522,16 @@ class GpuOps:
         return m * (k // GEMV["ROWS_PER_CTA"]) * 4
 
     def gemv_residual_norm(self, y, x, w, m: int, n: int, k: int, norm_weight, normed, row_ss, *,
-                           k_warps: int | None = None, next_weights=None) -> None:
+                           k_warps: int | None = None) -> None:
         """The handed-over norm's producer (gemv.cu's header): y += X @ W^T as gemv() with
         accumulate (the o or down projection adding into the residual stream y [m, n]), and for
         the RMSNorm after it normed [m, n] = bf16(y * norm_weight) and row_ss (fp32 [m,
         ceil(n / 16)]) = each CTA's sum of its 16 new y values' squares per row: what
-        gemv_rope_kv / gemv_silu_mul take as prenormed=(row_ss, eps). next_weights = (w, n, k,
-        warps) of the GEMV after it: its first weight lines prefetched into L2 (_next_weights)."""
+        gemv_rope_kv / gemv_silu_mul take as prenormed=(row_ss, eps)."""
         grid, block, shared, x_ptr, w_ptr, wide = self._gemv_args("gemv_residual_norm", x, w, m, n, k, "bfloat16",
                                                                   k_warps, norm_weight, normed)
         self._launch("gemv_residual_norm_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, int(norm_weight),
-                     int(normed), int(row_ss), *self._next_weights(next_weights), wide, int(self.gemv_ring),
-                     shared_bytes=shared)
-
-    def _next_weights(self, next_weights) -> tuple:
-        """The kernel arguments (next_w, next_n, next_k, next_warps, next_lines) of a GEMV's
-        next_weights = (w, n, k, warps) of the GEMV launched after it (its weight [n, k] and its
-        k-split): gemv.cu's NextWeights, gemv_prefetch_lines lines per (row, warp) from where each
-        of its warps starts. None, or gemv_prefetch_lines = 0: nothing is prefetched."""
-        if next_weights is None or not self.gemv_prefetch_lines:
-            return (0, 0, 0, 0, 0)
-        w, n, k, warps = next_weights
-        w, n, k, warps, lines = int(w), int(n), int(k), int(warps), self.gemv_prefetch_lines
-        if not w or w & 15 or n < 1 or k < 8 or k % 8 or not 1 <= warps <= GEMV["MAX_K_WARPS"]:
-            raise ValueError(f"next_weights: needs a 16-byte aligned weight [n, k], k % 8 == 0, and 1..."
-                             f"{GEMV['MAX_K_WARPS']} warps; got w={w:#x}, n={n}, k={k}, warps={warps}")
-        if n * warps * lines >= 2**31:
-            raise ValueError(f"next_weights: {n} rows x {warps} warps x {lines} lines is too many to prefetch")
-        return (w, n, k, warps, lines)
+                     int(normed), int(row_ss), wide, int(self.gemv_ring), shared_bytes=shared)
 
     def gemv_rope_kv(self, qkv, x, w, m: int, n: int, k: int, k_cache, v_cache, positions, slot_mapping,
                      inv_freq, *, num_q_heads: int, num_kv_heads: int, head_dim: int, norm=None,
@@ -595,22 +552,20 @@ class GpuOps:
         self._fused_gemv("rope_kv", qkv, x, w, m, n, k, norm, prenormed, k_warps, rope)
 
     def gemv_silu_mul(self, act, x, w, m: int, n: int, k: int, *, norm=None, prenormed=None,
-                      k_warps: int | None = None, next_weights=None) -> None:
+                      k_warps: int | None = None) -> None:
         """The decode gate_up projection with silu_mul inside: act [m, n/2] = silu(gate) * up of
         X @ W^T, W = gate_up [n, k] (gate rows first) — the bits of gemv() then silu_mul().
-        norm and prenormed as gemv_rope_kv(); next_weights as gemv_residual_norm()."""
+        norm and prenormed as gemv_rope_kv()."""
         if n % 16:
             raise ValueError(f"gemv_silu_mul: n = 2 * intermediate = {n} must be a multiple of 16")
-        self._fused_gemv("silu_mul", act, x, w, m, n, k, norm, prenormed, k_warps, (),
-                         self._next_weights(next_weights))
+        self._fused_gemv("silu_mul", act, x, w, m, n, k, norm, prenormed, k_warps, ())
 
     _FUSED_GEMVS = {("rope_kv", None): "gemv_rope_kv_bf16", ("rope_kv", "norm"): "gemv_norm_rope_kv_bf16",
                     ("rope_kv", "prenormed"): "gemv_prenormed_rope_kv_bf16",
                     ("silu_mul", None): "gemv_silu_mul_bf16", ("silu_mul", "norm"): "gemv_norm_silu_mul_bf16",
                     ("silu_mul", "prenormed"): "gemv_prenormed_silu_mul_bf16"}
 
-    def _fused_gemv(self, epilogue: str, y, x, w, m, n, k, norm, prenormed, k_warps, extra, next_args=()) -> None:
-        """extra: the epilogue's arguments (rope_kv's); next_args: _next_weights()'s (silu_mul's)."""
+    def _fused_gemv(self, epilogue: str, y, x, w, m, n, k, norm, prenormed, k_warps, extra) -> None:
         if norm is not None and prenormed is not None:
             raise ValueError(f"gemv_{epilogue}: norm (inside) and prenormed (handed over) exclude each other")
         kind = "norm" if norm is not None else "prenormed" if prenormed is not None else None
@@ -620,12 +575,12 @@ class GpuOps:
         grid, block, shared, x_ptr, w_ptr, wide = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps,
                                                                   *([norm_ptr] if kind else []))
         if kind is None:
-            self._launch(kernel, grid, block, int(y), x_ptr, w_ptr, m, n, k, *extra, *next_args, wide,
-                         int(self.gemv_ring), shared_bytes=shared)
+            self._launch(kernel, grid, block, int(y), x_ptr, w_ptr, m, n, k, *extra, wide, int(self.gemv_ring),
+                         shared_bytes=shared)
             return
         if kind == "norm":       # each warp's row sums of squares in shared memory
             shared += block[0] // 32 * GEMV["NORM_SS_BYTES_PER_WARP"]
         else:                    # the producer's row sums
             shared += self._producer_ss_bytes(kernel, m, k)
         self._launch(kernel, grid, block, int(y), x_ptr, int(norm_ptr), w_ptr, m, n, k, float(eps),
-                     *extra, *next_args, wide, int(self.gemv_ring), shared_bytes=shared)
+                     *extra, wide, int(self.gemv_ring), shared_bytes=shared)

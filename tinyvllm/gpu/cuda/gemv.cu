@@ -213,30 +213,6 @@ struct RopeArgs {
     int num_q_heads, num_kv_heads, head_dim;
 };
 
-// The next GEMV's weight (next_weights): its first `lines` 128-byte lines of every (row, warp)
-// run are prefetched into L2 as this kernel's weight loads end. lines = 0: none.
-struct NextWeights {
-    const bf16* w;      // [n, k], as the next GEMV reads it
-    int n, k, warps;    // warps: the next GEMV's k-split (its block.x / 32)
-    int lines;
-};
-
-// Prefetch the next GEMV's first weight lines into L2 (header: next weights). The next GEMV's warp
-// w starts at k step w * S / warps (gemv_body's s_begin) of every row, so its first round reads
-// the `lines` 128-byte lines from there; the grid's threads take those lines one each, in turn.
-// A hint (prefetch.global.L2 writes nothing a kernel can read): it changes timing, never a bit.
-__device__ __forceinline__ void prefetch_next_weights(const NextWeights& next) {
-    const int steps = (next.k + STEP_K - 1) / STEP_K;
-    const int total = next.n * next.warps * next.lines;   // < 2^31: checked in Python
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
-        const int line = i % next.lines, run = i / next.lines;
-        const int warp = run % next.warps, row = run / next.warps;
-        const int k0 = warp * steps / next.warps * STEP_K + line * 64;   // 64 bf16 = one 128-byte line
-        if (k0 < next.k)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(next.w + (size_t)row * next.k + k0));
-    }
-}
-
 // The CTA's 16 W rows: row_a + 0..7 (tile columns 0..7) and row_b + 0..7 (columns 8..15).
 struct Tile {
     int row_a, row_b;
@@ -300,8 +276,7 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
                                           const NormArgs& norm, const bf16* __restrict__ w,
                                           int m, int n, int k, int out_f32, int accumulate,
                                           const RopeArgs& rope, const NormOut& norm_out, int wide_l2, int ring,
-                                          unsigned long long* head_argmax = nullptr,
-                                          const NextWeights& next = NextWeights{}) {
+                                          unsigned long long* head_argmax = nullptr) {
     extern __shared__ float partial[];   // [warps][8 rows of x][16 columns of the CTA]
                                          // (rms_norm: then [warps][8 rows] sums of squares;
                                          // ring: then the warps' slots; prenormed: then
@@ -403,9 +378,6 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
                 copy_x(i + RING_STEPS);
             }
             cp_async_commit();
-            // this warp's last weight copy is out (or, with at most RING_STEPS steps, was out
-            // before the wait): its ring now drains, the moment to ask for the next weights
-            if (next.lines && i == (my_steps > RING_STEPS ? my_steps - RING_STEPS - 1 : 0)) prefetch_next_weights(next);
         }
     }
     for (int s0 = ring ? s_end : s_begin; s0 < s_end; s0 += UNROLL) {
@@ -418,7 +390,6 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             if (in && w_ok0) wv0[u] = load_stream(w0 + kk, wide_l2);
             if (in && w_ok1) wv1[u] = load_stream(w1 + kk, wide_l2);
         }
-        if (next.lines && s0 + UNROLL >= s_end) prefetch_next_weights(next);   // the last loads are out
         if (s0 == s_begin) {   // X is the previous kernel's output
             wait_for_producer();
             copy_producer_ss();
@@ -585,18 +556,15 @@ gemv_norm_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const
 // and silu_mul in one launch, the same bits. act: [m, n/2].
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ w,
-                   int m, int n, int k, const bf16* __restrict__ next_w, int next_n, int next_k, int next_warps, int next_lines, int wide_l2, int ring) {
-    gemv_body<XLoad::plain, Epilogue::silu_mul>(act, x, NormArgs{}, w, m, n, k, 0, 0, RopeArgs{}, NormOut{}, wide_l2, ring,
-                                                nullptr, NextWeights{next_w, next_n, next_k, next_warps, next_lines});
+                   int m, int n, int k, int wide_l2, int ring) {
+    gemv_body<XLoad::plain, Epilogue::silu_mul>(act, x, NormArgs{}, w, m, n, k, 0, 0, RopeArgs{}, NormOut{}, wide_l2, ring);
 }
 
 // gemv_silu_mul_bf16 with the RMSNorm of x inside, as gemv_norm_rope_kv_bf16.
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_norm_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
-                        const bf16* __restrict__ w, int m, int n, int k, float eps,
-                        const bf16* __restrict__ next_w, int next_n, int next_k, int next_warps, int next_lines, int wide_l2, int ring) {
-    gemv_body<XLoad::rms_norm, Epilogue::silu_mul>(act, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0, RopeArgs{}, NormOut{},
-                                                   wide_l2, ring, nullptr, NextWeights{next_w, next_n, next_k, next_warps, next_lines});
+                        const bf16* __restrict__ w, int m, int n, int k, float eps, int wide_l2, int ring) {
+    gemv_body<XLoad::rms_norm, Epilogue::silu_mul>(act, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0, RopeArgs{}, NormOut{}, wide_l2, ring);
 }
 
 // The handed-over norm (header): y += x @ W^T as gemv_bf16 with accumulate = 1 (the o or down
@@ -605,9 +573,9 @@ gemv_norm_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, cons
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_residual_norm_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
                         int m, int n, int k, const bf16* __restrict__ norm_w, bf16* __restrict__ normed,
-                        float* __restrict__ row_ss, const bf16* __restrict__ next_w, int next_n, int next_k, int next_warps, int next_lines, int wide_l2, int ring) {
+                        float* __restrict__ row_ss, int wide_l2, int ring) {
     gemv_body<XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, w, m, n, k, 0, 1, RopeArgs{},
-                                                     NormOut{norm_w, normed, row_ss}, wide_l2, ring, nullptr, NextWeights{next_w, next_n, next_k, next_warps, next_lines});
+                                                     NormOut{norm_w, normed, row_ss}, wide_l2, ring);
 }
 
 // gemv_rope_kv_bf16 on x = normed from gemv_residual_norm_bf16, each output scaled by its row's
@@ -644,8 +612,7 @@ gemv_prenormed_bf16(void* __restrict__ y, const bf16* __restrict__ x, const floa
 // gemv_silu_mul_bf16 on a prenormed x, as gemv_prenormed_rope_kv_bf16.
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_prenormed_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const float* __restrict__ row_ss,
-                             const bf16* __restrict__ w, int m, int n, int k, float eps,
-                             const bf16* __restrict__ next_w, int next_n, int next_k, int next_warps, int next_lines, int wide_l2, int ring) {
+                             const bf16* __restrict__ w, int m, int n, int k, float eps, int wide_l2, int ring) {
     gemv_body<XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{nullptr, eps, row_ss}, w, m, n, k, 0, 0,
-                                                    RopeArgs{}, NormOut{}, wide_l2, ring, nullptr, NextWeights{next_w, next_n, next_k, next_warps, next_lines});
+                                                    RopeArgs{}, NormOut{}, wide_l2, ring);
 }
