@@ -402,7 +402,7 @@ def test_decode_layer_takes_per_projection_k_warps(tiny_model_dir, fuse_norm):
     assert chosen[o] == {2} and chosen[down] == {4} and rule[o] != {2}
     assert {key: v for key, v in chosen.items() if key not in (o, down)} == \
            {key: v for key, v in rule.items() if key not in (o, down)}
-    for bad in ("o=3", "lm_head=4", "o=64", "o"):
+    for bad in ("o=0", "lm_head=4", "o=33", "o", "o=-1"):
         with pytest.raises(ValueError, match="TINYVLLM_GEMV_K_WARPS"):
             parse_k_warps_for(bad)
-    assert parse_k_warps_for(" o=16, down=8 ") == {"o": 16, "down": 8} and parse_k_warps_for("") == {}
+    assert parse_k_warps_for(" o=16, down=24 ") == {"o": 16, "down": 24} and parse_k_warps_for("") == {}

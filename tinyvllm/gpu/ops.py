@@ -109,7 +109,7 @@ def _dim3(d) -> tuple[int, int, int]:
 
 
 DECODE_PROJECTIONS = ("qkv", "o", "gate_up", "down")   # the decode layer's GEMVs, by name
-K_WARPS_CHOICES = tuple(1 << i for i in range(GEMV["MAX_K_WARPS"].bit_length()))   # 1, 2, 4 .. 32
+K_WARPS_CHOICES = range(1, GEMV["MAX_K_WARPS"] + 1)   # the kernel splits K over any warp count
 
 
 def parse_k_warps_for(spec: str) -> dict[str, int]:
@@ -119,7 +119,7 @@ def parse_k_warps_for(spec: str) -> dict[str, int]:
         name, _, warps = item.partition("=")
         if name not in DECODE_PROJECTIONS or not warps.isdigit() or int(warps) not in K_WARPS_CHOICES:
             raise ValueError(f"TINYVLLM_GEMV_K_WARPS: {item!r} is not projection=warps with a projection in "
-                             f"{DECODE_PROJECTIONS} and warps a power of two up to {GEMV['MAX_K_WARPS']}")
+                             f"{DECODE_PROJECTIONS} and warps from 1 to {GEMV['MAX_K_WARPS']}")
         table[name] = int(warps)
     return table
 
