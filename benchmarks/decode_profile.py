@@ -62,60 +62,65 @@ def time_steps(runner, batch, replay: bool, repeats: int = 30) -> float:
 
 
 def graph_gpu_time(runner, batch, repeats: int = 50) -> float:
-    """GPU time of one decode graph replay alone (CUDA events around back-to-back launches):
-    the step time minus this is the host's share."""
+    """GPU time of one decode graph replay alone (CUDA events around back-to-back launches, the
+    two input banks' graphs in turn): the step time minus this is the host's share."""
     import pycuda.driver as drv
     size = runner._graph_size_for(batch.num_seqs)
     with runner.device.active():
-        runner._stage_inputs(batch, SamplingBatch.greedy(batch.num_seqs), rows=size)
-        graph = runner.graphs[size]
-        graph.launch(runner.stream)
+        graphs = [runner.graphs[size, runner._stage_inputs(batch, SamplingBatch.greedy(batch.num_seqs), rows=size).bank]
+                  for _ in range(2)]
+        graphs[0].launch(runner.stream)
         start, end = drv.Event(), drv.Event()
         start.record(runner.stream)
-        for _ in range(repeats):
-            graph.launch(runner.stream)
+        for i in range(repeats):
+            graphs[i % 2].launch(runner.stream)
         end.record(runner.stream)
         end.synchronize()
         return end.time_since(start) / 1e3 / repeats
 
 
 def step_copies(runner, batch, repeats: int = 50) -> None:
-    """GPU time per step of back-to-back decode-graph replays with the transfers the engine puts
-    between them on the stream (cuda_runner.launch: the inputs' upload before the graph, the
-    sampled ids' download and an event after it), each part alone and all together, by each of
-    TINYVLLM_STEP_IO's roads (copy engine, copy_words kernel): what the stream spends between
-    two graphs besides the graphs."""
+    """GPU time per step of back-to-back decode-graph replays (the graph brings the sampled ids
+    down itself), alone and as the engine enqueues them (cuda_runner.launch: the inputs staged
+    and uploaded into the step's bank on the copy stream, which the stream waits for, the graph,
+    the event the host waits on); and, for comparison, with the upload on the stream itself
+    between the graphs (the road before session 17): what the stream spends besides the graphs."""
     import pycuda.driver as drv
     S, size = batch.num_seqs, runner._graph_size_for(batch.num_seqs)
-    was = runner.step_io
+    sampling = SamplingBatch.greedy(S)
+    nbytes = runner._block_tables_offset + size * batch.block_tables.shape[1] * 4
+
+    def graph_alone(i):
+        runner.graphs[size, i % 2].launch(runner.stream)
+
+    def engine_step(i):
+        step = runner._stage_inputs(batch, sampling, rows=size)
+        runner.graphs[size, step.bank].launch(runner.stream)
+        done.record(runner.stream)
+
+    def upload_on_stream(i):
+        runner.arena.upload_inputs(nbytes, i % 2, runner.stream)
+        runner.graphs[size, i % 2].launch(runner.stream)
+        done.record(runner.stream)
+
+    rows = []
     with runner.device.active():
-        runner._stage_inputs(batch, SamplingBatch.greedy(S), rows=size)
-        nbytes = runner._block_tables_offset + size * batch.block_tables.shape[1] * 4
-        done, graph = drv.Event(), runner.graphs[size]
-        parts = {"up": lambda: runner._upload_inputs(nbytes, graph_follows=True),
-                 "graph": lambda: graph.launch(runner.stream),
-                 "down": lambda: runner._download_ids(0, S),
-                 "event": lambda: done.record(runner.stream)}
-        rows = []
-        try:
-            for road in ("copy", "kernel"):
-                runner.step_io = road
-                for name in ("graph", "up + graph", "graph + down", "up + graph + down + event (the engine's step)"):
-                    order = [p for p in parts if p in name]
-                    for part in order:
-                        parts[part]()
-                    start, end = drv.Event(), drv.Event()
-                    start.record(runner.stream)
-                    for _ in range(repeats):
-                        for part in order:
-                            parts[part]()
-                    end.record(runner.stream)
-                    end.synchronize()
-                    rows.append((f"{road}: {name}", end.time_since(start) / repeats))
-        finally:
-            runner.step_io = was
-    print(f"\nthe step's transfers on the stream, batch {S} (GPU ms per step, {repeats} back to back; "
-          f"TINYVLLM_STEP_IO copy | kernel):")
+        done = drv.Event()
+        for _ in range(2):
+            runner._stage_inputs(batch, sampling, rows=size)      # both banks hold this batch
+        for name, enqueue in (("graph alone", graph_alone), ("the engine's step", engine_step),
+                              ("the upload on the stream + graph + event", upload_on_stream),
+                              ("graph alone (again)", graph_alone)):
+            runner.stream.synchronize()
+            enqueue(0)
+            start, end = drv.Event(), drv.Event()
+            start.record(runner.stream)
+            for i in range(repeats):
+                enqueue(i)
+            end.record(runner.stream)
+            end.synchronize()
+            rows.append((name, end.time_since(start) / repeats))
+    print(f"\nthe step's transfers on the stream, batch {S} (GPU ms per step, {repeats} back to back):")
     for name, ms in rows:
         print(f"{name:<56} {ms:8.3f}  ({(ms - rows[0][1]) * 1e3:+6.1f} us)")
 
@@ -163,8 +168,8 @@ def main() -> None:
     ap.add_argument("--compare-early-kv", action="store_true",
                     help="time the smallest batch with the decode attention's early K/V copies off and on")
     ap.add_argument("--step-copies", action="store_true",
-                    help="GPU time per step with the engine's input upload / id download between graphs, "
-                         "by the copy engine and by the copy_words kernel")
+                    help="GPU time per step of the decode graphs alone, as the engine enqueues them (the "
+                         "inputs' upload on the copy stream), and with the upload between the graphs")
     ap.add_argument("--compare-gemv", action="store_true",
                     help="time the smallest batch under each GEMV setting (gemv_configs())")
     ap.add_argument("--k-warps", nargs="+", default=[], metavar="SPEC",

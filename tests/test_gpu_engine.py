@@ -131,27 +131,3 @@ def test_async_scheduling_gives_the_sync_steps_on_cuda(setup, tiny_model_dir):
         assert reason == "stop", reason
         if g0.index(stop_id) >= 1:       # a decode step's token: the step after it was launched
             assert thrown_away >= 1, thrown_away
-
-
-def test_step_io_by_kernel_gives_the_copy_engine_steps(setup, tiny_model_dir, monkeypatch):
-    """TINYVLLM_STEP_IO=kernel (cuda_runner's module docstring) under async scheduling: steps
-    launched ahead, ids coming back through the two mapped buffers in turn while the next step
-    runs. The same values reach the same graphs, so every step() call returns exactly what the
-    copy-engine road returns, greedy and seeded rows alike."""
-    from tinyvllm.engine.llm_engine import LLMEngine
-    _, prompts = setup
-    requests = [(f"g{i}", p, SamplingParams(temperature=0, ignore_eos=True, max_tokens=6 + 5 * i))
-                for i, p in enumerate(prompts[:4])]
-    requests += [(f"s{i}", p, SamplingParams(temperature=0.9, top_k=50, seed=7 + i, ignore_eos=True,
-                                             max_tokens=9 + 3 * i)) for i, p in enumerate(prompts[4:8])]
-    runs = {}
-    for road in ("copy", "kernel"):
-        monkeypatch.setenv("TINYVLLM_STEP_IO", road)
-        engine = LLMEngine(tiny_model_dir, device="cuda", kv_cache_gb=0.5, async_scheduling=True)
-        try:
-            assert engine.runner.step_io == road
-            runs[road] = _run_steps(engine, requests), engine.num_steps_ahead
-        finally:
-            engine.close()
-    assert runs["kernel"][0] == runs["copy"][0]
-    assert runs["kernel"][1] > len(runs["kernel"][0]) // 2, "most steps were launched ahead"

@@ -259,35 +259,50 @@ def test_handed_over_norm_graphs_equal_eager_steps(tiny, num_seqs):
     _assert_steps_equal(graphs, eager)
 
 
+def test_steps_upload_into_the_input_banks_in_turn(tiny):
+    """cuda_runner's module docstring: each staged step takes the next input bank, its inputs
+    go up there (on the copy stream) and the other bank keeps the step before's. Read back from
+    the device after two steps of different contexts, each bank holds its own step's inputs."""
+    import pycuda.driver as drv
+    _, runner, _, _ = tiny
+    steps, batches = [], []
+    with runner.device.active():
+        for ctx in ([17, 40], [23, 5]):
+            batch = ForwardBatch.build([[3], [4]], ctx, [[7, 8, 9], [10, 11, 12]], BLOCK, is_prefill=False)
+            steps.append(runner._stage_inputs(batch, SamplingBatch.greedy(2)))
+            batches.append(batch)
+        runner.stream.synchronize()
+        assert {s.bank for s in steps} == {0, 1}, "two steps in a row take both banks"
+        for step, batch in zip(steps, batches):
+            got = np.empty(2, np.int32)
+            drv.memcpy_dtoh(got, int(runner.arena.view("context_lens", step.bank)))
+            np.testing.assert_array_equal(got, batch.context_lens)
+            drv.memcpy_dtoh(got, int(runner.arena.view("decode_positions", step.bank)))
+            np.testing.assert_array_equal(got, batch.positions)
+
+
 @pytest.mark.parametrize("num_seqs", [1, 3])
-def test_step_io_by_kernel_equals_copy_engine(tiny, num_seqs):
-    """TINYVLLM_STEP_IO=kernel (cuda_runner's module docstring): the inputs go up and the ids
-    come down through step_io.cu's copy_words instead of the copy engine. The same values reach
-    the same graphs, so the logits are bitwise those of the copy-engine road (test_gpu_engine
-    runs it with steps launched ahead). The observer checks that the kernel road was taken: two
-    copy_words per graph step, the ids' one after the eager prefill."""
+def test_each_banks_graph_gives_the_eager_steps(tiny, num_seqs):
+    """A decode size has one graph per input bank, and consecutive steps alternate them: 24
+    steps through the graphs (12 on each bank, each reading and bringing down its own bank's
+    inputs and ids) give bitwise the logits and ids of the same launches run eagerly."""
     cfg, runner, _, _ = tiny
-    was = runner.step_io
-    copies = []
+    size = runner._graph_size_for(num_seqs)
+    assert {bank for s, bank in runner.graphs if s == size} == {0, 1}
+    banks = []
+    stage = runner._stage_inputs
+    def recording_stage(*args, **kwargs):
+        step = stage(*args, **kwargs)
+        banks.append(step.bank)
+        return step
+    runner._stage_inputs = recording_stage
     try:
-        runner.step_io = "kernel"
-        runner.ops.observer = lambda op, repeat, details: copies.append(op) if op == "copy_words" else None
-        by_kernel = _decode_run(cfg, runner, 23, steps=24, num_seqs=num_seqs)
-        runner.ops.observer = None
-        runner.step_io = "copy"
-        by_copy_engine = _decode_run(cfg, runner, 23, steps=24, num_seqs=num_seqs)
+        graphs = _decode_run(cfg, runner, 31, steps=24, num_seqs=num_seqs)
     finally:
-        runner.step_io, runner.ops.observer = was, None
-    assert len(copies) == 2 * 24 + 1, "24 graph steps up and down, and the eager prefill's ids down"
-    _assert_steps_equal(by_kernel, by_copy_engine)
-
-
-def test_step_io_rejects_an_unknown_road(tiny_model_dir, monkeypatch):
-    from tinyvllm.gpu.cuda_runner import CudaRunner
-    monkeypatch.setenv("TINYVLLM_STEP_IO", "dma")
-    cfg = ModelConfig.from_pretrained(tiny_model_dir)
-    with pytest.raises(ValueError, match="TINYVLLM_STEP_IO must be copy or kernel, got 'dma'"):
-        CudaRunner(cfg, {}, EngineConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256))
+        del runner._stage_inputs
+    eager = _decode_run(cfg, runner, 31, steps=24, num_seqs=num_seqs, replay=False)
+    assert banks[1:] == [1 - b for b in banks[:-1]], "the steps alternate the banks"
+    _assert_steps_equal(graphs, eager)
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3])

@@ -14,7 +14,7 @@ import pytest
 
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
-from tinyvllm.gpu.arena import ArenaDims, ArenaLayout, DeviceView, round_up
+from tinyvllm.gpu.arena import INPUT_BANKS, ArenaDims, ArenaLayout, DeviceView, round_up
 from tinyvllm.gpu.cublas import Cublas
 from tinyvllm.gpu.device_weights import DeviceWeights, LayerWeights, device_tensor_shapes, device_weight_bytes
 from tinyvllm.gpu.model import LlamaModel, StepShape
@@ -29,14 +29,17 @@ class _Launches:             # a KernelLibrary whose functions enqueue nothing
 
 class _FakeArena:
     def __init__(self, layout: ArenaLayout, base: int):
-        self.layout, self.inputs_ptr = layout, base + layout.activation_bytes
+        self.layout, self.base = layout, base
         self._views = {}
-        for start, ps in ((base, layout.activations), (self.inputs_ptr, layout.inputs),
-                          (self.inputs_ptr + layout.input_bytes, layout.outputs)):
+        for start, ps in ((base, layout.activations), (base + layout.outputs_offset, layout.outputs)):
             self._views.update({p.name: DeviceView(p.name, start + p.offset, p.shape, p.dtype) for p in ps.values()})
+        for bank in range(INPUT_BANKS):
+            start = base + layout.inputs_offset(bank)
+            self._views.update({(p.name, bank): DeviceView(p.name, start + p.offset, p.shape, p.dtype)
+                                for p in layout.inputs.values()})
 
-    def view(self, name):
-        return self._views[name]
+    def view(self, name, bank=None):
+        return self._views[name if bank is None else (name, bank)]
 
 
 class _FakeKV:
@@ -72,7 +75,7 @@ class _FakeCudaRunner:
         self.blas.lib = type("Lib", (), {"cublasGemmEx": staticmethod(lambda *a: 0)})()
         self.ops = GpuOps(_Launches(), blas=self.blas, num_sms=132, fuse=True)   # the fused decode layer
         self.model = LlamaModel(config, self.weights, self.arena, self.kv_cache, self.ops)
-        self.graphs, self.replays = {1: None, 2: None}, []
+        self.graphs, self.replays = {(size, bank): None for size in (1, 2) for bank in range(INPUT_BANKS)}, []
 
     def memory_report(self):
         return "fake device\narena:\n" + self.arena.layout.memory_map()
@@ -81,9 +84,10 @@ class _FakeCudaRunner:
         self.replays.append(replay)
         step = StepShape(batch.num_tokens, batch.num_seqs, batch.is_prefill, int(np.diff(batch.query_start).max()))
         self.model.forward(step)
-        v = self.arena.view          # as CudaRunner._forward_and_sample (which needs PyCUDA to import)
-        self.ops.sample(v("logits"), batch.num_seqs, self.cfg.vocab_size, v("temperature"), v("top_k"),
-                        v("top_p"), v("seeds"), v("steps"), v("sampled_ids"), min_p=v("min_p"),
+        v = self.arena.view          # as CudaRunner._sample (which needs PyCUDA to import)
+        i = lambda name: v(name, step.bank)  # noqa: E731
+        self.ops.sample(v("logits"), batch.num_seqs, self.cfg.vocab_size, i("temperature"), i("top_k"),
+                        i("top_p"), i("seeds"), i("steps"), v("sampled_ids"), min_p=i("min_p"),
                         argmax_partials=v("argmax_partials"), slice_counters=v("argmax_slice_counters"),
                         head_argmax=self.model.head_argmax_for(step))
         return np.zeros(batch.num_seqs, np.int32)

@@ -25,6 +25,7 @@ import numpy as np
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.errors import TinyVLLMError
+from tinyvllm.gpu.arena import INPUT_BANKS
 from tinyvllm.model_report import arena_layout, device_weight_lines, kv_cache_lines, weight_label
 
 TRACE_STEPS = 2                   # what trace=True / --trace alone traces: the prefill and one decode
@@ -125,7 +126,7 @@ class TracingRunner(ModelRunner):
     # -- GPU -----------------------------------------------------------------------------------
     def _execute_gpu(self, batch, sampling):
         r = self.inner
-        sizes = sorted(getattr(r, "graphs", {}))
+        sizes = sorted({size for size, _bank in getattr(r, "graphs", {})})     # keyed (size, input bank)
         size = next((s for s in sizes if s >= batch.num_seqs), None)
         if not batch.is_prefill and size is not None:
             self._say(f"  (run eagerly for the trace; untraced, this step replays the CUDA graph captured for "
@@ -241,14 +242,17 @@ class _PointerNames:
         self.recent: dict[int, tuple] = {}       # the current linear()'s pointers, for its GemmEx
         self._params: dict[str, tuple[str, ...]] = {}
         arena, layout, regions = runner.arena, runner.arena.layout, []
-        self.arena_base = arena.inputs_ptr - layout.activation_bytes
+        self.arena_base = arena.base
         by_address: dict[int, list] = {}
-        for placements in (layout.activations, layout.inputs, layout.outputs):
+        for placements in (layout.activations, layout.outputs):
             for p in placements.values():
-                by_address.setdefault(arena.view(p.name).ptr, []).append(p)
+                by_address.setdefault(arena.view(p.name).ptr, []).append((p, p.name))
+        for bank in range(INPUT_BANKS):
+            for p in layout.inputs.values():
+                by_address.setdefault(arena.view(p.name, bank).ptr, []).append((p, f"{p.name}[bank {bank}]"))
         for ptr, ps in by_address.items():         # storage shared by buffers: name them all
-            big = max(ps, key=lambda p: p.nbytes)
-            regions.append((ptr, big.nbytes, "|".join(p.name for p in ps), big.shape, big.dtype,
+            big = max((p for p, _ in ps), key=lambda p: p.nbytes)
+            regions.append((ptr, big.nbytes, "|".join(label for _, label in ps), big.shape, big.dtype,
                             f"arena+{ptr - self.arena_base:,}"))
         w, shapes = runner.weights, device_tensor_shapes(config)
         ptrs = {"embed": w.embed, "final_norm": w.final_norm, "rope_inv_freq": w.rope_inv_freq}

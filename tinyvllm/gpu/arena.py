@@ -15,7 +15,9 @@ Buffers that share a `storage` name share bytes: their lifetimes within a layer 
 
 The per-step inputs (token ids, positions, slot mapping, block tables, sampling parameters)
 form one contiguous region mirrored in page-locked host memory, so a step uploads them with a
-single copy. A decode step has one token per sequence, so its per-token inputs have their own
+single copy. The region exists twice on the device (INPUT_BANKS), and steps take the banks in
+turn: the next step's inputs go up into one bank on a copy stream while the step before it still
+reads the other (cuda_runner.py), so no upload stands between two decode graphs. A decode step has one token per sequence, so its per-token inputs have their own
 arrays of max-sequences length (decode_*), placed with the per-sequence ones before the block
 tables, which are packed with the batch's own width: a decode step's copy stops right after the
 rows in use (at batch 1, a few hundred bytes). The prefill steps' per-token arrays (max-tokens
@@ -34,6 +36,7 @@ from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.gpu.ops import GEMV, GEMV_MAX_ROWS, MAX_ARGMAX_SLICES, MAX_DECODE_SPLITS
 
 ALIGN = 256                      # bytes; cuBLAS and 16-byte vector loads are happy with this
+INPUT_BANKS = 2                  # device copies of the inputs region, used by steps in turn
 CUBLAS_WORKSPACE_BYTES = 32 << 20
 
 
@@ -173,12 +176,23 @@ class ArenaLayout:
 
     @property
     def total_bytes(self) -> int:
-        return self.activation_bytes + self.input_bytes + self.output_bytes
+        return self.outputs_offset + self.output_bytes
+
+    def inputs_offset(self, bank: int) -> int:
+        """Where input bank `bank` starts (the banks lie back to back after the activations)."""
+        if not 0 <= bank < INPUT_BANKS:
+            raise ValueError(f"input bank must be in [0, {INPUT_BANKS}), got {bank}")
+        return self.activation_bytes + bank * self.input_bytes
+
+    @property
+    def outputs_offset(self) -> int:
+        return self.activation_bytes + INPUT_BANKS * self.input_bytes
 
     def memory_map(self) -> str:
         lines = [f"{'region':<12}{'offset':>14}  {'bytes':>14}  {'buffer':<20}{'shape':<24}{'dtype':<9}storage"]
-        regions = (("activations", 0, self.activations), ("inputs", self.activation_bytes, self.inputs),
-                   ("outputs", self.activation_bytes + self.input_bytes, self.outputs))
+        regions = (("activations", 0, self.activations),
+                   *((f"inputs[{b}]", self.inputs_offset(b), self.inputs) for b in range(INPUT_BANKS)),
+                   ("outputs", self.outputs_offset, self.outputs))
         for region, base, placements in regions:
             for p in sorted(placements.values(), key=lambda p: (p.offset, p.name)):
                 lines.append(f"{region:<12}{base + p.offset:>14,}  {p.nbytes:>14,}  {p.name:<20}"
@@ -202,8 +216,9 @@ class DeviceView:
 
 
 class Arena:
-    """Allocates the planned layout once: activations + inputs + outputs in one cuMemAlloc, with
-    a page-locked host mirror of the inputs and outputs regions for single-copy transfers."""
+    """Allocates the planned layout once: activations + the input banks + outputs in one
+    cuMemAlloc, with a page-locked host mirror of the inputs (one: it goes up into either bank)
+    and of the outputs for single-copy transfers."""
 
     def __init__(self, layout: ArenaLayout):
         import pycuda.driver as drv
@@ -213,17 +228,18 @@ class Arena:
         # zeroed once: attention_decode's split counters and the sampler's slice counters must
         # start at 0 (each kernel resets its own)
         drv.memset_d8(base, 0, layout.total_bytes)
-        self.inputs_ptr = base + layout.activation_bytes
-        self.outputs_ptr = self.inputs_ptr + layout.input_bytes
-        self._views: dict[str, DeviceView] = {}
-        for region_base, placements in ((base, layout.activations), (self.inputs_ptr, layout.inputs),
-                                        (self.outputs_ptr, layout.outputs)):
-            for p in placements.values():
-                self._views[p.name] = DeviceView(p.name, region_base + p.offset, p.shape, p.dtype)
-        # mapped into the device's address space too: gpu/cuda/step_io.cu can read it directly
-        self.host_inputs_bytes = drv.pagelocked_empty(layout.input_bytes, np.uint8,
-                                                      mem_flags=drv.host_alloc_flags.DEVICEMAP)
-        self.host_inputs_device_ptr = int(self.host_inputs_bytes.base.get_device_pointer())
+        self.base = base
+        self.inputs_ptrs = [base + layout.inputs_offset(b) for b in range(INPUT_BANKS)]
+        self.outputs_ptr = base + layout.outputs_offset
+        self._views: dict[str | tuple[str, int], DeviceView] = {}
+        for p in layout.activations.values():
+            self._views[p.name] = DeviceView(p.name, base + p.offset, p.shape, p.dtype)
+        for p in layout.outputs.values():
+            self._views[p.name] = DeviceView(p.name, self.outputs_ptr + p.offset, p.shape, p.dtype)
+        for bank, bank_ptr in enumerate(self.inputs_ptrs):
+            for p in layout.inputs.values():
+                self._views[p.name, bank] = DeviceView(p.name, bank_ptr + p.offset, p.shape, p.dtype)
+        self.host_inputs_bytes = drv.pagelocked_empty(layout.input_bytes, np.uint8)
         self.host_outputs_bytes = drv.pagelocked_empty(layout.output_bytes, np.uint8)
         self._host = {p.name: _host_view(self.host_inputs_bytes, p) for p in layout.inputs.values()}
         self._host.update({p.name: _host_view(self.host_outputs_bytes, p) for p in layout.outputs.values()})
@@ -231,16 +247,18 @@ class Arena:
     def free(self) -> None:
         self._allocation.free()
 
-    def view(self, name: str) -> DeviceView:
-        return self._views[name]
+    def view(self, name: str, bank: int | None = None) -> DeviceView:
+        """An activation or output buffer by name; an input buffer by name and bank."""
+        return self._views[name if bank is None else (name, bank)]
 
     def host(self, name: str) -> np.ndarray:
         """The page-locked host mirror of an input or output buffer."""
         return self._host[name]
 
-    def upload_inputs(self, nbytes: int, stream) -> None:
+    def upload_inputs(self, nbytes: int, bank: int, stream) -> None:
+        """The host mirror's first nbytes into input bank `bank`, on `stream` (the copy engine)."""
         import pycuda.driver as drv
-        drv.memcpy_htod_async(self.inputs_ptr, self.host_inputs_bytes[:nbytes], stream)
+        drv.memcpy_htod_async(self.inputs_ptrs[bank], self.host_inputs_bytes[:nbytes], stream)
 
     def download_outputs(self, nbytes: int, stream) -> None:
         import pycuda.driver as drv

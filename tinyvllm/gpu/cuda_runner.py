@@ -3,23 +3,24 @@
 Start-up, once: CUDA context and stream, kernels compiled (cached on disk), the arena, the
 weights, cuBLAS bound to the stream and to a workspace inside the arena, then the KV cache from
 whatever memory is left. Per step: write the batch into the arena's page-locked input mirror,
-one host-to-device copy, the forward pass, sampling, and one copy of S token ids back.
+one host-to-device copy into an input bank, the forward pass, sampling, and one copy of S token
+ids back.
 
-How the two copies move (TINYVLLM_STEP_IO): `kernel` (the default) has step_io.cu's copy_words
-read the mirror and write the ids over PCIe (both host buffers are mapped into the device's
-address space); `copy` puts them on the copy engine, which costs ~8 us per transfer between two
-graphs against ~1-2 for the kernel (measured on an H100: 10-12 us less per decode step on
-Llama-1B, docs/perf-notes.md, session 10). The upload goes by kernel only before a decode
-graph: an eagerly launched step's kernels run under PDL, and the decode attention reads the
-block tables before its griddepcontrol.wait (attention_decode.cu's early K/V), which orders it
-after a copy engine's write but not after a kernel's. A graph launch waits for everything
-before it.
+Steps take the arena's two input banks in turn (StepShape.bank), and a step's inputs go up on a
+copy stream of their own, by the copy engine: the upload of step N+1 runs while step N still
+computes on the stream (it waits only for step N-1, the last to read that bank), and the stream
+waits for it with an event that has long completed. Its sampled ids come down by step_io.cu's
+copy_words into the bank's page-locked buffer mapped into the device's address space, inside
+the decode graph itself. So between two decode graphs the stream holds nothing but an event
+wait and the event the host waits on: measured on an H100, the engine's step then costs the
+graph + ~2 us against + ~8 us when the upload and the download were launches of their own
+between the graphs (docs/perf-notes.md, session 17). One decode graph per batch size and bank.
 
 launch() returns once a plain step is enqueued (overlaps_steps: the engine's async scheduling
-prepares the next step meanwhile). Two steps may be in flight: the next one's inputs are
-written into the mirror only after the last upload has read it (an event), and each step's ids
-come back into the other of two page-locked buffers. A step launched ahead gets its fed token
-ids from `sampled_ids` on the device, where the step before left them (embedding.cu).
+prepares the next step meanwhile). Two steps may be in flight: each has its own bank and its
+own ids buffer; the next one's inputs are written into the mirror only after the last upload
+has read it (an event). A step launched ahead gets its fed token ids from `sampled_ids` on the
+device, where the step before left them (embedding.cu).
 
 A step whose SamplingBatch has logit edits (penalties, logit_bias, min_tokens) or asks for
 logprobs takes a longer road, and only such a step does: the edits' upload on a copy stream
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 
 import numpy as np
@@ -42,7 +42,7 @@ import pycuda.driver as drv  # a missing PyCUDA fails this import: make_runner s
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch, StepLogprobs
 from tinyvllm.engine.model_runner import ModelRunner, PendingStep
-from tinyvllm.gpu.arena import CUBLAS_WORKSPACE_BYTES, TOKEN_INPUTS, Arena, ArenaDims, ArenaLayout
+from tinyvllm.gpu.arena import CUBLAS_WORKSPACE_BYTES, INPUT_BANKS, TOKEN_INPUTS, Arena, ArenaDims, ArenaLayout
 from tinyvllm.gpu.cublas import Cublas
 from tinyvllm.gpu.device_weights import upload_weights
 from tinyvllm.gpu.driver import CudaDevice
@@ -100,9 +100,6 @@ class CudaRunner(ModelRunner):
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig):
         self.cfg, self.engine_cfg = config, engine_config
-        self.step_io = os.environ.get("TINYVLLM_STEP_IO", "kernel")     # module docstring
-        if self.step_io not in ("copy", "kernel"):
-            raise ValueError(f"TINYVLLM_STEP_IO must be copy or kernel, got {self.step_io!r}")
         self.device = CudaDevice()
         self.device_name = self.device.name
         with self.device.active():
@@ -125,36 +122,41 @@ class CudaRunner(ModelRunner):
             self.model = LlamaModel(config, self.weights, self.arena, self.kv_cache, self.ops)
             self._block_tables_offset = self.arena.layout.inputs["block_tables"].offset
             self._block_tables_flat = self.arena.host_inputs_bytes[self._block_tables_offset:].view(np.int32)
-            self.graphs: dict[int, CudaGraph] = {}
-            self.forward_graphs: dict[int, CudaGraph] = {}   # forward only: steps with edits/logprobs
+            self.graphs: dict[tuple[int, int], CudaGraph] = {}           # by (batch size, bank)
+            self.forward_graphs: dict[tuple[int, int], CudaGraph] = {}   # forward only: steps with edits/logprobs
             self.scratch = GrowingBuffers()
             self.copy_stream = self.edits_uploaded = None      # made on the first step with edits
             self.last_logprobs: StepLogprobs | None = None
             self._graph_sizes: list[int] = []
-            # launch(): the last upload's end (the mirror is free again), and per in-flight step
-            # a page-locked buffer for its ids and the event of their arrival, used in turn
-            self._inputs_read = drv.Event()
-            self._inputs_read.record(self.stream)
+            # the inputs' copy stream (module docstring); the last upload's end (the mirror is
+            # free again, and the stream may run the step); per input bank the point on the
+            # stream after which no step reads it, a page-locked buffer for its step's ids and
+            # the event of their arrival
+            self.upload_stream = drv.Stream()
+            self._inputs_uploaded = drv.Event()
+            self._inputs_uploaded.record(self.upload_stream)
+            self._bank_free = [drv.Event() for _ in range(INPUT_BANKS)]
+            for event in self._bank_free:
+                event.record(self.stream)
             self._ids_host = [drv.pagelocked_empty(self.dims.seqs, np.int32, mem_flags=drv.host_alloc_flags.DEVICEMAP)
-                              for _ in range(2)]
+                              for _ in range(INPUT_BANKS)]
             self._ids_host_device_ptrs = [int(b.base.get_device_pointer()) for b in self._ids_host]
-            self._ids_ready = [drv.Event(), drv.Event()]
-            self._turn = 0
+            self._ids_ready = [drv.Event() for _ in range(INPUT_BANKS)]
+            self._next_bank = 0
             if not engine_config.enforce_eager:
                 self.capture_decode_graphs()
 
     # -- one step ----------------------------------------------------------------------------
-    def _stage_inputs(self, batch: ForwardBatch, sampling: SamplingBatch | None, rows: int | None = None,
-                      graph_follows: bool = False) -> StepShape:
-        """Write the batch into the page-locked input mirror and upload it in one copy
-        (_upload_inputs; graph_follows: a decode graph replays next).
+    def _stage_inputs(self, batch: ForwardBatch, sampling: SamplingBatch | None, rows: int | None = None) -> StepShape:
+        """Write the batch into the page-locked input mirror and upload it into the next input
+        bank in one copy on the copy stream; the stream waits for it (module docstring).
 
         rows > num_seqs pads a decode batch up to a captured graph's size with harmless
         sequences: token 0 at position 0, no KV write (slot -1), context 1 through block 0,
         greedy; their outputs are never read."""
         T, S = batch.num_tokens, batch.num_seqs
         R = rows or S
-        self._inputs_read.synchronize()          # the last upload is done with the mirror
+        self._inputs_uploaded.synchronize()          # the last upload is done with the mirror
         if T > self.dims.tokens or R > self.dims.seqs:
             raise ValueError(f"batch of {T} tokens / {S} sequences exceeds the arena "
                              f"({self.dims.tokens} tokens / {self.dims.seqs} sequences)")
@@ -193,29 +195,22 @@ class CudaRunner(ModelRunner):
         self._block_tables_flat[:S * width] = batch.block_tables.reshape(-1)
         self._block_tables_flat[S * width:R * width] = 0
         end = self._token_inputs_end(T) if batch.is_prefill else self._block_tables_offset + R * width * 4
-        self._upload_inputs(end, graph_follows)
-        self._inputs_read.record(self.stream)
+        bank, self._next_bank = self._next_bank, (self._next_bank + 1) % INPUT_BANKS
+        # The stream so far ends with the previous step, the last one to read the bank before
+        # this one: that bank's free point is here (this bank's was marked banks - 1 steps ago).
+        self._bank_free[(bank - 1) % INPUT_BANKS].record(self.stream)
+        self.upload_stream.wait_for_event(self._bank_free[bank])
+        self.arena.upload_inputs(end, bank, self.upload_stream)
+        self._inputs_uploaded.record(self.upload_stream)
+        self.stream.wait_for_event(self._inputs_uploaded)
         return StepShape(num_tokens=R if R > S else T, num_seqs=R, is_prefill=batch.is_prefill,
-                         max_query_len=int(np.diff(batch.query_start).max()))
+                         max_query_len=int(np.diff(batch.query_start).max()), bank=bank)
 
-    def _upload_inputs(self, nbytes: int, graph_follows: bool) -> None:
-        """The mirror's first nbytes to the arena's inputs: by copy_words where step_io says
-        so and a graph follows, else by the copy engine (module docstring)."""
-        if self.step_io == "kernel" and graph_follows:
-            assert nbytes % 4 == 0, "the inputs are 4-byte arrays at aligned offsets (arena.py)"
-            self.ops.copy_words(self.arena.inputs_ptr, self.arena.host_inputs_device_ptr, nbytes // 4)
-        else:
-            self.arena.upload_inputs(nbytes, self.stream)
-
-    def _download_ids(self, turn: int, num_seqs: int) -> np.ndarray:
-        """The step's sampled ids into page-locked buffer `turn` (by step_io's road; the
-        download kernel runs after the sampler has finished, PDL or not); -> that buffer."""
-        ids = self._ids_host[turn]
-        if self.step_io == "kernel":
-            self.ops.copy_words(self._ids_host_device_ptrs[turn], self.arena.view("sampled_ids"), num_seqs)
-        else:
-            drv.memcpy_dtoh_async(ids[:num_seqs], int(self.arena.view("sampled_ids")), self.stream)
-        return ids
+    def _download_ids(self, step: StepShape) -> None:
+        """The step's sampled ids (all its rows) into its bank's page-locked buffer, by copy_words
+        (inside the decode graphs; after an eager step it runs once the sampler has finished,
+        PDL or not: it never waits under PDL, step_io.cu)."""
+        self.ops.copy_words(self._ids_host_device_ptrs[step.bank], self.arena.view("sampled_ids"), step.num_seqs)
 
     def _token_inputs_end(self, num_tokens: int) -> int:
         """Where a prefill step's upload ends: past the first num_tokens of every prefill
@@ -223,17 +218,20 @@ class CudaRunner(ModelRunner):
         inputs = self.arena.layout.inputs
         return max(inputs[name].offset + num_tokens * 4 for name in TOKEN_INPUTS)
 
-    def _forward_and_sample(self, step: StepShape) -> None:
-        """The device work of one step, as captured into a decode graph: the sampler reads the
-        greedy argmax keys the LM head kept, where it kept them (model.head_argmax_for)."""
+    def _plain_step(self, step: StepShape) -> None:
+        """The device work of one plain step, as captured into a decode graph: the forward, the
+        sampler (which reads the greedy argmax keys the LM head kept, where it kept them:
+        model.head_argmax_for) and the ids' download."""
         self.model.forward(step)
         self._sample(step, head_argmax=self.model.head_argmax_for(step))
+        self._download_ids(step)
 
     def _sample(self, step: StepShape, head_argmax: int = 0) -> None:
         """head_argmax: the LM head's argmax keys of these very logits (not after logit edits)."""
         v = self.arena.view
-        self.ops.sample(v("logits"), step.num_seqs, self.cfg.vocab_size, v("temperature"), v("top_k"),
-                        v("top_p"), v("seeds"), v("steps"), v("sampled_ids"), min_p=v("min_p"),
+        i = lambda name: v(name, step.bank)  # noqa: E731
+        self.ops.sample(v("logits"), step.num_seqs, self.cfg.vocab_size, i("temperature"), i("top_k"),
+                        i("top_p"), i("seeds"), i("steps"), v("sampled_ids"), min_p=i("min_p"),
                         argmax_partials=v("argmax_partials"), slice_counters=v("argmax_slice_counters"),
                         head_argmax=head_argmax)
 
@@ -254,13 +252,12 @@ class CudaRunner(ModelRunner):
             S = batch.num_seqs
             graph_size = None if batch.is_prefill else self._graph_size_for(S)
             replays = graph_size is not None and replay
-            step = self._stage_inputs(batch, sampling, rows=graph_size, graph_follows=replays)
+            step = self._stage_inputs(batch, sampling, rows=graph_size)
             if replays:
-                self.graphs[graph_size].launch(self.stream)
+                self.graphs[graph_size, step.bank].launch(self.stream)
             else:
-                self._forward_and_sample(step)
-            ids, ready = self._download_ids(self._turn, S), self._ids_ready[self._turn]
-            self._turn ^= 1
+                self._plain_step(step)
+            ids, ready = self._ids_host[step.bank], self._ids_ready[step.bank]
             ready.record(self.stream)
         self.last_logprobs = None
 
@@ -283,10 +280,10 @@ class CudaRunner(ModelRunner):
             S = batch.num_seqs
             graph_size = None if batch.is_prefill else self._graph_size_for(S)
             replays = graph_size is not None and replay
-            step = self._stage_inputs(batch, sampling, rows=graph_size, graph_follows=replays)
+            step = self._stage_inputs(batch, sampling, rows=graph_size)
             edits_dev = self._upload_edits(sampling)       # overlaps the forward
             if replays:
-                self._forward_graph(graph_size, step).launch(self.stream)
+                self._forward_graph(step).launch(self.stream)
             else:
                 self.model.forward(step)
             finish = self._process_and_sample(step, sampling, sampling.logprob_rows, edits_dev)
@@ -295,15 +292,16 @@ class CudaRunner(ModelRunner):
             self.last_logprobs = finish() if finish is not None else None
             return self.arena.host("sampled_ids")[:S].copy()
 
-    def _forward_graph(self, size: int, step: StepShape) -> CudaGraph:
-        """The forward-only graph of a decode size, captured the first time a step with edits
-        or logprobs needs it (its kernels were loaded by the full graph's eager warm-up)."""
-        graph = self.forward_graphs.get(size)
+    def _forward_graph(self, step: StepShape) -> CudaGraph:
+        """The forward-only graph of a decode size and bank, captured the first time a step with
+        edits or logprobs needs it (its kernels were loaded by the full graph's eager warm-up)."""
+        key = step.num_seqs, step.bank
+        graph = self.forward_graphs.get(key)
         if graph is None:
             self.stream.synchronize()
             with CudaGraph.capture(self.stream) as graph:
                 self.model.forward(step)
-            self.forward_graphs[size] = graph
+            self.forward_graphs[key] = graph
         return graph
 
     def _upload_edits(self, sampling: SamplingBatch) -> int | None:
@@ -376,23 +374,25 @@ class CudaRunner(ModelRunner):
         return None
 
     def capture_decode_graphs(self) -> None:
-        """Capture one decode step per batch size. Each size runs once eagerly first, so that
-        cuBLAS picks and loads its kernels outside the capture."""
+        """Capture one plain decode step per batch size and input bank. Each size runs once
+        eagerly first, so that cuBLAS picks and loads its kernels outside the capture."""
         start, free_before = time.perf_counter(), self.device.memory_info()[0]
         for size in self.graph_batch_sizes():
             dummy = ForwardBatch.build([[0]] * size, [1] * size, [[0]] * size, self.engine_cfg.block_size,
                                        is_prefill=False)
             dummy.slot_mapping[:] = -1            # write nothing into the KV cache
-            step = self._stage_inputs(dummy, None)
-            self._forward_and_sample(step)
-            self.stream.synchronize()
-            with CudaGraph.capture(self.stream) as graph:
-                self._forward_and_sample(step)
-            self.graphs[size] = graph
+            for turn in range(INPUT_BANKS):       # the banks come in turn
+                step = self._stage_inputs(dummy, None)
+                if turn == 0:
+                    self._plain_step(step)
+                self.stream.synchronize()
+                with CudaGraph.capture(self.stream) as graph:
+                    self._plain_step(step)
+                self.graphs[size, step.bank] = graph
         self.stream.synchronize()
-        self._graph_sizes = sorted(self.graphs)
-        log.info("captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, taking %.2f GiB",
-                 len(self.graphs), self._graph_sizes[0], self._graph_sizes[-1],
+        self._graph_sizes = sorted({size for size, _ in self.graphs})
+        log.info("captured %d decode CUDA graphs (batch sizes %d..%d, %d input banks) in %.1f s, taking %.2f GiB",
+                 len(self.graphs), self._graph_sizes[0], self._graph_sizes[-1], INPUT_BANKS,
                  time.perf_counter() - start, (free_before - self.device.memory_info()[0]) / GiB)
 
     def recapture_decode_graphs(self) -> None:

@@ -1,6 +1,7 @@
 """LlamaModel: the forward pass on the GPU as a readable list of kernel launches and linear()
-calls on arena views. No allocation, no numpy, no hidden state: the runner fills the arena's
-input views before forward() and reads the logits (or sampled ids) after it.
+calls on arena views. No allocation, no numpy, no hidden state: the runner fills one of the
+arena's input banks before forward() (the step's `bank`) and reads the logits (or sampled ids)
+after it.
 
 Per layer (T new tokens; residual stream `hidden` in bf16):
     normed   = rms_norm(hidden)                         kernel
@@ -65,7 +66,7 @@ from dataclasses import dataclass
 
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.gpu.arena import TOKEN_INPUTS, Arena
+from tinyvllm.gpu.arena import INPUT_BANKS, TOKEN_INPUTS, Arena
 from tinyvllm.gpu.device_weights import DeviceWeights
 from tinyvllm.gpu.kv_cache import DeviceKVCache
 from tinyvllm.gpu.ops import DECODE_GROUPS, DECODE_HEAD_DIMS, GpuOps
@@ -81,11 +82,12 @@ L2_PREFETCH_BYTES = 16 << 20
 class StepShape:
     """What the host passes to the kernels besides the arena's contents: the only per-step
     launch parameters. A decode step's shape depends on num_seqs alone, so one captured CUDA
-    graph per batch size serves every decode step of that size."""
+    graph per batch size and input bank serves every decode step of that size."""
     num_tokens: int
     num_seqs: int
     is_prefill: bool
     max_query_len: int = 1
+    bank: int = 0              # the arena input bank this step's inputs were uploaded into
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,25 @@ class TokenInputs:
     positions: int
     slot_mapping: int
     fed_rows: int
+
+
+@dataclass(frozen=True)
+class BankInputs:
+    """The input views the forward pass reads, in one of the arena's input banks."""
+    tokens: dict[bool, TokenInputs]     # by is_prefill: the prefill arrays or the decode_ ones
+    query_start: int
+    context_lens: int
+    last_token_idx: int
+    block_tables: int
+    block_table_width: int
+
+    @classmethod
+    def of(cls, arena: Arena, bank: int) -> BankInputs:
+        v = lambda name: arena.view(name, bank)  # noqa: E731
+        return cls({prefill: TokenInputs(*(v(prefix + name) for name in TOKEN_INPUTS))
+                    for prefill, prefix in ((True, ""), (False, "decode_"))},
+                   v("query_start"), v("context_lens"), v("last_token_idx"), v("block_tables"),
+                   v("block_table_width"))
 
 
 class LlamaModel:
@@ -116,12 +137,7 @@ class LlamaModel:
         self.gate_up, self.act, self.final_normed, self.logits = v("gate_up"), v("act"), v("final_normed"), v("logits")
         self.partial_out, self.partial_ml = v("decode_partial_out"), v("decode_partial_ml")
         self.split_counters = v("decode_split_counters")
-        # per-token inputs: prefill steps' arrays, or decode steps' own (arena.py's docstring)
-        self.token_inputs = {prefill: TokenInputs(*(v(prefix + name) for name in TOKEN_INPUTS))
-                             for prefill, prefix in ((True, ""), (False, "decode_"))}
-        self.query_start, self.context_lens = v("query_start"), v("context_lens")
-        self.last_token_idx, self.block_tables = v("last_token_idx"), v("block_tables")
-        self.block_table_width = v("block_table_width")
+        self.inputs = [BankInputs.of(arena, bank) for bank in range(INPUT_BANKS)]   # by StepShape.bank
         self.sampled_ids = v("sampled_ids")   # async scheduling's fed ids
         self.norm_row_ss = v("norm_row_ss")   # the handed-over norm's sums of squares
         self.head_argmax = v("head_argmax")   # the decode LM head's greedy argmax keys
@@ -161,7 +177,8 @@ class LlamaModel:
         final_norm = w.final_norm if head_prenormed else None
         if fused and T != step.num_seqs:
             raise TinyVLLMError(f"a decode step has one token per sequence, got {T} tokens for {step.num_seqs}")
-        tok = self.token_inputs[step.is_prefill]
+        inputs = self.inputs[step.bank]
+        tok = inputs.tokens[step.is_prefill]
         ops.embedding(self.hidden, w.embed, tok.token_ids, T, H, c.vocab_size, fed_rows=tok.fed_rows,
                       fed_ids=self.sampled_ids,
                       norm=(w.layers[0].input_norm, self.normed, self.norm_row_ss) if handoff else None,
@@ -185,7 +202,7 @@ class LlamaModel:
             ops.gemv(self.logits, self.normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32", last=True,
                      prenormed=(self.norm_row_ss, eps), head_argmax=self.head_argmax)
             return
-        ops.rms_norm(self.final_normed, self.hidden, w.final_norm, S, H, eps, rows=self.last_token_idx)
+        ops.rms_norm(self.final_normed, self.hidden, w.final_norm, S, H, eps, rows=inputs.last_token_idx)
         ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32", last=True)
 
     def _decode_layer_fused(self, step: StepShape, layer: int, lw, kw: dict[str, int], final_norm=None) -> None:
@@ -217,7 +234,7 @@ class LlamaModel:
                                        k_warps=kw[name])
 
         x, norm, prenormed = normed_input(lw.input_norm, self.qkv_width, handoff)   # layer 0: by the embedding
-        tok = self.token_inputs[False]
+        tok = self.inputs[step.bank].tokens[False]
         ops.gemv_rope_kv(self.qkv, x, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),  # qkv, rope
                          tok.positions, tok.slot_mapping, w.rope_inv_freq, num_q_heads=c.num_attention_heads,
                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, norm=norm, prenormed=prenormed,
@@ -232,17 +249,17 @@ class LlamaModel:
                      "down")                                                                            # down
 
     def _attention(self, step: StepShape, layer: int, l2_prefetch=None) -> None:
-        c = self.cfg
-        paged = (self.kv.k(layer), self.kv.v(layer), self.block_tables, self.block_table_width)
+        c, inputs = self.cfg, self.inputs[step.bank]
+        paged = (self.kv.k(layer), self.kv.v(layer), inputs.block_tables, inputs.block_table_width)
         shape = dict(num_seqs=step.num_seqs, num_q_heads=c.num_attention_heads,
                      num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
                      block_size=self.kv.block_size, scale=self.scale)
         if step.is_prefill:
-            self.ops.attention_prefill(self.attn_out, self.qkv, self.qkv_width, *paged, self.query_start,
-                                       self.context_lens, max_query_len=step.max_query_len, **shape)
+            self.ops.attention_prefill(self.attn_out, self.qkv, self.qkv_width, *paged, inputs.query_start,
+                                       inputs.context_lens, max_query_len=step.max_query_len, **shape)
         else:
             self.ops.attention_decode(self.attn_out, self.partial_out, self.partial_ml, self.split_counters,
-                                      self.qkv, self.qkv_width, *paged, self.context_lens, **shape,
+                                      self.qkv, self.qkv_width, *paged, inputs.context_lens, **shape,
                                       l2_prefetch=l2_prefetch)
 
     def _l2_prefetch(self, lw) -> tuple[int, int] | None:
