@@ -369,25 +369,3 @@ def test_linear_fp32_out(gpu, rng):
     assert rel_err(y.get(), x.astype(np.float32) @ w.astype(np.float32).T) < 1e-3
 
 
-@pytest.mark.parametrize("num_words", [1, 75, 1000, 70_001])
-def test_copy_words(gpu, rng, num_words):
-    """step_io.cu: exact copies device -> device, mapped page-locked host -> device and device ->
-    mapped host (the engine's TINYVLLM_STEP_IO=kernel road), each into a poisoned buffer one
-    word longer than the copy: the word past the end must keep its poison."""
-    import pycuda.driver as drv
-    from gpu_helpers import POISON, DeviceArray
-    words = rng.integers(0, 2**32, num_words, dtype=np.uint64).astype(np.uint32)
-    poison = POISON[np.dtype(np.int32)]
-    mapped = lambda: drv.pagelocked_empty(num_words + 1, np.uint32, mem_flags=drv.host_alloc_flags.DEVICEMAP)  # noqa: E731
-    host_src, host_dst = mapped(), mapped()
-    host_src[:num_words], host_src[num_words] = words, poison ^ 1
-    host_dst[:] = poison
-    src, dst = DeviceArray(words), DeviceArray(np.full(num_words + 1, poison, np.uint32))
-    dst_from_host = DeviceArray(np.full(num_words + 1, poison, np.uint32))
-    gpu.copy_words(dst, src, num_words)
-    gpu.copy_words(dst_from_host, int(host_src.base.get_device_pointer()), num_words)
-    gpu.copy_words(int(host_dst.base.get_device_pointer()), src, num_words)
-    _sync()
-    for got in (dst.get(), dst_from_host.get(), np.array(host_dst)):
-        np.testing.assert_array_equal(got[:num_words], words)
-        assert got[num_words] == poison, "a word past the end was written"

@@ -31,9 +31,20 @@ def gpu_sample(gpu, logits: np.ndarray, batch: SamplingBatch, slices: int | None
     argmax pass over blocks with a poisoned partials workspace, runs the launch twice on fresh
     copies of the logits (the slice counters must come back to 0 for the second, as graph
     replays need) and requires the same ids from both. slices = "head": the argmax keys of these
-    logits (head_argmax_keys, the LM head's twin) in place of the argmax pass, one block per row."""
+    logits (head_argmax_keys, the LM head's twin) in place of the argmax pass, one block per row.
+    Every launch also writes its ids into poisoned mapped page-locked memory (out_host, how the
+    engine's decode steps bring them to the host), which must then equal `out` exactly."""
     drv, sampler = gpu
     num_seqs, vocab = logits.shape
+
+    def host_copy():
+        buf = drv.pagelocked_empty(num_seqs + 1, np.int32, mem_flags=drv.host_alloc_flags.DEVICEMAP)
+        buf[:] = POISON
+        return buf, int(buf.base.get_device_pointer())
+
+    def check_host_copy(buf, result):
+        np.testing.assert_array_equal(np.array(buf), result, err_msg="out_host differs from out")
+
     dev = {name: drv.to_device(np.ascontiguousarray(a)) for name, a in (
         ("temperature", batch.temperature), ("top_k", batch.top_k), ("top_p", batch.top_p),
         ("seed", batch.seed), ("step", batch.step))}
@@ -41,11 +52,13 @@ def gpu_sample(gpu, logits: np.ndarray, batch: SamplingBatch, slices: int | None
         keys = drv.to_device(head_argmax_keys(logits))
         dev_logits = drv.to_device(np.ascontiguousarray(logits, np.float32))
         out = drv.to_device(np.full(num_seqs + 1, POISON, np.int32))
+        host, host_ptr = host_copy()
         sampler.sample(int(dev_logits), num_seqs, vocab, *(int(dev[n]) for n in ("temperature", "top_k", "top_p",
-                       "seed", "step")), int(out), head_argmax=int(keys))
+                       "seed", "step")), int(out), head_argmax=int(keys), out_host=host_ptr)
         drv.Context.synchronize()
         result = drv.from_device(out, (num_seqs + 1,), np.int32)
         assert result[-1] == POISON, "sampler wrote past the last row"
+        check_host_copy(host, result)
         return result[:-1]
     sliced = slices is None or slices > 1
     partials = drv.to_device(np.full((num_seqs, MAX_ARGMAX_SLICES, 4), POISON, np.int32)) if sliced else 0
@@ -54,12 +67,14 @@ def gpu_sample(gpu, logits: np.ndarray, batch: SamplingBatch, slices: int | None
     for _ in range(2 if sliced else 1):
         dev_logits = drv.to_device(np.ascontiguousarray(logits, np.float32))   # non-greedy rows are overwritten
         out = drv.to_device(np.full(num_seqs + 1, POISON, np.int32))           # one extra: must stay poisoned
+        host, host_ptr = host_copy()
         sampler.sample(int(dev_logits), num_seqs, vocab,
                        *(int(dev[n]) for n in ("temperature", "top_k", "top_p", "seed", "step")), int(out),
-                       argmax_partials=int(partials), slice_counters=int(counters), slices=slices)
+                       argmax_partials=int(partials), slice_counters=int(counters), slices=slices, out_host=host_ptr)
         drv.Context.synchronize()
         result = drv.from_device(out, (num_seqs + 1,), np.int32)
         assert result[-1] == POISON, "sampler wrote past the last row"
+        check_host_copy(host, result)
         results.append(result[:-1])
     if sliced:
         assert not drv.from_device(counters, (num_seqs,), np.int32).any(), "slice counters not left at 0"

@@ -15,7 +15,7 @@ from tinyvllm.gpu.kernels import CUDA_DIR, kernel_constants, kernel_signatures
 def test_signatures_match_the_c_parameter_lists():
     assert kernel_signatures("rmsnorm.cu") == {"rms_norm": "PPPPiif"}
     assert kernel_signatures("embedding.cu") == {"embedding_gather": "PPPPPiiiPPPP"}   # + the handed-over norm, head keys
-    assert kernel_signatures("sampling.cu") == {"sample_tokens": "PiPPPPPPPPPP",   # comments inside the list
+    assert kernel_signatures("sampling.cu") == {"sample_tokens": "PiPPPPPPPPPPP",   # comments inside the list
                                                 "apply_logit_edits": "PiPi", "step_logprobs": "PiPPiPPPP"}
     assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiiiii",            # plain and the two fused,
                                             "gemv_rope_kv_bf16": "PPPiiiPPPPPiiiii",  # each ending in wide_l2, ring
@@ -25,7 +25,6 @@ def test_signatures_match_the_c_parameter_lists():
                                             "gemv_prenormed_rope_kv_bf16": "PPPPiiifPPPPPiiiii",
                                             "gemv_prenormed_silu_mul_bf16": "PPPPiiifii",
                                             "gemv_prenormed_bf16": "PPPPiiifiPii"}        # the LM head
-    assert kernel_signatures("step_io.cu") == {"copy_words": "PPi"}
     (pattern, sig), = kernel_signatures("attention_decode.cu").items()          # a macro-made family
     assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiifPQi"  # ..., l2 prefetch, early_kv
 
@@ -39,8 +38,7 @@ def test_constants_are_read_with_their_dependencies():
     for table, names in ((ops.EMBEDDING, ["THREADS"]), (ops.RMS_NORM, ["THREADS"]), (ops.ROPE, ["THREADS"]),
                          (ops.SILU, ["THREADS"]), (ops.PREFILL, ["BLOCK_Q", "THREADS"]), (ops.DECODE, ["THREADS"]),
                          (ops.GEMV, ["ROWS_PER_CTA", "STEP_K", "UNROLL", "MAX_K_WARPS"]),
-                         (ops.SAMPLING, ["SAMPLE_THREADS", "EDIT_THREADS", "EDIT_WORDS", "MAX_TOP_LOGPROBS"]),
-                         (ops.STEP_IO, ["THREADS"])):
+                         (ops.SAMPLING, ["SAMPLE_THREADS", "EDIT_THREADS", "EDIT_WORDS", "MAX_TOP_LOGPROBS"])):
         for name in names:
             assert isinstance(table[name], int) and table[name] > 0, name
 

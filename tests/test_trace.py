@@ -361,7 +361,7 @@ def test_decode_layer_hands_the_norms_over(tiny_model_dir):
     assert int(head[9]) == int(v("head_argmax"))
     assert names.index("gemv_prenormed_bf16") == len(names) - 2 and names[-1] == "sample_tokens"
     sampler = launches[-1][1]
-    assert sampler["grid"] == (1, 1, 1) and int(sampler["args"][-1]) == int(v("head_argmax"))
+    assert sampler["grid"] == (1, 1, 1) and int(sampler["args"][-2]) == int(v("head_argmax"))   # (..., head_argmax, out_host)
     assert names.index("gemv_residual_norm_bf16") > names.index("attention_decode_d64_g2")
 
 

@@ -9,12 +9,13 @@ ids back.
 Steps take the arena's two input banks in turn (StepShape.bank), and a step's inputs go up on a
 copy stream of their own, by the copy engine: the upload of step N+1 runs while step N still
 computes on the stream (it waits only for step N-1, the last to read that bank), and the stream
-waits for it with an event that has long completed. Its sampled ids come down by step_io.cu's
-copy_words into the bank's page-locked buffer mapped into the device's address space, inside
-the decode graph itself. So between two decode graphs the stream holds nothing but an event
-wait and the event the host waits on: measured on an H100, the engine's step then costs the
-graph + ~2 us against + ~8 us when the upload and the download were launches of their own
-between the graphs (docs/perf-notes.md, session 17). One decode graph per batch size and bank.
+waits for it with an event that has long completed. The sampler itself writes the sampled ids
+into the bank's page-locked buffer, which is mapped into the device's address space (a posted
+PCIe write; sample_tokens' out_host). So between two decode graphs the stream holds nothing but
+an event wait and the event the host waits on: measured on an H100, the engine's step then
+costs the graph + ~2 us, against + ~8 us when a kernel uploaded the inputs and another brought
+the ids down between the graphs (docs/perf-notes.md, session 17). One decode graph per batch
+size and bank.
 
 launch() returns once a plain step is enqueued (overlaps_steps: the engine's async scheduling
 prepares the next step meanwhile). Two steps may be in flight: each has its own bank and its
@@ -206,12 +207,6 @@ class CudaRunner(ModelRunner):
         return StepShape(num_tokens=R if R > S else T, num_seqs=R, is_prefill=batch.is_prefill,
                          max_query_len=int(np.diff(batch.query_start).max()), bank=bank)
 
-    def _download_ids(self, step: StepShape) -> None:
-        """The step's sampled ids (all its rows) into its bank's page-locked buffer, by copy_words
-        (inside the decode graphs; after an eager step it runs once the sampler has finished,
-        PDL or not: it never waits under PDL, step_io.cu)."""
-        self.ops.copy_words(self._ids_host_device_ptrs[step.bank], self.arena.view("sampled_ids"), step.num_seqs)
-
     def _token_inputs_end(self, num_tokens: int) -> int:
         """Where a prefill step's upload ends: past the first num_tokens of every prefill
         per-token array (they lie after the block tables, arena.py)."""
@@ -219,21 +214,21 @@ class CudaRunner(ModelRunner):
         return max(inputs[name].offset + num_tokens * 4 for name in TOKEN_INPUTS)
 
     def _plain_step(self, step: StepShape) -> None:
-        """The device work of one plain step, as captured into a decode graph: the forward, the
-        sampler (which reads the greedy argmax keys the LM head kept, where it kept them:
-        model.head_argmax_for) and the ids' download."""
+        """The device work of one plain step, as captured into a decode graph: the forward and
+        the sampler, which reads the greedy argmax keys the LM head kept, where it kept them
+        (model.head_argmax_for), and writes the ids into the bank's mapped host buffer too."""
         self.model.forward(step)
-        self._sample(step, head_argmax=self.model.head_argmax_for(step))
-        self._download_ids(step)
+        self._sample(step, head_argmax=self.model.head_argmax_for(step), ids_host=self._ids_host_device_ptrs[step.bank])
 
-    def _sample(self, step: StepShape, head_argmax: int = 0) -> None:
-        """head_argmax: the LM head's argmax keys of these very logits (not after logit edits)."""
+    def _sample(self, step: StepShape, head_argmax: int = 0, ids_host: int = 0) -> None:
+        """head_argmax: the LM head's argmax keys of these very logits (not after logit edits);
+        ids_host: the mapped page-locked buffer the sampler also writes the ids into (0: none)."""
         v = self.arena.view
         i = lambda name: v(name, step.bank)  # noqa: E731
         self.ops.sample(v("logits"), step.num_seqs, self.cfg.vocab_size, i("temperature"), i("top_k"),
                         i("top_p"), i("seeds"), i("steps"), v("sampled_ids"), min_p=i("min_p"),
                         argmax_partials=v("argmax_partials"), slice_counters=v("argmax_slice_counters"),
-                        head_argmax=head_argmax)
+                        head_argmax=head_argmax, out_host=ids_host)
 
     @staticmethod
     def _is_plain(sampling: SamplingBatch | None) -> bool:

@@ -23,7 +23,6 @@ callable that repeats it (benchmarks/decode_profile.py times ops so; trace.py pr
     sampling.cu       sample_tokens    sample()              sampling.sample                    test_gpu_sampling
     sampling.cu       apply_logit_edits apply_logit_edits()  sampling.apply_edits               test_gpu_logit_processing
     sampling.cu       step_logprobs    step_logprobs()       sampling.step_logprobs             test_gpu_logit_processing
-    step_io.cu        copy_words       copy_words()          dst[:n] = src[:n]                  test_gpu_kernels::test_copy_words
     (cuBLAS)          cublasGemmEx     linear()              X @ W^T in numpy                   test_gpu_kernels::test_linear
 
 The fused decode layer (`fuse`, on by default; TINYVLLM_FUSE=0 turns it off): when every
@@ -78,7 +77,6 @@ PREFILL = kernel_constants("attention_prefill.cu")
 DECODE = kernel_constants("attention_decode.cu")
 GEMV = kernel_constants("gemv.cu")
 SAMPLING = kernel_constants("sampling.cu")
-STEP_IO = kernel_constants("step_io.cu")
 
 DECODE_HEAD_DIMS, DECODE_GROUPS = (64, 128), (1, 2, 3, 4, 8)   # instantiated in attention_decode.cu
 PREFILL_HEAD_DIMS = (64, 128)                                  # instantiated in attention_prefill.cu
@@ -298,7 +296,7 @@ class GpuOps:
 
     def sample(self, logits, num_seqs: int, vocab_size: int, temperature, top_k, top_p, seeds, steps,
                out, min_p=0, argmax_partials=0, slice_counters=0, slices: int | None = None,
-               head_argmax=0) -> None:
+               head_argmax=0, out_host=0) -> None:
         """One token id per row of fp32 logits (reference/sampling.py defines the algorithm).
         Non-greedy rows' logits are overwritten with their sampling weights. min_p: a float32
         [num_seqs] device array, or 0 (null) for min_p off in every row. argmax_partials (int32
@@ -306,7 +304,9 @@ class GpuOps:
         zero by the kernel) let the argmax pass run in `slices` blocks per row (None:
         sample_slices'); without them it runs in one. head_argmax (uint64 [num_seqs], 0: none):
         the argmax keys the decode LM head kept (gemv(head_argmax=)), which replace the argmax
-        pass: one block per row, the same token (sampling.cu's header)."""
+        pass: one block per row, the same token (sampling.cu's header). out_host (0: none): a
+        device pointer of mapped page-locked host memory that gets a copy of out, written by the
+        kernel over PCIe (how a decode step's ids reach the host: cuda_runner.py)."""
         if not num_seqs:
             return
         if head_argmax:
@@ -322,7 +322,7 @@ class GpuOps:
             raise ValueError(f"sample: slices must be in 1..{SAMPLING['MAX_ARGMAX_SLICES']}, got {slices}")
         self._launch("sample_tokens", (num_seqs, slices), SAMPLING["SAMPLE_THREADS"], logits, vocab_size,
                      temperature, top_k, top_p, min_p, seeds, steps, out, argmax_partials, slice_counters,
-                     head_argmax)
+                     head_argmax, out_host)
 
     def apply_logit_edits(self, logits, vocab_size: int, edits, num_edits: int) -> None:
         """LogitEdits (engine/batch.py, uploaded as its packed() int32 [E, EDIT_WORDS]) applied
@@ -341,17 +341,6 @@ class GpuOps:
         if num_rows:
             self._launch("step_logprobs", num_rows, SAMPLING["SAMPLE_THREADS"], logits, vocab_size, rows,
                          sampled, k, sampled_logprob, sampled_rank, top_ids, top_logprobs)
-
-    def copy_words(self, dst, src, num_words: int) -> None:
-        """dst[:num_words] = src[:num_words], 4-byte words; either side device memory or mapped
-        page-locked host memory (step_io.cu: the step's inputs up and ids down without the copy
-        engine). Grid-stride, at most one wave of blocks. No words: no launch."""
-        if num_words < 0:
-            raise ValueError(f"copy_words: num_words must be >= 0, got {num_words}")
-        if num_words:
-            threads = STEP_IO["THREADS"]
-            self._launch("copy_words", min(math.ceil(num_words / threads), self.num_sms), threads,
-                         dst, src, num_words)
 
     # -- projections -------------------------------------------------------------------------------
     def on_gemv(self, m: int, n: int, k: int) -> bool:

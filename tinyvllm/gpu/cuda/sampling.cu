@@ -288,7 +288,9 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
               int* __restrict__ out,                  // [num_seqs] sampled token ids
               ArgmaxPartial* __restrict__ partials,   // [num_seqs, MAX_ARGMAX_SLICES]; null: gridDim.y = 1
               unsigned* __restrict__ slice_counters,  // [num_seqs], 0 between launches; null: gridDim.y = 1
-              const unsigned long long* head_argmax)  // [num_seqs] the LM head's argmax keys; null: pass 1 here
+              const unsigned long long* head_argmax,  // [num_seqs] the LM head's argmax keys; null: pass 1 here
+              int* out_host)                          // [num_seqs] mapped page-locked host memory, a copy of
+                                                      // out for the host (a posted PCIe write); null: none
 {
     allow_consumer();
     wait_for_producer();   // the logits are the LM head's output
@@ -309,7 +311,10 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
     }
     const float temp = temperature[row];
     if (broken || !(temp > 0.0f)) {                       // uniform across the block
-        if (threadIdx.x == 0) out[row] = broken ? -1 : argmax;
+        if (threadIdx.x == 0) {
+            out[row] = broken ? -1 : argmax;
+            if (out_host) out_host[row] = broken ? -1 : argmax;
+        }
         return;
     }
 
@@ -352,7 +357,11 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
         for (int i = begin; i < end; ++i) {
             const float e = x[i];
             if (e >= tau) acc += mass_of(e);
-            if (acc > r) { out[row] = i; break; }
+            if (acc > r) {
+                out[row] = i;
+                if (out_host) out_host[row] = i;
+                break;
+            }
         }
     }
 }
