@@ -106,6 +106,25 @@ def test_async_steps_are_the_sync_steps(tiny_model_dir):
     assert engine.num_rows_thrown_away >= 3                  # two stops and the abort
 
 
+def test_the_first_decode_step_goes_ahead_of_the_prefill(tiny_model_dir):
+    """A prefill of every running sequence that ends their prompts is followed by a decode step
+    launched before its first tokens come back (fed from its sampled ids): every decode step of
+    a lone request goes ahead, and each step() call reports what it does without it. Not so
+    where another request waits, or where the prefill's first sample releases its n > 1 others:
+    their prefill comes first, as without async scheduling."""
+    p = prompts(3, seed=3)
+    lone = {0: [("add", "x", p[0], SamplingParams(temperature=0, ignore_eos=True, max_tokens=7))]}
+    sync_calls, _, _ = run(tiny_model_dir, lone, async_scheduling=False)
+    async_calls, _, engine = run(tiny_model_dir, lone, async_scheduling=True)
+    assert async_calls == sync_calls
+    assert engine.num_steps_ahead == 6, "the 6 decode steps after the prefill all went ahead"
+    samples = {0: [("add", "n", p[1], SamplingParams(temperature=0.8, seed=4, ignore_eos=True, max_tokens=5, n=2))]}
+    sync_calls, _, _ = run(tiny_model_dir, samples, async_scheduling=False)
+    async_calls, _, engine = run(tiny_model_dir, samples, async_scheduling=True)
+    assert async_calls == sync_calls
+    assert engine.num_steps_ahead < len(sync_calls) - 1, "the held sample's prefill came before a decode step"
+
+
 def test_async_outputs_are_the_sync_outputs_with_arrivals_samples_and_preemption(tiny_model_dir):
     """Requests arriving mid-way, n = 3 samples, penalties and logprobs (rows that hold the
     batch back), an abort, and a KV cache small enough to preempt: the same final outputs."""

@@ -28,8 +28,10 @@ step's outputs per call, the same as without it:
     step() call k:   [launch N+1 ahead]  [wait for N, apply its tokens, report N]
     step() call k+1: [launch N+2 ahead]  [wait for N+1 ...]          (N+1 is ready or nearly)
 
-A step goes ahead only where nothing about it depends on N's tokens beyond the ids: a decode
-batch whose rows all sample plainly (no penalties, logit_bias, min_tokens ban, min_p or
+A step goes ahead only where nothing about it depends on N's tokens beyond the ids: after a
+decode step, or a prefill of every running sequence that ends each prompt in it (its sampled
+ids are then one per row too, so the first decode step runs while the host reads the first
+token back), a batch whose rows all sample plainly (no penalties, logit_bias, min_tokens ban, min_p or
 logprobs), nobody waiting to be admitted, and a free block for every row that needs one. A row
 that N ends by length (max_tokens, the context limit) is left out of N+1; a row that N ends by a
 stop token or string, or that is aborted meanwhile, is computed and its token thrown away (its
@@ -335,11 +337,15 @@ class LLMEngine:
 
     # -- async scheduling (the module docstring) -------------------------------------------------
     def _launch_ahead(self, batch: ScheduledBatch, rows: np.ndarray | None) -> tuple[ScheduledBatch, PendingStep] | None:
-        """Launch the decode step after `batch` (launched, not read back yet), or None where it
-        cannot go ahead; it is then scheduled as usual once `batch` is applied. rows: the row
-        of each of batch's sequences in its launched step (None: its own order)."""
-        if batch.is_prefill or self.scheduler.waiting:
-            return None
+        """Launch the decode step after `batch` (a decode step or a prefill, launched, not read
+        back yet), or None where it cannot go ahead; it is then scheduled as usual once `batch`
+        is applied. rows: the row of each of batch's sequences in its launched step (None: its
+        own order)."""
+        if self.scheduler.waiting:
+            return None                  # admitting them comes first (a prompt chunk stays waiting too)
+        if batch.is_prefill and (len(batch.seqs) != len(self.scheduler.running) or any(
+                (r := self._requests.get(s.request_id)) is not None and r.held for s in batch.seqs)):
+            return None      # rows that sat this prefill out, or samples it releases: the next step is theirs
         if any(s.sampler_state is not PLAIN for s in batch.seqs):
             return None                  # its next sampler inputs depend on this step's token
         seqs = [s for s in batch.seqs if not self.output_processor.ends_by_length(s, len(s.token_ids) + 1)]
