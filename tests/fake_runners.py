@@ -59,11 +59,16 @@ class ContextHashRunner(ModelRunner):
     """A ModelRunner whose K/V are the token ids themselves: each step writes the new tokens at
     their slots, reads every sequence's whole context back through its block table (asserting
     each slot was written) and returns context_hash(context); POISONED_SEED rows get -1, as
-    the sampler gives a row of non-finite logits. ~1000x faster than the numpy model."""
+    the sampler gives a row of non-finite logits. ~1000x faster than the numpy model. A -1 is
+    also a value a slot can be written with: a step launched ahead feeds a row the id its step
+    before sampled before the engine has seen it, and a failed row's -1 is written like any id
+    (the GPU embeds it as a zero row) until the engine throws that row's output away."""
+
+    UNWRITTEN = -2
 
     def __init__(self, num_kv_blocks: int, block_size: int):
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
-        self.slots = np.full(num_kv_blocks * block_size, -1, np.int64)
+        self.slots = np.full(num_kv_blocks * block_size, self.UNWRITTEN, np.int64)
 
     def execute(self, batch, sampling):
         self.slots[batch.slot_mapping] = batch.token_ids
@@ -73,7 +78,7 @@ class ContextHashRunner(ModelRunner):
             table = batch.block_tables[i]
             assert (table[:-(-len(pos) // self.block_size)] >= 0).all(), "context runs past the block table"
             context = self.slots[table[pos // self.block_size] * self.block_size + pos % self.block_size]
-            assert (context >= 0).all(), "read a KV slot that was never written"
+            assert (context != self.UNWRITTEN).all(), "read a KV slot that was never written"
             out[i] = -1 if sampling.seed[i] == POISONED_SEED else context_hash(context)
         return out
 
