@@ -3,10 +3,10 @@
 # fails, the rest runs with TINYVLLM_GEMV=0 so their results still mean something), the fused
 # GEMV tests (if they fail, TINYVLLM_FUSE=0), then every
 # other GPU test, then the benchmarks. Logs go to $OUT (or ./gpu-pass-logs).
-#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [profile-gemv] [profile-loo] [bench] [bench-hf] [latency-ab] [sweep] [handoff] [server-load] [soak] [smollm2]
+#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [profile-gemv] [profile-loo] [bench] [bench-hf] [latency-ab] [tree-ab] [sweep] [handoff] [server-load] [soak] [smollm2]
 # (server-load needs the server extra: fastapi, uvicorn, pydantic, prometheus_client)
 set -u
-OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"
+OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)   # absolute: tree-ab runs in another directory
 steps=${*:-tests gemv-bench profile}
 log() { echo "== $*" | tee -a "$OUT/summary.log"; }
 for step in $steps; do
@@ -162,6 +162,17 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
       timeout 560 python3 benchmarks/constant_sweep.py --file "${SWEEP_FILE:-attention_decode.cu}" \
         ${SWEEP:-THREADS=512} ${MODEL:+--model "$MODEL"} > "$OUT/sweep.log" 2>&1
       log "constant sweep rc=$?"; sed -n '/^$/,$p' "$OUT/sweep.log" | tee -a "$OUT/summary.log" ;;
+    tree-ab)
+      # batch-1 latency of this checkout against another tree (BASE_TREE=dir, e.g. an untracked
+      # `git archive <commit> | tar -x -C ab-base` carried along), alternating, ROUNDS rounds:
+      # a commit's effect measured on the very machine that came (MODEL=dir: that model)
+      for round in $(seq "${ROUNDS:-3}"); do
+        for tree in "${BASE_TREE:?tree-ab needs BASE_TREE=dir}" .; do
+          (cd "$tree" && timeout 90 python3 -m tinyvllm bench ${MODEL:+--model "$MODEL"} --workload latency \
+            > "$OUT/bench-tree-ab.log" 2>&1)
+          log "latency [$tree] rc=$?: $(grep -E '^latency' "$OUT/bench-tree-ab.log" | tr -s ' ' | paste -sd';')"
+        done
+      done ;;
     latency-ab)
       # batch-1 latency on the 1B preset (MODEL=dir: that model), alternating the settings under
       # test (AB="cfg ...", each default or env settings joined by +), so drift hits every setting alike
