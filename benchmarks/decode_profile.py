@@ -80,8 +80,8 @@ def graph_gpu_time(runner, batch, repeats: int = 50) -> float:
 
 
 def step_copies(runner, batch, repeats: int = 50) -> None:
-    """GPU time per step of back-to-back decode-graph replays (the graph brings the sampled ids
-    down itself), alone and as the engine enqueues them (cuda_runner.launch: the inputs staged
+    """GPU time per step of back-to-back decode-graph replays (their sampler writes the ids to
+    the host itself), alone and as the engine enqueues them (cuda_runner.launch: the inputs staged
     and uploaded into the step's bank on the copy stream, which the stream waits for, the graph,
     the event the host waits on); and, for comparison, with the upload on the stream itself
     between the graphs (the road before session 17): what the stream spends besides the graphs."""

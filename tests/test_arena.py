@@ -70,3 +70,19 @@ def test_device_weights_hold_every_parameter(preset):
     shapes = device_tensor_shapes(cfg)
     n = sum(int(np.prod(s)) for k, s in shapes.items() if k != "rope_inv_freq")
     assert n == cfg.num_parameters
+
+
+def test_views_place_each_input_bank_apart(layout):
+    """ArenaLayout.views: every buffer inside the arena; the two input banks hold the same
+    buffers at the same offsets within their bank, and no byte of one lies in the other."""
+    from tinyvllm.gpu.arena import INPUT_BANKS
+    base = 1 << 40
+    views = layout.views(base)
+    nbytes = {p.name: p.nbytes for g in (layout.activations, layout.inputs, layout.outputs) for p in g.values()}
+    for key, v in views.items():
+        assert base <= v.ptr and v.ptr + nbytes[v.name] <= base + layout.total_bytes, key
+    banks = [[views[name, b] for name in layout.inputs] for b in range(INPUT_BANKS)]
+    for b in range(1, INPUT_BANKS):
+        assert all(v.ptr - w.ptr == b * layout.input_bytes for v, w in zip(banks[b], banks[0]))
+    first_end = max(v.ptr + nbytes[v.name] for v in banks[0])
+    assert first_end <= min(v.ptr for v in banks[1])

@@ -14,7 +14,7 @@ import pytest
 
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
-from tinyvllm.gpu.arena import INPUT_BANKS, ArenaDims, ArenaLayout, DeviceView, round_up
+from tinyvllm.gpu.arena import INPUT_BANKS, ArenaDims, ArenaLayout, round_up
 from tinyvllm.gpu.cublas import Cublas
 from tinyvllm.gpu.device_weights import DeviceWeights, LayerWeights, device_tensor_shapes, device_weight_bytes
 from tinyvllm.gpu.model import LlamaModel, StepShape
@@ -30,13 +30,7 @@ class _Launches:             # a KernelLibrary whose functions enqueue nothing
 class _FakeArena:
     def __init__(self, layout: ArenaLayout, base: int):
         self.layout, self.base = layout, base
-        self._views = {}
-        for start, ps in ((base, layout.activations), (base + layout.outputs_offset, layout.outputs)):
-            self._views.update({p.name: DeviceView(p.name, start + p.offset, p.shape, p.dtype) for p in ps.values()})
-        for bank in range(INPUT_BANKS):
-            start = base + layout.inputs_offset(bank)
-            self._views.update({(p.name, bank): DeviceView(p.name, start + p.offset, p.shape, p.dtype)
-                                for p in layout.inputs.values()})
+        self._views = layout.views(base)
 
     def view(self, name, bank=None):
         return self._views[name if bank is None else (name, bank)]

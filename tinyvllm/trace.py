@@ -25,7 +25,6 @@ import numpy as np
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.gpu.arena import INPUT_BANKS
 from tinyvllm.model_report import arena_layout, device_weight_lines, kv_cache_lines, weight_label
 
 TRACE_STEPS = 2                   # what trace=True / --trace alone traces: the prefill and one decode
@@ -243,13 +242,11 @@ class _PointerNames:
         self._params: dict[str, tuple[str, ...]] = {}
         arena, layout, regions = runner.arena, runner.arena.layout, []
         self.arena_base = arena.base
+        placements = {**layout.activations, **layout.inputs, **layout.outputs}
         by_address: dict[int, list] = {}
-        for placements in (layout.activations, layout.outputs):
-            for p in placements.values():
-                by_address.setdefault(arena.view(p.name).ptr, []).append((p, p.name))
-        for bank in range(INPUT_BANKS):
-            for p in layout.inputs.values():
-                by_address.setdefault(arena.view(p.name, bank).ptr, []).append((p, f"{p.name}[bank {bank}]"))
+        for key, view in layout.views(arena.base).items():      # inputs by (name, bank)
+            label = key if isinstance(key, str) else f"{key[0]}[bank {key[1]}]"
+            by_address.setdefault(view.ptr, []).append((placements[view.name], label))
         for ptr, ps in by_address.items():         # storage shared by buffers: name them all
             big = max((p for p, _ in ps), key=lambda p: p.nbytes)
             regions.append((ptr, big.nbytes, "|".join(label for _, label in ps), big.shape, big.dtype,

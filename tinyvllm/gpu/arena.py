@@ -17,8 +17,8 @@ The per-step inputs (token ids, positions, slot mapping, block tables, sampling 
 form one contiguous region mirrored in page-locked host memory, so a step uploads them with a
 single copy. The region exists twice on the device (INPUT_BANKS), and steps take the banks in
 turn: the next step's inputs go up into one bank on a copy stream while the step before it still
-reads the other (cuda_runner.py), so no upload stands between two decode graphs. A decode step has one token per sequence, so its per-token inputs have their own
-arrays of max-sequences length (decode_*), placed with the per-sequence ones before the block
+reads the other (cuda_runner.py), so no upload stands between two decode graphs. A decode step
+has one token per sequence, so its per-token inputs have their own arrays of max-sequences length (decode_*), placed with the per-sequence ones before the block
 tables, which are packed with the batch's own width: a decode step's copy stops right after the
 rows in use (at batch 1, a few hundred bytes). The prefill steps' per-token arrays (max-tokens
 long: 256 KB at 16,384 tokens, which every decode step used to upload; 12 us per step on the
@@ -188,6 +188,19 @@ class ArenaLayout:
     def outputs_offset(self) -> int:
         return self.activation_bytes + INPUT_BANKS * self.input_bytes
 
+    def views(self, base: int) -> dict[str | tuple[str, int], DeviceView]:
+        """Every buffer as a DeviceView for an arena allocated at `base`: activations and outputs
+        by name, inputs by (name, bank)."""
+        views: dict[str | tuple[str, int], DeviceView] = {}
+        for p in self.activations.values():
+            views[p.name] = DeviceView(p.name, base + p.offset, p.shape, p.dtype)
+        for p in self.outputs.values():
+            views[p.name] = DeviceView(p.name, base + self.outputs_offset + p.offset, p.shape, p.dtype)
+        for bank in range(INPUT_BANKS):
+            for p in self.inputs.values():
+                views[p.name, bank] = DeviceView(p.name, base + self.inputs_offset(bank) + p.offset, p.shape, p.dtype)
+        return views
+
     def memory_map(self) -> str:
         lines = [f"{'region':<12}{'offset':>14}  {'bytes':>14}  {'buffer':<20}{'shape':<24}{'dtype':<9}storage"]
         regions = (("activations", 0, self.activations),
@@ -231,14 +244,7 @@ class Arena:
         self.base = base
         self.inputs_ptrs = [base + layout.inputs_offset(b) for b in range(INPUT_BANKS)]
         self.outputs_ptr = base + layout.outputs_offset
-        self._views: dict[str | tuple[str, int], DeviceView] = {}
-        for p in layout.activations.values():
-            self._views[p.name] = DeviceView(p.name, base + p.offset, p.shape, p.dtype)
-        for p in layout.outputs.values():
-            self._views[p.name] = DeviceView(p.name, self.outputs_ptr + p.offset, p.shape, p.dtype)
-        for bank, bank_ptr in enumerate(self.inputs_ptrs):
-            for p in layout.inputs.values():
-                self._views[p.name, bank] = DeviceView(p.name, bank_ptr + p.offset, p.shape, p.dtype)
+        self._views = layout.views(base)
         self.host_inputs_bytes = drv.pagelocked_empty(layout.input_bytes, np.uint8)
         self.host_outputs_bytes = drv.pagelocked_empty(layout.output_bytes, np.uint8)
         self._host = {p.name: _host_view(self.host_inputs_bytes, p) for p in layout.inputs.values()}

@@ -309,12 +309,13 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
                               &m, &argmax, &broken, s)) {
         return;                                           // not the row's last block
     }
+    auto store = [&](int id) {                            // the row's id, and its host copy
+        out[row] = id;
+        if (out_host) out_host[row] = id;
+    };
     const float temp = temperature[row];
     if (broken || !(temp > 0.0f)) {                       // uniform across the block
-        if (threadIdx.x == 0) {
-            out[row] = broken ? -1 : argmax;
-            if (out_host) out_host[row] = broken ? -1 : argmax;
-        }
+        if (threadIdx.x == 0) store(broken ? -1 : argmax);
         return;
     }
 
@@ -357,11 +358,7 @@ sample_tokens(float* __restrict__ logits,            // [num_seqs, vocab]; overw
         for (int i = begin; i < end; ++i) {
             const float e = x[i];
             if (e >= tau) acc += mass_of(e);
-            if (acc > r) {
-                out[row] = i;
-                if (out_host) out_host[row] = i;
-                break;
-            }
+            if (acc > r) { store(i); break; }
         }
     }
 }
