@@ -203,10 +203,12 @@ def test_attention_prefill_long(gpu, rng, hq, hkv, d, block_size):
 
 
 # The contexts the decode kernel's split and step arithmetic can get wrong: 1 token, either side
-# of one 16-token warp step and of the 64-token minimum split, either side of the one-split
-# limit (256: shorter contexts run one split whatever the grid), a split count that does not
-# divide the context, and 5,000 (many steps per warp).
-DECODE_CONTEXTS = [1, 15, 16, 17, 63, 64, 65, 128, 129, 256, 257, 1024, 4129, 5000]
+# of one 16-token warp step and of the 128-token minimum split (a step for each of the 8 warps),
+# 2, 3 and 4 steps a warp in one split (the third is the first a warp copies in its main loop,
+# after the prologue's STAGES - 1 and the PDL wait; the fourth reuses the first one's stage),
+# either side of the one-split limit (512: shorter contexts run one split whatever the grid), a
+# split count that does not divide the context, and 5,000 (many steps per warp).
+DECODE_CONTEXTS = [1, 15, 16, 17, 63, 64, 65, 128, 129, 256, 257, 383, 384, 512, 513, 1024, 4129, 5000]
 # batch -> block size: the 7-sequence batch pages every token separately (a step spans 16 pages)
 DECODE_BATCHES = {1: 16, 7: 1, 256: 32}
 
