@@ -18,9 +18,10 @@ form one contiguous region mirrored in page-locked host memory, so a step upload
 single copy. The region exists twice on the device (INPUT_BANKS), and steps take the banks in
 turn: the next step's inputs go up into one bank on a copy stream while the step before it still
 reads the other (cuda_runner.py), so no upload stands between two decode graphs. A decode step
-has one token per sequence, so its per-token inputs have their own arrays of max-sequences length (decode_*), placed with the per-sequence ones before the block
-tables, which are packed with the batch's own width: a decode step's copy stops right after the
-rows in use (at batch 1, a few hundred bytes). The prefill steps' per-token arrays (max-tokens
+has one token per sequence, so its per-token inputs have their own arrays of max-sequences
+length (decode_*), placed with the per-sequence ones before the block tables, which are packed
+with the batch's own width: a decode step's copy stops right after the rows in use (at batch 1,
+a few hundred bytes). The prefill steps' per-token arrays (max-tokens
 long: 256 KB at 16,384 tokens, which every decode step used to upload; 12 us per step on the
 stream, docs/perf-notes.md session 9) come after the block tables, and only prefill copies cross
 them.
