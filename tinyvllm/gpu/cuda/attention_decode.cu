@@ -77,6 +77,13 @@ constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
 constexpr int STEP = 16;                          // tokens per warp step: the MMA's M
 constexpr int STAGES = 3;                         // cp.async ring depth per warp
+// Steps a warp copies before its first wait: STAGES - 1 (FULL_RING = 0: each stage is refilled
+// before the wait for the step STAGES - 1 later) or all STAGES (FULL_RING = 1: a stage is
+// refilled right after its own step's maths). Under early_kv the prologue's copies go out before
+// the PDL wait, so a full ring hides one more step a warp behind the producer (contexts up to
+// WARPS * STAGES * STEP = 384 tokens at batch 1, against 256). Same copies, same maths, same bits.
+constexpr int FULL_RING = 1;
+constexpr int PROLOGUE_STEPS = STAGES - 1 + FULL_RING;
 constexpr int MIN_SPLIT_TOKENS = WARPS * STEP;    // a split gives every warp at least one step
 // Contexts up to ONE_SPLIT_TOKENS run in one split: the merge of several (a fence, an atomic
 // and two rounds of L2 reads in the last block) costs more at batch 1 than the parallel blocks
@@ -231,24 +238,30 @@ __device__ __forceinline__ void decode_attention(
         }
     };
 
-    // Prologue: the first STAGES - 1 steps in flight (empty groups keep the group count uniform).
-    // early_kv: before the wait, without the newest row (pos ctx - 1; newest = -1 skips nothing).
+    // Prologue: the first PROLOGUE_STEPS steps in flight (empty groups keep the group count
+    // uniform). early_kv: before the wait, without the newest row (pos ctx - 1; newest = -1 skips
+    // nothing). Every prologue slot (and the first refill's) is looked up before the first copy
+    // goes out: issue()'s cp.async is asm volatile with a "memory" clobber, so a table load written
+    // after it waits for it, one L2 round trip a step in series (the SASS showed it); up front the
+    // lookups overlap.
     const int newest = early_kv ? ctx - 1 : -1;
     const int newest_slot = newest >= 0 ? __ldg(table + (newest >> bs_shift)) * block_size + (newest & (block_size - 1)) : 0;
-    int next_slot = load_slot(0);
+    int prologue_slot[PROLOGUE_STEPS + 1];
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-        if (i < steps) issue(i, next_slot, newest - step_begin(i));
+    for (int i = 0; i <= PROLOGUE_STEPS; ++i) prologue_slot[i] = load_slot(i);
+#pragma unroll
+    for (int i = 0; i < PROLOGUE_STEPS; ++i) {
+        if (i < steps) issue(i, prologue_slot[i], newest - step_begin(i));
         cp_async_commit();
-        next_slot = load_slot(i + 1);
     }
+    int next_slot = prologue_slot[PROLOGUE_STEPS];
     if (early_kv) {
         wait_for_producer();
         // The newest row, now written, where a prologue step holds it: the lanes issue() gives
         // that row copy it with coherent loads into the same swizzled place (a later step's copy
         // of it is issued in the main loop, after the wait, as usual).
 #pragma unroll
-        for (int i = 0; i < STAGES - 1; ++i) {
+        for (int i = 0; i < PROLOGUE_STEPS; ++i) {
             const int row = newest - step_begin(i);
             if (i < steps && row >= 0 && row < STEP && lane / CHUNKS == row % (32 / CHUNKS)) {
                 const int chunk = lane % CHUNKS;
@@ -284,13 +297,19 @@ __device__ __forceinline__ void decode_attention(
 #pragma unroll
     for (int t = 0; t < DSTEPS; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
 
+    // Step k lives in stage k % STAGES. Before step i's wait STAGES + i groups are committed
+    // either way (FULL_RING = 0: STAGES - 1 in the prologue and one a step, this step's refill
+    // included; 1: STAGES and one for each earlier step), so waiting with STAGES - 1 left in flight
+    // means step i's copies (and every earlier step's) have landed.
+    auto refill = [&](int step) {
+        if (step < steps) issue(step % STAGES, next_slot, -1);
+        cp_async_commit();
+        next_slot = load_slot(step + 1);
+    };
     int stage = 0;
     for (int i = 0; i < steps; ++i) {
-        // Refill the stage used one step ago, then wait for step i's copies.
-        const int refill = i + STAGES - 1;
-        if (refill < steps) issue(refill % STAGES, next_slot, -1);
-        cp_async_commit();
-        next_slot = load_slot(refill + 1);
+        // FULL_RING = 0: refill the stage used one step ago, then wait for step i's copies.
+        if (!FULL_RING) refill(i + STAGES - 1);
         cp_async_wait<STAGES - 1>();
         __syncwarp();
 
@@ -336,6 +355,7 @@ __device__ __forceinline__ void decode_attention(
             mma_bf16(o[t], a, pf);
         }
         __syncwarp();   // every lane is done with this stage before it is refilled
+        if (FULL_RING) refill(i + STAGES);   // into the stage just used
         stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
     cp_async_wait<0>();
