@@ -70,8 +70,8 @@
 namespace {
 
 // 8 warps a block: at batch 1 a block's tokens are on the step's critical path, and 8 warps take
-// half as many steps each as 4 did (at most 4 up to ONE_SPLIT_TOKENS, the first STAGES - 1 of
-// them copied before the wait under early_kv). At large batches an SM holds as many warps either
+// half as many steps each as 4 did (at most 4 up to ONE_SPLIT_TOKENS, the first PROLOGUE_STEPS
+// of them copied before the wait under early_kv). At large batches an SM holds as many warps either
 // way (2 blocks of 8 at 96 KB of shared memory for head_dim 64, or 4 of 4 at 48 KB).
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
@@ -82,6 +82,8 @@ constexpr int STAGES = 3;                         // cp.async ring depth per war
 // refilled right after its own step's maths). Under early_kv the prologue's copies go out before
 // the PDL wait, so a full ring hides one more step a warp behind the producer (contexts up to
 // WARPS * STAGES * STEP = 384 tokens at batch 1, against 256). Same copies, same maths, same bits.
+// Measured (H100, perf-notes session 19, with the prologue's lookups up front): bench latency
+// 1,050 -> 1,058 tok/s on the 1B preset, batch64 unchanged within noise; so 1 is the default.
 constexpr int FULL_RING = 1;
 constexpr int PROLOGUE_STEPS = STAGES - 1 + FULL_RING;
 constexpr int MIN_SPLIT_TOKENS = WARPS * STEP;    // a split gives every warp at least one step
