@@ -204,8 +204,8 @@ def test_attention_prefill_long(gpu, rng, hq, hkv, d, block_size):
 
 # The contexts the decode kernel's split and step arithmetic can get wrong: 1 token, either side
 # of one 16-token warp step and of the 128-token minimum split (a step for each of the 8 warps),
-# 2, 3 and 4 steps a warp in one split (the third is the first a warp copies in its main loop,
-# after the prologue's STAGES - 1 and the PDL wait; the fourth reuses the first one's stage),
+# 2, 3 and 4 steps a warp in one split (the third is the last the prologue copies before the PDL
+# wait with FULL_RING = 1, the first of the main loop with 0; the fourth reuses the first's stage),
 # either side of the one-split limit (512: shorter contexts run one split whatever the grid), a
 # split count that does not divide the context, and 5,000 (many steps per warp).
 DECODE_CONTEXTS = [1, 15, 16, 17, 63, 64, 65, 128, 129, 256, 257, 383, 384, 512, 513, 1024, 4129, 5000]
@@ -305,9 +305,12 @@ def test_attention_decode_l2_prefetch_changes_no_bits(gpu, rng, batch, splits):
         np.testing.assert_array_equal(got, outputs[0], err_msg=f"l2_prefetch {prefetch}")
 
 
-# Contexts for early_kv: the newest token (position ctx - 1) in a warp's prologue step (ctx <= 128
-# in one split), in a main-loop step (129..256), at a split boundary (16 x 64-token splits), in a
-# 16-token step's first or last row, and ctx = 1, where the only row is the newest.
+# Contexts for early_kv: the newest token (position ctx - 1) in a warp's first, second or third
+# prologue step (one split up to 512 tokens, 8 warps x 16 tokens a step: ctx <= 128, 129..256, and
+# 257..384, the step FULL_RING = 1 adds), in a main-loop step (1024 and 4129 at splits=1), in the
+# last of several splits (1024 and 4129 otherwise), in a 16-token step's first or last row, and
+# ctx = 1, where the only row is the newest. test_attention_decode's 384 and 512 take the last
+# prologue row and a main-loop row inside one split (early_kv is on by default there).
 EARLY_KV_CONTEXTS = [1, 2, 15, 16, 17, 31, 64, 127, 128, 129, 255, 256, 257, 300, 1024, 4129]
 
 

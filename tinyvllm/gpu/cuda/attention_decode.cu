@@ -244,7 +244,7 @@ __device__ __forceinline__ void decode_attention(
     // uniform). early_kv: before the wait, without the newest row (pos ctx - 1; newest = -1 skips
     // nothing). Every prologue slot (and the first refill's) is looked up before the first copy
     // goes out: issue()'s cp.async is asm volatile with a "memory" clobber, so a table load written
-    // after it waits for it, one L2 round trip a step in series (the SASS showed it); up front the
+    // after it waits for it, one L2 round trip a step in series (session 18's SASS); up front the
     // lookups overlap.
     const int newest = early_kv ? ctx - 1 : -1;
     const int newest_slot = newest >= 0 ? __ldg(table + (newest >> bs_shift)) * block_size + (newest & (block_size - 1)) : 0;
