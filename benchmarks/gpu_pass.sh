@@ -3,7 +3,7 @@
 # fails, the rest runs with TINYVLLM_GEMV=0 so their results still mean something), the fused
 # GEMV tests (if they fail, TINYVLLM_FUSE=0), then every
 # other GPU test, then the benchmarks. Logs go to $OUT (or ./gpu-pass-logs).
-#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [profile-gemv] [profile-loo] [bench] [bench-hf] [latency-ab] [tree-ab] [sweep] [handoff] [server-load] [soak] [smollm2]
+#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [profile-gemv] [profile-loo] [bench] [bench-hf] [latency-ab] [tree-ab] [sweep] [handoff] [persistent-probe] [server-load] [soak] [smollm2]
 # (server-load needs the server extra: fastapi, uvicorn, pydantic, prometheus_client)
 set -u
 OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)   # absolute: tree-ab runs in another directory
@@ -158,6 +158,11 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
       # stub chains with the decode layer's grids (benchmarks/handoff_bench.py); MODEL=dir as above
       timeout 200 python3 benchmarks/handoff_bench.py ${MODEL:+--model "$MODEL"} > "$OUT/handoff.log" 2>&1
       log "handoff bench rc=$?"; cat "$OUT/handoff.log" | tee -a "$OUT/summary.log" ;;
+    persistent-probe)
+      # one persistent launch a layer for o -> gate_up -> down against the engine's three GEMVs,
+      # 16 layers at batch 1 (benchmarks/persistent_mlp_probe.py; checked bitwise before timing)
+      timeout 300 python3 benchmarks/persistent_mlp_probe.py > "$OUT/persistent-probe.log" 2>&1
+      log "persistent MLP probe rc=$?"; sed -n '/^GPU time/,$p' "$OUT/persistent-probe.log" | tee -a "$OUT/summary.log" ;;
     sweep)
       # batch-1 latency under other launch constants of one kernel file (benchmarks/constant_sweep.py),
       # alternating with the code as it is: SWEEP_FILE=attention_decode.cu SWEEP="THREADS=256 ..."
