@@ -75,9 +75,10 @@
 // Partials are per phase and warp, so a team's reduction never sees another phase's tile; within
 // a phase a team with a second tile (fewer than 128 SMs) meets at its barrier before rewriting.
 //
-// Resources (nvcc 13.0 -arch=sm_90 -std=c++17 -cubin -Xptxas -v): persistent_mlp 53 registers,
-// 0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads, 16 barriers (the named barrier
-// ids are run-time values, so ptxas reserves all 16), 16 bytes static shared memory (`ready`),
+// Resources (nvcc 13.0 -arch=sm_90 -std=c++17 -cubin -Xptxas -v): persistent_mlp 52 registers
+// (53 before the timeline marks went in), 0 bytes stack frame, 0 bytes spill stores, 0 bytes
+// spill loads, 16 barriers (the named barrier ids are run-time values, so ptxas reserves all
+// 16), 16 bytes static shared memory (`ready`),
 // + SHARED_BYTES = 145,408 dynamic (the SM has 233,472; 227 KB a CTA at most). The ring needs
 // less than gemv.cu's (6,400 bytes a warp): x row 0 only, and no norm-weight chunks.
 // __launch_bounds__(1024, 1) caps registers at 64 (1,024 threads x 64 = the SM's 65,536).
@@ -110,6 +111,15 @@ constexpr int O_BARRIER = 1;
 constexpr int GATE_UP_BARRIER = O_BARRIER + WARPS / O_K_WARPS;
 constexpr int DOWN_BARRIER = GATE_UP_BARRIER + WARPS / GATE_UP_K_WARPS;
 constexpr long long SPIN_LIMIT_CYCLES = 4000000000LL;
+// The optional timeline (session 20: the probe lost 13 us a layer and no launch constant said
+// where): warp 0 of each CTA, which has a tile in every stage its CTA has any, writes per stage
+//   0: clock64() as it starts the phase (before its first W copies),
+//   1: clock64() when the stage's wait has passed,   3: %globaltimer (ns) at the same point,
+//   2: clock64() after its team's epilogue and bump,  4: %globaltimer (ns) at the same point,
+// at timeline[(cta * stages + stage) * TIMELINE_FIELDS + field]; stages its CTA has no tile in
+// keep what the host put there. clock64 counts this SM's cycles (durations inside one CTA);
+// %globaltimer is one clock for all SMs (the hand-over from the last bump to each CTA's pass).
+constexpr int TIMELINE_FIELDS = 5;
 
 static_assert(DOWN_BARRIER + WARPS / DOWN_K_WARPS <= 16, "16 named barriers per CTA");
 static_assert(WARPS % O_K_WARPS == 0 && WARPS % GATE_UP_K_WARPS == 0 && WARPS % DOWN_K_WARPS == 0,
@@ -172,6 +182,12 @@ __device__ __forceinline__ void store_release_cta(int* p, int v) {
     asm volatile("st.release.cta.shared.u32 [%0], %1;" ::"r"(smem_addr(p)), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ unsigned long long global_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 __device__ __forceinline__ void spin_guard(long long start) {
     if (clock64() - start > SPIN_LIMIT_CYCLES) __trap();
 }
@@ -182,6 +198,15 @@ struct Chain {
     unsigned* reset_counter;   // zeroed at stage 0 (the header), or null
     int stages;
     int* ready;                // shared: the highest stage this CTA's poller has seen ready
+    unsigned long long* timeline;   // [ctas][stages][TIMELINE_FIELDS] (above), or null: none kept
+
+    // warp 0's lane 0 notes the stage's fields `at` and, with a globaltimer field, `at + 2`
+    __device__ __forceinline__ void mark(int stage, int field, bool with_global_time) const {
+        if (timeline == nullptr || threadIdx.x != 0) return;
+        unsigned long long* row = timeline + ((size_t)blockIdx.x * stages + stage) * TIMELINE_FIELDS;
+        row[field] = clock64();
+        if (with_global_time) row[field + 2] = global_ns();
+    }
 };
 
 // Wait until stage `stage`'s input is complete (header): lane 0 of the warp waits, the warp meets.
@@ -241,13 +266,17 @@ __device__ __forceinline__ void run_phase(const Chain& chain, int stage, uint4* 
         auto copy_x = [&](int i) {   // through L2: x is another CTA's output
             if (g == 0) cp_async16(smem_addr(ring + (i % RING_STEPS) * SLOT_QUADS + 64 + t), xr + i * STEP_K, 16);
         };
+        if (first) chain.mark(stage, 0, false);
         // W first: one group per step, issued before the wait (weights are written by no kernel)
 #pragma unroll
         for (int i = 0; i < RING_STEPS; ++i) {
             if (i < my_steps) copy_w(i);
             cp_async_commit();
         }
-        if (first) wait_stage(chain, stage, warp, lane, wait_count);
+        if (first) {
+            wait_stage(chain, stage, warp, lane, wait_count);
+            chain.mark(stage, 1, true);
+        }
 #pragma unroll
         for (int i = 0; i < RING_STEPS; ++i)
             if (i < my_steps) copy_x(i);
@@ -294,6 +323,7 @@ __device__ __forceinline__ void run_phase(const Chain& chain, int stage, uint4* 
             if (lane == 0 && stage + 1 < chain.stages)
                 asm volatile("red.release.gpu.global.add.u32 [%0], 1;"
                              ::"l"(chain.counters + (size_t)stage * COUNTER_STRIDE) : "memory");
+            if (first) chain.mark(stage, 2, true);
         }
         first = false;
     }
@@ -305,11 +335,13 @@ __device__ __forceinline__ void run_phase(const Chain& chain, int stage, uint4* 
 // q, down adds into p); act: bf16 [INTERMEDIATE]; w_o [layers][HIDDEN][HIDDEN], w_gu [layers][2 *
 // INTERMEDIATE][HIDDEN] (gate rows first), w_d [layers][HIDDEN][INTERMEDIATE]; counters: 3 *
 // layers of them, COUNTER_STRIDE words apart, zero before the first launch; reset_counter: the
-// counter this launch zeroes after its griddepcontrol.wait (null: none). Launch: gridDim.x = the
+// counter this launch zeroes after its griddepcontrol.wait (null: none); timeline: null, or
+// [gridDim.x][3 * layers][TIMELINE_FIELDS] u64 for warp 0's marks (above). Launch: gridDim.x = the
 // SM count (every CTA resident), THREADS threads, SHARED_BYTES of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 persistent_mlp(bf16* p, bf16* q, bf16* act, const bf16* __restrict__ w_o, const bf16* __restrict__ w_gu,
-               const bf16* __restrict__ w_d, int layers, unsigned* counters, unsigned* reset_counter) {
+               const bf16* __restrict__ w_d, int layers, unsigned* counters, unsigned* reset_counter,
+               unsigned long long* timeline) {
     extern __shared__ uint4 smem[];   // [WARPS] rings, then [PHASES][WARPS][TILE_ROWS] fp32 partials
     __shared__ int ready;
     allow_consumer();
@@ -318,7 +350,7 @@ persistent_mlp(bf16* p, bf16* q, bf16* act, const bf16* __restrict__ w_o, const 
     const int warp = threadIdx.x >> 5;
     uint4* const ring = smem + warp * (RING_BYTES_PER_WARP / 16);
     float* const partials = reinterpret_cast<float*>(smem + WARPS * (RING_BYTES_PER_WARP / 16));
-    const Chain chain{counters, reset_counter, 3 * layers, &ready};
+    const Chain chain{counters, reset_counter, 3 * layers, &ready, timeline};
     constexpr unsigned O_TILES = HIDDEN / TILE_ROWS, GATE_UP_TILES = 2 * INTERMEDIATE / TILE_ROWS;
     constexpr unsigned DOWN_TILES = HIDDEN / TILE_ROWS;
     for (int layer = 0; layer < layers; ++layer) {

@@ -28,11 +28,16 @@ A must be finite and replay identically. Anything else prints WRONG and exits 1;
 left otherwise than the reset plan says after the replays (counter_plan()). Then each graph is
 timed: --repeats back-to-back replays between two events, --rounds rounds alternating the four
 graphs, the median round reported as µs per layer, µs per 16-layer step, the weights' TB/s, and
-the difference to A and B. Session 18's prediction: the probe −0.5 to −2 µs a layer on the
+the difference to A and B. Last, the one-launch probe runs once more with warp 0's marks (the
+.cu's timeline: clock64 and %globaltimer at each phase's start, its wait's pass and its team's
+bump) and a table says, per phase, how long warp 0 waited, how long its tile took from the pass
+to the bump, how long after the stage before's last bump anywhere each CTA passed, and how long
+a stage took from its first pass to its last bump: where session 20's lost 13 µs a layer go.
+Session 18's prediction: the probe −0.5 to −2 µs a layer on the
 H100; under 1 µs a layer saved, the integration is not worth building.
 Session 20 (one H100, 18 s in all): bitwise equal to B, and 52.7 µs a layer against B's 39.4
 — 13 µs a layer slower, the prediction failed (docs/perf-notes.md has the variants that narrow
-down where the loss is not).
+down where the loss is not; the timeline table came after that run and has not run yet).
 """
 from __future__ import annotations
 
@@ -160,6 +165,48 @@ def counters_after_replay(layers: int) -> np.ndarray:
     left = np.zeros(3 * layers, np.uint32)
     left[3 * layers - 2] = phases()[1].tiles
     return left
+
+
+TIMELINE_POISON = np.uint64(2**64 - 1)   # a stage whose CTA has no tile keeps it
+
+
+def timeline_summary(timeline: np.ndarray) -> tuple[list[dict], float]:
+    """What one launch's timeline (the .cu's TIMELINE_FIELDS per CTA and stage, [ctas, stages,
+    fields], TIMELINE_POISON where a CTA had no tile) says per phase, in µs:
+      wait     warp 0 from the phase's start to its wait's pass (its W copies go out first),
+      tile     from the pass to its team's bump (X copies, the ring, the team barrier, epilogue),
+      handoff  from the stage before's last bump anywhere to this CTA's pass (%globaltimer),
+      stage    from the first CTA's pass to the last CTA's bump (%globaltimer),
+    each as (median, max) over the CTAs and layers (stage: over layers), plus each CTA's SM clock
+    from its clock64 and %globaltimer deltas between its first pass and last bump. Stage 0 has
+    no stage before it in the launch, so it gives no handoff. -> (rows, the median clock in GHz)."""
+    fields = int(PROBE["TIMELINE_FIELDS"])
+    if timeline.ndim != 3 or timeline.shape[2] != fields:
+        raise ValueError(f"timeline must be [ctas, stages, {fields}], got {timeline.shape}")
+    ctas, stages, _ = timeline.shape
+    valid = timeline[:, :, 1] != TIMELINE_POISON           # the CTA passed the stage (had a tile)
+    t = timeline.astype(np.float64)
+    ghz = np.empty(ctas)
+    for c in range(ctas):
+        seen = np.flatnonzero(valid[c])
+        first, last = seen[0], seen[-1]
+        ghz[c] = (t[c, last, 2] - t[c, first, 1]) / (t[c, last, 4] - t[c, first, 3])
+    rows = []
+    for phase_index, phase in enumerate(phases()):
+        cols = [s for s in range(stages) if s % 3 == phase_index]
+        waits, tiles, handoffs, spans = [], [], [], []
+        for s in cols:
+            mine = valid[:, s]
+            waits += list((t[mine, s, 1] - t[mine, s, 0]) / ghz[mine] / 1e3)
+            tiles += list((t[mine, s, 2] - t[mine, s, 1]) / ghz[mine] / 1e3)
+            spans.append((t[mine, s, 4].max() - t[mine, s, 3].min()) / 1e3)
+            if s > 0:
+                last_bump = t[valid[:, s - 1], s - 1, 4].max()
+                handoffs += list((t[mine, s, 3] - last_bump) / 1e3)
+        stat = lambda v: (float(np.median(v)), float(np.max(v))) if v else (float("nan"), float("nan"))  # noqa: E731
+        rows.append({"phase": phase.name, "wait": stat(waits), "tile": stat(tiles), "handoff": stat(handoffs),
+                     "stage": stat(spans)})
+    return rows, float(np.median(ghz))
 
 
 # ---- bf16 on the host (round to nearest even, as __float2bfloat16) --------------------------
@@ -346,13 +393,13 @@ def main() -> None:
                                   k_warps=shapes["gate_up"].k_warps)
                 ops.gemv(b["p"], b["act"], w_at("down", layer), 1, H, I, accumulate=True, k_warps=shapes["down"].k_warps)
 
-        def chain_probe(variant: str):
+        def chain_probe(variant: str, timeline: int = 0):
             b, base = bufs[variant], int(counters[variant])
             counter = lambda i: base + 4 * PROBE["COUNTER_STRIDE"] * i  # noqa: E731
             for launch in counter_plan(L, one_launch=variant == "probe/one"):
                 args_ = (b["p"], b["q"], b["act"], w_at("o", launch.first_layer), w_at("gate_up", launch.first_layer),
                          w_at("down", launch.first_layer), launch.layers, counter(launch.counters),
-                         counter(launch.reset) if launch.reset is not None else 0)
+                         counter(launch.reset) if launch.reset is not None else 0, timeline)
                 probe.launch((ctas, 1, 1), (PROBE["THREADS"], 1, 1), stream.handle, args_, PROBE["SHARED_BYTES"],
                              pdl=True)
 
@@ -424,6 +471,28 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, graph in graphs.items():
                 times[name].append(replay_us(drv, graph, stream, args.repeats))
+        # ---- where a launch's time goes: the one-launch probe once more, eagerly, with warp 0's
+        # marks (the .cu's timeline; the same bits and counters, so it is one more replay), on the
+        # first input again: its result must be B's of the checks above
+        upload(*inputs[0])
+        stages = 3 * L
+        marks = np.full((ctas, stages, PROBE["TIMELINE_FIELDS"]), TIMELINE_POISON, np.uint64)
+        timeline_buf = drv.to_device(marks)
+        chain_probe("probe/one", int(timeline_buf))
+        stream.synchronize()
+        drv.memcpy_dtoh(marks, timeline_buf)
+        timeline_buf.free()
+        if any(not np.array_equal(download("probe/one")[key], results[0]["B"][key]) for key in ("p", "q", "act")):
+            wrong.append("the probe's launch with the timeline gave other bits than B")
+        rows, ghz = timeline_summary(marks)
+        print(f"\none launch of {L} layers with warp 0's marks (the .cu's timeline), µs, median / max over CTAs "
+              f"and layers; SM clock {ghz:.2f} GHz from clock64 against %globaltimer:")
+        print("| phase | warp 0: start -> pass | pass -> its team's bump | last bump before -> this CTA's pass "
+              "| stage: first pass -> last bump |")
+        print("|---|---|---|---|---|")
+        for row in rows:
+            cells = " | ".join(f"{row[key][0]:.2f} / {row[key][1]:.2f}" for key in ("wait", "tile", "handoff", "stage"))
+            print(f"| {row['phase']} | {cells} |")
         for name, c in counters.items():   # every replay must leave its counters as the plan says
             left = np.empty(PROBE["COUNTER_STRIDE"] * 3 * L, np.uint32)
             drv.memcpy_dtoh(left, c)

@@ -30,10 +30,10 @@ SM_COUNTS = (132, 128, 114, 100, 1)   # H100 SXM / H200, exactly the tile count,
 
 def test_kernel_parameters_are_the_launch():
     source = str(probe.SOURCE)
-    # chain_probe passes (p, q, act, w_o, w_gu, w_d, layers, counters, reset_counter)
+    # chain_probe passes (p, q, act, w_o, w_gu, w_d, layers, counters, reset_counter, timeline)
     names = [decl.split()[-1].lstrip("*") for decl in kernel_parameters(source)[probe.KERNEL]]
-    assert names == ["p", "q", "act", "w_o", "w_gu", "w_d", "layers", "counters", "reset_counter"]
-    assert kernel_signatures(source) == {probe.KERNEL: "PPPPPPiPP"}
+    assert names == ["p", "q", "act", "w_o", "w_gu", "w_d", "layers", "counters", "reset_counter", "timeline"]
+    assert kernel_signatures(source) == {probe.KERNEL: "PPPPPPiPPP"}
     assert waits_for_producer(source)     # griddepcontrol.wait: PDL launches are allowed
 
 
@@ -281,3 +281,38 @@ def test_help_runs_without_a_gpu():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "persistent_mlp_probe.py"), "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--layers" in out.stdout and "--repeats" in out.stdout
+
+
+def test_timeline_summary_reads_the_marks():
+    """A made-up timeline with known durations: 2 CTAs, 2 layers, the SM clock at 2 GHz; CTA 1 has
+    no o tile (poisoned stages), as CTAs 128-131 of a 132-SM GPU."""
+    ctas, layers, fields = 2, 2, C["TIMELINE_FIELDS"]
+    assert fields == 5
+    marks = np.full((ctas, 3 * layers, fields), probe.TIMELINE_POISON, np.uint64)
+    ns = 10_000                              # %globaltimer at the first pass
+    wait_us = {"o": 1.0, "gate_up": 2.0, "down": 3.0}
+    tile_us = {"o": 4.0, "gate_up": 20.0, "down": 10.0}
+    for stage in range(3 * layers):
+        name = ("o", "gate_up", "down")[stage % 3]
+        for cta in range(ctas):
+            if name == "o" and cta == 1:
+                continue
+            late = 500 * cta                   # CTA 1 passes 0.5 µs after CTA 0
+            passed = ns + late
+            cycles = 2 * passed                # clock64 at 2 GHz, from the same origin
+            marks[cta, stage] = [cycles - 2 * 1000 * wait_us[name], cycles, cycles + 2 * 1000 * tile_us[name],
+                                 passed, passed + 1000 * tile_us[name]]
+        ns += 1000 * tile_us[name] + 500 + 700   # CTA 1's lateness, then a 0.7 µs hand-over
+    rows, ghz = probe.timeline_summary(marks)
+    assert ghz == pytest.approx(2.0)
+    by_phase = {row["phase"]: row for row in rows}
+    for name in ("o", "gate_up", "down"):
+        assert by_phase[name]["wait"] == pytest.approx((wait_us[name], wait_us[name]))
+        assert by_phase[name]["tile"] == pytest.approx((tile_us[name], tile_us[name]))
+    # the stage before's last bump -> each CTA's pass: CTA 1 bumps and passes 0.5 µs after CTA 0
+    assert by_phase["down"]["handoff"] == pytest.approx((0.95, 1.2))      # 0.7 and 1.2 after CTA 1's bump
+    assert by_phase["gate_up"]["handoff"] == pytest.approx((1.45, 1.7))   # o's last bump is CTA 0's, 0.5 earlier
+    assert by_phase["o"]["handoff"] == pytest.approx((0.7, 0.7))          # layer 1's o: CTA 0 alone passes
+    assert by_phase["gate_up"]["stage"] == pytest.approx((20.5, 20.5))
+    with pytest.raises(ValueError):
+        probe.timeline_summary(marks[:, :, :4])
