@@ -160,8 +160,9 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
       log "handoff bench rc=$?"; cat "$OUT/handoff.log" | tee -a "$OUT/summary.log" ;;
     persistent-probe)
       # one persistent launch a layer for o -> gate_up -> down against the engine's three GEMVs,
-      # 16 layers at batch 1 (benchmarks/persistent_mlp_probe.py; checked bitwise before timing)
-      timeout 300 python3 benchmarks/persistent_mlp_probe.py > "$OUT/persistent-probe.log" 2>&1
+      # 16 layers at batch 1 (benchmarks/persistent_mlp_probe.py; checked bitwise before timing),
+      # then one launch's timeline; PROBE_ARGS="--variant POLLER_WAITS_FIRST=1 ..." adds variants
+      timeout 300 python3 benchmarks/persistent_mlp_probe.py ${PROBE_ARGS:-} > "$OUT/persistent-probe.log" 2>&1
       log "persistent MLP probe rc=$?"; sed -n '/^GPU time/,$p' "$OUT/persistent-probe.log" | tee -a "$OUT/summary.log" ;;
     sweep)
       # batch-1 latency under other launch constants of one kernel file (benchmarks/constant_sweep.py),

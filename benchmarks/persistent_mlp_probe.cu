@@ -106,6 +106,12 @@ constexpr int SHARED_BYTES = WARPS * (RING_BYTES_PER_WARP + PARTIAL_BYTES_PER_WA
 constexpr int COUNTER_STRIDE = 32;   // words from one counter to the next: one 128-byte line each
 constexpr int POLL_SLEEP_NS = 100;   // between two polls of a global counter
 constexpr int WIDE_L2 = 1;           // W copies with the .L2::256B hint, as the engine's ring path
+// 1: the poller (warp 0) copies its first ring of a phase's weights only after its wait has
+// passed (the other warps still copy first). Why a switch: in the SASS (cuobjdump, session 20)
+// the poller publishes the pass with st.release.cta = MEMBAR.ALL.CTA + STS, and that fence may
+// hold the publish until the poller's own just-issued weight copies have landed, holding back
+// the whole CTA; `--variant POLLER_WAITS_FIRST=1` measures it.
+constexpr int POLLER_WAITS_FIRST = 0;
 // named barrier ids (0 is __syncthreads): o's teams 1-2, gate_up's 3-10, down's 11
 constexpr int O_BARRIER = 1;
 constexpr int GATE_UP_BARRIER = O_BARRIER + WARPS / O_K_WARPS;
@@ -266,17 +272,23 @@ __device__ __forceinline__ void run_phase(const Chain& chain, int stage, uint4* 
         auto copy_x = [&](int i) {   // through L2: x is another CTA's output
             if (g == 0) cp_async16(smem_addr(ring + (i % RING_STEPS) * SLOT_QUADS + 64 + t), xr + i * STEP_K, 16);
         };
-        if (first) chain.mark(stage, 0, false);
-        // W first: one group per step, issued before the wait (weights are written by no kernel)
+        auto copy_first_ring = [&]() {   // one group per step (the loop below counts groups)
 #pragma unroll
-        for (int i = 0; i < RING_STEPS; ++i) {
-            if (i < my_steps) copy_w(i);
-            cp_async_commit();
-        }
+            for (int i = 0; i < RING_STEPS; ++i) {
+                if (i < my_steps) copy_w(i);
+                cp_async_commit();
+            }
+        };
+        // W first, issued before the wait (weights are written by no kernel); the poller after it
+        // where POLLER_WAITS_FIRST says so (warp-uniform: warp 0 alone)
+        const bool copy_after_wait = POLLER_WAITS_FIRST && first && warp == 0;
+        if (first) chain.mark(stage, 0, false);
+        if (!copy_after_wait) copy_first_ring();
         if (first) {
             wait_stage(chain, stage, warp, lane, wait_count);
             chain.mark(stage, 1, true);
         }
+        if (copy_after_wait) copy_first_ring();
 #pragma unroll
         for (int i = 0; i < RING_STEPS; ++i)
             if (i < my_steps) copy_x(i);

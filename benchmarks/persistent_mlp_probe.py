@@ -1,6 +1,7 @@
 """Is one persistent launch per layer for o -> gate_up -> down faster than the engine's three GEMVs?
 
     python3 benchmarks/persistent_mlp_probe.py [--layers 16] [--repeats 50] [--rounds 5]
+                                               [--variant NAME=INT[,NAME=INT] ...]
 
 The probe of docs/perf-notes.md's session 16 design (written again after session 18's branch was
 lost): at batch 1 on Llama-3.2-1B's shapes (hidden 2,048, intermediate 8,192, bf16), --layers
@@ -33,6 +34,9 @@ the difference to A and B. Last, the one-launch probe runs once more with warp 0
 bump) and a table says, per phase, how long warp 0 waited, how long its tile took from the pass
 to the bump, how long after the stage before's last bump anywhere each CTA passed, and how long
 a stage took from its first pass to its last bump: where session 20's lost 13 µs a layer go.
+--variant times the probe (a launch a layer) once more per variant, with some of the .cu's
+switches rewritten in a copy (VARIANT_SWITCHES: POLL_SLEEP_NS, WIDE_L2, POLLER_WAITS_FIRST),
+each checked bit for bit like the rest.
 Session 18's prediction: the probe −0.5 to −2 µs a layer on the
 H100; under 1 µs a layer saved, the integration is not worth building.
 Session 20 (one H100, 18 s in all): bitwise equal to B, and 52.7 µs a layer against B's 39.4
@@ -45,6 +49,7 @@ import argparse
 import ctypes
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +75,9 @@ EPS = 1e-5                # A's handed-over norm (Llama's rms_norm_eps)
 W_EXPONENT = {"o": -8, "gate_up": -7, "down": -8}
 # the numpy check's tolerance in bf16 ulps of the stream's largest value: tolerance()
 TOLERANCE_ULPS = 4
+# the .cu's constants a --variant may rewrite: switches that change neither a shape nor a launch
+# fact the host reads from PROBE (threads, shared memory, counters, timeline)
+VARIANT_SWITCHES = ("POLL_SLEEP_NS", "WIDE_L2", "POLLER_WAITS_FIRST")
 
 
 @dataclass(frozen=True)
@@ -287,11 +295,28 @@ def replay_us(drv, graph, stream, repeats: int) -> float:
     return stop.time_since(start) * 1e3 / repeats
 
 
-def load_probe(kernels, library):
-    """The persistent kernel, compiled with the engine's options, its shared memory allowed, and
+def variant_constants(spec: str) -> dict[str, int]:
+    """--variant "NAME=INT[,NAME=INT]" -> {NAME: INT}, for VARIANT_SWITCHES only."""
+    from constant_sweep import parse_variant
+    values = parse_variant(spec)
+    for name in values:
+        if name not in VARIANT_SWITCHES:
+            raise ValueError(f"variant {spec!r}: {name} is not one of {', '.join(VARIANT_SWITCHES)}")
+    return values
+
+
+def load_probe(kernels, library, variant: dict[str, int] | None = None, workdir: Path | None = None):
+    """The persistent kernel (`variant`'s constants rewritten in a copy under workdir, as
+    handoff_bench does), compiled with the engine's options, its shared memory allowed, and
     checked to fit one CTA on every SM at once (the counters' spins need every CTA resident)."""
+    from constant_sweep import rewrite_constants
+
     from tinyvllm.gpu import driver
-    module = kernels.load_module(SOURCE, library.arch, library.options)
+    source = SOURCE
+    if variant:
+        source = Path(tempfile.mkdtemp(dir=workdir)) / SOURCE.name
+        source.write_text(rewrite_constants(SOURCE.read_text(), variant))
+    module = kernels.load_module(source, library.arch, library.options)
     signature = kernels.kernel_signatures(str(SOURCE))[KERNEL]
     kernel = kernels.Kernel.from_module(module, SOURCE.name, KERNEL, signature, kernels.waits_for_producer(str(SOURCE)))
     kernel.set_max_dynamic_shared_bytes(PROBE["SHARED_BYTES"])
@@ -318,11 +343,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=STEP_LAYERS, help="layers in each chain (default 16)")
     ap.add_argument("--repeats", type=int, default=50, help="back-to-back replays between two events")
-    ap.add_argument("--rounds", type=int, default=5, help="timing rounds, the four graphs alternating")
+    ap.add_argument("--rounds", type=int, default=5, help="timing rounds, the graphs alternating")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=INT[,NAME=INT]",
+                    help="also time the probe (a launch a layer) with these constants of the .cu rewritten, "
+                         f"checked like the others; one of {', '.join(VARIANT_SWITCHES)}; repeatable")
     args = ap.parse_args()
     if args.layers < 1 or args.repeats < 1 or args.rounds < 1:
         ap.error("--layers, --repeats and --rounds must be >= 1")
+    try:
+        variants = {f"probe/layer {spec}": variant_constants(spec) for spec in args.variant}
+    except ValueError as e:
+        ap.error(str(e))
 
     from tinyvllm.gpu import kernels
     from tinyvllm.gpu.driver import CudaDevice
@@ -333,12 +365,14 @@ def main() -> None:
     L, H, I = args.layers, HIDDEN, INTERMEDIATE
     shapes = {ph.name: ph for ph in phases()}
     device = CudaDevice()
-    with device.active():
+    with device.active(), tempfile.TemporaryDirectory() as workdir:
         drv = device.drv
         stream = drv.Stream()
         library = kernels.KernelLibrary()
         ops = GpuOps(library, stream=stream, num_sms=device.num_sms)
         probe, per_sm, facts = load_probe(kernels, library)
+        probe_kernels = {"probe/layer": probe, "probe/one": probe,
+                         **{name: load_probe(kernels, library, v, Path(workdir))[0] for name, v in variants.items()}}
         ctas = device.num_sms
         engine_kw = {name: ops.decode_k_warps(name, n, k)
                      for name, n, k in (("o", H, H), ("gate_up", 2 * I, H), ("down", H, I))}
@@ -366,12 +400,12 @@ def main() -> None:
         def stream_buffers():
             return {"p": drv.mem_alloc(2 * H), "q": drv.mem_alloc(2 * H), "act": drv.mem_alloc(2 * I)}
 
-        bufs = {v: stream_buffers() for v in ("A", "B", "probe/layer", "probe/one")}
+        bufs = {v: stream_buffers() for v in ("A", "B", *probe_kernels)}
         # A's handed-over norms: normed rows and their sums of squares, both ways; gains of 1
         norm_gain = drv.to_device(to_bf16_bits(np.ones(H, np.float32)))
         normed = [drv.mem_alloc(2 * H) for _ in range(2)]
         row_ss = [drv.mem_alloc(4 * H // PROBE["TILE_ROWS"]) for _ in range(2)]
-        counters = {v: drv.mem_alloc(4 * PROBE["COUNTER_STRIDE"] * 3 * L) for v in ("probe/layer", "probe/one")}
+        counters = {v: drv.mem_alloc(4 * PROBE["COUNTER_STRIDE"] * 3 * L) for v in probe_kernels}
         for c in counters.values():
             drv.memset_d32(c, 0, PROBE["COUNTER_STRIDE"] * 3 * L)
 
@@ -400,11 +434,11 @@ def main() -> None:
                 args_ = (b["p"], b["q"], b["act"], w_at("o", launch.first_layer), w_at("gate_up", launch.first_layer),
                          w_at("down", launch.first_layer), launch.layers, counter(launch.counters),
                          counter(launch.reset) if launch.reset is not None else 0, timeline)
-                probe.launch((ctas, 1, 1), (PROBE["THREADS"], 1, 1), stream.handle, args_, PROBE["SHARED_BYTES"],
+                probe_kernels[variant].launch((ctas, 1, 1), (PROBE["THREADS"], 1, 1), stream.handle, args_, PROBE["SHARED_BYTES"],
                              pdl=True)
 
-        chains = {"A": chain_a, "B": chain_b, "probe/layer": lambda: chain_probe("probe/layer"),
-                  "probe/one": lambda: chain_probe("probe/one")}
+        chains = {"A": chain_a, "B": chain_b,
+                  **{name: (lambda name=name: chain_probe(name)) for name in probe_kernels}}
         graphs = {}
         for name, enqueue in chains.items():
             enqueue()            # eagerly once: the launchers set their shared memory outside a capture
@@ -447,7 +481,7 @@ def main() -> None:
         print(f"checks (t = {time.perf_counter() - t_start:.0f} s): bf16 ulps of the stream's largest value, "
               f"tolerance {TOLERANCE_ULPS}")
         for i, got in enumerate(results):
-            for variant in ("probe/layer", "probe/one"):
+            for variant in probe_kernels:
                 for key in ("p", "q", "act"):
                     if not np.array_equal(got[variant][key], got["B"][key]):
                         differ = int(np.sum(got[variant][key] != got["B"][key]))
@@ -512,7 +546,8 @@ def main() -> None:
               "| vs B, µs a layer (a step) |")
         print("|---|---|---|---|---|---|")
         labels = {"A": "A: engine (residual_norm, prenormed silu_mul)", "B": "B: gemv_bf16 / gemv_silu_mul",
-                  "probe/layer": "probe, a launch a layer (PDL)", "probe/one": f"probe, one launch of {L} layers"}
+                  "probe/layer": "probe, a launch a layer (PDL)", "probe/one": f"probe, one launch of {L} layers",
+                  **{name: f"probe, a launch a layer, {name.split(' ', 1)[1]}" for name in variants}}
         for name, us in per_layer.items():
             deltas = [f"{us - per_layer[base]:+.2f} ({(us - per_layer[base]) * STEP_LAYERS:+.1f})" for base in ("A", "B")]
             print(f"| {labels[name]} | {us:.2f} | {us * STEP_LAYERS:.1f} | {nbytes / us / 1e6:.2f} | "

@@ -316,3 +316,23 @@ def test_timeline_summary_reads_the_marks():
     assert by_phase["gate_up"]["stage"] == pytest.approx((20.5, 20.5))
     with pytest.raises(ValueError):
         probe.timeline_summary(marks[:, :, :4])
+
+
+def test_variants_rewrite_only_the_switches(tmp_path, monkeypatch):
+    """--variant rewrites the .cu's switches (constant_sweep's rewriting) and refuses the constants
+    the host reads as launch facts: a rewritten RING_STEPS would change SHARED_BYTES under it."""
+    spec = importlib.util.spec_from_file_location("constant_sweep", ROOT / "benchmarks" / "constant_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "constant_sweep", sweep)   # the probe imports it by name (run from benchmarks/)
+    spec.loader.exec_module(sweep)
+    values = probe.variant_constants("POLLER_WAITS_FIRST=1,WIDE_L2=0,POLL_SLEEP_NS=20")
+    assert values == {"POLLER_WAITS_FIRST": 1, "WIDE_L2": 0, "POLL_SLEEP_NS": 20}
+    assert all(name in C for name in probe.VARIANT_SWITCHES)    # each one a constant of the .cu
+    rewritten = tmp_path / "persistent_mlp_probe.cu"
+    rewritten.write_text(sweep.rewrite_constants(probe.SOURCE.read_text(), values))
+    after = kernel_constants(str(rewritten))
+    assert {name: after[name] for name in values} == values
+    assert {k: v for k, v in after.items() if k not in values} == {k: v for k, v in C.items() if k not in values}
+    for bad in ("RING_STEPS=2", "SHARED_BYTES=1", "POLLER_WAITS_FIRST=one"):
+        with pytest.raises(ValueError):
+            probe.variant_constants(bad)
