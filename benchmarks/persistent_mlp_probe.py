@@ -65,7 +65,6 @@ KERNEL = "persistent_mlp"
 PROBE = kernel_constants(str(SOURCE))    # the kernel's launch facts, read from the .cu itself
 HIDDEN, INTERMEDIATE = PROBE["HIDDEN"], PROBE["INTERMEDIATE"]
 STEP_LAYERS = 16          # Llama-3.2-1B's layers: "µs per step" is 16 layers' worth
-WARMUP = 3
 EPS = 1e-5                # A's handed-over norm (Llama's rms_norm_eps)
 # Random weights: sign and 7 mantissa bits random, the exponent fixed, so |w| in [2^e, 2^(e+1))
 # (E[w^2] ~ 2.3 * 4^e; a product's gain ~ 1.5 * 2^e * sqrt(k)). These give o ~0.2-0.3 of q's size
@@ -282,19 +281,6 @@ def random_stream(rng: np.random.Generator, hidden: int = HIDDEN) -> np.ndarray:
 
 
 # ---- the GPU side ---------------------------------------------------------------------------
-def replay_us(drv, graph, stream, repeats: int) -> float:
-    """GPU µs of one replay: WARMUP replays, then `repeats` back to back between two events."""
-    for _ in range(WARMUP):
-        graph.launch(stream)
-    start, stop = drv.Event(), drv.Event()
-    start.record(stream)
-    for _ in range(repeats):
-        graph.launch(stream)
-    stop.record(stream)
-    stop.synchronize()
-    return stop.time_since(start) * 1e3 / repeats
-
-
 def variant_constants(spec: str) -> dict[str, int]:
     """--variant "NAME=INT[,NAME=INT]" -> {NAME: INT}, for VARIANT_SWITCHES only."""
     from constant_sweep import parse_variant
@@ -355,6 +341,8 @@ def main() -> None:
         variants = {f"probe/layer {spec}": variant_constants(spec) for spec in args.variant}
     except ValueError as e:
         ap.error(str(e))
+
+    from handoff_bench import replay_us  # one replay timer for the benchmarks' graphs
 
     from tinyvllm.gpu import kernels
     from tinyvllm.gpu.driver import CudaDevice
