@@ -54,11 +54,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tinyvllm.gpu.kernels import kernel_constants  # noqa: E402 — text only, no CUDA needed
+from tinyvllm.reference.kernels import bf16_round, silu_mul  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent / "persistent_mlp_probe.cu"
 KERNEL = "persistent_mlp"
@@ -216,26 +218,14 @@ def timeline_summary(timeline: np.ndarray) -> tuple[list[dict], float]:
     return rows, float(np.median(ghz))
 
 
-# ---- bf16 on the host (round to nearest even, as __float2bfloat16) --------------------------
+# ---- bf16 on the host: the device's bits <-> float32 (ml_dtypes rounds to nearest even, as
+# __float2bfloat16); bf16_round and silu_mul are the reference twins' (reference/kernels.py)
 def to_bf16_bits(a) -> np.ndarray:
-    a = np.array(a, dtype=np.float32)   # a copy, any shape (0-d too)
-    bits = a.view(np.uint32)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return np.where(np.isnan(a), 0x7FC0, rounded).astype(np.uint16)
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
 def from_bf16_bits(bits) -> np.ndarray:
-    return np.left_shift(np.asarray(bits, np.uint16), 16, dtype=np.uint32).view(np.float32)
-
-
-def bf16_round(a) -> np.ndarray:
-    return from_bf16_bits(to_bf16_bits(a))
-
-
-def silu_times(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """common.cuh's silu_times in float32: gate / (1 + e^-gate) * up."""
-    with np.errstate(over="ignore"):
-        return (gate / (np.float32(1) + np.exp(-gate)) * up).astype(np.float32)
+    return np.asarray(bits, np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def reference_chain(p: np.ndarray, q: np.ndarray, layer_weights) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -249,7 +239,7 @@ def reference_chain(p: np.ndarray, q: np.ndarray, layer_weights) -> tuple[np.nda
         q = bf16_round(q + p @ from_bf16_bits(w_o).T)
         gate_up = q @ from_bf16_bits(w_gu).T
         half = gate_up.shape[-1] // 2
-        act = bf16_round(silu_times(bf16_round(gate_up[:, :half]), bf16_round(gate_up[:, half:])))
+        act = bf16_round(silu_mul(bf16_round(gate_up[:, :half]), bf16_round(gate_up[:, half:])))
         p = bf16_round(p + act @ from_bf16_bits(w_d).T)
     return p, q, act
 
