@@ -412,8 +412,8 @@ def main() -> None:
                 args_ = (b["p"], b["q"], b["act"], w_at("o", launch.first_layer), w_at("gate_up", launch.first_layer),
                          w_at("down", launch.first_layer), launch.layers, counter(launch.counters),
                          counter(launch.reset) if launch.reset is not None else 0, timeline)
-                probe_kernels[variant].launch((ctas, 1, 1), (PROBE["THREADS"], 1, 1), stream.handle, args_, PROBE["SHARED_BYTES"],
-                             pdl=True)
+                probe_kernels[variant].launch((ctas, 1, 1), (PROBE["THREADS"], 1, 1), stream.handle, args_,
+                                              PROBE["SHARED_BYTES"], pdl=True)
 
         chains = {"A": chain_a, "B": chain_b,
                   **{name: (lambda name=name: chain_probe(name)) for name in probe_kernels}}
@@ -497,14 +497,6 @@ def main() -> None:
         if any(not np.array_equal(download("probe/one")[key], results[0]["B"][key]) for key in ("p", "q", "act")):
             wrong.append("the probe's launch with the timeline gave other bits than B")
         rows, ghz = timeline_summary(marks)
-        print(f"\none launch of {L} layers with warp 0's marks (the .cu's timeline), µs, median / max over CTAs "
-              f"and layers; SM clock {ghz:.2f} GHz from clock64 against %globaltimer:")
-        print("| phase | warp 0: start -> pass | pass -> its team's bump | last bump before -> this CTA's pass "
-              "| stage: first pass -> last bump |")
-        print("|---|---|---|---|---|")
-        for row in rows:
-            cells = " | ".join(f"{row[key][0]:.2f} / {row[key][1]:.2f}" for key in ("wait", "tile", "handoff", "stage"))
-            print(f"| {row['phase']} | {cells} |")
         for name, c in counters.items():   # every replay must leave its counters as the plan says
             left = np.empty(PROBE["COUNTER_STRIDE"] * 3 * L, np.uint32)
             drv.memcpy_dtoh(left, c)
@@ -532,6 +524,14 @@ def main() -> None:
                   f"{deltas[0]} | {deltas[1]} |")
         spread = {name: (min(t) / L, max(t) / L) for name, t in times.items()}
         print("rounds' range, µs per layer: " + ", ".join(f"{n} {lo:.2f}-{hi:.2f}" for n, (lo, hi) in spread.items()))
+        print(f"\none launch of {L} layers with warp 0's marks (the .cu's timeline), µs, median / max over CTAs "
+              f"and layers; SM clock {ghz:.2f} GHz from clock64 against %globaltimer:")
+        print("| phase | warp 0: start -> pass | pass -> its team's bump | last bump before -> this CTA's pass "
+              "| stage: first pass -> last bump |")
+        print("|---|---|---|---|---|")
+        for row in rows:
+            cells = " | ".join(f"{row[key][0]:.2f} / {row[key][1]:.2f}" for key in ("wait", "tile", "handoff", "stage"))
+            print(f"| {row['phase']} | {cells} |")
         print(f"total {time.perf_counter() - t_start:.0f} s")
         for buf in (*pools.values(), *(b for v in bufs.values() for b in v.values()), norm_gain, *normed, *row_ss,
                     *counters.values()):
