@@ -148,25 +148,6 @@ template <> struct Shape<Phase::down> {
     static constexpr int INDEX = 2, K_WARPS = DOWN_K_WARPS, K = INTERMEDIATE, ROWS = HIDDEN, BARRIER = DOWN_BARRIER;
 };
 
-// A W copy of 16 bytes into this lane's part of a slot: past L1 (cp.async.cg), with the
-// .L2::256B hint that the engine's ring path sets (ops.gemv_wide_l2).
-__device__ __forceinline__ void copy_weight(uint4* dst, const bf16* src) {
-    if constexpr (WIDE_L2) {
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-    } else {
-        cp_async16(smem_addr(dst), src, 16);
-    }
-}
-
-// d += A B on the tensor cores, m16n8k16 bf16 -> fp32 (gemv.cu's header has the fragment layout).
-__device__ __forceinline__ void mma16816(float d[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // bar.sync on a team's own barrier: `threads` (a multiple of 32) from this team only
 __device__ __forceinline__ void team_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -266,8 +247,8 @@ __device__ __forceinline__ void run_phase(const Chain& chain, int stage, uint4* 
         const bf16* xr = x + s_begin * STEP_K + 8 * t;
         auto copy_w = [&](int i) {
             uint4* slot = ring + (i % RING_STEPS) * SLOT_QUADS;
-            copy_weight(slot + lane, w0 + i * STEP_K);
-            copy_weight(slot + 32 + lane, w1 + i * STEP_K);
+            ring_copy(slot + lane, w0 + i * STEP_K, 16, WIDE_L2);   // common.cuh: past L1, the L2 hint as gemv.cu
+            ring_copy(slot + 32 + lane, w1 + i * STEP_K, 16, WIDE_L2);
         };
         auto copy_x = [&](int i) {   // through L2: x is another CTA's output
             if (g == 0) cp_async16(smem_addr(ring + (i % RING_STEPS) * SLOT_QUADS + 64 + t), xr + i * STEP_K, 16);
@@ -302,8 +283,8 @@ __device__ __forceinline__ void run_phase(const Chain& chain, int stage, uint4* 
             const uint4 p = slot[lane], q = slot[32 + lane];
             uint4 v = make_uint4(0u, 0u, 0u, 0u);   // x rows 1..7: zero B columns
             if (g == 0) v = slot[64 + t];            // each lane reads back only what it copied
-            mma16816(acc, p.x, q.x, p.y, q.y, v.x, v.y);
-            mma16816(acc, p.z, q.z, p.w, q.w, v.z, v.w);
+            mma_bf16(acc, p.x, q.x, p.y, q.y, v.x, v.y);   // gemv.cu's mma_pair: its header has the layout
+            mma_bf16(acc, p.z, q.z, p.w, q.w, v.z, v.w);
             if (i + RING_STEPS < my_steps) {         // the slot's reads are in registers: refill it
                 copy_w(i + RING_STEPS);
                 copy_x(i + RING_STEPS);

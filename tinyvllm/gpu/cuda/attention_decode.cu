@@ -115,13 +115,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t r[4]) 
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
 }
-// c[16 x 8] += a[16 x 16] . b[16 x 8], bf16 in, fp32 accumulate
-__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], const uint32_t b[2]) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 // the 8 x 8 bf16 block held one b32 per lane (row lane/4, columns 2*(lane%4) + {0, 1}), transposed
 __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
     uint32_t y;
@@ -322,7 +315,7 @@ __device__ __forceinline__ void decode_attention(
             const int row = lane % 16, chunk = 2 * t + lane / 16;
             uint32_t a[4];
             ldmatrix_x4(k_tile + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4), a);
-            mma_bf16(s, a, qf[t]);
+            mma_bf16(s, a[0], a[1], a[2], a[3], qf[t][0], qf[t][1]);
         }
         const int tok = step_begin(i) + lane / 4;
         const bool valid_lo = tok < end, valid_hi = tok + 8 < end;
@@ -354,7 +347,7 @@ __device__ __forceinline__ void decode_attention(
             const int row = lane % 8 + (lane / 16) * 8, chunk = 2 * t + (lane / 8) % 2;
             uint32_t a[4];
             ldmatrix_x4_trans(v_tile + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4), a);
-            mma_bf16(o[t], a, pf);
+            mma_bf16(o[t], a[0], a[1], a[2], a[3], pf[0], pf[1]);
         }
         __syncwarp();   // every lane is done with this stage before it is refilled
         if (FULL_RING) refill(i + STAGES);   // into the stage just used

@@ -61,14 +61,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], uint32_t addr) 
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
 }
 
-// c += A (16 x 16 bf16, a[4]) * B (16 x 8 bf16, b0 b1), fp32 accumulators
-__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -190,8 +182,8 @@ __device__ __forceinline__ void prefill_attention(
             for (int j = 0; j < NT / 2; ++j) {
                 uint32_t b[4];
                 ldmatrix_x4(b, k_frag + (16 * j * ROW + 16 * c) * 2);
-                mma_bf16(s[2 * j], qf[c], b[0], b[1]);
-                mma_bf16(s[2 * j + 1], qf[c], b[2], b[3]);
+                mma_bf16(s[2 * j], qf[c][0], qf[c][1], qf[c][2], qf[c][3], b[0], b[1]);
+                mma_bf16(s[2 * j + 1], qf[c][0], qf[c][1], qf[c][2], qf[c][3], b[2], b[3]);
             }
         }
         if (k0 + BLOCK_K - 1 > tile_first_pos) {  // some key of this tile is later than some row
@@ -251,8 +243,8 @@ __device__ __forceinline__ void prefill_attention(
             for (int c = 0; c < DK; ++c) {
                 uint32_t b[4];
                 ldmatrix_x4_trans(b, v_frag + (16 * j * ROW + 16 * c) * 2);
-                mma_bf16(o[2 * c], p[j], b[0], b[1]);
-                mma_bf16(o[2 * c + 1], p[j], b[2], b[3]);
+                mma_bf16(o[2 * c], p[j][0], p[j][1], p[j][2], p[j][3], b[0], b[1]);
+                mma_bf16(o[2 * c + 1], p[j][0], p[j][1], p[j][2], p[j][3], b[2], b[3]);
             }
         }
     }

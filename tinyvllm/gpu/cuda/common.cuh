@@ -42,6 +42,29 @@ template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
+// cp_async16 into a ring slot, with wide_l2 = 1 the .L2::256B prefetch hint: L2 fetches the whole
+// 256-byte sector group the 16 bytes lie in, which the lane's next steps read (the GEMV's weight
+// ring, gemv.cu's header; the persistent MLP probe's).
+__device__ __forceinline__ void ring_copy(uint4* slot, const void* src, int src_bytes, int wide_l2) {
+    if (wide_l2) {
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
+                     ::"r"(smem_addr(slot)), "l"(src), "r"(src_bytes) : "memory");
+    } else {
+        cp_async16(smem_addr(slot), src, src_bytes);
+    }
+}
+
+// ---- tensor cores: the one mma shape every kernel uses ---------------------------------------
+// c (16 x 8 fp32) += A (16 x 16 bf16) * B (16 x 8 bf16): mma.sync m16n8k16, A = {a0, a1, a2, a3}
+// and B = {b0, b1} in PTX's fragment layout, each register a bf16 pair. Every lane of the warp
+// executes it together (mma.sync.aligned), so its callers keep it warp-uniform.
+__device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 
 // Eight bf16 values: the unit of one 16-byte load or store.
 struct alignas(16) bf16x8 {

@@ -139,17 +139,9 @@ __device__ __forceinline__ uint4 load_stream(const bf16* p, int wide_l2) {
     return v;
 }
 
-// The ring path's copy of 16 bytes of W or X into this lane's part of a ring slot (src_bytes = 0:
-// zeros); wide_l2 as load_stream. cp.async.cg goes through L2 only, which X needs as well: it is
-// the previous kernel's output, never to be served from a stale L1 line.
-__device__ __forceinline__ void ring_copy(uint4* slot, const bf16* src, int src_bytes, int wide_l2) {
-    if (wide_l2) {
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
-                     ::"r"(smem_addr(slot)), "l"(src), "r"(src_bytes) : "memory");
-    } else {
-        cp_async16(smem_addr(slot), src, src_bytes);
-    }
-}
+// The ring path copies 16 bytes of W or X into this lane's part of a ring slot with common.cuh's
+// ring_copy (src_bytes = 0: zeros; wide_l2 as load_stream). cp.async.cg goes through L2 only,
+// which X needs as well: it is the previous kernel's output, never to be served from a stale L1 line.
 
 // X: re-read by every CTA, cached in L1 (the default for ld.global on sm_90). Not .nc: X is the
 // previous kernel's output, and under programmatic dependent launch that kernel may still run
@@ -161,16 +153,6 @@ __device__ __forceinline__ uint4 load_cached(const bf16* p) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
-
-// c += A * B, A = {a0, a1, a2, a3} (16 x 16 bf16), B = {b0, b1} (16 x 8 bf16), c: 16 x 8 fp32.
-__device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 
 // One warp step: 16 W rows x 32 k against the X chunk (header: fragment layout).
 __device__ __forceinline__ void mma_pair(float acc[4], const uint4& p, const uint4& q, const uint4& v) {
