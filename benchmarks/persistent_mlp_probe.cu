@@ -187,7 +187,7 @@ struct Chain {
     int* ready;                // shared: the highest stage this CTA's poller has seen ready
     unsigned long long* timeline;   // [ctas][stages][TIMELINE_FIELDS] (above), or null: none kept
 
-    // warp 0's lane 0 notes the stage's fields `at` and, with a globaltimer field, `at + 2`
+    // thread 0 (warp 0's lane 0) notes clock64 in `field` and, with_global_time, %globaltimer in `field + 2`
     __device__ __forceinline__ void mark(int stage, int field, bool with_global_time) const {
         if (timeline == nullptr || threadIdx.x != 0) return;
         unsigned long long* row = timeline + ((size_t)blockIdx.x * stages + stage) * TIMELINE_FIELDS;
