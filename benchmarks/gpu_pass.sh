@@ -1,27 +1,30 @@
 #!/usr/bin/env bash
-# One GPU-machine pass: GEMV tests first (the model uses the GEMV at decode batches <= 8; if it
-# fails, the rest runs with TINYVLLM_GEMV=0 so their results still mean something), the fused
-# GEMV tests (if they fail, TINYVLLM_FUSE=0), then every
-# other GPU test, then the benchmarks. Logs go to $OUT (or ./gpu-pass-logs).
-#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-fuse] [profile-prefetch] [profile-gemv] [profile-loo] [bench] [bench-hf] [latency-ab] [tree-ab] [sweep] [handoff] [persistent-probe] [server-load] [soak] [smollm2]
-# (server-load needs the server extra: fastapi, uvicorn, pydantic, prometheus_client)
+# One GPU-machine pass: the GEMV and fused-GEMV tests first (the decode layer is built on them, so
+# a failure there explains most later ones), then every other GPU test, then the benchmarks named.
+# Logs go to $OUT (or ./gpu-pass-logs); summary.log collects the headline lines.
+#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-loo] [bench] [bench-hf] [latency-ab] [tree-ab] [server-load] [soak] [smollm2]
+# (server-load and soak need the server extra: fastapi, uvicorn, pydantic, prometheus_client)
 set -u
 OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)   # absolute: tree-ab runs in another directory
 steps=${*:-tests gemv-bench profile}
 log() { echo "== $*" | tee -a "$OUT/summary.log"; }
+# batch-1 `bench --workload latency` with the flags of one setting: "default" or bench flags joined
+# by + (e.g. --no-pdl+--no-fused-decode); MODEL=dir benchmarks that model instead of the 1B preset
+latency() {
+  local cfg=$1 flags=; [ "$cfg" = default ] || flags=${cfg//+/ }
+  timeout 90 python3 -m tinyvllm bench ${MODEL:+--model "$MODEL"} --workload latency $flags > "$OUT/bench-ab.log" 2>&1
+  log "latency [$cfg] rc=$?: $(grep -E '^latency' "$OUT/bench-ab.log" | tr -s ' ' | paste -sd';')"
+}
 for step in $steps; do
   case $step in
     tests)
       timeout 200 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_gemv.py > "$OUT/gemv-tests.log" 2>&1
-      rc=$?; log "gemv tests rc=$rc: $(tail -1 "$OUT/gemv-tests.log")"
-      [ $rc -eq 0 ] || export TINYVLLM_GEMV=0
-      # the fused decode GEMVs next: if they fail, the rest runs on the separate kernels
+      log "gemv tests rc=$?: $(tail -1 "$OUT/gemv-tests.log")"
       timeout 200 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_fused.py > "$OUT/fused-tests.log" 2>&1
-      rc=$?; log "fused gemv tests rc=$rc: $(tail -1 "$OUT/fused-tests.log")"
-      [ $rc -eq 0 ] || export TINYVLLM_FUSE=0
+      log "fused gemv tests rc=$?: $(tail -1 "$OUT/fused-tests.log")"
       timeout 330 python3 -m pytest -m gpu -q -s -rfE -p no:cacheprovider --deselect tests/test_gpu_gemv.py \
         --deselect tests/test_gpu_fused.py tests > "$OUT/gpu-tests.log" 2>&1
-      log "gpu tests rc=$? (TINYVLLM_GEMV=${TINYVLLM_GEMV:-1} TINYVLLM_FUSE=${TINYVLLM_FUSE:-1 (default: on)}): $(tail -1 "$OUT/gpu-tests.log")"
+      log "gpu tests rc=$?: $(tail -1 "$OUT/gpu-tests.log")"
       grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -20 | tee -a "$OUT/summary.log"
       grep -hE "per-step|near-tie|mismatches" "$OUT/gpu-tests.log" | tee -a "$OUT/summary.log" ;;
     gemv-bench)
@@ -33,34 +36,12 @@ for step in $steps; do
     profile)
       timeout 200 python3 benchmarks/decode_profile.py > "$OUT/profile.log" 2>&1
       log "decode profile rc=$?"; sed -n '/^llama/,/^$/p' "$OUT/profile.log" | tee -a "$OUT/summary.log" ;;
-    profile-fuse)
-      # batch 1 and 8, fused decode GEMVs vs TINYVLLM_FUSE=0; MODEL=dir profiles that model
-      # (e.g. the converted SmolLM2-135M-Instruct) instead of the 1B preset
-      timeout 300 python3 benchmarks/decode_profile.py --batch 1 8 --compare-fuse ${MODEL:+--model "$MODEL"} \
-        > "$OUT/profile-fuse.log" 2>&1
-      log "decode profile --compare-fuse rc=$?"; sed -n '/^fusion at batch/,/^$/p' "$OUT/profile-fuse.log" \
-        | tee -a "$OUT/summary.log" ;;
-    profile-prefetch)
-      # batch 1 and 8: the decode attention's L2 prefetch of the next weights, off and at 8-32 MB per layer
-      timeout 300 python3 benchmarks/decode_profile.py --batch 1 8 --compare-prefetch 0 8 16 24 32 \
-        ${MODEL:+--model "$MODEL"} > "$OUT/profile-prefetch.log" 2>&1
-      log "decode profile --compare-prefetch rc=$?"; sed -n '/^L2 prefetch of/,/^$/p' "$OUT/profile-prefetch.log" \
-        | tee -a "$OUT/summary.log" ;;
-    profile-gemv)
-      # batch 1: graph time under each GEMV setting (decode_profile.py's gemv_configs) and each
-      # per-projection k-split in KW (TINYVLLM_GEMV_K_WARPS specs); MODEL=dir as above
-      timeout 300 python3 benchmarks/decode_profile.py --batch 1 --compare-gemv \
-        --k-warps ${KW:-qkv=8 qkv=32 gate_up=2 gate_up=8 o=8} ${MODEL:+--model "$MODEL"} > "$OUT/profile-gemv.log" 2>&1
-      log "decode profile --compare-gemv rc=$?"; sed -n '/^GEMV settings/,/^$/p' "$OUT/profile-gemv.log" \
-        | tee -a "$OUT/summary.log" ;;
     profile-loo)
-      # batch 1: each op's in-graph cost (the graph without it), the early K/V and GEMV-setting A/Bs;
-      # MODEL=dir as above
-      timeout 300 python3 benchmarks/decode_profile.py --batch 1 --leave-one-out --compare-early-kv --compare-gemv \
-        ${MODEL:+--model "$MODEL"} > "$OUT/profile-loo.log" 2>&1
-      log "decode profile --leave-one-out --compare-early-kv --compare-gemv rc=$?"
-      sed -n '/^in-graph cost per op/,/^sum/p; /^early K\/V copies/,/^$/p; /^GEMV settings/,/^$/p' "$OUT/profile-loo.log" \
-        | tee -a "$OUT/summary.log" ;;
+      # batch 1: each op's in-graph cost (the decode graph's GPU time without it); MODEL=dir as above
+      timeout 300 python3 benchmarks/decode_profile.py --batch 1 --leave-one-out ${MODEL:+--model "$MODEL"} \
+        > "$OUT/profile-loo.log" 2>&1
+      log "decode profile --leave-one-out rc=$?"
+      sed -n '/^in-graph cost per op/,/^sum/p' "$OUT/profile-loo.log" | tee -a "$OUT/summary.log" ;;
     bench)
       timeout 300 python3 -m tinyvllm bench --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
       log "bench rc=$?"; tail -20 "$OUT/bench.log" | tee -a "$OUT/summary.log" ;;
@@ -137,8 +118,7 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
     smollm2)
       # the real default model, SmolLM2-135M-Instruct: its GGUF arrives in two parts over two calls
       # (docs/device-runs.md) in /root/part.*, is joined and converted once, then batch-1 latency
-      # at the defaults and with each switch that is under test (AB="cfg ...": default, or env
-      # settings joined by +)
+      # under each setting in AB (as latency-ab; default: the defaults twice)
       model=/tmp/tinyvllm-models/smollm2-135m-instruct
       if [ ! -f $model/config.json ]; then
         cat /root/part.* > /root/smollm2.gguf && md5sum /root/smollm2.gguf | tee -a "$OUT/summary.log"
@@ -148,33 +128,11 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
         python3 -m tinyvllm convert-gguf /root/smollm2.gguf $model > "$OUT/convert.log" 2>&1
         log "convert-gguf rc=$?"
       fi
-      for cfg in ${AB:-default TINYVLLM_FUSE_NORM=auto TINYVLLM_GEMV_RING=0 default TINYVLLM_FUSE_NORM=auto}; do
-        c=${cfg#default}; env ${c//+/ } timeout 90 python3 -m tinyvllm bench --model $model --workload latency \
-          > "$OUT/bench-smollm2.log" 2>&1
-        log "smollm2 latency [$cfg] rc=$?: $(grep -E '^latency' "$OUT/bench-smollm2.log" | tr -s ' ' | paste -sd';')"
-      done ;;
-    handoff)
-      # what a kernel boundary costs: griddepcontrol.wait against a counter in global memory, on
-      # stub chains with the decode layer's grids (benchmarks/handoff_bench.py); MODEL=dir as above
-      timeout 200 python3 benchmarks/handoff_bench.py ${MODEL:+--model "$MODEL"} > "$OUT/handoff.log" 2>&1
-      log "handoff bench rc=$?"; cat "$OUT/handoff.log" | tee -a "$OUT/summary.log" ;;
-    persistent-probe)
-      # one persistent launch a layer for o -> gate_up -> down against the engine's three GEMVs,
-      # 16 layers at batch 1 (benchmarks/persistent_mlp_probe.py; checked bitwise before timing),
-      # then one launch's timeline; PROBE_ARGS="--variant POLLER_WAITS_FIRST=1 ..." adds variants
-      timeout 300 python3 benchmarks/persistent_mlp_probe.py ${PROBE_ARGS:-} > "$OUT/persistent-probe.log" 2>&1
-      log "persistent MLP probe rc=$?"; sed -n '/^GPU time/,$p' "$OUT/persistent-probe.log" | tee -a "$OUT/summary.log" ;;
-    sweep)
-      # batch-1 latency under other launch constants of one kernel file (benchmarks/constant_sweep.py),
-      # alternating with the code as it is: SWEEP_FILE=attention_decode.cu SWEEP="THREADS=256 ..."
-      # (each variant NAME=INT[,NAME=INT]); MODEL=dir for another model
-      timeout 560 python3 benchmarks/constant_sweep.py --file "${SWEEP_FILE:-attention_decode.cu}" \
-        ${SWEEP:-THREADS=512} ${MODEL:+--model "$MODEL"} > "$OUT/sweep.log" 2>&1
-      log "constant sweep rc=$?"; sed -n '/^$/,$p' "$OUT/sweep.log" | tee -a "$OUT/summary.log" ;;
+      for cfg in ${AB:-default default}; do MODEL=$model latency "$cfg"; done ;;
     tree-ab)
       # batch-1 latency of this checkout against another tree (BASE_TREE=dir, e.g. an untracked
       # `git archive <commit> | tar -x -C ab-base` carried along), alternating, ROUNDS rounds:
-      # a commit's effect measured on the very machine that came (MODEL=dir: that model)
+      # a commit's effect measured on one machine in one run (MODEL=dir: that model)
       for round in $(seq "${ROUNDS:-3}"); do
         for tree in "${BASE_TREE:?tree-ab needs BASE_TREE=dir}" .; do
           (cd "$tree" && timeout 90 python3 -m tinyvllm bench ${MODEL:+--model "$MODEL"} --workload latency \
@@ -183,13 +141,9 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
         done
       done ;;
     latency-ab)
-      # batch-1 latency on the 1B preset (MODEL=dir: that model), alternating the settings under
-      # test (AB="cfg ...", each default or env settings joined by +), so drift hits every setting alike
-      for cfg in ${AB:-default TINYVLLM_FUSE_NORM=auto TINYVLLM_GEMV_K_WARPS=o=32 default TINYVLLM_FUSE_NORM=auto TINYVLLM_GEMV_K_WARPS=o=32}; do
-        c=${cfg#default}; env ${c//+/ } timeout 90 python3 -m tinyvllm bench ${MODEL:+--model "$MODEL"} --workload latency \
-          > "$OUT/bench-ab.log" 2>&1
-        log "latency [$cfg] rc=$?: $(grep -E '^latency' "$OUT/bench-ab.log" | tr -s ' ' | paste -sd';')"
-      done ;;
+      # batch-1 latency alternating the settings under test (AB="cfg ...", each "default" or bench
+      # flags joined by +), so drift hits every setting alike; MODEL=dir as above
+      for cfg in ${AB:-default --no-pdl default --no-pdl}; do latency "$cfg"; done ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
