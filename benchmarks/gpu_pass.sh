@@ -131,7 +131,7 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
       for cfg in ${AB:-default default}; do MODEL=$model latency "$cfg"; done ;;
     tree-ab)
       # batch-1 latency of this checkout against another tree (BASE_TREE=dir, e.g. an untracked
-      # `git archive <commit> | tar -x -C ab-base` carried along), alternating, ROUNDS rounds:
+      # `git archive <commit> | tar -x -C ab-base` copied along), alternating, ROUNDS rounds:
       # a commit's effect measured on one machine in one run (MODEL=dir: that model)
       for round in $(seq "${ROUNDS:-3}"); do
         for tree in "${BASE_TREE:?tree-ab needs BASE_TREE=dir}" .; do
