@@ -1,6 +1,6 @@
 """The sampler's logit processing (SamplingParams' repetition / frequency / presence penalties,
 logit_bias and min_tokens) as sparse in-place edits of the logits: LogitEdits is one step's, in
-the layout gpu/cuda/sampling.cu reads; SequenceEdits keeps one sequence's entries from step to
+the layout the kernels of sampling.cu read; SequenceEdits keeps one sequence's entries from step to
 step; step_edits gathers a batch's. reference/sampling.py applies them in numpy, sampling.cu's
 apply_logit_edits on the GPU.
 """

@@ -1,5 +1,5 @@
-"""Sampling: the per-sequence parameters a runner gets (SamplingBatch) and the numpy twins of the
-CUDA sampling kernels (cuda/sampling.cu).
+"""Sampling: the numpy twins of the CUDA sampling kernels (cuda/sampling.cu), run on a step's
+logits and its SamplingBatch (engine/batch.py).
 
 One step, in vLLM V1's order (vllm/v1/sample/sampler.py: raw logprobs, then the non-argmax-
 invariant processors min_tokens and logit_bias, then the penalties repetition -> frequency ->
