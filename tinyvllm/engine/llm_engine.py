@@ -33,7 +33,6 @@ Failures inside step() (docs/engine.md, "Failures"):
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -52,26 +51,12 @@ from tinyvllm.engine.outputs import RequestOutput
 from tinyvllm.engine.sampling_params import SamplingParams
 from tinyvllm.engine.scheduler import ScheduledBatch, Scheduler
 from tinyvllm.engine.sequence import Request, Sequence, SequenceStatus
-from tinyvllm.engine.startup import load_model
+from tinyvllm.engine.startup import load_model, make_engine_config
 from tinyvllm.engine.stats import StatsCollector, StepStats
 from tinyvllm.engine.step_ahead import StepAhead
-from tinyvllm.errors import EngineDeadError, InvalidRequestError, TinyVLLMError
+from tinyvllm.errors import EngineDeadError, InvalidRequestError
 
 log = logging.getLogger("tinyvllm.engine")
-
-
-def make_engine_config(engine_config: EngineConfig | None, options: dict) -> EngineConfig:
-    """engine_config (None: the defaults) with keyword options applied; an unknown or invalid
-    option is one TinyVLLMError naming it."""
-    try:
-        if engine_config is None:
-            return EngineConfig(**options)
-        return dataclasses.replace(engine_config, **options)
-    except TypeError as e:           # an unknown keyword
-        known = ", ".join(f.name for f in dataclasses.fields(EngineConfig))
-        raise TinyVLLMError(f"unknown engine option ({e}); known options: {known}") from None
-    except ValueError as e:          # EngineConfig's own range checks
-        raise TinyVLLMError(f"invalid engine option: {e}") from None
 
 
 class LLMEngine:

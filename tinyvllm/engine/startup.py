@@ -1,5 +1,6 @@
-"""What LLMEngine(...) does before its first request: the backend for EngineConfig.device, the
-model directory loaded into it, and the engine config fitted to the KV cache it got.
+"""What LLMEngine(...) does before its first request: the engine config from its options, the
+backend for EngineConfig.device, the model directory loaded into it, and the engine config
+fitted to the KV cache it got.
 
 This is the one module that names the backends: reference/numpy_runner.py's NumpyRunner for
 device="cpu", gpu/cuda_runner.py's CudaRunner for "cuda". Their base class
@@ -9,6 +10,7 @@ start (no PyCUDA, no GPU, a failed CUDA start-up) is one GPUUnavailableError lin
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,20 @@ from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.limits import fit_context_to_cache
 from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.errors import GPUUnavailableError, ModelLoadError, TinyVLLMError
+
+
+def make_engine_config(engine_config: EngineConfig | None, options: dict) -> EngineConfig:
+    """engine_config (None: the defaults) with keyword options applied; an unknown or invalid
+    option is one TinyVLLMError naming it."""
+    try:
+        if engine_config is None:
+            return EngineConfig(**options)
+        return dataclasses.replace(engine_config, **options)
+    except TypeError as e:           # an unknown keyword
+        known = ", ".join(f.name for f in dataclasses.fields(EngineConfig))
+        raise TinyVLLMError(f"unknown engine option ({e}); known options: {known}") from None
+    except ValueError as e:          # EngineConfig's own range checks
+        raise TinyVLLMError(f"invalid engine option: {e}") from None
 
 
 def runner_class(engine_config: EngineConfig) -> type[ModelRunner]:
