@@ -1,4 +1,4 @@
-"""Async scheduling (engine/llm_engine.py's docstring) on the numpy backend: the engine launches
+"""Async scheduling (engine/step_ahead.py's docstring) on the numpy backend: the engine launches
 decode step N+1 before it reads step N back, through ModelRunner.launch's default (the step
 runs when waited for, its fed token ids resolved from the step before). Whatever goes ahead,
 the outputs must be those of the same engine without it: the same RequestOutputs from the same
@@ -100,10 +100,10 @@ def test_async_steps_are_the_sync_steps(tiny_model_dir):
     assert {k: v[2][0][4] for k, v in sync_finals.items()} == {
         "long": "length", "stop-id": "stop", "stop-str": "stop", "sampled": "length", "one": "length",
         "aborted": "abort", "context": "length"}
-    print(f"{engine.num_steps_ahead} steps ahead, {engine.num_rows_thrown_away} rows thrown away, "
+    print(f"{engine.step_ahead.num_launched} steps ahead, {engine.step_ahead.num_rows_thrown_away} rows thrown away, "
           f"{len(sync_calls)} calls")
-    assert engine.num_steps_ahead >= len(sync_calls) - 4     # all but the prefill and the tail
-    assert engine.num_rows_thrown_away >= 3                  # two stops and the abort
+    assert engine.step_ahead.num_launched >= len(sync_calls) - 4     # all but the prefill and the tail
+    assert engine.step_ahead.num_rows_thrown_away >= 3                  # two stops and the abort
 
 
 def test_the_first_decode_step_goes_ahead_of_the_prefill(tiny_model_dir):
@@ -117,12 +117,12 @@ def test_the_first_decode_step_goes_ahead_of_the_prefill(tiny_model_dir):
     sync_calls, _, _ = run(tiny_model_dir, lone, async_scheduling=False)
     async_calls, _, engine = run(tiny_model_dir, lone, async_scheduling=True)
     assert async_calls == sync_calls
-    assert engine.num_steps_ahead == 6, "the 6 decode steps after the prefill all went ahead"
+    assert engine.step_ahead.num_launched == 6, "the 6 decode steps after the prefill all went ahead"
     samples = {0: [("add", "n", p[1], SamplingParams(temperature=0.8, seed=4, ignore_eos=True, max_tokens=5, n=2))]}
     sync_calls, _, _ = run(tiny_model_dir, samples, async_scheduling=False)
     async_calls, _, engine = run(tiny_model_dir, samples, async_scheduling=True)
     assert async_calls == sync_calls
-    assert engine.num_steps_ahead < len(sync_calls) - 1, "the held sample's prefill came before a decode step"
+    assert engine.step_ahead.num_launched < len(sync_calls) - 1, "the held sample's prefill came before a decode step"
 
 
 def test_async_outputs_are_the_sync_outputs_with_arrivals_samples_and_preemption(tiny_model_dir):
@@ -147,7 +147,7 @@ def test_async_outputs_are_the_sync_outputs_with_arrivals_samples_and_preemption
     assert sync_engine.num_preemptions > 0 and engine.num_preemptions > 0, "the cache was meant to preempt"
     assert_same_outputs(async_finals, sync_finals)
     assert async_finals["c"][2][0][4] == "abort" and async_finals["lp"][3]
-    assert engine.num_steps_ahead > 0
+    assert engine.step_ahead.num_launched > 0
 
 
 def test_async_is_the_default_only_where_the_runner_overlaps(tiny_model_dir):

@@ -333,7 +333,7 @@ def _gguf(kvs=(ARCH,), tensors=(), n_kv=None, n_tensors=None, data=b"\0" * 256) 
 def test_crafted_gguf_headers_are_one_error_before_any_allocation(tmp_path, raw, message):
     import tracemalloc
 
-    from tinyvllm.checkpoint.gguf import open_gguf
+    from tinyvllm.checkpoint.gguf_header import open_gguf
     path = tmp_path / "crafted.gguf"
     path.write_bytes(raw)
     tracemalloc.start()
@@ -347,6 +347,6 @@ def test_crafted_gguf_headers_are_one_error_before_any_allocation(tmp_path, raw,
 
 
 def test_header_check_accepts_a_real_file(tmp_path, tiny):
-    from tinyvllm.checkpoint.gguf import check_header
+    from tinyvllm.checkpoint.gguf_header import check_header
     cfg, weights = tiny
     check_header(write_gguf(tmp_path / "m.gguf", cfg, weights))     # raises nothing

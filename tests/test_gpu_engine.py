@@ -109,18 +109,19 @@ def test_async_scheduling_gives_the_sync_steps_on_cuda(setup, tiny_model_dir):
     for mode in (False, True):
         engine = LLMEngine(tiny_model_dir, device="cuda", kv_cache_gb=0.5, async_scheduling=mode)
         try:
-            runs[mode] = _run_steps(engine, requests), engine.num_steps_ahead
+            runs[mode] = _run_steps(engine, requests), engine.step_ahead.num_launched
             if mode:      # g0 alone, stopped by one of its own greedy tokens (from the sync run)
                 g0 = [t for call in runs[False][0] for rid, t, _ in call if rid == "g0"][-1]
                 # The 4th token, unless it occurred before: a random tiny model repeats itself, and
-                # a stop at the prefill's token (index 0) has no step launched ahead of it (no
-                # step goes ahead of a prefill: llm_engine._launch_ahead), so nothing is thrown
-                # away. A first occurrence at index >= 1 is a decode step's, the next one ahead.
+                # a stop at the prefill's token (index 0) may have no step launched ahead of it
+                # (whether one goes ahead of a prefill depends on the batch: engine/step_ahead.py),
+                # so nothing need be thrown away. A first occurrence at index >= 1 is a decode
+                # step's, the next one ahead.
                 first = [i for i in range(1, len(g0)) if g0[i] not in g0[:i]]
                 stop_id = g0[3] if 3 in first else g0[first[0] if first else 3]
                 stopped = _run_steps(engine, [("one", prompts[0], SamplingParams(
                     temperature=0, ignore_eos=True, max_tokens=20, stop_token_ids=[stop_id]))])
-                thrown_away = engine.num_rows_thrown_away
+                thrown_away = engine.step_ahead.num_rows_thrown_away
         finally:
             engine.close()
     assert runs[True][0] == runs[False][0]

@@ -52,7 +52,8 @@ def test_every_kernel_has_a_launcher():
 
 
 def test_sampler_constants_agree_with_the_host_side():
-    from tinyvllm.engine.batch import EDIT_WORDS, MAX_LOGPROBS
+    from tinyvllm.engine.logit_edits import EDIT_WORDS
+    from tinyvllm.engine.sampling_params import MAX_LOGPROBS
     assert ops.SAMPLING["EDIT_WORDS"] == EDIT_WORDS
     assert ops.SAMPLING["MAX_TOP_LOGPROBS"] == MAX_LOGPROBS
 

@@ -1,5 +1,5 @@
 """Logit processing (penalties, logit_bias, min_tokens), min_p and raw logprobs on the numpy
-side: engine/batch.py builds the sparse LogitEdits, reference/sampling.py applies them. Each
+side: engine/logit_edits.py builds the sparse LogitEdits, reference/sampling.py applies them. Each
 feature is pinned against vLLM's formula written out here, densely over the whole vocabulary,
 on hand-made logits (never by calling the twin's own helpers)."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from tinyvllm.engine.batch import LogitEdits, SamplingBatch, SequenceEdits
+from tinyvllm.engine.batch import SamplingBatch
+from tinyvllm.engine.logit_edits import LogitEdits, SequenceEdits
 from tinyvllm.engine.sampling_params import SamplingParams
 from tinyvllm.engine.sequence import Sequence
 from tinyvllm.errors import InvalidRequestError

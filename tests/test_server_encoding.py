@@ -111,7 +111,8 @@ def test_health_answers_while_a_huge_prompt_is_encoded(big_context_server, route
 
 
 def test_engine_takes_a_tokenized_prompt_as_it_is(tiny_model_dir):
-    from tinyvllm.engine.llm_engine import LLMEngine, TokenizedPrompt
+    from tinyvllm.engine.intake import TokenizedPrompt
+    from tinyvllm.engine.llm_engine import LLMEngine
     from tinyvllm.engine.sampling_params import SamplingParams
     from tinyvllm.errors import InvalidRequestError
     engine = LLMEngine(tiny_model_dir, device="cpu", max_model_len=256)

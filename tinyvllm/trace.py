@@ -10,13 +10,12 @@ the row-major product they compute. Traced steps run eagerly; a decode step runs
 launches its CUDA graph would replay (padded to the graph's batch size), so the list is the
 graph's. On --device cpu the trace lists the numpy twins that stand in for the kernels.
 
-Nothing here runs unless tracing is on: the engine wraps its runner in TracingRunner only then,
-and the hooks it sets (GpuOps.observer, Cublas.observer, ReferenceModel.observer) are None
-otherwise.
+Arguments are named by what they point into (tinyvllm/trace_names.py). Nothing here runs unless
+tracing is on: the engine wraps its runner in TracingRunner only then, and the hooks it sets
+(GpuOps.observer, Cublas.observer, ReferenceModel.observer) are None otherwise.
 """
 from __future__ import annotations
 
-import bisect
 import re
 import sys
 
@@ -25,7 +24,8 @@ import numpy as np
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.errors import TinyVLLMError
-from tinyvllm.model_report import arena_layout, device_weight_lines, kv_cache_lines, weight_label
+from tinyvllm.model_report import arena_layout, device_weight_lines, kv_cache_lines
+from tinyvllm.trace_names import ArrayNames, PointerNames
 
 TRACE_STEPS = 2                   # what trace=True / --trace alone traces: the prefill and one decode
 SHOW = 12                         # entries of a per-token array shown in a step header
@@ -80,12 +80,12 @@ class TracingRunner(ModelRunner):
         if not self.on_gpu and not hasattr(model, "observer"):
             raise TinyVLLMError(f"tracing needs the cuda or cpu runner, not {type(runner).__name__}")
         if self.on_gpu:
-            self.names = _PointerNames(runner, config)
+            self.names = PointerNames(runner, config)
             self._say("=== trace: memory (once per run) ===", runner.memory_report(),
                       "KV cache layout:", *kv_cache_lines(config, engine, runner.num_kv_blocks),
                       "weights:", *device_weight_lines(config))
         else:
-            self.names = _ArrayNames(model, runner.kv_cache, config)
+            self.names = ArrayNames(model, runner.kv_cache, config)
             self._say("=== trace (--device cpu: the numpy twins that stand in for each kernel) ===",
                       "KV cache (numpy, float32):",
                       *kv_cache_lines(config, engine, runner.num_kv_blocks, itemsize=4),
@@ -197,110 +197,3 @@ class TracingRunner(ModelRunner):
 
     def close(self) -> None:
         self.inner.close()
-
-
-class _ArrayNames:
-    """Names of the reference model's arrays (weights by identity, KV cache by address)."""
-
-    def __init__(self, model, kv_cache: np.ndarray, config: ModelConfig):
-        self._by_id = {id(model.embed): "embed", id(model.final_norm): "final_norm"}
-        if model.lm_head is not model.embed:
-            self._by_id[id(model.lm_head)] = "lm_head"
-        else:
-            self._by_id[id(model.embed)] = "embed (= lm_head)"
-        for layer, parts in enumerate(model.layers):
-            self._by_id.update({id(w): f"layers[{layer}].{part}" for part, w in parts.items()})
-        self._by_addr = {}
-        for layer in range(config.num_hidden_layers):
-            for kv, which in ((0, "k"), (1, "v")):
-                view = kv_cache[layer, kv]
-                self._by_addr[(view.__array_interface__["data"][0], view.shape)] = f"kv.{which}({layer})"
-
-    def label(self, a) -> str | None:
-        if id(a) in self._by_id:
-            return self._by_id[id(a)]
-        if isinstance(a, np.ndarray):
-            return self._by_addr.get((a.__array_interface__["data"][0], a.shape))
-        return None
-
-    @staticmethod
-    def describe(a, label) -> str:
-        if isinstance(a, np.ndarray):
-            return f"{label + ' ' if label else ''}{a.dtype} {a.shape}"
-        if hasattr(a, "is_prefill"):
-            return f"batch({'prefill' if a.is_prefill else 'decode'}, T={a.num_tokens}, S={a.num_seqs})"
-        return f"{a:.6g}" if isinstance(a, float) else repr(a)
-
-
-class _PointerNames:
-    """Device pointers -> what they point into: arena buffers (the DeviceViews the model passes
-    carry their names), weight tensors and KV-cache layers (plain ints, found by address)."""
-
-    def __init__(self, runner, config: ModelConfig):
-        from tinyvllm.gpu.device_weights import LayerWeights, device_tensor_itemsize, device_tensor_shapes
-        self.recent: dict[int, tuple] = {}       # the current linear()'s pointers, for its GemmEx
-        self._params: dict[str, tuple[str, ...]] = {}
-        arena, layout, regions = runner.arena, runner.arena.layout, []
-        self.arena_base = arena.base
-        placements = {**layout.activations, **layout.inputs, **layout.outputs}
-        by_address: dict[int, list] = {}
-        for key, view in layout.views(arena.base).items():      # inputs by (name, bank)
-            label = key if isinstance(key, str) else f"{key[0]}[bank {key[1]}]"
-            by_address.setdefault(view.ptr, []).append((placements[view.name], label))
-        for ptr, ps in by_address.items():         # storage shared by buffers: name them all
-            big = max((p for p, _ in ps), key=lambda p: p.nbytes)
-            regions.append((ptr, big.nbytes, "|".join(label for _, label in ps), big.shape, big.dtype,
-                            f"arena+{ptr - self.arena_base:,}"))
-        w, shapes = runner.weights, device_tensor_shapes(config)
-        ptrs = {"embed": w.embed, "final_norm": w.final_norm, "rope_inv_freq": w.rope_inv_freq}
-        if not config.tie_word_embeddings:
-            ptrs["lm_head"] = w.lm_head
-        for n, lw in enumerate(w.layers):
-            ptrs.update({f"{n}.{f}": getattr(lw, f) for f in LayerWeights.__dataclass_fields__})
-        base = int(w.allocation)
-        for key, ptr in ptrs.items():
-            size = device_tensor_itemsize(key)
-            label = "embed (= lm_head)" if key == "embed" and config.tie_word_embeddings else weight_label(key)
-            regions.append((ptr, int(np.prod(shapes[key])) * size, label, shapes[key],
-                            "float32" if size == 4 else "bfloat16", f"weights+{ptr - base:,}"))
-        kv, kv_shape = runner.kv_cache, (runner.kv_cache.num_blocks * runner.kv_cache.block_size,
-                                         config.num_key_value_heads, config.head_dim)
-        for layer in range(config.num_hidden_layers):
-            for which, ptr in (("k", kv.k(layer)), ("v", kv.v(layer))):
-                regions.append((ptr, kv.layer_stride // 2, f"kv.{which}({layer})", kv_shape, "bfloat16",
-                                f"kv+{ptr - kv.base:,}"))
-        self.regions = sorted(regions)
-        self.starts = [r[0] for r in self.regions]
-
-    def pointer(self, value) -> tuple[str, str | None]:
-        """(description, label) of a pointer argument."""
-        if hasattr(value, "shape") and hasattr(value, "ptr"):        # an arena DeviceView
-            return (f"{value.name} {value.dtype} {value.shape} @arena+{value.ptr - self.arena_base:,}",
-                    value.name)
-        p = int(value)
-        if p == 0:
-            return "NULL", None
-        i = bisect.bisect_right(self.starts, p) - 1
-        if i >= 0 and p < self.regions[i][0] + self.regions[i][1]:
-            start, _, label, shape, dtype, where = self.regions[i]
-            inside = f" +{p - start:,} B" if p != start else ""
-            return f"{label}{inside} {dtype} {shape} @{where}", label
-        return hex(p), None
-
-    def kernel_params(self, kernel: str) -> tuple[str, ...]:
-        if kernel not in self._params:
-            from tinyvllm.gpu.kernels import CUDA_DIR, kernel_parameters
-            found = [params for path in sorted(CUDA_DIR.glob("*.cu"))
-                     for name, params in kernel_parameters(path.name).items()
-                     if name == kernel or (name.startswith("^") and re.match(name, kernel))]
-            self._params[kernel] = found[0]
-        return self._params[kernel]
-
-    def argument(self, decl: str, value) -> tuple[str, str | None]:
-        """(line, label) of one kernel argument, named by its C parameter declaration."""
-        name = re.findall(r"\w+", decl)[-1]
-        if "*" not in decl:
-            shown = f"{value:.6g}" if isinstance(value, float) else value
-            return f"      {name:<20}    {shown}", None
-        desc, label = self.pointer(value)
-        return f"      {name:<20}{'R' if decl.startswith('const') else 'W'}   {desc}", label

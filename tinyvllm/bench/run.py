@@ -1,5 +1,5 @@
-"""`python -m tinyvllm bench`: the project's three performance numbers, measured the same way
-every time, printed as a table and written to JSON.
+"""`python -m tinyvllm bench`: the project's performance numbers, measured the same way every
+time, printed as a table and written to JSON (where it ran: bench/machine.py).
 
 Workloads (random token-id prompts, greedy, ignore_eos, so every request runs to its length):
   latency     1 request, 128 prompt + 256 new tokens. decode tok/s = (tokens - 1) / (time after
@@ -22,9 +22,7 @@ import dataclasses
 import datetime
 import gc
 import math
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from tinyvllm.bench.hf import HFBench, check_available
+from tinyvllm.bench.machine import device_info, git_commit
 from tinyvllm.bench.report import BenchReport, format_table
 from tinyvllm.bench.workloads import (
     WARMUP,
@@ -89,31 +88,6 @@ def engine_options(user_options: dict, specs: list[WorkloadSpec]) -> dict:
 
 
 # -- measuring -------------------------------------------------------------------------------
-def measure_copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 5) -> float:
-    """Device-to-device memcpy bandwidth in bytes/s, read + write counted: the most bytes per
-    second any kernel can stream. Median of `repeats` timed copies after one warm-up copy."""
-    import pycuda.driver as drv
-    drv.init()
-    ctx = drv.Device(0).retain_primary_context()    # the context the engine uses too
-    ctx.push()
-    try:
-        src, dst = drv.mem_alloc(nbytes), drv.mem_alloc(nbytes)
-        stream, start, end = drv.Stream(), drv.Event(), drv.Event()
-        seconds = []
-        for i in range(repeats + 1):
-            start.record(stream)
-            drv.memcpy_dtod_async(dst, src, nbytes, stream)
-            end.record(stream)
-            end.synchronize()
-            if i:
-                seconds.append(end.time_since(start) / 1e3)
-        src.free()
-        dst.free()
-    finally:
-        ctx.pop()
-    return 2 * nbytes / statistics.median(seconds)
-
-
 def run_tinyvllm(llm, spec: WorkloadSpec, seed: int) -> WorkloadResult:
     return run_tinyvllm_outputs(llm, spec, seed)[0]
 
@@ -155,29 +129,6 @@ def run_tinyvllm_outputs(llm, spec: WorkloadSpec, seed: int) -> tuple[WorkloadRe
 def warm_up(llm, seed: int, max_len: int | None) -> None:
     for spec in WARMUP:
         run_tinyvllm(llm, shrink(spec, max_len=max_len), seed)
-
-
-# -- the machine -----------------------------------------------------------------------------
-def git_commit() -> str | None:
-    """The checkout's commit, with "-dirty" when the working tree has changes; None outside git."""
-    try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"],
-                             cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
-
-
-def device_info(device: str) -> dict:
-    if device == "cpu":
-        return {"kind": "cpu", "name": f"cpu ({platform.processor() or platform.machine()}, numpy "
-                                      f"reference backend)", "copy_bandwidth_GBps": None}
-    import pycuda.driver as drv
-    drv.init()
-    return {"kind": "cuda", "name": drv.Device(0).name(),
-            "copy_bandwidth_GBps": measure_copy_bandwidth() / 1e9}
 
 
 # -- the command -----------------------------------------------------------------------------

@@ -3,7 +3,8 @@ weights and the KV cache memory; each step it takes a ForwardBatch (tokens, posi
 block tables) and a SamplingBatch and returns one sampled token id per sequence.
 
 Backends: tinyvllm.reference.numpy_runner.NumpyRunner (device="cpu": the numpy twins, slow but
-exact and dependency-free) and tinyvllm.gpu.cuda_runner.CudaRunner (device="cuda")."""
+exact and dependency-free) and tinyvllm.gpu.cuda_runner.CudaRunner (device="cuda"). This module
+imports neither: engine/startup.py picks one for the engine's device."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -11,9 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch, StepLogprobs
-from tinyvllm.errors import GPUUnavailableError, TinyVLLMError
 
 
 class PendingStep:
@@ -71,45 +70,3 @@ class ModelRunner(ABC):
 
     def close(self) -> None:
         """Release the backend's memory. The runner is unusable afterwards."""
-
-
-def logprobs_of_rows(last: StepLogprobs | None, rows: list[int], k: int):
-    """The logprobs of batch rows `rows`, out of a runner's last_logprobs (`last`, whose row j is
-    batch row last.rows[j]) -> (sampled_logprob float32 [R], sampled_rank int32 [R], top_ids
-    int32 [R, k], top_logprobs float32 [R, k]), top-k columns cut to k."""
-    if last is None:
-        raise RuntimeError("the last step computed no logprobs")
-    where = {int(r): j for j, r in enumerate(last.rows)}
-    missing = [r for r in rows if r not in where]
-    if missing:
-        raise RuntimeError(f"the sampler returned no logprobs for batch rows {missing}")
-    pick = [where[r] for r in rows]
-    return (last.sampled_logprob[pick], last.sampled_rank[pick], last.top_ids[pick, :k],
-            last.top_logprobs[pick, :k])
-
-
-def runner_class(engine_config: EngineConfig) -> type:
-    """The runner class of engine_config's device; a backend that cannot be loaded is a one-line
-    error (LLMEngine asks before the default model's first conversion, which takes seconds)."""
-    if engine_config.device == "cpu":
-        from tinyvllm.reference.numpy_runner import NumpyRunner
-        return NumpyRunner
-    try:
-        from tinyvllm.gpu.cuda_runner import CudaRunner
-    except ImportError as e:
-        if (e.name or "").startswith("pycuda"):
-            raise GPUUnavailableError("PyCUDA is not installed: use --device cpu, or install the "
-                                      "gpu extra (pip install -e '.[gpu]')") from None
-        raise GPUUnavailableError(f"the CUDA backend cannot be loaded ({e}); use --device cpu") from None
-    return CudaRunner
-
-
-def make_runner(config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig) -> ModelRunner:
-    try:
-        return runner_class(engine_config)(config, weights, engine_config)
-    except TinyVLLMError:
-        raise
-    except Exception as e:  # noqa: BLE001 — driver errors come as pycuda's own exception types
-        if type(e).__module__.startswith("pycuda"):
-            raise GPUUnavailableError(f"CUDA start-up failed ({e}); use --device cpu") from None
-        raise

@@ -4,7 +4,7 @@ the logprobs — so that the scheduler only schedules.
 For every token the scheduler hands it (the sequence's prompt is computed and a token came out):
   1. append it (and its logprobs entry, when the request asked for logprobs);
   2. before min_tokens generated tokens nothing stops it but max_tokens and the context (the
-     sampler keeps EOS and stop_token_ids from being sampled until then; engine/batch.py);
+     sampler keeps EOS and stop_token_ids from being sampled until then; engine/logit_edits.py);
   3. a stop token id (stop_reason = the id) or an EOS token (unless ignore_eos; stop_reason
      None) finishes it with finish_reason "stop"; the token stays in token_ids but its text is
      left out, unless include_stop_str_in_output;
@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from tinyvllm.engine.batch import StepLogprobs
 from tinyvllm.engine.outputs import Logprob
 from tinyvllm.engine.sequence import Sequence, SequenceStatus
 from tinyvllm.reference.sampling import step_logprobs
@@ -88,6 +89,23 @@ class OutputProcessor:
         return True
 
     # -- logprobs ------------------------------------------------------------------------------
+    def append_step_logprobs(self, seqs: list[Sequence], tokens: np.ndarray, runner) -> None:
+        """The logprobs of a step's sampled tokens (`tokens`, one per row of `seqs`), out of
+        runner.last_logprobs, for the rows that asked; called before append_token appends the
+        tokens. A prompt chunk that samples nothing is skipped by its row's count, and so is a row
+        the sampler failed (id -1)."""
+        rows = [i for i, s in enumerate(seqs) if s.logprobs is not None and tokens[i] >= 0
+                and s.num_cached_tokens + s.num_scheduled_tokens >= len(s.token_ids)]
+        if not rows:
+            return
+        sampled_ids = np.asarray(tokens)[rows]
+        k = max(seqs[i].params.logprobs for i in rows)
+        sampled, ranks, top_ids, top_lps = logprobs_of_rows(runner.last_logprobs, rows, k)
+        for j, i in enumerate(rows):
+            kk = seqs[i].params.logprobs
+            self.append_logprobs(seqs[i], int(sampled_ids[j]), float(sampled[j]), int(ranks[j]),
+                                 top_ids[j, :kk].tolist(), top_lps[j, :kk].tolist())
+
     def append_logprobs(self, seq: Sequence, token: int, sampled_logprob: float, rank: int,
                         top_ids, top_logprobs) -> None:
         """The entry of the token just sampled, in vLLM's shape: {token_id: Logprob}, the top
@@ -120,3 +138,18 @@ class OutputProcessor:
         if piece is None:
             piece = self._pieces[token] = self.tokenizer.decode([token], skip_special_tokens=False)
         return piece
+
+
+def logprobs_of_rows(last: StepLogprobs | None, rows: list[int], k: int):
+    """The logprobs of batch rows `rows`, out of a runner's last_logprobs (`last`, whose row j is
+    batch row last.rows[j]) -> (sampled_logprob float32 [R], sampled_rank int32 [R], top_ids
+    int32 [R, k], top_logprobs float32 [R, k]), top-k columns cut to k."""
+    if last is None:
+        raise RuntimeError("the last step computed no logprobs")
+    where = {int(r): j for j, r in enumerate(last.rows)}
+    missing = [r for r in rows if r not in where]
+    if missing:
+        raise RuntimeError(f"the sampler returned no logprobs for batch rows {missing}")
+    pick = [where[r] for r in rows]
+    return (last.sampled_logprob[pick], last.sampled_rank[pick], last.top_ids[pick, :k],
+            last.top_logprobs[pick, :k])

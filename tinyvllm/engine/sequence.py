@@ -66,8 +66,8 @@ class Sequence:
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        # engine/batch.py's SequenceEdits (its logit edits, kept from step to step), made on
-        # first use, or batch.PLAIN / NO_EDITS. A copy of this sequence (n > 1) must start at None.
+        # engine/logit_edits.py's SequenceEdits (its logit edits, kept from step to step), made
+        # on first use, or logit_edits.PLAIN / NO_EDITS. A copy of this sequence (n > 1) must start at None.
         self.sampler_state = None
 
     def __repr__(self) -> str:

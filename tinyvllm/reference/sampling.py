@@ -1,5 +1,5 @@
-"""Sampling: the per-sequence parameters a runner gets (SamplingBatch) and the numpy twins of the
-CUDA sampling kernels (cuda/sampling.cu).
+"""Sampling: the numpy twins of the CUDA sampling kernels (cuda/sampling.cu), run on a step's
+logits and its SamplingBatch (engine/batch.py).
 
 One step, in vLLM V1's order (vllm/v1/sample/sampler.py: raw logprobs, then the non-argmax-
 invariant processors min_tokens and logit_bias, then the penalties repetition -> frequency ->
@@ -7,7 +7,7 @@ presence, then temperature, the argmax-invariant min_p, then top-k/top-p and the
 
     raw = logits                          step_logprobs() reads these (a copy, on the GPU)
     apply_edits(logits, batch.edits)      min_tokens, logit_bias, repetition, frequency,
-                                          presence: sparse in-place edits (engine/batch.py's
+                                          presence: sparse in-place edits (engine/logit_edits.py's
                                           LogitEdits), launched only when some row has one
     sample(logits, batch)                 temperature, min_p, top-k, top-p, the draw (below)
     step_logprobs(raw[rows], ids[rows])   only when some row asked for logprobs
@@ -51,7 +51,8 @@ import math
 
 import numpy as np
 
-from tinyvllm.engine.batch import LogitEdits, SamplingBatch, StepLogprobs
+from tinyvllm.engine.batch import SamplingBatch, StepLogprobs
+from tinyvllm.engine.logit_edits import LogitEdits
 
 MASK64 = (1 << 64) - 1
 GOLDEN_GAMMA = 0x9E3779B97F4A7C15

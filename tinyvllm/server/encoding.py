@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from tinyvllm.checkpoint import content_tokens
+from tinyvllm.engine.intake import TokenizedPrompt
 from tinyvllm.engine.limits import check_text
-from tinyvllm.engine.llm_engine import TokenizedPrompt
 from tinyvllm.errors import InvalidRequestError
 from tinyvllm.server.protocol import RequestValueError
 

@@ -59,7 +59,7 @@ def check_context(engine, prompts: list, params) -> None:
     """As vLLM: a completion whose prompt + max_tokens exceeds the context is a 400."""
     limit = engine.context_limit
     for prompt in prompts:
-        n = len(prompt) if isinstance(prompt, list) else len(engine._prompt_ids(prompt)[1])
+        n = len(prompt) if isinstance(prompt, list) else len(engine.prompt_ids(prompt)[1])
         if n < limit and n + params.max_tokens > limit:
             raise RequestValueError(context_error(limit - n, params.max_tokens, limit, n), "max_tokens")
 
@@ -94,7 +94,7 @@ async def _collect(stream: RequestStream):
 
 def _prompt_text(engine, prompt) -> str:
     """What echo repeats: the prompt's own text, or its ids decoded (a token-id prompt). Server
-    prompts arrive encoded already (llm_engine.TokenizedPrompt: server/encoding.py)."""
+    prompts arrive encoded already (intake.TokenizedPrompt: server/encoding.py)."""
     if isinstance(prompt, str):
         return prompt
     text = getattr(prompt, "text", None)
