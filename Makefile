@@ -41,10 +41,10 @@ gpu-test:
 # even on a machine without a GPU. -Werror turns warnings into failures too.
 check-kernels:
 	@if command -v $(NVCC) >/dev/null 2>&1; then \
-	  for f in tinyvllm/gpu/cuda/*.cu benchmarks/*.cu; do \
+	  for f in cuda/*.cu benchmarks/*.cu; do \
 	    [ -e "$$f" ] || continue; \
 	    echo "nvcc -arch=$(CUDA_ARCH) $$f"; \
-	    $(NVCC) -arch=$(CUDA_ARCH) -std=c++17 -cubin -Werror all-warnings -Itinyvllm/gpu/cuda -o /dev/null "$$f" || exit 1; \
+	    $(NVCC) -arch=$(CUDA_ARCH) -std=c++17 -cubin -Werror all-warnings -Icuda -o /dev/null "$$f" || exit 1; \
 	  done; \
 	else echo "check-kernels: nvcc not found, kernels not compiled"; fi
 

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_DIR = ROOT / "tinyvllm" / "gpu" / "cuda"
+CUDA_DIR = ROOT / "cuda"
 
 
 def parse_variant(spec: str) -> dict[str, int]:
@@ -52,11 +52,12 @@ def rewrite_constants(source: str, values: dict[str, int]) -> str:
 
 
 def package_copy(workdir: Path, filename: str, values: dict[str, int]) -> Path:
-    """A copy of the tinyvllm package under workdir with `filename`'s constants rewritten ->
-    the directory to put on PYTHONPATH."""
+    """A copy of the tinyvllm package and the kernel folder beside it under workdir, with
+    `filename`'s constants rewritten -> the directory to put on PYTHONPATH."""
     root = Path(tempfile.mkdtemp(dir=workdir))
-    shutil.copytree(ROOT / "tinyvllm", root / "tinyvllm", ignore=shutil.ignore_patterns("__pycache__"))
-    cu = root / "tinyvllm" / "gpu" / "cuda" / filename
+    for folder in ("tinyvllm", "cuda"):
+        shutil.copytree(ROOT / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    cu = root / "cuda" / filename
     cu.write_text(rewrite_constants(cu.read_text(), values))
     return root
 
@@ -80,7 +81,7 @@ def run_bench(pythonpath: Path, args) -> tuple[float, float] | None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("variants", nargs="+", help="NAME=INTEGER[,NAME=INTEGER...], one per variant")
-    ap.add_argument("--file", required=True, help="the kernel file under tinyvllm/gpu/cuda, e.g. attention_decode.cu")
+    ap.add_argument("--file", required=True, help="the kernel file under cuda/, e.g. attention_decode.cu")
     ap.add_argument("--model", help="a model directory (default: bench's Llama-1B preset)")
     ap.add_argument("--bench-args", default="", help="more `bench` arguments, e.g. \"--preset tiny --device cpu\"")
     ap.add_argument("--rounds", type=int, default=2)

@@ -44,6 +44,6 @@ def test_rewrite_rejects_unknown_constant():
 
 def test_package_copy_is_what_the_launcher_reads(tmp_path):
     root = sweep.package_copy(tmp_path, "attention_decode.cu", {"ONE_SPLIT_TOKENS": 1024})
-    text = (root / "tinyvllm" / "gpu" / "cuda" / "attention_decode.cu").read_text()
+    text = (root / "cuda" / "attention_decode.cu").read_text()
     assert "constexpr int ONE_SPLIT_TOKENS = 1024;" in text
-    assert (root / "tinyvllm" / "gpu" / "cuda" / "gemv.cu").read_text() == (CUDA_DIR / "gemv.cu").read_text()
+    assert (root / "cuda" / "gemv.cu").read_text() == (CUDA_DIR / "gemv.cu").read_text()
