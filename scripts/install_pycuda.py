@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STANDARD_PLACES = (Path("/usr/local/cuda"), Path("/opt/cuda"))
 ROOT_VARIABLES = ("CUDA_HOME", "CUDA_PATH", "CUDA_ROOT")
-NO_TOOLKIT = ("No CUDA toolkit found (no CUDA_HOME, no nvcc on PATH, nothing in /usr/local/cuda or /opt/cuda): "
+NO_TOOLKIT = ("No CUDA toolkit (include/cuda.h) found by CUDA_HOME, nvcc, /usr/local/cuda or /opt/cuda: "
               "tinyvllm is installed without PyCUDA, so only `--device cpu` will run.")
 
 
