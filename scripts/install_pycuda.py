@@ -141,6 +141,9 @@ def pip(*args: str) -> None:
 
 
 def install(toolkit: Path) -> None:
+    if not shutil.which(compiler()):
+        raise InstallError(f"PyCUDA builds from source with a C/C++ compiler, and `{compiler()}` is not on PATH: "
+                           "install one (e.g. g++)")
     with tempfile.TemporaryDirectory(prefix="tinyvllm-pycuda-") as tmp:
         work = Path(tmp)
         pip("download", "-q", "--no-deps", "--no-binary", "pycuda", "-d", str(work), pycuda_requirement())
