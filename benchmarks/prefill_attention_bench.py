@@ -1,4 +1,4 @@
-"""Prefill attention, tensor-core kernel (gpu/cuda/attention_prefill.cu, through GpuOps) vs the
+"""Prefill attention, tensor-core kernel (cuda/attention_prefill.cu, through GpuOps) vs the
 CUDA-core kernel it replaced (benchmarks/attention_prefill_simt.cu, compiled here only).
 
     source .gpu/gpu-env.sh && python3 benchmarks/prefill_attention_bench.py

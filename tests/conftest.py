@@ -40,7 +40,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gpu_ops():
-    """GPU tests: the device's primary CUDA context current for the module, every gpu/cuda/*.cu
+    """GPU tests: the device's primary CUDA context current for the module, every cuda/*.cu
     kernel compiled (PyCUDA caches the cubins), and the launchers the model itself calls
     (gpu/ops.py) on the default stream, with a cuBLAS handle for linear()."""
     import pycuda.driver as drv

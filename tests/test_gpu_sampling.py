@@ -1,4 +1,4 @@
-"""GPU sampler (gpu/cuda/sampling.cu through its launcher, GpuOps.sample) against its numpy
+"""GPU sampler (cuda/sampling.cu through its launcher, GpuOps.sample) against its numpy
 twin (tinyvllm/reference/sampling.py) on fresh random logits, with the output buffer poisoned first."""
 from __future__ import annotations
 

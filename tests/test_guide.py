@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = (ROOT / "docs" / "guide.md").read_text()
 REFERENCE = re.compile(r"`([\w/.\-]+\.(?:py|cu|cuh))::([\w.]+)`")
-PATH = re.compile(r"`((?:tinyvllm|tests|docs|benchmarks)/[\w/.\-]+\.(?:py|cu|cuh|md))`")
+PATH = re.compile(r"`((?:tinyvllm|cuda|tests|docs|benchmarks)/[\w/.\-]+\.(?:py|cu|cuh|md))`")
 COMMAND = re.compile(r"^Run( \(GPU\))?: `(.+)`\s*$", re.M)
 TEST_NODE = re.compile(r"(tests/[\w/]+\.py)(?:::(\w+))?")
 MODEL_DIR = "/tmp/tiny"

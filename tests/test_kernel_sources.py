@@ -1,6 +1,6 @@
 """The kernel facts Python reads from the .cu sources (gpu/kernels.py), checked without a GPU:
 every kernel's signature parses, the launch constants the launchers use exist, and every kernel
-in gpu/cuda/ has a launcher in gpu/ops.py."""
+in cuda/ has a launcher in gpu/ops.py."""
 from __future__ import annotations
 
 import inspect

@@ -1,4 +1,4 @@
-"""Compile tinyvllm/gpu/cuda/*.cu with PyCUDA, and read each kernel's facts from its source.
+"""Compile the kernel files (cuda/*.cu) with PyCUDA, and read each kernel's facts from its source.
 
 A kernel file is the one source of its facts: the Python side reads
   * each `extern "C" __global__` kernel's parameter list, which becomes the argument types of
@@ -27,9 +27,23 @@ import functools
 import re
 from pathlib import Path
 
+from tinyvllm.errors import GPUUnavailableError
 from tinyvllm.gpu import driver
 
-CUDA_DIR = Path(__file__).resolve().parent / "cuda"     # package data: ships in the wheel
+
+def _kernel_folder() -> Path:
+    """The folder of the kernel files: cuda/ beside the tinyvllm package in a source checkout (or
+    an editable install), cuda/ inside it in an installed wheel (setup.py maps it there)."""
+    package = Path(__file__).resolve().parents[1]
+    candidates = (package / "cuda", package.parent / "cuda")
+    for folder in candidates:
+        if any(folder.glob("*.cu")):
+            return folder
+    raise GPUUnavailableError(f"no CUDA kernel files (*.cu) in {' or '.join(map(str, candidates))}: "
+                              "reinstall tinyvllm")
+
+
+CUDA_DIR = _kernel_folder()
 
 _KERNEL_RE = re.compile(
     r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s*)?'
@@ -59,7 +73,7 @@ def _param_code(param: str) -> str:
 @functools.lru_cache(maxsize=None)
 def kernel_parameters(filename: str) -> dict[str, tuple[str, ...]]:
     """{kernel name or regex pattern: its C parameter declarations} of every kernel in one .cu
-    file of gpu/cuda, or of the file at an absolute path (a benchmark's own)
+    file of cuda/, or of the file at an absolute path (a benchmark's own)
     (`attention_decode_d##D##_g##G` -> the pattern ^attention_decode_d\\w+_g\\w+$)."""
     source = _strip_comments((CUDA_DIR / filename).read_text())
     kernels = {}
@@ -158,7 +172,7 @@ class Kernel:
 
 
 def load_module(path: Path, arch: str, options: tuple[str, ...]) -> ctypes.c_void_p:
-    """Compile one .cu file (its #includes from gpu/cuda) and load it into the current context.
+    """Compile one .cu file (its #includes from cuda/) and load it into the current context.
     A benchmark's own kernels (benchmarks/handoff_bench.cu) load the same way."""
     from pycuda.compiler import compile as nvcc_compile
     cubin = nvcc_compile(path.read_text(), arch=arch, no_extern_c=True, options=list(options),
@@ -169,7 +183,7 @@ def load_module(path: Path, arch: str, options: tuple[str, ...]) -> ctypes.c_voi
 
 
 class KernelLibrary:
-    """Every kernel of gpu/cuda/*.cu, compiled once per process and loaded into the current
+    """Every kernel of cuda/*.cu, compiled once per process and loaded into the current
     context. `library.function("rms_norm")` -> its Kernel."""
 
     def __init__(self, extra_options: tuple[str, ...] = ()):

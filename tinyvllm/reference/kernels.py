@@ -75,7 +75,7 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return gate / (np.float32(1) + np.exp(-gate)) * as_f32(up)
 
 
-# ---- the fused decode GEMVs' formulas for their operands (gpu/cuda/gemv.cu) ------------------
+# ---- the fused decode GEMVs' formulas for their operands (cuda/gemv.cu) ------------------
 # The GEMV with the RMSNorm inside takes the norm's scale out of the dot product (gemv.cu's
 # header): its operand is bf16(x * weight), the product is scaled by inv_rms in fp32 after the
 # sum. That is RMSNorm-then-linear up to rounding (tests/test_reference_fused.py bounds it),

@@ -171,7 +171,7 @@ def ordered_keys(x: np.ndarray) -> np.ndarray:
 
 
 def head_argmax_keys(logits: np.ndarray) -> np.ndarray:
-    """Numpy twin of the decode LM head's greedy argmax keys (gpu/cuda/common.cuh argmax_key):
+    """Numpy twin of the decode LM head's greedy argmax keys (cuda/common.cuh argmax_key):
     per row the largest (ordered key of the value) << 32 | (2^32 - 1 - index), NaN (either sign)
     as the largest key and -0 as +0, so the key names the row's max, its lowest index among equal
     values (float equality), and whether the row is broken. -> uint64 [rows]."""
