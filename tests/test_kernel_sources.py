@@ -45,7 +45,7 @@ def test_constants_are_read_with_their_dependencies():
 
 
 def test_every_kernel_has_a_launcher():
-    from tinyvllm.gpu import structured_ops       # token_mask.cu's launcher lives beside its upload
+    from tinyvllm.gpu import structured_ops  # token_mask.cu's launcher lives beside its upload
     launcher_source = inspect.getsource(ops.GpuOps) + inspect.getsource(structured_ops)
     for path in sorted(CUDA_DIR.glob("*.cu")):
         for name in kernel_signatures(path.name):
