@@ -1,9 +1,9 @@
 """From StructuredOutputsParams to one grammar matcher per sequence, with llguidance.
 
 The library: llguidance (Rust, numpy bitmasks, no torch). Measured on this project's two
-vocabularies (x86-64 CPU, 2026-12-07, means over the tokens; benchmarks/structured_mask_bench.py --compare), one JSON
-schema with an enum, an integer range, a string array and a nested object, walked token by token
-(mask computed, then the token consumed):
+vocabularies (x86-64 CPU, 2026-12-07, means over the tokens; benchmarks/structured_mask_bench.py
+--compare), one JSON schema with an enum, an integer range, a string array and a nested object,
+walked token by token (mask computed, then the token consumed):
 
                                  Llama 3 (128,256 tokens)    SmolLM2 (49,152 tokens)
     llguidance 1.9.1             compile 1 ms, 241 us/token  compile 1 ms, 103 us/token
