@@ -6,6 +6,12 @@ through a JSON schema (enums, an integer range, a string array, a nested object)
     python benchmarks/structured_mask_bench.py MODEL_DIR [--rows 1,8,64] [--steps 40]
     python benchmarks/structured_mask_bench.py MODEL_DIR --compare     # llguidance vs outlines-core
 
+    python benchmarks/structured_mask_bench.py MODEL_DIR --throughput cuda [--batch 64]
+
+--throughput runs a batch of constrained requests (this schema, sampled, one seed each) and the
+same batch unconstrained (ignore_eos, the same max_tokens) in one process, and prints the output
+tok/s of each: what a constraint costs end to end on that device.
+
 --compare walks one schema-valid document token by token with each grammar library installed
 (mask, then consume) and prints compile time and the per-token cost: how the library was chosen
 (structured/grammar.py's docstring has the numbers).
@@ -117,6 +123,25 @@ def compare(model_dir: str) -> None:
     report("outlines-core", made - start, compiled - made, times)
 
 
+def throughput(model_dir: str, device: str, batch: int, max_tokens: int = 128) -> None:
+    from tinyvllm import LLM, SamplingParams
+    llm = LLM(model_dir, device=device, max_model_len=1024)
+    prompts = [f"Describe person number {i} as JSON:" for i in range(batch)]
+    runs = {"unconstrained": [SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True) for i in range(batch)],
+            "constrained": [SamplingParams(max_tokens=max_tokens, seed=i,
+                                           structured_outputs=StructuredOutputsParams(json=SCHEMA))
+                            for i in range(batch)]}
+    llm.generate(prompts[:2], runs["constrained"][:2], use_tqdm=False)          # warm-up: compile, tokenizer
+    for name, params in (*runs.items(), *runs.items()):                       # each twice, interleaved
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        stops = sum(o.outputs[0].finish_reason == "stop" for o in outs)
+        print(f"{name:>13}: batch {batch}, {tokens} output tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tok/s "
+              f"({stops} finished by stop)")
+
+
 def report(name: str, tokenizer_s: float, compile_s: float, times: list[float]) -> None:
     us = np.asarray(times) * 1e6
     print(f"{name}: tokenizer {tokenizer_s * 1e3:.0f} ms, compile {compile_s * 1e3:.0f} ms, {len(us)} tokens: "
@@ -129,9 +154,13 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,64", help="constrained rows per step, comma-separated")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--compare", action="store_true", help="llguidance against outlines-core instead")
+    ap.add_argument("--throughput", metavar="DEVICE", help="constrained vs unconstrained output tok/s on DEVICE")
+    ap.add_argument("--batch", type=int, default=64)
     args = ap.parse_args()
     if args.compare:
         return compare(args.model_dir)
+    if args.throughput:
+        return throughput(args.model_dir, args.throughput, args.batch)
     for rows in (int(r) for r in args.rows.split(",")):
         mask_us, advance_us = host_cost(args.model_dir, rows, args.steps)
         print(f"{rows:3d} constrained rows: mask {mask_us:7.1f} us + advance {advance_us:5.1f} us "
