@@ -10,11 +10,13 @@ def test_public_api_names():
     from tinyvllm.engine.llm_engine import LLMEngine
     from tinyvllm.engine.outputs import RequestOutput
     from tinyvllm.engine.sampling_params import SamplingParams
+    from tinyvllm.structured import StructuredOutputsParams
+    assert tinyvllm.StructuredOutputsParams is StructuredOutputsParams
     assert (tinyvllm.LLM, tinyvllm.LLMEngine, tinyvllm.SamplingParams, tinyvllm.RequestOutput,
             tinyvllm.EngineConfig, tinyvllm.ModelConfig) == (LLM, LLMEngine, SamplingParams,
                                                               RequestOutput, EngineConfig, ModelConfig)
-    assert set(tinyvllm.__all__) == {"LLM", "LLMEngine", "SamplingParams", "RequestOutput",
-                                     "EngineConfig", "ModelConfig"}
+    assert set(tinyvllm.__all__) == {"LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams",
+                                     "RequestOutput", "EngineConfig", "ModelConfig"}
 
 
 def test_unknown_name_is_an_attribute_error():

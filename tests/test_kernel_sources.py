@@ -25,6 +25,7 @@ def test_signatures_match_the_c_parameter_lists():
                                             "gemv_prenormed_rope_kv_bf16": "PPPPiiifPPPPPiiiii",
                                             "gemv_prenormed_silu_mul_bf16": "PPPPiiifii",
                                             "gemv_prenormed_bf16": "PPPPiiifiPii"}        # the LM head
+    assert kernel_signatures("token_mask.cu") == {"apply_token_mask": "PiPPii"}
     (pattern, sig), = kernel_signatures("attention_decode.cu").items()          # a macro-made family
     assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiifPQi"  # ..., l2 prefetch, early_kv
 
@@ -44,7 +45,8 @@ def test_constants_are_read_with_their_dependencies():
 
 
 def test_every_kernel_has_a_launcher():
-    launcher_source = inspect.getsource(ops.GpuOps)
+    from tinyvllm.gpu import structured_ops  # token_mask.cu's launcher lives beside its upload
+    launcher_source = inspect.getsource(ops.GpuOps) + inspect.getsource(structured_ops)
     for path in sorted(CUDA_DIR.glob("*.cu")):
         for name in kernel_signatures(path.name):
             stem = name.strip("^$").split("_d\\w+")[0]       # attention_decode_d\w+_g\w+ -> attention_decode

@@ -207,7 +207,7 @@ BAD_COMPLETIONS = {
     "n 0": {"model": MODEL_NAME, "prompt": "x", "n": 0},
     "best_of above n": {"model": MODEL_NAME, "prompt": "x", "best_of": 3},
     "beam search": {"model": MODEL_NAME, "prompt": "x", "use_beam_search": True},
-    "guided decoding": {"model": MODEL_NAME, "prompt": "x", "guided_regex": "a+"},
+    "guided regex that cannot compile": {"model": MODEL_NAME, "prompt": "x", "guided_regex": "(a"},
     "logit_bias key not an id": {"model": MODEL_NAME, "prompt": "x", "logit_bias": {"a": 1.0}},
     "min_p above 1": {"model": MODEL_NAME, "prompt": "x", "min_p": 1.5},
     "max_tokens beyond the context": {"model": MODEL_NAME, "prompt": "x", "max_tokens": 10**6},

@@ -1,7 +1,8 @@
 """tinyvllm: a small, fast, readable LLM inference engine for Llama-architecture models."""
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig", "ModelConfig"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "EngineConfig",
+           "ModelConfig"]
 
 
 def __getattr__(name):
@@ -15,6 +16,9 @@ def __getattr__(name):
     if name == "SamplingParams":
         from tinyvllm.engine.sampling_params import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from tinyvllm.structured.params import StructuredOutputsParams
+        return StructuredOutputsParams
     if name == "RequestOutput":
         from tinyvllm.engine.outputs import RequestOutput
         return RequestOutput

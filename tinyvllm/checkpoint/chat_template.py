@@ -112,6 +112,13 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise ModelLoadError(f"{source}: chat template syntax error at line {e.lineno}: {e.message}") from None
 
+    @property
+    def variables(self) -> frozenset[str]:
+        """The variables the template reads from its context (`tools` for one that renders
+        tools itself: structured/tool_calls.py)."""
+        import jinja2.meta
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(self.text)))
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
                documents: list | None = None, **template_kwargs) -> str:
         """The prompt text for `messages`. Extra keywords reach the template as variables (and

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tinyvllm.engine.logit_edits import PLAIN, LogitEdits, step_edits
+from tinyvllm.structured.mask import TokenMask, step_token_mask
 
 
 @dataclass
@@ -140,6 +141,7 @@ class SamplingBatch:
     min_p: np.ndarray | None = None       # float32 [S]; 0 = off (None: all off)
     edits: LogitEdits | None = None       # sparse logit processing; None: nothing to edit
     logprobs: np.ndarray | None = None    # int32 [S]; top log-probs wanted, -1 = none (None: none)
+    token_mask: TokenMask | None = None   # constrained rows' allowed tokens (structured/mask.py)
 
     def __post_init__(self):
         if self.min_p is None:
@@ -147,7 +149,7 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, temperature, top_k, top_p, seed, step, min_p=None, edits=None,
-              logprobs=None) -> SamplingBatch:
+              logprobs=None, token_mask=None) -> SamplingBatch:
         t = np.asarray(temperature, np.float32)
         lp = None
         if logprobs is not None:
@@ -159,7 +161,7 @@ class SamplingBatch:
                    seed=np.asarray(seed, np.uint64), step=np.asarray(step, np.int32),
                    # clamped to [0, 1] (NaN -> 0): above 1 no token would survive the draw
                    min_p=None if min_p is None else np.clip(np.nan_to_num(np.asarray(min_p, np.float32)), 0, 1),
-                   edits=edits, logprobs=lp)
+                   edits=edits, logprobs=lp, token_mask=token_mask)
 
     @classmethod
     def from_sequences(cls, seqs, eos_token_ids=(), tokens_ahead: int = 0) -> SamplingBatch:
@@ -190,7 +192,8 @@ class SamplingBatch:
         return cls.build([x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p],
                          [s.seed for s in seqs], [len(s.token_ids) - s.num_prompt_tokens for s in seqs],
                          min_p=min_p if any(min_p) else None, edits=step_edits(seqs, eos_token_ids),
-                         logprobs=None if logprobs.count(None) == len(logprobs) else logprobs)
+                         logprobs=None if logprobs.count(None) == len(logprobs) else logprobs,
+                         token_mask=step_token_mask(seqs))
 
     @classmethod
     def greedy(cls, num_seqs: int) -> SamplingBatch:

@@ -55,6 +55,7 @@ from tinyvllm.engine.startup import load_model, make_engine_config
 from tinyvllm.engine.stats import StatsCollector, StepStats
 from tinyvllm.engine.step_ahead import StepAhead
 from tinyvllm.errors import EngineDeadError, InvalidRequestError
+from tinyvllm.structured.grammar import GrammarCompiler
 
 log = logging.getLogger("tinyvllm.engine")
 
@@ -81,6 +82,8 @@ class LLMEngine:
                                                 self.context_limit)
         self.scheduler = Scheduler(self.engine_config, self.block_manager, self.output_processor)
         self.default_sampling_fields = default_sampling_fields(loaded.model_dir, self.engine_config.generation_config)
+        # structured outputs: grammars compiled for this tokenizer (llguidance's made on first use)
+        self.structured = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.tokenizer.eos_token_ids)
         self._seed_rng = np.random.default_rng(self.engine_config.seed)   # seeds for unseeded requests
         self._requests: dict[str, Request] = {}                           # unfinished, by id
         asked = self.engine_config.async_scheduling
@@ -133,6 +136,7 @@ class LLMEngine:
         seqs = [Sequence(request_id, text, ids, params, sample_seed(seed, i),
                          IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens), arrival, i)
                 for i in range(params.n)]
+        self.structured.attach(params, seqs)       # structured outputs: a grammar matcher each
         request = Request(request_id, text, ids, params, seqs)
         if params.prompt_logprobs is not None:
             logits = self.runner.prompt_logits(ids)

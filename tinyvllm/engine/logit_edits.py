@@ -164,7 +164,8 @@ PLAIN, NO_EDITS = "plain", "no edits"
 
 def _state_without_edits(seq) -> str:
     p = seq.params
-    return NO_EDITS if p.min_p or p.logprobs is not None else PLAIN
+    # a constrained row (structured outputs) is never PLAIN: its mask follows from its last token
+    return NO_EDITS if p.min_p or p.logprobs is not None or seq.constraint is not None else PLAIN
 
 
 def step_edits(seqs, eos_token_ids=()) -> LogitEdits | None:

@@ -12,6 +12,8 @@ For every token the scheduler hands it (the sequence's prompt is computed and a 
      ends it (stop_reason = that string); the text is cut before the stop string, or after it
      with include_stop_str_in_output; tokens after the cut stay in token_ids, as in vLLM;
   5. max_tokens, or the context limit: finish_reason "length".
+A constrained sequence (structured outputs) advances its grammar with the token after 3.; a
+grammar now complete finishes it with "stop" (the token is text), before 4. and 5.
 Sequences without stop strings are not detokenized here at all: their text is made when first
 read (Sequence.text_reported), which offline generation does once, at the end.
 """
@@ -48,6 +50,8 @@ class OutputProcessor:
             return self._finish_text(seq, SequenceStatus.FINISHED_STOPPED, params.include_stop_str_in_output)
         if may_stop and token in self.eos_token_ids and not params.ignore_eos:
             return self._finish_text(seq, SequenceStatus.FINISHED_STOPPED, params.include_stop_str_in_output)
+        if seq.constraint is not None and (ended := seq.constraint.advance(seq, token)) is not None:
+            return self._finish_text(seq, ended, token_is_text=True)     # the grammar is complete
         if seq.detokenizes_every_step:        # else the text is made when read (sequence.py)
             piece = seq.detokenizer.add(token)
             if piece and self._cut_at_stop_string(seq, piece, may_stop):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from tinyvllm.engine.limits import check_sampling
 from tinyvllm.errors import InvalidRequestError
+from tinyvllm.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20             # vLLM's default max_logprobs
 
@@ -45,6 +46,8 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    # the output must match this JSON schema / regex / choice / grammar (tinyvllm/structured/)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         self.validate()
@@ -113,5 +116,7 @@ class SamplingParams:
                     _is_int(k) and k >= 0 and _is_number(v) and math.isfinite(v) and -100 <= v <= 100
                     for k, v in self.logit_bias.items()):
                 bad("logit_bias", "must map token ids (integers >= 0) to numbers in [-100, 100]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams")
         check_sampling(self)           # the array bounds (limits.py)
         return self

@@ -69,6 +69,9 @@ class Sequence:
         # engine/logit_edits.py's SequenceEdits (its logit edits, kept from step to step), made
         # on first use, or logit_edits.PLAIN / NO_EDITS. A copy of this sequence (n > 1) must start at None.
         self.sampler_state = None
+        # structured/grammar.py's Constraint (its grammar matcher) when the request has
+        # structured_outputs, each sample its own; None otherwise
+        self.constraint = None
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "

@@ -23,10 +23,11 @@ own ids buffer; the next one's inputs are written into the mirror only after the
 has read it (an event). A step launched ahead gets its fed token ids from `sampled_ids` on the
 device, where the step before left them (embedding.cu).
 
-A step whose SamplingBatch has logit edits (penalties, logit_bias, min_tokens) or asks for
-logprobs takes a longer road, and only such a step does: the edits' upload on a copy stream
-(beside the forward), the forward alone (eager, or the decode size's forward-only graph,
-captured on first use), then — eagerly, each launched only when needed — a device copy of the
+A step whose SamplingBatch has logit edits (penalties, logit_bias, min_tokens), a token mask
+(structured outputs) or asks for logprobs takes a longer road, and only such a step does: the
+edits' and the mask's uploads on copy streams (beside the forward), the forward alone (eager,
+or the decode size's forward-only graph, captured on first use), then — eagerly, each launched
+only when needed — apply_token_mask (gpu/structured_ops.py), a device copy of the
 raw logits (for logprobs), apply_logit_edits, the same sample_tokens launch as in the graphs,
 and step_logprobs on the copy. The logprobs come back
 in `last_logprobs`; every other step leaves the captured graph path exactly as it was.
@@ -52,6 +53,7 @@ from tinyvllm.gpu.kernels import KernelLibrary
 from tinyvllm.gpu.kv_cache import DeviceKVCache, num_blocks_to_allocate
 from tinyvllm.gpu.model import LlamaModel, StepShape
 from tinyvllm.gpu.ops import GpuOps
+from tinyvllm.gpu.structured_ops import TokenMaskStage
 
 log = logging.getLogger("tinyvllm.gpu")
 GiB = 2**30
@@ -126,6 +128,7 @@ class CudaRunner(ModelRunner):
             self.graphs: dict[tuple[int, int], CudaGraph] = {}           # by (batch size, bank)
             self.forward_graphs: dict[tuple[int, int], CudaGraph] = {}   # forward only: steps with edits/logprobs
             self.scratch = GrowingBuffers()
+            self.token_masks = TokenMaskStage(self.ops, self.scratch)   # structured outputs' masks
             self.copy_stream = self.edits_uploaded = None      # made on the first step with edits
             self.last_logprobs: StepLogprobs | None = None
             self._graph_sizes: list[int] = []
@@ -232,8 +235,9 @@ class CudaRunner(ModelRunner):
 
     @staticmethod
     def _is_plain(sampling: SamplingBatch | None) -> bool:
-        """No logit edits and no logprobs: the step is the captured graph and nothing else."""
-        return sampling is None or (sampling.edits is None and sampling.logprobs is None)
+        """No logit edits, no logprobs, no token mask: the step is the captured graph and nothing else."""
+        return sampling is None or (sampling.edits is None and sampling.logprobs is None
+                                    and sampling.token_mask is None)
 
     def launch(self, batch: ForwardBatch, sampling: SamplingBatch, replay: bool = True) -> PendingStep:
         """Enqueue a plain step and return (its fed tokens read on the device from the step
@@ -277,6 +281,7 @@ class CudaRunner(ModelRunner):
             replays = graph_size is not None and replay
             step = self._stage_inputs(batch, sampling, rows=graph_size)
             edits_dev = self._upload_edits(sampling)       # overlaps the forward
+            self.token_masks.upload(sampling.token_mask)   # so does the token mask's
             if replays:
                 self._forward_graph(step).launch(self.stream)
             else:
@@ -322,6 +327,7 @@ class CudaRunner(ModelRunner):
         [step_logprobs], enqueued on the stream. -> a callable that, once the stream is synced,
         returns the StepLogprobs (or None)."""
         v, V, buf = self.arena.view, self.cfg.vocab_size, self.scratch
+        masked = self.token_masks.apply(self.stream, v("logits"), V)   # structured outputs, first
         R = len(lp_rows)
         if R:
             raw_bytes = (int(lp_rows.max()) + 1) * V * 4        # rows up to the last that asked
@@ -330,8 +336,9 @@ class CudaRunner(ModelRunner):
         if edits_dev is not None:
             self.stream.wait_for_event(self.edits_uploaded)
             self.ops.apply_logit_edits(v("logits"), V, edits_dev, sampling.edits.num_entries)
-        # edited logits are not the ones the LM head took its argmax keys of
-        self._sample(step, head_argmax=self.model.head_argmax_for(step) if edits_dev is None else 0)
+        # edited or masked logits are not the ones the LM head took its argmax keys of
+        unchanged = edits_dev is None and not masked
+        self._sample(step, head_argmax=self.model.head_argmax_for(step) if unchanged else 0)
         if not R:
             return None
         k = sampling.logprob_k

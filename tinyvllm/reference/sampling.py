@@ -5,6 +5,9 @@ One step, in vLLM V1's order (vllm/v1/sample/sampler.py: raw logprobs, then the 
 invariant processors min_tokens and logit_bias, then the penalties repetition -> frequency ->
 presence, then temperature, the argmax-invariant min_p, then top-k/top-p and the draw):
 
+    apply_token_mask(logits, batch.token_mask)   structured outputs: -inf for every token a
+                                          constrained row's grammar refuses (structured/mask.py),
+                                          launched only when some row has a constraint
     raw = logits                          step_logprobs() reads these (a copy, on the GPU)
     apply_edits(logits, batch.edits)      min_tokens, logit_bias, repetition, frequency,
                                           presence: sparse in-place edits (engine/logit_edits.py's
@@ -164,6 +167,21 @@ def apply_edits(logits: np.ndarray, edits: LogitEdits | None) -> np.ndarray:
     return logits
 
 
+def apply_token_mask(logits: np.ndarray, mask) -> np.ndarray:
+    """Numpy twin of token_mask.cu's apply_token_mask: in each masked row (mask.rows), every
+    logit whose bit in mask.bits is 0 becomes -inf, whatever it was (NaN included); the others
+    are left alone. In place; returns logits."""
+    if mask is None or not len(mask.rows):
+        return logits
+    vocab = logits.shape[1]
+    words = np.ascontiguousarray(mask.bits, np.int32).view(np.uint32)
+    allowed = ((words[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1).reshape(len(words), -1)[:, :vocab]
+    rows = logits[mask.rows]
+    rows[allowed == 0] = np.float32(-np.inf)
+    logits[mask.rows] = rows
+    return logits
+
+
 def ordered_keys(x: np.ndarray) -> np.ndarray:
     """uint32 keys whose integer order is the float order (sampling.cu's ordered_key)."""
     u = np.ascontiguousarray(x, np.float32).view(np.uint32)
@@ -216,8 +234,9 @@ def step_logprobs(logits_rows: np.ndarray, sampled_ids: np.ndarray, k: int):
 
 
 def sample_step(logits: np.ndarray, batch: SamplingBatch) -> tuple[np.ndarray, StepLogprobs | None]:
-    """The whole step as the CUDA runner runs it: raw logprobs' copy, edits, sampler, logprobs.
-    logits are modified (edited); -> (ids int32 [S], StepLogprobs or None)."""
+    """The whole step as the CUDA runner runs it: token mask, raw logprobs' copy, edits,
+    sampler, logprobs. logits are modified (masked, edited); -> (ids int32 [S], StepLogprobs or None)."""
+    apply_token_mask(logits, batch.token_mask)
     rows = batch.logprob_rows
     raw = logits[rows].copy() if len(rows) else None
     ids = sample(apply_edits(logits, batch.edits), batch)

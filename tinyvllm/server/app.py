@@ -26,7 +26,9 @@ from tinyvllm.server.engine_loop import EngineFailure, EngineLoop
 from tinyvllm.server.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, key_matches
 from tinyvllm.server.metrics import EngineMetrics
 from tinyvllm.server.protocol import ChatCompletionRequest, CompletionRequest, RequestValueError
+from tinyvllm.server.responses_api import add_responses_route
 from tinyvllm.server.serving import serve
+from tinyvllm.server.structured_request import RequestPreparer
 from tinyvllm.server.utility import add_utility_routes
 
 log = logging.getLogger("tinyvllm.server")
@@ -124,8 +126,10 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
         return name
 
     def prompt_ids_of_chat(messages, add_generation_prompt: bool = True,
-                           add_special_tokens: bool = False) -> list[int]:
-        return chat_prompt_ids(engine.tokenizer, messages, add_generation_prompt, add_special_tokens)
+                           add_special_tokens: bool = False, tools: list | None = None) -> list[int]:
+        return chat_prompt_ids(engine.tokenizer, messages, add_generation_prompt, add_special_tokens, tools)
+
+    prepare = RequestPreparer(engine, encoder, prompt_ids_of_chat, context_limit)
 
     def log_request(request_id: str, prompts: list, params) -> None:
         if settings.log_requests and log.isEnabledFor(logging.INFO):
@@ -150,6 +154,12 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
             "root": settings.model_path or name, "parent": None, "max_model_len": context_limit}
             for name in settings.model_names]}
 
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_api_key)])
+    async def retrieve_model(model_id: str):
+        check_model(model_id)
+        return {"id": model_id, "object": "model", "created": 0, "owned_by": "tinyvllm",
+                "root": settings.model_path or model_id, "parent": None, "max_model_len": context_limit}
+
     @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
     async def completions(body: CompletionRequest, request: Request):
         model = check_model(body.model)
@@ -160,6 +170,7 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
                 raise RequestValueError(f"prompt token ids must be in [0, {vocab})", "prompt")
         params = body.sampling_params(default_max_tokens=16,  # OpenAI's default for completions
                                       defaults=engine.default_sampling_fields)
+        await prepare.check_constraint(params, body)
         ident = R.ResponseIdentity(f"cmpl-{uuid.uuid4().hex}", model, chat=False)
         log_request(ident.id, prompts, params)
         prompts = await encoder.prompts(prompts)
@@ -169,17 +180,14 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         model = check_model(body.model)
-        prompt_ids = await encoder.chat(prompt_ids_of_chat, body.template_messages())
-        room = context_limit - len(prompt_ids)
-        if room < 1:
-            raise RequestValueError(f"the conversation is {len(prompt_ids)} tokens; this model's "
-                                    f"context is {context_limit}", "messages")
-        params = body.sampling_params(default_max_tokens=room,  # as vLLM: fill the context
-                                      defaults=engine.default_sampling_fields)
+        # max_tokens defaults to the context left, as vLLM's
+        prompt_ids, params, plan = await prepare.chat(body, body.template_messages(), body.tools, body.tool_choice)
         ident = R.ResponseIdentity(f"chatcmpl-{uuid.uuid4().hex}", model, chat=True)
         log_request(ident.id, [prompt_ids], params)
         return await serve(engine_loop, request, ident, [prompt_ids], params, bool(body.stream),
-                           body.wants_usage_chunk)
+                           body.wants_usage_chunk, tools=plan)
+
+    add_responses_route(app, engine_loop, check_model, prepare, require_api_key)
 
     return app
 
@@ -192,15 +200,17 @@ def cache_info(engine) -> dict[str, str]:
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+                    add_special_tokens: bool = False, tools: list | None = None) -> list[int]:
     """The model's chat template (or --chat-template's) -> token ids, by default ending with the
     assistant header so the model answers: the one place the server renders a conversation.
     Tokenized here rather than in the engine because the default max_tokens of a chat request
     (the rest of the context) depends on the prompt's length. The template writes its own
-    BOS; add_special_tokens (a /tokenize option) adds the tokenizer's on top, as vLLM does."""
+    BOS; add_special_tokens (a /tokenize option) adds the tokenizer's on top, as vLLM does.
+    tools: the template's `tools` (a template that renders tools itself)."""
+    extra = {} if tools is None else {"tools": tools}
     if not add_special_tokens:
-        return tokenizer.encode_chat(messages, add_generation_prompt)
-    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt),
+        return tokenizer.encode_chat(messages, add_generation_prompt, **extra)
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt, **extra),
                             add_special_tokens=True)
 
 

@@ -2,8 +2,9 @@
 
 Pydantic models in strict mode: a string where a number belongs is a 400, not a silent
 coercion. Every OpenAI field and vLLM's extra sampling fields map onto SamplingParams (docs/
-engine.md's table); the OpenAI/vLLM fields asking for a feature tinyvllm does not have (beam
-search, guided decoding, tools, suffix, ...) are accepted at their "off" values only and
+engine.md's table); output constraints (response_format, vLLM's structured_outputs and guided_*
+extras) and tools go through server/structured_request.py; the OpenAI/vLLM fields asking for a
+feature tinyvllm does not have (beam search, suffix, ...) are accepted at their "off" values only and
 otherwise refused with a message naming the field, because quietly ignoring them would return
 something the client did not ask for. Unknown fields are ignored, as vLLM does."""
 from __future__ import annotations
@@ -63,18 +64,31 @@ class _SamplingFields(BaseModel):
     bad_words: Optional[list[str]] = None
     truncate_prompt_tokens: Optional[int] = None
     spaces_between_special_tokens: Optional[bool] = None
+    prompt_logprobs: Optional[int] = None
+    # output constraints (server/structured_request.py): one of these at most
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Optional[Any] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
-    prompt_logprobs: Optional[int] = None
 
-    def sampling_params(self, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, defaults: dict | None = None,
+                        tool_constraint=None) -> SamplingParams:
         """The request's SamplingParams: the fields it sets, else `defaults` (the model's
         generation_config.json, LLMEngine.default_sampling_fields), else SamplingParams'. A
         max_tokens above `default_max_tokens` when that is the context left is refused by the
-        caller (chat: ChatCompletionRequest; completions: serving.check_context)."""
+        caller (chat: ChatCompletionRequest; completions: serving.check_context).
+        tool_constraint: the grammar of a required or named tool_choice (ToolPlan.constraint)."""
+        from tinyvllm.server.structured_request import request_constraint
         self._refuse_unsupported()
+        constraint = request_constraint(self)
+        if tool_constraint is not None:
+            if constraint is not None:
+                raise RequestValueError("a required or named tool_choice is itself an output constraint; "
+                                        "it cannot be combined with response_format or structured outputs",
+                                        "tool_choice")
+            constraint = tool_constraint
         fields = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
         default_max = min(default_max_tokens, (defaults or {}).get("max_tokens", default_max_tokens))
         for name in ("temperature", "top_p", "top_k", "seed", "stop", "n", "presence_penalty",
@@ -89,6 +103,8 @@ class _SamplingFields(BaseModel):
             fields["logit_bias"] = self._logit_bias()
         fields["max_tokens"] = default_max if self.max_tokens is None else self.max_tokens
         fields.update(self._logprob_fields())
+        if constraint is not None:
+            fields["structured_outputs"] = constraint
         try:
             return SamplingParams(**fields)
         except InvalidRequestError as e:       # name the field for the error body's `param`
@@ -127,7 +143,6 @@ class _SamplingFields(BaseModel):
 # (field, "value means the feature is off", reason). Only fields a model class declares are checked.
 UNSUPPORTED_WHEN = (
     ("suffix", lambda v: v == "", "suffix (insertion) is not supported"),
-    ("tools", lambda v: not v, "tool calling is not implemented"),
     ("use_beam_search", lambda v: v is False, "beam search is not implemented"),
     ("length_penalty", lambda v: v == 1, "length_penalty applies to beam search, which is not implemented"),
     ("allowed_token_ids", lambda v: not v, "allowed_token_ids is not implemented"),
@@ -135,10 +150,6 @@ UNSUPPORTED_WHEN = (
     ("truncate_prompt_tokens", lambda v: False, "prompt truncation is not implemented"),
     ("spaces_between_special_tokens", lambda v: v is True, "special tokens are always joined as the "
                                                             "tokenizer decodes them"),
-    ("guided_json", lambda v: False, "guided decoding is not implemented"),
-    ("guided_regex", lambda v: False, "guided decoding is not implemented"),
-    ("guided_choice", lambda v: False, "guided decoding is not implemented"),
-    ("guided_grammar", lambda v: False, "guided decoding is not implemented"),
     ("echo", lambda v: v is False, "echo is supported on /v1/completions only"),
 )
 
@@ -184,11 +195,26 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str                                   # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool", "ipython"]
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None      # an assistant's calls ...
+    tool_call_id: Optional[str] = None               # ... and a tool message's answer to one
 
     def as_template_message(self) -> dict:
         """The message as the chat template sees it; text parts stay parts (the template module
@@ -201,6 +227,10 @@ class ChatMessage(BaseModel):
         message = {"role": role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -212,9 +242,10 @@ class ChatCompletionRequest(_SamplingFields):
     echo: Optional[bool] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
-    response_format: Optional[dict[str, Any]] = None
+    parallel_tool_calls: Optional[bool] = None
 
-    def sampling_params(self, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, defaults: dict | None = None,
+                        tool_constraint=None) -> SamplingParams:
         """default_max_tokens: the context left after the conversation (a larger max_tokens is
         a 400, as in vLLM)."""
         if self.max_completion_tokens is not None:
@@ -222,12 +253,9 @@ class ChatCompletionRequest(_SamplingFields):
                 raise RequestValueError("max_tokens and max_completion_tokens disagree; send one",
                                         "max_completion_tokens")
             self.max_tokens = self.max_completion_tokens
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise RequestValueError("response_format other than text is not supported",
-                                    "response_format")
         if self.max_tokens is not None and self.max_tokens > default_max_tokens:
             raise RequestValueError(context_error(default_max_tokens, self.max_tokens), "max_tokens")
-        return super().sampling_params(default_max_tokens, defaults)
+        return super().sampling_params(default_max_tokens, defaults, tool_constraint)
 
     def _logprob_fields(self) -> dict:
         if self.top_logprobs is not None and not self.logprobs:

@@ -16,20 +16,42 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tinyvllm.server import responses as R
 from tinyvllm.server.engine_loop import EngineFailure, EngineLoop, RequestStream
 from tinyvllm.server.protocol import RequestValueError, context_error
+from tinyvllm.server.tool_stream import ToolStream, tool_choice_body
 
 SSE_DONE = R.SSE_DONE.encode()
 
 
 async def serve(engine_loop: EngineLoop, request: Request, ident: R.ResponseIdentity,
-                prompts: list, params, stream: bool, include_usage: bool, echo: bool = False):
-    """n choices per prompt (SamplingParams.n): choice i * n + j is sample j of prompt i."""
+                prompts: list, params, stream: bool, include_usage: bool, echo: bool = False,
+                tools=None):
+    """n choices per prompt (SamplingParams.n): choice i * n + j is sample j of prompt i.
+    tools: a chat request's ToolPlan (server/structured_request.py): its choices' text is read
+    for tool calls (server/tool_stream.py)."""
     if not ident.chat:
         check_context(engine_loop.engine, prompts, params)
     ids = [ident.id] if len(prompts) == 1 else [f"{ident.id}-{i}" for i in range(len(prompts))]
     streams = await engine_loop.submit_all(list(zip(ids, prompts)), params)   # 400 if refused
-    shape = _Shape(engine_loop.engine, ident, params, prompts if echo else None)
+    shape = _Shape(engine_loop.engine, ident, params, prompts if echo else None, tools)
     if stream:
-        return _EngineStreamingResponse(engine_loop, streams, _sse_events(streams, shape, include_usage))
+        return EngineStreamingResponse(engine_loop, streams, _sse_events(streams, shape, include_usage))
+    results = await collect_all(engine_loop, request, streams)
+    if results is None:
+        return JSONResponse(R.error_body("client disconnected"), status_code=499)
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for i, (samples, last) in enumerate(results):
+        prompt_tokens += last.num_prompt_tokens
+        for j in range(params.n):
+            c = samples[j]
+            completion_tokens += c.num_generated_tokens
+            choices.append(shape.choice(i, j, "".join(c.parts), c.finish_reason, c.token_ids,
+                                        c.logprobs, last))
+    return R.response(ident, choices, prompt_tokens, completion_tokens)
+
+
+async def collect_all(engine_loop: EngineLoop, request: Request, streams: list[RequestStream]):
+    """Every stream's samples and last event, in order -> [(samples by index, last event)], or
+    None when the client left first (its requests are aborted, their blocks freed). An engine
+    failure re-raises here (-> 500)."""
     collect = asyncio.ensure_future(asyncio.gather(*(_collect(s) for s in streams)))
     disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -42,17 +64,8 @@ async def serve(engine_loop: EngineLoop, request: Request, ident: R.ResponseIden
             for s in streams:
                 engine_loop.abort(s.request_id)
     if not collect.done() or collect.cancelled():
-        return JSONResponse(R.error_body("client disconnected"), status_code=499)
-    results = collect.result()          # re-raises EngineFailure -> 500
-    choices, prompt_tokens, completion_tokens = [], 0, 0
-    for i, (samples, last) in enumerate(results):
-        prompt_tokens += last.num_prompt_tokens
-        for j in range(params.n):
-            c = samples[j]
-            completion_tokens += c.num_generated_tokens
-            choices.append(shape.choice(i, j, "".join(c.parts), c.finish_reason, c.token_ids,
-                                        c.logprobs, last))
-    return R.response(ident, choices, prompt_tokens, completion_tokens)
+        return None
+    return collect.result()
 
 
 def check_context(engine, prompts: list, params) -> None:
@@ -107,8 +120,8 @@ def _prompt_text(engine, prompt) -> str:
 class _Shape:
     """How one request's choices look: their index, the echoed prompt, the logprobs format."""
 
-    def __init__(self, engine, ident: R.ResponseIdentity, params, echo_prompts: list | None):
-        self.ident, self.n, self.engine = ident, params.n, engine
+    def __init__(self, engine, ident: R.ResponseIdentity, params, echo_prompts: list | None, tools=None):
+        self.ident, self.n, self.engine, self.tools = ident, params.n, engine, tools
         self.k = params.logprobs
         self.echo = None if echo_prompts is None else [_prompt_text(engine, p) for p in echo_prompts]
 
@@ -131,6 +144,8 @@ class _Shape:
                     ids = last.prompt_token_ids
                     first = self.engine.tokenizer.decode(ids[:1], skip_special_tokens=False)
                     lp = R.echo_logprobs(first, ids, last.prompt_logprobs, self.k, lp)
+        if self.tools is not None:
+            return tool_choice_body(self.tools, self.ident, self.index(prompt, sample), text, finish_reason, lp)
         return R.choice(self.ident, self.index(prompt, sample), prefix + text, finish_reason, lp)
 
 
@@ -140,7 +155,7 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-class _EngineStreamingResponse(StreamingResponse):
+class EngineStreamingResponse(StreamingResponse):
     """A text/event-stream response that aborts its requests however the response ends early:
     client disconnect (Starlette cancels the send loop), a send error, or server shutdown.
     This lives here rather than in the generator's `finally` because a generator that never
@@ -175,6 +190,14 @@ async def _sse_events(streams: list[RequestStream], shape: _Shape, include_usage
             enc = encoders[index] = R.StreamEncoder(ident, include_usage, index=index)
         return enc
 
+    tool_streams: dict[int, ToolStream] = {}
+
+    def tool_stream(i: int, j: int) -> ToolStream:
+        index = shape.index(i, j)
+        if index not in tool_streams:
+            tool_streams[index] = ToolStream(shape.tools, encoder(i, j))
+        return tool_streams[index]
+
     offsets = collections.defaultdict(int)        # text offsets of the completions logprobs
     first = []
     for i in range(len(streams)):
@@ -202,7 +225,11 @@ async def _sse_events(streams: list[RequestStream], shape: _Shape, include_usage
                 for event in events:
                     for s in event.samples:
                         enc = encoder(i, s.index)
-                        if s.delta_logprobs is not None and shape.k is not None:
+                        if shape.tools is not None:       # text is held back while it may be a call
+                            parts += tool_stream(i, s.index).feed(s.delta_text)
+                            if s.finished:
+                                parts += tool_stream(i, s.index).finish(s.finish_reason)
+                        elif s.delta_logprobs is not None and shape.k is not None:
                             index = shape.index(i, s.index)
                             lp = (R.chat_logprobs(s.delta_token_ids, s.delta_logprobs, shape.k) if ident.chat
                                   else R.completion_logprobs(s.delta_token_ids, s.delta_logprobs, shape.k,
