@@ -37,8 +37,8 @@
 // and X row g (16 bytes per lane each); right after step i's mmas the warp refills the slot with
 // step i + RING_STEPS, so RING_STEPS steps stay in flight without a gap. The first RING_STEPS
 // steps' W is copied before griddepcontrol.wait (the weights are written by no kernel), their X
-// after it. Shared memory grows by kw * RING_BYTES_PER_WARP (6,400 bytes): a wave of 32 warps per
-// SM takes 221,184 bytes of the SM's 233,472. Against W loaded into registers a few steps at a
+// after it. Shared memory grows by kw * RING_BYTES_PER_WARP (6,144 bytes): a wave of 32 warps per
+// SM takes 212,992 bytes of the SM's 233,472. Against W loaded into registers a few steps at a
 // time (the warp's bytes in flight falling to zero at every turn), the ring measured 0.825 ms
 // against 1.027 on the Llama-1B decode graph, every kernel triggering its dependents first
 // (H200, 2026-12-04, b1f78de).
@@ -98,9 +98,8 @@ constexpr int ROWS_PER_CTA = 16;   // W rows (outputs n) per CTA: the M of one m
 constexpr int STEP_K = 32;        // k per warp step: 4 lanes x 8 bf16 per W row
 constexpr int MAX_K_WARPS = 32;
 constexpr int RING_STEPS = 4;     // steps per warp in flight (cp.async groups)
-// one step of one warp: W rows g and g + 8, X row g (16 bytes per lane each), and 4 quads of
-// padding
-constexpr int RING_SLOT_QUADS = 3 * 32 + 4;
+// one step of one warp: W rows g and g + 8, X row g (16 bytes per lane each)
+constexpr int RING_SLOT_QUADS = 3 * 32;
 constexpr int RING_BYTES_PER_WARP = RING_STEPS * RING_SLOT_QUADS * 16;   // gpu/ops/gemv.py sizes shared memory by it
 
 // One warp step: 16 W rows x 32 k against the X chunk (header: fragment layout).
@@ -268,7 +267,6 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
         }
         cp_async_commit();
     }
-    wait_for_producer();
     if constexpr (MODE == XLoad::prenormed) cp_async_wait<0>();   // visible to all after __syncthreads
 
     // Lane (g, t) holds tile columns g and 8 + g of x rows 2t and 2t+1 (this warp's share of K);
