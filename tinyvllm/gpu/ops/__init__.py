@@ -1,23 +1,28 @@
 """GpuOps: one typed launcher per CUDA kernel, what the model, the GPU tests and the benchmarks
 call. The launchers live by kernel family, beside the .cu files they launch:
 
-    kernel (gpu/cuda/)                 launcher (gpu/ops/)               numpy twin (tinyvllm/reference/)     GPU test (tests/)
-    embedding.cu      embedding_gather rowwise: embedding()              kernels.embedding                    test_gpu_kernels::test_embedding_gather
-    rmsnorm.cu        rms_norm         rowwise: rms_norm()               kernels.rms_norm                     test_gpu_kernels::test_rms_norm
-    rope_kv.cu        rope_write_kv    rowwise: rope_write_kv()          kernels.apply_rope + write_kv        test_gpu_kernels::test_rope_write_kv
-    activation.cu     silu_mul         rowwise: silu_mul()               kernels.silu_mul                     test_gpu_kernels::test_silu_mul
-    attention_prefill attention_prefill_d{64,128}  attention: attention_prefill()  kernels.paged_attention  test_gpu_kernels::test_attention_prefill
-    attention_decode  attention_decode_d{64,128}_g{G}  attention: attention_decode()  kernels.paged_attention  test_gpu_kernels::test_attention_decode
-    gemv.cu           gemv_bf16        gemv: gemv() (via linear())       X @ W^T in numpy                     test_gpu_gemv
-    gemv.cu           gemv_residual_norm_bf16  gemv: gemv_residual_norm()  linear, rms_norm_operand           test_gpu_fused::test_handed_over_norm
-                      (embedding_gather's norm: the first layer's)
-    gemv.cu           gemv_prenormed_rope_kv_bf16  gemv: gemv_rope_kv()  rms_norm_linear, apply_rope + write_kv  test_gpu_fused::test_handed_over_norm
-    gemv.cu           gemv_prenormed_silu_mul_bf16 gemv: gemv_silu_mul() rms_norm_linear, silu_mul           test_gpu_fused::test_handed_over_norm
-    gemv.cu           gemv_prenormed_bf16  gemv: gemv(prenormed=...)     rms_norm_linear; sampling.head_argmax_keys  test_gpu_fused::test_prenormed_head
-    sampling.cu       sample_tokens    sampling: sample()                sampling.sample                      test_gpu_sampling
-    sampling.cu       apply_logit_edits sampling: apply_logit_edits()    sampling.apply_edits                 test_gpu_logit_processing
-    sampling.cu       step_logprobs    sampling: step_logprobs()         sampling.step_logprobs               test_gpu_logit_processing
-    (cuBLAS)          cublasGemmEx     gemv: linear()                    X @ W^T in numpy                     test_gpu_kernels::test_linear
+    kernel (gpu/cuda/)                     launcher (gpu/ops/)             numpy twin (reference/)         GPU test (tests/)
+    embedding.cu  embedding_gather         rowwise  embedding()            kernels.embedding               test_gpu_kernels::test_embedding_gather
+    rmsnorm.cu    rms_norm                 rowwise  rms_norm()             kernels.rms_norm                test_gpu_kernels::test_rms_norm
+    rope_kv.cu    rope_write_kv            rowwise  rope_write_kv()        kernels.apply_rope, write_kv    test_gpu_kernels::test_rope_write_kv
+    activation.cu silu_mul                 rowwise  silu_mul()             kernels.silu_mul                test_gpu_kernels::test_silu_mul
+    attention_prefill.cu  attention_prefill_d{64,128}
+                                           attention attention_prefill()   kernels.paged_attention         test_gpu_kernels::test_attention_prefill
+    attention_decode.cu   attention_decode_d{64,128}_g{1,2,3,4,8}
+                                           attention attention_decode()    kernels.paged_attention         test_gpu_kernels::test_attention_decode
+    gemv.cu       gemv_bf16                gemv     gemv(), via linear()   kernels.linear                  test_gpu_gemv
+    gemv.cu       gemv_residual_norm_bf16  gemv     gemv_residual_norm()   kernels.linear, rms_norm_operand  test_gpu_fused::test_handed_over_norm
+    gemv.cu       gemv_prenormed_rope_kv_bf16
+                                           gemv     gemv_rope_kv()         kernels.rms_norm_linear, apply_rope, write_kv
+                                                                                                           test_gpu_fused::test_handed_over_norm
+    gemv.cu       gemv_prenormed_silu_mul_bf16
+                                           gemv     gemv_silu_mul()        kernels.rms_norm_linear, silu_mul  test_gpu_fused::test_handed_over_norm
+    gemv.cu       gemv_prenormed_bf16      gemv     gemv(prenormed=...)    kernels.rms_norm_linear, sampling.head_argmax_keys
+                                                                                                           test_gpu_fused::test_prenormed_head
+    sampling.cu   sample_tokens            sampling sample()               sampling.sample                 test_gpu_sampling
+    sampling.cu   apply_logit_edits        sampling apply_logit_edits()    sampling.apply_edits            test_gpu_logit_processing
+    sampling.cu   step_logprobs            sampling step_logprobs()        sampling.step_logprobs          test_gpu_logit_processing
+    (cuBLAS)      cublasGemmEx             gemv     linear()               kernels.linear                  test_gpu_kernels::test_linear
 
 Each launcher owns its kernel's launch geometry, computed from the constants its .cu file
 defines (read by gpu/kernels.py, never copied), and passes the arguments in the kernel's own
