@@ -17,7 +17,7 @@ The per-step inputs (token ids, positions, slot mapping, block tables, sampling 
 form one contiguous region mirrored in page-locked host memory, so a step uploads them with a
 single copy. The region exists twice on the device (INPUT_BANKS), and steps take the banks in
 turn: the next step's inputs go up into one bank on a copy stream while the step before it still
-reads the other (cuda_runner.py), so no upload stands between two decode graphs. A decode step
+reads the other (gpu/input_banks.py), so no upload stands between two decode graphs. A decode step
 has one token per sequence, so its per-token inputs have their own arrays of max-sequences
 length (decode_*), placed with the per-sequence ones before the block tables, which are packed
 with the batch's own width: a decode step's copy stops right after the rows in use (at batch 1,

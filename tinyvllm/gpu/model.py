@@ -144,10 +144,8 @@ class LlamaModel:
         c, w, ops = self.cfg, self.w, self.ops
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
         fused = self.fused(step)
-        # each projection's GEMV k-split (ignored where linear() goes to cuBLAS, as at prefill);
-        # the o GEMV's follows the attention (module docstring)
-        kw = {name: ops.gemv_k_warps(n, k, beside_attention=name == "o")
-              for name, (n, k) in self.projection_shapes.items()}
+        # each projection's GEMV k-split (ignored where linear() goes to cuBLAS, as at prefill)
+        kw = {name: ops.decode_k_warps(name, n, k) for name, (n, k) in self.projection_shapes.items()}
         if fused and T != step.num_seqs:
             raise TinyVLLMError(f"a decode step has one token per sequence, got {T} tokens for {step.num_seqs}")
         inputs = self.inputs[step.bank]

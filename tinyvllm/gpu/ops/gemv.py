@@ -115,6 +115,11 @@ class GemvOps(OpsBase):
             kw *= 2
         return kw
 
+    def decode_k_warps(self, projection: str, n: int, k: int) -> int:
+        """The k-split of a layer's projection ("qkv", "o", "gate_up" or "down") with an [n, k]
+        weight: gemv_k_warps' rule, the o GEMV's beside the decode attention it follows."""
+        return self.gemv_k_warps(n, k, beside_attention=projection == "o")
+
     def gemv_launch_shape(self, n: int, k: int, k_warps: int | None = None, last: bool = False) -> tuple:
         """(grid, block, shared_bytes) for an [n, k] weight at k_warps (None: gemv_k_warps' rule)."""
         return gemv_shape(n, k, k_warps or self.gemv_k_warps(n, k, last))
