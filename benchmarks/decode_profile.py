@@ -3,26 +3,18 @@ CUDA-graph replay at several batch sizes, the GPU time of a replay alone, and pe
 (each op's launches of one step captured into a graph of their own and timed with CUDA events).
 
     python benchmarks/decode_profile.py [--preset llama-3.2-1b | --model DIR] [--context 256]
-                                        [--batch 1 8 64 256] [--compare-fuse] [--compare-prefetch [MB ...]]
-                                        [--compare-early-kv] [--compare-gemv] [--leave-one-out]
+                                        [--batch 1 8 64 256] [--compare-fuse] [--compare-pdl]
+                                        [--step-copies] [--leave-one-out]
 
 "weights TB/s" is weight bytes over the graph's GPU time. Prints two tables; run on a GPU machine (the model is written to /tmp if absent).
---compare-fuse adds, at the smallest batch, the graph time with TINYVLLM_FUSE=0's nine launches
-per layer and with the fused decode layer at each TINYVLLM_FUSE_NORM (none: seven, all: five,
-auto: the default rule, producer: five, the norms handed over), and the per-op tables of the
-nine, of the default and of producer, each op also per
-layer (decode graphs recaptured for each setting).
---compare-prefetch adds, at the smallest batch, the graph time with the decode attention's L2
-prefetch of the next weights (gpu/model.py) at each budget in MB per layer (default: 0 = off, the
-engine's default, and model.L2_PREFETCH_BYTES, what TINYVLLM_L2_PREFETCH=1 turns on). Judge it by the graph times: the per-op
-tables replay each op alone, where the attention carries the prefetch traffic and no GEMV after
-it can profit.
---compare-early-kv adds, at the smallest batch, the graph time with the decode attention's early
-K/V copies (TINYVLLM_ATTN_EARLY_KV, attention_decode.cu) off and on, twice each, alternating (the
-spread of the repeats is the noise to judge the difference by).
---compare-gemv adds, at the smallest batch, the graph time under each GEMV setting of
-gemv_configs() (the LM head on the GEMV or cuBLAS, the .L2::256B hint off or everywhere, the wave
-the per-layer GEMVs fill), two rounds alternating.
+--compare-fuse adds, at the smallest batch, the graph time of the fused decode layer (the
+default: five launches a layer) and of the nine-launch layer (EngineConfig.fused_decode=False),
+twice each, alternating, and the per-op tables of both, each op also per layer (decode graphs
+recaptured for each setting).
+--compare-pdl adds, at the smallest batch, the graph time with programmatic dependent launch (the
+default) and without it (EngineConfig.pdl=False), twice each, alternating.
+--step-copies adds the GPU time per step of the decode graphs alone, as the engine enqueues them,
+and with the inputs' upload on the stream between the graphs.
 --leave-one-out adds, at the smallest batch, each op's in-graph cost: the decode graph's GPU time
 less that of the graph captured without the op (ops.skip_ops). The per-op tables cannot show
 what PDL hides: an op that runs under its neighbour's weight stream costs little here.
@@ -39,7 +31,6 @@ import numpy as np
 from tinyvllm.checkpoint.weights import load_weights
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
-from tinyvllm.gpu.ops import FUSE_NORM_DEFAULT
 
 
 def decode_batch(num_seqs: int, context: int, block_size: int, rng) -> ForwardBatch:
@@ -84,7 +75,8 @@ def step_copies(runner, batch, repeats: int = 50) -> None:
     the host itself), alone and as the engine enqueues them (cuda_runner.launch: the inputs staged
     and uploaded into the step's bank on the copy stream, which the stream waits for, the graph,
     the event the host waits on); and, for comparison, with the upload on the stream itself
-    between the graphs (the road before session 17): what the stream spends besides the graphs."""
+    between the graphs (gpu/input_banks.py says why it is not): what the stream spends besides
+    the graphs."""
     import pycuda.driver as drv
     S, size = batch.num_seqs, runner._graph_size_for(batch.num_seqs)
     sampling = SamplingBatch.greedy(S)
@@ -162,30 +154,18 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a model directory instead of --preset's random weights "
                                                   "(e.g. the converted SmolLM2-135M-Instruct)")
     ap.add_argument("--compare-fuse", action="store_true",
-                    help="time the smallest batch with the fused decode layer and without (TINYVLLM_FUSE=0)")
-    ap.add_argument("--compare-prefetch", type=float, nargs="*", metavar="MB",
-                    help="time the smallest batch with these L2 prefetch budgets per layer (0: off)")
-    ap.add_argument("--compare-early-kv", action="store_true",
-                    help="time the smallest batch with the decode attention's early K/V copies off and on")
+                    help="time the smallest batch with the fused decode layer and with the nine-launch one")
+    ap.add_argument("--compare-pdl", action="store_true",
+                    help="time the smallest batch with programmatic dependent launch and without")
     ap.add_argument("--step-copies", action="store_true",
                     help="GPU time per step of the decode graphs alone, as the engine enqueues them (the "
                          "inputs' upload on the copy stream), and with the upload between the graphs")
-    ap.add_argument("--compare-gemv", action="store_true",
-                    help="time the smallest batch under each GEMV setting (gemv_configs())")
-    ap.add_argument("--k-warps", nargs="+", default=[], metavar="SPEC",
-                    help="with --compare-gemv, also these per-projection k-splits, each as TINYVLLM_GEMV_K_WARPS "
-                         "takes them (e.g. qkv=8 gate_up=8,down=16)")
     ap.add_argument("--leave-one-out", action="store_true",
                     help="each op's in-graph cost at the smallest batch: the graph without it")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--prefill", type=int, nargs=2, default=[16, 512], metavar=("PROMPTS", "LEN"))
     args = ap.parse_args()
-    from tinyvllm.gpu.ops import parse_k_warps_for
-    try:
-        k_warps_specs = [(spec, parse_k_warps_for(spec)) for spec in args.k_warps]
-    except ValueError as e:
-        ap.error(str(e))
     from tinyvllm.checkpoint.model_writer import write_model
     from tinyvllm.gpu.cuda_runner import CudaRunner
     path = Path(args.model) if args.model else Path(f"/tmp/tinyvllm-models/{args.preset}")
@@ -212,14 +192,10 @@ def main() -> None:
     print_ops(per_op_times(runner, profile_batch), f"one decode step, batch {profile_batch.num_seqs}")
     if args.compare_fuse:
         compare_fuse(runner, profile_batch, cfg.num_hidden_layers)
-    if args.compare_prefetch is not None:
-        compare_prefetch(runner, profile_batch, args.compare_prefetch)
-    if args.compare_early_kv:
-        compare_early_kv(runner, profile_batch)
+    if args.compare_pdl:
+        compare_pdl(runner, profile_batch)
     if args.step_copies:
         step_copies(runner, profile_batch)
-    if args.compare_gemv:
-        compare_gemv(runner, profile_batch, cfg, k_warps_specs)
     if args.leave_one_out:
         leave_one_out(runner, profile_batch)
     big = decode_batch(max(args.batch), args.context, runner.engine_cfg.block_size, rng)
@@ -250,12 +226,6 @@ def time_prefill(runner, batch, repeats: int = 5) -> float:
     return float(np.median(times))
 
 
-# (label, ops.fuse, ops.fuse_norm); the fused row at ops' own default is marked, and gets a per-op table
-FUSE_CONFIGS = [("TINYVLLM_FUSE=0", False, FUSE_NORM_DEFAULT)] + [
-    (f"fused, TINYVLLM_FUSE_NORM={norm}{' (default)' if norm == FUSE_NORM_DEFAULT else ''}", True, norm)
-    for norm in ("none", "all", "auto", "producer")]
-
-
 def graph_times(runner, batch) -> tuple[float, float]:
     """(wall s, GPU s) of one decode-graph replay under the graphs as now captured."""
     return time_steps(runner, batch, replay=True), graph_gpu_time(runner, batch)
@@ -272,79 +242,29 @@ def print_graph_rows(title: str, label: str, rows, num_seqs: int, extra: str = "
 
 
 def compare_fuse(runner, batch, num_layers: int) -> None:
-    """Graph time and GPU time of one decode step for each fusion setting (runner.ops.fuse and
-    fuse_norm, as TINYVLLM_FUSE / TINYVLLM_FUSE_NORM set them), and the per-op tables of the
-    nine-launch layer and of the default."""
+    """Graph time and GPU time of one decode step on the fused decode layer and on the
+    nine-launch one (runner.ops.fused_decode, as EngineConfig.fused_decode sets it), alternating,
+    and the per-op tables of both."""
     rows, tables = [], {}
-    for name, fuse, fuse_norm in FUSE_CONFIGS:
-        with runner.recaptured(fuse=fuse, fuse_norm=fuse_norm):
+    for fused in (True, False, True, False):
+        name = "fused (default)" if fused else "nine launches (fused_decode=False)"
+        with runner.recaptured(fused_decode=fused):
             rows.append((name, *graph_times(runner, batch)))
-            if not fuse or fuse_norm in (FUSE_NORM_DEFAULT, "producer"):
+            if name not in tables:
                 tables[name] = per_op_times(runner, batch)
-    print_graph_rows(f"fusion at batch {batch.num_seqs}", "setting", rows, batch.num_seqs)
+    print_graph_rows(f"fusion at batch {batch.num_seqs}", "layer", rows, batch.num_seqs)
     for name, ops in tables.items():
         print_ops(ops, f"one decode step, batch {batch.num_seqs}, {name}", per_layer=num_layers)
 
 
-def compare_prefetch(runner, batch, budgets_mb: list[float]) -> None:
-    """Graph time and GPU time of one decode step for each L2 prefetch budget per layer
-    (runner.model.l2_prefetch_bytes; 0 launches no prefetch blocks, the engine's default)."""
-    from tinyvllm.gpu.model import L2_PREFETCH_BYTES
-    budgets = budgets_mb or [0, L2_PREFETCH_BYTES / 2**20]
-    was, rows = runner.model.l2_prefetch_bytes, []
-    try:
-        for mb in budgets:
-            runner.model.l2_prefetch_bytes = int(mb * 2**20) // 16 * 16
-            with runner.recaptured(l2_prefetch=mb > 0):
-                label = "off (default)" if mb <= 0 else f"{mb:g}" + (
-                    " (TINYVLLM_L2_PREFETCH=1)" if int(mb * 2**20) == L2_PREFETCH_BYTES else "")
-                rows.append((label, *graph_times(runner, batch)))
-    finally:
-        runner.model.l2_prefetch_bytes = was
-        runner.recapture_decode_graphs()
-    print_graph_rows(f"L2 prefetch of the next weights by the decode attention, batch {batch.num_seqs}",
-                     "MB per layer", rows, batch.num_seqs)
-
-
-def compare_early_kv(runner, batch) -> None:
-    """Graph time and GPU time of one decode step with runner.ops.early_kv off and on (decode
-    graphs recaptured for each), off/on/off/on."""
+def compare_pdl(runner, batch) -> None:
+    """Graph time and GPU time of one decode step with programmatic dependent launch and without
+    (runner.ops.pdl, as EngineConfig.pdl sets it), alternating."""
     rows = []
-    for on in (False, True, False, True):
-        with runner.recaptured(early_kv=on):
-            rows.append(("on (default)" if on else "off (TINYVLLM_ATTN_EARLY_KV=0)", *graph_times(runner, batch)))
-    print_graph_rows(f"early K/V copies in the decode attention, batch {batch.num_seqs}", "early_kv",
-                     rows, batch.num_seqs)
-
-
-# gemv_configs(): (label, GpuOps settings). The LM head on the GEMV (gemv_k_warps' `last` rule)
-# or on cuBLAS; the ring path (gemv_ring: weights through cp.async rings in shared memory) in a
-# wave of 16 warps/SM, where the next kernel's CTAs have room beside this one's; the register
-# path. Sessions 8 and 9 also timed the .L2::256B hint by rule and everywhere, waves of 24, grids
-# past one wave and CTAs of at most 16 warps (docs/perf-notes.md).
-def gemv_configs(vocab_size: int, k_warps_specs=()) -> list[tuple[str, dict]]:
-    """The settings --compare-gemv times; k_warps_specs: [(label, {projection: warps})] added."""
-    return [("default (ring path, wave 32, o capped at 16, hint on)", {}),
-            *[(f"k-split {label}", {"gemv_k_warps_for": table}) for label, table in k_warps_specs],
-            ("LM head on cuBLAS", {"gemv_max_n": vocab_size - 1}),
-            ("ring path, wave 16", {"gemv_wave_warps": 16}),
-            ("o at 32 warps (no room beside the attention)", {"gemv_k_warps_for": {"o": 32}}),
-            ("down at 16 warps", {"gemv_k_warps_for": {"down": 16}}),
-            ("registers (TINYVLLM_GEMV_RING=0)", {"gemv_ring": False})]
-
-
-def compare_gemv(runner, batch, cfg, k_warps_specs=()) -> None:
-    """Graph time and GPU time of one decode step under each gemv_configs() setting, two rounds
-    alternating, with each setting's k-split warps per projection."""
-    shapes = {**runner.model.projection_shapes, "lm_head": (cfg.vocab_size, cfg.hidden_size)}
-    ops, rows = runner.ops, []
-    for _ in range(2):
-        for name, settings in gemv_configs(cfg.vocab_size, k_warps_specs):
-            with runner.recaptured(**settings):
-                warps = " ".join(f"{s}:{ops.gemv_k_warps(n, k, last=True) if s == 'lm_head' else ops.decode_k_warps(s, n, k)}"
-                                 if ops.on_gemv(batch.num_seqs, n, k) else f"{s}:cuBLAS" for s, (n, k) in shapes.items())
-                rows.append((name, *graph_times(runner, batch), warps))
-    print_graph_rows(f"GEMV settings, batch {batch.num_seqs}", "setting", rows, batch.num_seqs, "k-split warps")
+    for pdl in (True, False, True, False):
+        with runner.recaptured(pdl=pdl):
+            rows.append(("on (default)" if pdl else "off (pdl=False)", *graph_times(runner, batch)))
+    print_graph_rows(f"programmatic dependent launch, batch {batch.num_seqs}", "pdl", rows, batch.num_seqs)
 
 
 def leave_one_out(runner, batch) -> None:

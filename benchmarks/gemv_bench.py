@@ -4,14 +4,13 @@
 
 (--shapes 135m: the SmolLM2-135M projections and its 49,152 x 576 LM head instead.)
 
-GPU time per call the way PERF-FACTS.md measures cuBLAS: R calls are captured into one CUDA graph
-(driver API through ctypes; PyCUDA has no graph binding), the graph is replayed 3 times to warm
-up and then 50 times between CUDA events; a call's time is the median replay / R. The R calls
-rotate over enough copies of the weight (>= 256 MB in all) that L2 (50-60 MB) never serves
-them. X is random bf16; o and down accumulate into Y (their fused residual add), lm_head writes
-fp32. Before the table: our time for every split-K choice (k_warps; the .L2::256B load hint by
-ops.gemv_wide_l2's rule) and with the hint on every load, so the heuristics can be checked
-against the best measured choice.
+GPU time per call: R calls are captured into one CUDA graph (driver API through ctypes; PyCUDA
+has no graph binding), the graph is replayed 3 times to warm up and then 50 times between CUDA
+events; a call's time is the median replay / R. The R calls rotate over enough copies of the
+weight (>= 256 MB in all) that L2 (50-60 MB) never serves them. X is random bf16; o and down
+accumulate into Y (their fused residual add), lm_head writes fp32. Before the table: our time
+for every split-K choice (k_warps), so gemv_k_warps' rule can be checked against the best
+measured choice.
 The table comes last; its `diff` column is max |ours - cuBLAS| / max |cuBLAS| on one call.
 Runs in well under a minute once the kernels are in PyCUDA's cache (the GPU tests fill it).
 """
@@ -139,13 +138,6 @@ def main() -> None:
         workspace = drv.mem_alloc(ws_bytes)
         blas = Cublas(stream.handle, int(workspace), ws_bytes)
         gemv = GpuOps(KernelLibrary(), stream, blas)
-        # The same kernels with the .L2::256B prefetch hint on every weight load (the default
-        # launches ask for it by ops.gemv_wide_l2's rule)
-        gemv_pf = GpuOps(gemv.library, stream, blas)
-        gemv_pf.gemv_l2_hint = True
-        # The ring path (gemv.cu's header)
-        gemv_ring = GpuOps(gemv.library, stream, blas)
-        gemv_ring.gemv_ring = True
         print(f"{device.name()}, {gemv.num_sms} SMs; setup {time.perf_counter() - t_start:.1f} s")
 
         rng = np.random.default_rng(0)
@@ -180,18 +172,13 @@ def main() -> None:
                 for kw in K_WARPS:
                     if kw <= steps:   # at least one 32-wide k step per warp
                         sweep[kw] = time_calls(drv, stream, ours(gemv, kw), calls)
-                default_kw = gemv.gemv_k_warps(n, k)
-                t_ours = sweep.get(default_kw) or time_calls(drv, stream, ours(gemv), calls)
-                t_pf = time_calls(drv, stream, ours(gemv_pf), calls)
-                ring_kw = gemv_ring.gemv_k_warps(n, k)
-                t_ring = time_calls(drv, stream, ours(gemv_ring), calls)
-                t_ring_same = time_calls(drv, stream, ours(gemv_ring, default_kw), calls)
+                default_kw = gemv.gemv_k_warps(n, k, last=name == "lm_head")
+                t_ours = sweep.get(default_kw) or time_calls(drv, stream, ours(gemv, default_kw), calls)
                 t_blas = time_calls(drv, stream, lambda i: blas.matmul(
                     int(y), int(x), w_at(i), m, n, k, accumulate=accumulate, out_dtype=out_dtype), calls)
                 best_kw = min(sweep, key=sweep.get)
                 print(f"{name:8s} M={m}  k_warps: " + "  ".join(f"{kw}:{t:.2f}" for kw, t in sweep.items())
-                      + f"  | default {default_kw}, best {best_kw} | L2::256B {t_pf:.2f} us"
-                      + f" | ring {t_ring:.2f} us at {ring_kw}, {t_ring_same:.2f} at {default_kw}", flush=True)
+                      + f"  | default {default_kw}, best {best_kw}", flush=True)
 
                 # one plain call of each into separate outputs: how far apart are they?
                 gemv.gemv(int(y), int(x), w_at(0), m, n, k, out_dtype=out_dtype)
@@ -203,7 +190,7 @@ def main() -> None:
                 drv.memcpy_dtoh(ref, int(y_ref))
                 got, ref = got.astype(np.float32), ref.astype(np.float32)
                 diff = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
-                rows.append((name, n, k, m, t_ours, default_kw, sweep[best_kw], best_kw, t_pf, t_blas, diff))
+                rows.append((name, n, k, m, t_ours, default_kw, sweep[best_kw], best_kw, t_blas, diff))
             weights.free()
             seed.free()
             x.free()
@@ -215,16 +202,16 @@ def main() -> None:
               f"rotated past L2; TB/s = weight bytes / time. Total run {time.perf_counter() - t_start:.0f} s.")
         head = (f"{'shape':8s} {'N x K':>13s} {'MB':>6s} {'M':>2s} {'ours us':>8s} {'ours TB/s':>9s} "
                 f"{'cuBLAS us':>9s} {'cuBLAS TB/s':>11s} {'speedup':>7s} {'kw':>3s} {'best kw us':>13s} "
-                f"{'L2pf us':>8s} {'diff':>8s}")
+                f"{'diff':>8s}")
         print(head)
         print("-" * len(head))
-        for name, n, k, m, t, kw, t_best, best_kw, t_pf, t_blas, diff in rows:
+        for name, n, k, m, t, kw, t_best, best_kw, t_blas, diff in rows:
             mb = n * k * 2 / 1e6
             print(f"{name:8s} {f'{n} x {k}':>13s} {mb:6.1f} {m:2d} {t:8.2f} {mb / t:9.2f} {t_blas:9.2f} "
                   f"{mb / t_blas:11.2f} {t_blas / t:6.2f}x {kw:3d} {f'{t_best:.2f} ({best_kw})':>13s} "
-                  f"{t_pf:8.2f} {diff:8.1e}")
+                  f"{diff:8.1e}")
         for m in MS:
-            per = {name: (t, tb) for name, _, _, mm, t, _, _, _, _, tb, _ in rows if mm == m}
+            per = {name: (t, tb) for name, _, _, mm, t, _, _, _, tb, _ in rows if mm == m}
             ours = layers * sum(per[s][0] for s in ("qkv", "o", "gate_up", "down")) + per["lm_head"][0]
             theirs = layers * sum(per[s][1] for s in ("qkv", "o", "gate_up", "down")) + per["lm_head"][1]
             print(f"decode step GEMMs at M={m} ({layers} layers + lm_head): ours {ours:.0f} us "

@@ -1,6 +1,6 @@
 """The sampler's GPU time per step, at each batch size, for: plain greedy, plain sampled, sampled
 with penalties on every row, sampled with logprobs=5 on every row — the device work a
-CudaRunner step does after the LM head, launch for launch (cuda_runner.py): the raw-logits copy
+CudaRunner step does after the LM head, launch for launch (gpu/step_sampling.py): the raw-logits copy
 and step_logprobs when logprobs are asked for, the edit upload and apply_logit_edits when
 penalties are on, sample_tokens always. Also the host time to build the step's SamplingBatch.
 

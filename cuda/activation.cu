@@ -4,7 +4,7 @@
 // gate_up is the previous kernel's output: no __restrict__ (no .nc loads above the PDL wait).
 #include "common.cuh"
 
-constexpr int THREADS = 256;   // block size (gpu/ops.py launches with it)
+constexpr int THREADS = 256;   // block size (gpu/ops/rowwise.py launches with it)
 
 extern "C" __global__ void __launch_bounds__(THREADS) silu_mul(bf16* __restrict__ out, const bf16* gate_up,
                                     int num_tokens, int inter) {

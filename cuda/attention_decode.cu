@@ -34,36 +34,25 @@
 // K/V rows sit in it with their 16-byte chunks XOR-swizzled by (row % 8), so the 8 rows an
 // ldmatrix phase reads fall in distinct banks.
 //
-// PDL-aware: launched with programmatic stream serialization; every attention block waits for
-// the producer first and lets the consumer launch at once (see decode_attention's first lines).
+// PDL-aware: launched with programmatic stream serialization; every attention block lets the
+// consumer launch at once and waits for the producer after issuing its first K/V copies (below).
 //
-// Early K/V (early_kv = 1, the launcher's default; 0 keeps the order above). At batch 1
-// the kernel is ~4 us and latency-bound, and its first K/V copies wait behind the wait for the
-// qkv GEMV. Yet at decode that GEMV (or rope_write_kv) writes only each sequence's newest K/V row
-// (position ctx - 1: one new token per sequence); every other row was written by earlier steps,
-// complete before this graph or eager step started, and block_tables / context_lens /
-// block_table_width are host uploads, stream-ordered before it. So with early_kv = 1 a block
-// computes its split and slots and issues the prologue's cp.async copies BEFORE
+// Early K/V. At batch 1 the kernel is ~4 us and latency-bound, and its first K/V copies would
+// wait behind the wait for the qkv GEMV. Yet at decode that GEMV (or rope_write_kv) writes only
+// each sequence's newest K/V row (position ctx - 1: one new token per sequence); every other row
+// was written by earlier steps, complete before this graph or eager step started, and
+// block_tables / context_lens / block_table_width are host uploads, stream-ordered before it. So
+// a block computes its split and slots and issues the prologue's cp.async copies BEFORE
 // wait_for_producer(), all but the newest row's: that row gets no cp.async at all (an async
 // zero-fill could land after the store below). After the wait, if the newest row lies in a
 // prologue step, the lanes that would have copied it load it with plain coherent loads
 // (load_fresh: the producer just wrote it) and store it to the same swizzled place; the main
 // loop's cp_async_wait + __syncwarp publish it to the warp like the copies. Steps issued in the
-// main loop come after the wait anyway. The same bytes land in the same shared memory and the
-// maths is unchanged, so the result is bit-identical. The launcher must pass early_kv = 1 only
-// for decode launches whose sole K/V writer still running is the one of the newest rows.
-//
-// L2 prefetch (optional: prefetch_bytes = 0 launches none of it). At batch 1 the attention is
-// num_kv_heads blocks for ~4 us and leaves HBM nearly idle, while the GEMVs after it are
-// bandwidth-bound; so the launcher may append prefetch blocks that warm L2 with the next
-// projections' weights ([l2_prefetch, l2_prefetch + prefetch_bytes): model.py passes the o
-// weight and the start of gate_up) and leave. They are the last prefetch_columns() columns of
-// the grid along x (about PREFETCH_CTAS blocks, whatever the split count), so the attention
-// blocks keep their (seq * num_kv_heads + kv_head, 1, split) indices. They issue their
-// prefetches BEFORE wait_for_producer, on purpose: the weights are written by no kernel, and
-// under PDL the prefetch then overlaps the previous kernel's tail too. They write nothing, so
-// no kernel can observe them; exiting counts as allow_consumer(), and the next kernel's wait
-// still waits for the whole grid. A prefetch is a hint: it changes timing, never a bit.
+// main loop come after the wait anyway. The same bytes land in the same shared memory as if every
+// copy waited, so the result is that of the plain order, bit for bit. Measured at batch 1: 22 us
+// less GPU time per step on the Llama-1B preset, 54 us on SmolLM2-135M (H200, 2026-12-04,
+// 8470bd1). Its launches must be decode steps', whose sole K/V writer still running is the one of
+// the newest rows.
 #include <math_constants.h>
 #include "common.cuh"
 
@@ -71,37 +60,31 @@ namespace {
 
 // 8 warps a block: at batch 1 a block's tokens are on the step's critical path, and 8 warps take
 // half as many steps each as 4 did (at most 4 up to ONE_SPLIT_TOKENS, the first PROLOGUE_STEPS
-// of them copied before the wait under early_kv). At large batches an SM holds as many warps either
-// way (2 blocks of 8 at 96 KB of shared memory for head_dim 64, or 4 of 4 at 48 KB).
+// of them copied before the wait). At large batches an SM holds as many warps either way (2
+// blocks of 8 at 96 KB of shared memory for head_dim 64, or 4 of 4 at 48 KB).
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
 constexpr int STEP = 16;                          // tokens per warp step: the MMA's M
 constexpr int STAGES = 3;                         // cp.async ring depth per warp
-// Steps a warp copies before its first wait: STAGES - 1 (FULL_RING = 0: each stage is refilled
-// before the wait for the step STAGES - 1 later) or all STAGES (FULL_RING = 1: a stage is
-// refilled right after its own step's maths). Under early_kv the prologue's copies go out before
-// the PDL wait, so a full ring hides one more step a warp behind the producer (contexts up to
-// WARPS * STAGES * STEP = 384 tokens at batch 1, against 256). Same copies, same maths, same bits.
-// Measured (H100, perf-notes session 19, with the prologue's lookups up front): bench latency
-// 1,050 -> 1,058 tok/s on the 1B preset, batch64 unchanged within noise; so 1 is the default.
-constexpr int FULL_RING = 1;
-constexpr int PROLOGUE_STEPS = STAGES - 1 + FULL_RING;
+// Steps a warp copies before its first wait: all STAGES (a stage is refilled right after its own
+// step's maths). The prologue's copies go out before the PDL wait, so a full ring hides STAGES
+// steps a warp behind the producer (contexts up to WARPS * STAGES * STEP = 384 tokens at batch
+// 1). Against STAGES - 1 (each stage refilled before the wait for the step STAGES - 1 later):
+// bench latency 1,050 -> 1,058 tok/s on the 1B preset, batch64 unchanged within noise (H100,
+// 2026-12-06, 2510e25).
+constexpr int PROLOGUE_STEPS = STAGES;
 constexpr int MIN_SPLIT_TOKENS = WARPS * STEP;    // a split gives every warp at least one step
 // Contexts up to ONE_SPLIT_TOKENS run in one split: the merge of several (a fence, an atomic
 // and two rounds of L2 reads in the last block) costs more at batch 1 than the parallel blocks
-// save. Measured end to end (`bench --workload latency`, H100, contexts 128..384): 8 warps with
-// one split up to 512 tokens against 4 warps with one split up to 256 (then 5-6 splits of 64):
-// Llama-1B 1,020 -> 1,042 tok/s, SmolLM2-135M 2,310 -> 2,505 (perf-notes, session 13).
+// save. Measured end to end (`bench --workload latency`, contexts 128..384): 8 warps with one
+// split up to 512 tokens against 4 warps with one split up to 256 (then 5-6 splits of 64):
+// Llama-1B 1,020 -> 1,042 tok/s, SmolLM2-135M 2,310 -> 2,505 (H100, 2026-12-05, 2ca2842).
 constexpr int ONE_SPLIT_TOKENS = 512;
 constexpr int MAX_SPLITS = 32;                    // the merge gives each split one lane
 constexpr int MERGE_UNROLL = 8;                   // partials each merging thread loads at once
 constexpr int SMEM_BYTES_PER_DIM = WARPS * STAGES * STEP * 2 * 2;   // x head_dim: K and V rows, bf16
-// L2 prefetch blocks: spread over this many SMs so that no one SM's copy engine queues much
-// (16 MB is 512 chunks: 8 per block); a chunk is one cp.async.bulk.prefetch instruction.
-constexpr int PREFETCH_CTAS = 64;
-constexpr int PREFETCH_CHUNK = 32768;             // bytes; a multiple of 16, like every size
 
-// 16-byte register -> shared store (the newest K/V row under early_kv)
+// 16-byte register -> shared store (the newest K/V row, header: early K/V)
 __device__ __forceinline__ void st_shared16(uint32_t dst, const uint4& v) {
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
@@ -131,35 +114,12 @@ __device__ __forceinline__ float ex2(float x) {   // 2^x; 2^-inf = 0
     return y;
 }
 
-// The grid's columns (along x) of prefetch blocks: enough that they number at least
-// PREFETCH_CTAS over the grid's gridDim.z splits (ops.py's attention_decode computes the same).
-__device__ __forceinline__ int prefetch_columns(unsigned long long prefetch_bytes) {
-    return prefetch_bytes ? (PREFETCH_CTAS + gridDim.z - 1) / gridDim.z : 0;
-}
-
-// One prefetch block's share of [base, base + bytes): chunk i goes to block i % blocks, so
-// consecutive chunks (o's rows first) start on different SMs at once. cp.async.bulk.prefetch.L2
-// (sm_90) rather than prefetch.global.L2 per 128-byte line: one instruction asks the SM's copy
-// engine for 32 KB, so a few threads per block keep HBM busy without a loop of 256 prefetches
-// each. Both need nothing back; the block leaves as soon as they are issued.
-__device__ __forceinline__ void prefetch_l2(const void* base, unsigned long long bytes, int block, int blocks) {
-    const size_t start = __cvta_generic_to_global(base);
-    const unsigned long long chunks = (bytes + PREFETCH_CHUNK - 1) / PREFETCH_CHUNK;
-    for (unsigned long long i = block + (unsigned long long)threadIdx.x * blocks; i < chunks;
-         i += (unsigned long long)blocks * THREADS) {
-        const unsigned long long offset = i * PREFETCH_CHUNK;
-        const uint32_t size = (uint32_t)min((unsigned long long)PREFETCH_CHUNK, bytes - offset);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(start + offset), "r"(size));
-    }
-}
-
 template <int HEAD_DIM, int GROUP>
 __device__ __forceinline__ void decode_attention(
     bf16* out, float* __restrict__ partial_out, float* __restrict__ partial_ml,
     int* __restrict__ split_counters, const bf16* q, int q_row_stride, const bf16* k_cache,
     const bf16* v_cache, const int* __restrict__ block_tables, const int* __restrict__ block_table_width,
-    const int* __restrict__ context_lens, int block_size, int num_kv_heads, float scale,
-    const void* l2_prefetch, unsigned long long prefetch_bytes, int early_kv) {
+    const int* __restrict__ context_lens, int block_size, int num_kv_heads, float scale) {
     static_assert(GROUP >= 1 && GROUP <= 8, "the query heads of a group are one MMA n-tile of 8");
     static_assert(HEAD_DIM % 64 == 0, "rows are whole 8 x 16-byte swizzle groups");
     constexpr int DSTEPS = HEAD_DIM / 16;            // MMA k-steps of the scores = m-tiles of O^T
@@ -170,21 +130,12 @@ __device__ __forceinline__ void decode_attention(
     constexpr int COPIES = STEP * CHUNKS / 32;       // 16-byte copies per lane per tensor per step
     static_assert(WARPS * STAGES * STAGE_BYTES == SMEM_BYTES_PER_DIM * HEAD_DIM, "launcher's size");
     extern __shared__ __align__(128) unsigned char smem[];
-    // The prefetch blocks (header): their prefetches go out before any wait, then they leave.
-    const int attention_columns = gridDim.x - prefetch_columns(prefetch_bytes);
-    if ((int)blockIdx.x >= attention_columns) {
-        const int columns = gridDim.x - attention_columns;
-        prefetch_l2(l2_prefetch, prefetch_bytes, blockIdx.z * columns + (blockIdx.x - attention_columns),
-                    columns * gridDim.z);
-        return;
-    }
     // PDL (common.cuh): the o projection that follows may launch at once and stream its weights
     // under this kernel. q and the new token's K/V are the qkv GEMV's (or rope_write_kv's)
-    // output, and `out` may still be read by the previous layer's o projection, so wait before
-    // anything else (those pointers carry no __restrict__, so no read-only load of them can be
-    // hoisted above the wait). early_kv (header) waits after the prologue's copies instead, below.
+    // output, and `out` may still be read by the previous layer's o projection, so nothing but
+    // the early K/V copies of older rows (header) goes before the wait below (those pointers
+    // carry no __restrict__, so no read-only load of them can be hoisted above it).
     allow_consumer();
-    if (!early_kv) wait_for_producer();
 
     const int seq = blockIdx.x / num_kv_heads, kv_head = blockIdx.x % num_kv_heads, split = blockIdx.z;
     const int num_q_heads = num_kv_heads * GROUP;
@@ -234,12 +185,12 @@ __device__ __forceinline__ void decode_attention(
     };
 
     // Prologue: the first PROLOGUE_STEPS steps in flight (empty groups keep the group count
-    // uniform). early_kv: before the wait, without the newest row (pos ctx - 1; newest = -1 skips
-    // nothing). Every prologue slot (and the first refill's) is looked up before the first copy
-    // goes out: issue()'s cp.async is asm volatile with a "memory" clobber, so a table load written
-    // after it waits for it, one L2 round trip a step in series (session 18's SASS); up front the
+    // uniform), before the wait, without the newest row (pos ctx - 1; header: early K/V). Every
+    // prologue slot (and the first refill's) is looked up before the first copy goes out:
+    // issue()'s cp.async is asm volatile with a "memory" clobber, so a table load written after
+    // it waits for it, one L2 round trip a step in series (seen in the SASS); up front the
     // lookups overlap.
-    const int newest = early_kv ? ctx - 1 : -1;
+    const int newest = ctx - 1;
     const int newest_slot = newest >= 0 ? __ldg(table + (newest >> bs_shift)) * block_size + (newest & (block_size - 1)) : 0;
     int prologue_slot[PROLOGUE_STEPS + 1];
 #pragma unroll
@@ -250,22 +201,20 @@ __device__ __forceinline__ void decode_attention(
         cp_async_commit();
     }
     int next_slot = prologue_slot[PROLOGUE_STEPS];
-    if (early_kv) {
-        wait_for_producer();
-        // The newest row, now written, where a prologue step holds it: the lanes issue() gives
-        // that row copy it with coherent loads into the same swizzled place (a later step's copy
-        // of it is issued in the main loop, after the wait, as usual).
+    wait_for_producer();
+    // The newest row, now written, where a prologue step holds it: the lanes issue() gives that
+    // row copy it with coherent loads into the same swizzled place (a later step's copy of it is
+    // issued in the main loop, after the wait, as usual).
 #pragma unroll
-        for (int i = 0; i < PROLOGUE_STEPS; ++i) {
-            const int row = newest - step_begin(i);
-            if (i < steps && row >= 0 && row < STEP && lane / CHUNKS == row % (32 / CHUNKS)) {
-                const int chunk = lane % CHUNKS;
-                const size_t src = (size_t)newest_slot * kv_row + chunk * 8;
-                const uint4 k = load_fresh(k_head + src), v = load_fresh(v_head + src);
-                const uint32_t dst = ring + i * STAGE_BYTES + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4);
-                st_shared16(dst, k);
-                st_shared16(dst + TILE_BYTES, v);
-            }
+    for (int i = 0; i < PROLOGUE_STEPS; ++i) {
+        const int row = newest - step_begin(i);
+        if (i < steps && row >= 0 && row < STEP && lane / CHUNKS == row % (32 / CHUNKS)) {
+            const int chunk = lane % CHUNKS;
+            const size_t src = (size_t)newest_slot * kv_row + chunk * 8;
+            const uint4 k = load_fresh(k_head + src), v = load_fresh(v_head + src);
+            const uint32_t dst = ring + i * STAGE_BYTES + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4);
+            st_shared16(dst, k);
+            st_shared16(dst + TILE_BYTES, v);
         }
     }
 
@@ -293,9 +242,8 @@ __device__ __forceinline__ void decode_attention(
     for (int t = 0; t < DSTEPS; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
 
     // Step k lives in stage k % STAGES. Before step i's wait STAGES + i groups are committed
-    // either way (FULL_RING = 0: STAGES - 1 in the prologue and one a step, this step's refill
-    // included; 1: STAGES and one for each earlier step), so waiting with STAGES - 1 left in flight
-    // means step i's copies (and every earlier step's) have landed.
+    // (STAGES in the prologue and one for each earlier step), so waiting with STAGES - 1 left in
+    // flight means step i's copies (and every earlier step's) have landed.
     auto refill = [&](int step) {
         if (step < steps) issue(step % STAGES, next_slot, -1);
         cp_async_commit();
@@ -303,8 +251,6 @@ __device__ __forceinline__ void decode_attention(
     };
     int stage = 0;
     for (int i = 0; i < steps; ++i) {
-        // FULL_RING = 0: refill the stage used one step ago, then wait for step i's copies.
-        if (!FULL_RING) refill(i + STAGES - 1);
         cp_async_wait<STAGES - 1>();
         __syncwarp();
 
@@ -350,7 +296,7 @@ __device__ __forceinline__ void decode_attention(
             mma_bf16(o[t], a[0], a[1], a[2], a[3], pf[0], pf[1]);
         }
         __syncwarp();   // every lane is done with this stage before it is refilled
-        if (FULL_RING) refill(i + STAGES);   // into the stage just used
+        refill(i + STAGES);   // into the stage just used
         stage = stage + 1 == STAGES ? 0 : stage + 1;
     }
     cp_async_wait<0>();
@@ -506,11 +452,10 @@ __device__ __forceinline__ void decode_attention(
         bf16* out, float* partial_out, float* partial_ml, int* split_counters, const bf16* q,    \
         int q_row_stride, const bf16* k_cache, const bf16* v_cache, const int* block_tables,     \
         const int* block_table_width, const int* context_lens, int block_size, int num_kv_heads, \
-        float scale, const void* l2_prefetch, unsigned long long prefetch_bytes, int early_kv) { \
+        float scale) {                                                                           \
         decode_attention<D, G>(out, partial_out, partial_ml, split_counters, q, q_row_stride,    \
                                k_cache, v_cache, block_tables, block_table_width, context_lens,  \
-                               block_size, num_kv_heads, scale, l2_prefetch, prefetch_bytes,     \
-                               early_kv);                                                        \
+                               block_size, num_kv_heads, scale);                                 \
     }
 // head_dim x group: Llama 3.2 1B is (64, 4), 3B (128, 3), 3.1 8B (128, 4); the tiny preset (64, 2)
 DECODE_ATTENTION_KERNEL(64, 1)

@@ -20,8 +20,8 @@ typedef __nv_bfloat16 bf16;
 // K/V copies, none of which reads anything a kernel of the step writes. A chain of kernels may
 // then be resident at once, each waiting on the one before; a kernel launches only once every
 // block of the one before it is running, so the oldest is never starved of room. Triggering
-// after the wait instead (the rule before session 9) kept the next GEMV's weight stream behind
-// the whole of a 1-block RMSNorm (docs/perf-notes.md, session 9).
+// after the wait instead kept the next GEMV's weight stream behind the whole of a 1-block RMSNorm
+// (H200, 2026-12-04, 273a945).
 __device__ __forceinline__ void wait_for_producer() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void allow_consumer() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
@@ -42,16 +42,12 @@ template <int PENDING>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
-// cp_async16 into a ring slot, with wide_l2 = 1 the .L2::256B prefetch hint: L2 fetches the whole
-// 256-byte sector group the 16 bytes lie in, which the lane's next steps read (the GEMV's weight
-// ring, gemv.cu's header; the persistent MLP probe's).
-__device__ __forceinline__ void ring_copy(uint4* slot, const void* src, int src_bytes, int wide_l2) {
-    if (wide_l2) {
-        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
-                     ::"r"(smem_addr(slot)), "l"(src), "r"(src_bytes) : "memory");
-    } else {
-        cp_async16(smem_addr(slot), src, src_bytes);
-    }
+// cp_async16 into a ring slot with the .L2::256B prefetch hint: L2 fetches the whole 256-byte
+// sector group the 16 bytes lie in, which the lane's next steps read (the GEMV's weight ring,
+// gemv.cu's header).
+__device__ __forceinline__ void ring_copy(uint4* slot, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
+                 ::"r"(smem_addr(slot)), "l"(src), "r"(src_bytes) : "memory");
 }
 
 // ---- tensor cores: the one mma shape every kernel uses ---------------------------------------

@@ -11,7 +11,7 @@
 // and row_ss[t][c] = the sum of squares of out[t]'s columns 16c .. 16c + 15 (chunk_sum_sq's tree),
 // the operand and the row sums the prenormed qkv GEMV reads. The first layer's norm then needs
 // no launch of its own, as every other norm of the step. Requires hidden % 16 == 0 (checked in
-// gpu/ops.py; the prenormed GEMV needs hidden % 64 == 0 anyway).
+// gpu/ops/rowwise.py; the prenormed GEMV needs hidden % 64 == 0 anyway).
 //
 // head_argmax (non-null: the decode LM head keeps each row's greedy argmax key, gemv.cu's
 // gemv_prenormed_bf16): the gather, the step's first kernel, sets row t's key to 0, the value the
@@ -19,7 +19,7 @@
 // complete before the head's first atomic, and the sampler of the step before has read its key.
 #include "common.cuh"
 
-constexpr int THREADS = 128;   // block size (gpu/ops.py launches with it)
+constexpr int THREADS = 128;   // block size (gpu/ops/rowwise.py launches with it)
 
 extern "C" __global__ void __launch_bounds__(THREADS) embedding_gather(bf16* __restrict__ out, const bf16* __restrict__ table,
                                             const int* __restrict__ token_ids, const int* __restrict__ fed_rows,

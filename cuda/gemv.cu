@@ -1,9 +1,9 @@
 // Small-batch bf16 GEMV / skinny GEMM for decode:  Y[m, n] (+)= X[m, k] @ W[n, k]^T,  1 <= m <= 8.
 //
 // Decode at batch <= 8 reads every weight once per step and does almost no math, so this kernel
-// is a weight stream: each byte of W is loaded exactly once, 16 bytes per lane per load, several
-// loads in flight per lane, straight from HBM past L1 (ld.global.nc.L1::no_allocate). X (at most
-// 8 x 8192 bf16 = 128 KB) is re-read by every CTA and is served by L1/L2.
+// is a weight stream: each byte of W is copied exactly once, 16 bytes per lane per copy, several
+// steps in flight per warp, from HBM through L2 only (cp.async.cg). X (at most 8 x 8192 bf16 =
+// 128 KB) is re-read by every CTA and is served by L2.
 //
 // The math runs on the tensor cores: one mma.sync.m16n8k16 (bf16 in, fp32 accumulate) per 8 W
 // values per lane instead of 8*m scalar FMAs plus conversions. Per warp step:
@@ -18,141 +18,90 @@
 // A's registers 2/3 and B's register 1 hold logical k = 2t+8, 2t+9 (rows g and g+8 of A, column
 // g of B). So a logical k maps to the same physical k (k0 + 8t + 0/1 or + 2/3, resp. + 4..7 in
 // mma 2) in A and in B, for every lane with the same t: each mma sums matching products only.
-// A warp step thus covers 16 W rows x 32 k (a 64-byte run of each row) with 2 W loads, 1 X load
+// A warp step thus covers 16 W rows x 32 k (a 64-byte run of each row) with 2 W copies, 1 X copy
 // and 2 mmas; D's c0..c3 land on lane (g, t) as Y[2t][n0+g], Y[2t+1][n0+g], Y[2t][n0+8+g],
 // Y[2t+1][n0+8+g].
 //
-// Launch shape (tinyvllm/gpu/ops.py picks it):
+// Launch shape (tinyvllm/gpu/ops/gemv.py picks it):
 //   grid.x  = ceil(n / 16): a CTA owns the 16 outputs n0 .. n0 + 15 of every x row (one mma tile).
 //   block.x = 32 * kw, kw in 1..32 warps that split K (split-K inside the CTA). The K range is
-//             cut into 32-wide steps; warp w walks steps [w*S/kw, (w+1)*S/kw), S = ceil(k/32),
-//             UNROLL = 4 steps (8 16-byte W loads per lane) in flight at a time.
-//   shared  = kw * 512 bytes: each warp's 8 x 16 fp32 partial tile (+ kw * 32 bytes with the
-//             norm: each warp's 8 per-row sums of squares; + the ring's, below); after one
+//             cut into 32-wide steps; warp w walks steps [w*S/kw, (w+1)*S/kw), S = ceil(k/32).
+//   shared  = kw * (512 + RING_BYTES_PER_WARP) bytes: each warp's 8 x 16 fp32 partial tile and its
+//             ring (below); the prenormed kernels add the producer's row sums. After one
 //             __syncthreads the first 16*m threads sum the kw partials of one output each.
-// Registers: 8 W uint4 + 4 X uint4 in flight + 4 accumulators; __launch_bounds__(1024) caps the
-// kernel at 64 registers, so 32 warps fit on an SM whatever kw is (ptxas: 64 registers; the
-// spills of the norm variants are listed below).
-// Two ways to stream W, the same bits (ring, every entry point's last argument, chooses; ops.py's
-// gemv_ring, TINYVLLM_GEMV_RING=0 for registers):
-//   registers (ring = 0): a lane issues UNROLL steps' W loads into registers, waits for all of
-//     them, runs their mmas, then issues the next UNROLL: the warp's bytes in flight fall to
-//     zero at every turn, and W waits in registers the mma needs for nothing else.
-//   ring (ring = 1, the default): each warp streams through its own ring of RING_STEPS slots in
-//     shared memory, one cp.async.cg commit group per step. Slot i % RING_STEPS holds step i's
-//     W rows g and g + 8 and X row g (16 bytes per lane each) and, in the norm modes, the 4
-//     norm-weight chunks; right after step i's mmas the warp refills the slot with step
-//     i + RING_STEPS, so RING_STEPS steps stay in flight without a gap. The first RING_STEPS
-//     steps' W is copied before griddepcontrol.wait, their X after it. Shared memory grows by
-//     kw * RING_BYTES_PER_WARP (6,400 bytes): a wave of 32 warps per SM takes 221,184 bytes of
-//     the SM's 233,472.
-//   Both walk each output's k in the same order through the same mma_pair, so the outputs are
-//   bitwise equal (tests/test_gpu_gemv.py, test_gpu_fused.py and test_gpu_model.py check it).
-//   Measured on the Llama-1B decode graph (H200, docs/perf-notes.md session 9): 0.825 ms on the
-//   ring, 1.027 on registers once every kernel triggers its dependents first; SmolLM2-135M's
-//   GEMVs of 2-3 steps per warp run ~2 % faster on registers.
+// __launch_bounds__(1024) caps the kernel at 64 registers, so 32 warps fit on an SM whatever kw
+// is (ptxas, nvcc 13.0 sm_90: 31-42 registers, no spills; gemv_prenormed_rope_kv keeps a 32-byte
+// stack frame for sincosf's slow path).
+// The weight ring: each warp streams through its own ring of RING_STEPS slots in shared memory,
+// one cp.async.cg commit group per step. Slot i % RING_STEPS holds step i's W rows g and g + 8
+// and X row g (16 bytes per lane each); right after step i's mmas the warp refills the slot with
+// step i + RING_STEPS, so RING_STEPS steps stay in flight without a gap. The first RING_STEPS
+// steps' W is copied before griddepcontrol.wait (the weights are written by no kernel), their X
+// after it. Shared memory grows by kw * RING_BYTES_PER_WARP (6,144 bytes): a wave of 32 warps per
+// SM takes 212,992 bytes of the SM's 233,472. Against W loaded into registers a few steps at a
+// time (the warp's bytes in flight falling to zero at every turn), the ring measured 0.825 ms
+// against 1.027 on the Llama-1B decode graph, every kernel triggering its dependents first
+// (H200, 2026-12-04, b1f78de).
 // The Python side chooses kw so that ceil(n/16) * kw fills the GPU about once (o/qkv: 16 warps of
-// 4 steps, down: 32 warps of 8 steps, gate_up: 4 warps of 16 steps, lm_head: 1 warp of 64 steps):
-// small matrices put their whole weight in flight at once, big ones stream with fewer, longer
-// warps. No workspace, one launch, no atomics: every output is written by exactly one thread.
+// 4 steps, down: 32 warps of 8 steps, gate_up: 4 warps of 16 steps): small matrices put their
+// whole weight in flight at once, big ones stream with fewer, longer warps. No workspace, one
+// launch, no atomics (but the LM head's argmax keys, below): every output is written by exactly
+// one thread.
 //
 // Bounds: W rows >= n, k >= K (k % 8 == 0 is required, so a 16-byte chunk is all in or all out)
-// and X rows >= m are never read (predicated loads, zeros in their place); outputs outside
-// [m, n) are never written. x and w must be 16-byte aligned. The loop trip count and the mma are
+// and X rows >= m are never read (zero-filled copies in their place); outputs outside [m, n) are
+// never written. x and w must be 16-byte aligned. The loop trip count and the mma are
 // warp-uniform (they depend on the warp index only), as mma.sync requires.
-// PDL-ready: the kernel executes griddepcontrol.wait after issuing its first W loads and before
+// PDL-ready: the kernel executes griddepcontrol.wait after issuing its first W copies and before
 // it touches X or Y. That is a no-op for an ordinary launch; under programmatic dependent launch
 // the weight stream starts while the previous kernel (which produces X) is still finishing.
 // It calls allow_consumer() first thing, so the next kernel can be resident before this one ends.
-// Nine entry points share this body; they differ in how X is loaded and how Y is stored:
-//   gemv_bf16            X as stored; Y stored (or added: the residual add).
-//   gemv_prenormed_bf16  X handed over by the norm's producer (below), Y = inv_rms * (X @ W^T)
-//                        stored: the LM head after the final norm, which the last down hands over;
-//                        it may also keep each row's greedy argmax key (head_argmax).
-//   gemv_rope_kv         the epilogue applies RoPE to q and k and writes k and v to the paged
-//                        cache: the qkv projection of a decode step with rope_write_kv inside.
-//   gemv_silu_mul        the epilogue stores silu(gate) * up: gate_up with silu_mul inside.
-//   gemv_norm_rope_kv,   the same two with the RMSNorm of the residual stream x inside (the
-//   gemv_norm_silu_mul   decode default): rms_norm needs no launch of its own.
-//   gemv_residual_norm   y += x @ W^T (o or down into the residual stream), and the norm after it
-//                        handed over: bf16(y * its gain) and per-CTA sums of y^2 per row.
-//   gemv_prenormed_rope_kv,  the two fused GEMVs on that handed-over operand: the norm-inside
-//   gemv_prenormed_silu_mul  formula, the scale from the producer's sums (the decode default,
-//                            TINYVLLM_FUSE_NORM=producer).
-// The norm's scale is one number per x row, so it comes out of the dot product:
+//
+// Five entry points share this body; they differ in how X is loaded and how Y is stored:
+//   gemv_bf16                 X as stored; Y stored (or added: the residual add). linear() at
+//                             decode batches: the nine-launch layer's projections and LM head.
+//   gemv_residual_norm        y += x @ W^T (o or down into the residual stream), and the RMSNorm
+//                             after it handed over: bf16(y * its gain) and per-CTA sums of y^2 per row.
+//   gemv_prenormed_rope_kv    the qkv projection on that handed-over operand, its epilogue applying
+//                             RoPE to q and k and writing k and v to the paged cache (rope_write_kv
+//                             inside).
+//   gemv_prenormed_silu_mul   the gate_up projection on the handed-over operand, its epilogue
+//                             storing silu(gate) * up (silu_mul inside).
+//   gemv_prenormed_bf16       Y = inv_rms * (X @ W^T) on the handed-over operand, stored: the LM
+//                             head after the final norm, which the last down hands over; it may
+//                             also keep each row's greedy argmax key (head_argmax).
+// The handed-over norm: an RMSNorm's scale inv_rms is one number per x row, so it comes out of
+// the dot product:
 //   Y[j, n] = inv_rms[j] * sum_k W[n, k] * bf16(x[j, k] * norm_w[k]),
 //   inv_rms[j] = 1 / sqrt(mean_k x[j, k]^2 + eps).
-// The warps of a CTA split K, so together they load all of x anyway: each lane adds the squares
-// of the x values it loads (fp32, of the bf16 x before norm_w), the warp's lanes of one row meet
-// in two shuffles, and each warp's 8 row sums go to shared memory beside its partial tile, read
-// at the __syncthreads the mma partials already need. The epilogue multiplies each output's fp32
-// sum by its row's inv_rms before it stores / rotates / applies silu. The cost is one FMA per x
-// value, a __ldg of the norm weight (written by no kernel, cached) beside each X load and a
-// multiply per value to build the operand; no extra memory round trip after the wait (the old
-// opt-in mode, which normalised X before the mma from sums of squares its producer stored,
-// needed one and measured slower than the separate kernel). The bits differ from rms_norm then
-// gemv (the operand is bf16(x * norm_w), not bf16(x * inv_rms * norm_w), and inv_rms is applied
-// in fp32 after the sum): reference/kernels.py's rms_norm_linear is this formula, and
-// tests/test_reference_fused.py bounds its distance from RMSNorm-then-linear.
+// The residual GEMV before the norm (or, for the first layer, the embedding gather) holds the new
+// residual rows x in its epilogue, so it writes the operand bf16(x * norm_w) and each CTA's sum of
+// squares of its 16 columns; the prenormed GEMV copies the m x k/16 row sums into shared memory
+// with its first X chunks and multiplies each output's fp32 sum by its row's inv_rms before it
+// stores / rotates / applies silu. The bits differ from rms_norm then gemv (the operand is
+// bf16(x * norm_w), not bf16(x * inv_rms * norm_w), and inv_rms is applied in fp32 after the
+// sum): reference/kernels.py's rms_norm_linear is this formula, and tests/test_reference_fused.py
+// bounds its distance from RMSNorm-then-linear.
 // An epilogue that combines two outputs needs both in one CTA, so the fused modes pick the
 // CTA's 16 W rows as two runs of 8 that belong together (cta_tile below): gate rows j..j+7 with
 // up rows I+j..I+j+7, or head-dim rows i..i+7 of one head with their RoPE partners i+D/2..;
-// partners then sit 8 lanes apart in the epilogue (one shuffle). Each output's dot product is
-// the same code in every mode, so gemv_rope_kv / gemv_silu_mul give the bits of their kernel
-// chains (tests/test_gpu_fused.py checks that; the norm modes it checks against the numpy twin).
-// ptxas (nvcc 13.0, sm_90, both paths in one body): 64 registers; gemv_bf16, gemv_silu_mul and
-// gemv_rope_kv spill nothing (gemv_rope_kv keeps a 32-byte stack frame for sincosf's slow path).
-// The norm variants do NOT meet the no-spill goal: gemv_norm_silu_mul stores 40 bytes and loads
-// 24, gemv_norm_rope_kv stores 32 and loads 44 (loop-invariant values reloaded from local
-// memory; they run only where FUSE_NORM puts the norm inside, not on Llama-1B by default).
-// wide_l2 = 1 (every entry point's last argument) adds the .L2::256B prefetch hint to the W
-// loads: each 64-byte load asks L2 for the whole 256-byte sector group it lies in, which the
-// lane's next steps read. gemv_bench measured it 1.4 us faster on Llama-1B's gate_up (16 steps
-// per warp) and 0.1-0.4 us slower on the GEMVs with few steps per warp, so the launcher asks for
-// it by the steps each warp walks (ops.py: gemv_wide_l2); in the Llama-1B decode graph that took
-// 30 us off a step (docs/perf-notes.md, session 8). A hint: the same bits either way.
+// partners then sit 8 lanes apart in the epilogue (one shuffle). The epilogues use common.cuh's
+// RoPE and SwiGLU arithmetic, the same as rope_kv.cu's and activation.cu's.
+// Every W copy carries the .L2::256B prefetch hint (common.cuh's ring_copy): each 64-byte run asks
+// L2 for the whole 256-byte sector group it lies in, which the lane's next steps read. In the
+// Llama-1B decode graph 0.823 ms with it on every copy against 0.830 with it only where a warp
+// walks 16 steps or more (H200, 2026-12-04, b1f78de).
 #include "common.cuh"
 
 namespace {
 
 constexpr int ROWS_PER_CTA = 16;   // W rows (outputs n) per CTA: the M of one m16n8k16 tile
 constexpr int STEP_K = 32;        // k per warp step: 4 lanes x 8 bf16 per W row
-constexpr int UNROLL = 4;        // steps in flight per warp: 8 x 16-byte W loads per lane
 constexpr int MAX_K_WARPS = 32;
-constexpr int NORM_SS_BYTES_PER_WARP = 8 * 4;   // the norm modes' extra shared memory: 8 row sums per warp
-constexpr int RING_STEPS = 4;     // ring path: steps per warp in flight (cp.async groups)
-// one step of one warp: W rows g and g + 8, X row g (16 bytes per lane each), and the norm
-// modes' 4 norm-weight chunks (one per t)
-constexpr int RING_SLOT_QUADS = 3 * 32 + 4;
-constexpr int RING_BYTES_PER_WARP = RING_STEPS * RING_SLOT_QUADS * 16;   // gpu/ops.py sizes shared memory by it
-
-// W: read once, keep out of L1; wide_l2: with the .L2::256B prefetch hint (header)
-__device__ __forceinline__ uint4 load_stream(const bf16* p, int wide_l2) {
-    uint4 v;
-    if (wide_l2) {
-        asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    } else {
-        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    }
-    return v;
-}
-
-// The ring path copies 16 bytes of W or X into this lane's part of a ring slot with common.cuh's
-// ring_copy (src_bytes = 0: zeros; wide_l2 as load_stream). cp.async.cg goes through L2 only,
-// which X needs as well: it is the previous kernel's output, never to be served from a stale L1 line.
-
-// X: re-read by every CTA, cached in L1 (the default for ld.global on sm_90). Not .nc: X is the
-// previous kernel's output, and under programmatic dependent launch that kernel may still run
-// during this one, so X is not read-only for this kernel's lifetime; ptxas does hoist .nc loads
-// (and __ldg) above griddepcontrol.wait. volatile keeps the load after the wait in the PTX.
-__device__ __forceinline__ uint4 load_cached(const bf16* p) {
-    uint4 v;
-    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
+constexpr int RING_STEPS = 4;     // steps per warp in flight (cp.async groups)
+// one step of one warp: W rows g and g + 8, X row g (16 bytes per lane each)
+constexpr int RING_SLOT_QUADS = 3 * 32;
+constexpr int RING_BYTES_PER_WARP = RING_STEPS * RING_SLOT_QUADS * 16;   // gpu/ops/gemv.py sizes shared memory by it
 
 // One warp step: 16 W rows x 32 k against the X chunk (header: fragment layout).
 __device__ __forceinline__ void mma_pair(float acc[4], const uint4& p, const uint4& q, const uint4& v) {
@@ -162,20 +111,17 @@ __device__ __forceinline__ void mma_pair(float acc[4], const uint4& p, const uin
 
 // How a kernel gets its X operand (B = X^T) and what its epilogue does with Y.
 //   plain       X as stored.
-//   rms_norm    X is the residual stream: the operand is bf16(x * norm weight), the kernel sums
-//               the squares itself and scales each output by inv_rms (header).
 //   prenormed   X is bf16(x * norm weight) already, written with its sums of squares by the
 //               residual GEMV before (Epilogue::residual_norm): the kernel only scales.
 // residual_norm: Y += X @ W^T (the residual add, bf16), and for the norm after it
 // bf16(Y * norm weight) and each CTA's sum of Y's squares per row (the handed-over norm, header).
-enum class XLoad { plain, rms_norm, prenormed };
+enum class XLoad { plain, prenormed };
 enum class Epilogue { store, rope_kv, silu_mul, residual_norm };
 
-// The norm of X, for the modes that have one.
+// The handed-over norm of X (prenormed).
 struct NormArgs {
-    const bf16* weight;    // rms_norm: the norm's gain [k]
     float eps;
-    const float* row_ss;   // prenormed: the producer's per-CTA sums of squares [m][ceil(k / 16)]
+    const float* row_ss;   // the producer's per-CTA sums of squares [m][ceil(k / 16)]
 };
 
 // What Epilogue::residual_norm writes besides Y.
@@ -213,12 +159,6 @@ __device__ __forceinline__ Tile cta_tile(int cta, int n, int head_dim) {
     }
 }
 
-// norm weight: written by no kernel, re-read by every CTA: the read-only cached path (ptxas may
-// hoist it above the wait, which is allowed: no kernel writes it)
-__device__ __forceinline__ uint4 load_weight(const bf16* p) {
-    return __ldg(reinterpret_cast<const uint4*>(p));
-}
-
 // The sum of x over the 16 lanes of one epilogue row (a half warp: lanes i0 .. i0 + 15 hold its
 // 16 tile columns) in a fixed butterfly, so every CTA adds in the same order. Every lane of the
 // warp must call it.
@@ -238,31 +178,18 @@ __device__ __forceinline__ unsigned long long row_max16(unsigned long long x) {
     return x;
 }
 
-// The norm's operand bf16(x * weight) of eight x values (the product of two bf16 values is exact
-// in fp32: one rounding), adding their squares (fp32) to ss.
-__device__ __forceinline__ uint4 scale_by_weight(const uint4& x_raw, const uint4& w_raw, float& ss) {
-    float v[8], nw[8];
-    unpack_bf16x8(x_raw, v);
-    unpack_bf16x8(w_raw, nw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) ss = fmaf(v[i], v[i], ss);
-    return make_uint4(pack_bf16x2(v[0] * nw[0], v[1] * nw[1]), pack_bf16x2(v[2] * nw[2], v[3] * nw[3]),
-                      pack_bf16x2(v[4] * nw[4], v[5] * nw[5]), pack_bf16x2(v[6] * nw[6], v[7] * nw[7]));
-}
-
 // y: per EPI (store: [m, n] bf16 or fp32 (out_f32), row stride n; rope_kv: the qkv rows [m, n];
-// silu_mul: act [m, n/2]); w: [n, k] bf16; x: [m, k] bf16 (rms_norm: the residual stream).
+// silu_mul: act [m, n/2]); w: [n, k] bf16; x: [m, k] bf16 (prenormed: the handed-over operand).
 // accumulate = 1 (store): y += x @ w^T (fp32 sum of the old value and the product, rounded once).
 template <XLoad MODE, Epilogue EPI>
 __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __restrict__ x,
                                           const NormArgs& norm, const bf16* __restrict__ w,
                                           int m, int n, int k, int out_f32, int accumulate,
-                                          const RopeArgs& rope, const NormOut& norm_out, int wide_l2, int ring,
+                                          const RopeArgs& rope, const NormOut& norm_out,
                                           unsigned long long* head_argmax = nullptr) {
-    extern __shared__ float partial[];   // [warps][8 rows of x][16 columns of the CTA]
-                                         // (rms_norm: then [warps][8 rows] sums of squares;
-                                         // ring: then the warps' slots; prenormed: then
-                                         // [m][ss_count] producer sums of squares)
+    extern __shared__ float partial[];   // [warps][8 rows of x][16 columns of the CTA], then the
+                                         // warps' ring slots, then (prenormed) [m][ss_count]
+                                         // producer sums of squares
     allow_consumer();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -279,11 +206,11 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
     const bf16* xr = x + (x_ok ? g : 0) * (size_t)k + 8 * t;
 
     // prenormed: the producer's m x ss_count sums of squares, copied into shared memory right
-    // after the wait with (ring path: in the same cp.async group as) the first X chunks, so
-    // the epilogue's inv_rms costs no memory round trip at the end. ss_count % 4 == 0 (k % 64
-    // == 0, checked in Python): whole 16-byte chunks, shared among all the CTA's lanes.
+    // after the wait in the same cp.async group as the first X chunks, so the epilogue's inv_rms
+    // costs no memory round trip at the end. ss_count % 4 == 0 (k % 64 == 0, checked in Python):
+    // whole 16-byte chunks, shared among all the CTA's lanes.
     const int ss_count = (k + ROWS_PER_CTA - 1) / ROWS_PER_CTA;
-    float* const producer_ss = partial + warps * (8 * ROWS_PER_CTA) + (ring ? warps * (RING_BYTES_PER_WARP / 4) : 0);
+    float* const producer_ss = partial + warps * (8 * ROWS_PER_CTA) + warps * (RING_BYTES_PER_WARP / 4);
     auto copy_producer_ss = [&]() {
         if constexpr (MODE == XLoad::prenormed) {
             for (int c = threadIdx.x; c < m * ss_count / 4; c += blockDim.x)
@@ -292,111 +219,55 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
         }
     };
 
-    // Plain gemv_bf16 loads its UNROLL X chunks together, then runs the mmas; the other modes
-    // take each X chunk to its mmas one by one: the norm's conversion and the two-run tile's
-    // second W pointer need registers that 8 W + 4 X quads in flight leave no room for under
-    // the 64-register cap (ptxas spilled 36-48 bytes otherwise).
-    constexpr bool ONE_BY_ONE = MODE != XLoad::plain || EPI != Epilogue::store;
-    float ss = 0.0f;   // rms_norm: the sum of squares of the x values this lane loads (row g)
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    if (ring) {
-        // The ring path (header): this warp's RING_STEPS slots sit after the partial tiles (and
-        // the norm's row sums). Step i of the warp (s_begin + i) lives in slot i % RING_STEPS:
-        // W row g at quad lane, W row g + 8 at 32 + lane, X row g at 64 + lane, and (norm
-        // modes) the norm weight's 16 bytes for lanes t at 96 + t. Each lane reads back the W
-        // and X pieces it copied itself, so those need no barrier: its own cp_async_wait makes
-        // them visible to it. The norm weight chunk of lane (g, t) is copied by lane (0, t)
-        // alone (the 8 lanes of one t need the same 16 bytes), so the norm modes add a
-        // __syncwarp after the wait. A slot is refilled only after the step's mma, which every
-        // lane of the warp executes together (mma.sync.aligned) with the values read from it.
-        uint4* const slots = reinterpret_cast<uint4*>(partial + warps * (8 * ROWS_PER_CTA) +
-                                                      (MODE == XLoad::rms_norm ? warps * 8 : 0)) +
-                             warp * (RING_BYTES_PER_WARP / 16);
-        const int my_steps = s_end - s_begin;
-        auto copy_w = [&](int i) {   // and the norm weight: weights, written by no kernel
-            uint4* slot = slots + (i % RING_STEPS) * RING_SLOT_QUADS;
-            const int kk = (s_begin + i) * STEP_K;
-            const bool in = kk + 8 * t < k;
-            ring_copy(slot + lane, in && w_ok0 ? w0 + kk : w0, in && w_ok0 ? 16 : 0, wide_l2);
-            ring_copy(slot + 32 + lane, in && w_ok1 ? w1 + kk : w1, in && w_ok1 ? 16 : 0, wide_l2);
-            if constexpr (MODE == XLoad::rms_norm) {
-                if (g == 0) cp_async16(smem_addr(slot + 96 + t), in ? norm.weight + 8 * t + kk : norm.weight, in ? 16 : 0);
-            }
-        };
-        auto copy_x = [&](int i) {
-            uint4* slot = slots + (i % RING_STEPS) * RING_SLOT_QUADS;
-            const int kk = (s_begin + i) * STEP_K;
-            const bool in = x_ok && kk + 8 * t < k;
-            cp_async16(smem_addr(slot + 64 + lane), in ? xr + kk : xr, in ? 16 : 0);
-        };
-        // W of the first RING_STEPS steps before the wait (one group each), X after it (one
-        // group); the loop then commits one group per step, empty near the end, so that at step
-        // i >= RING_STEPS exactly RING_STEPS - 1 groups were committed after the one holding it.
+    // The ring (header): this warp's RING_STEPS slots sit after the partial tiles. Step i of the
+    // warp (s_begin + i) lives in slot i % RING_STEPS: W row g at quad lane, W row g + 8 at
+    // 32 + lane, X row g at 64 + lane. Each lane reads back only the pieces it copied itself, so
+    // they need no barrier: its own cp_async_wait makes them visible to it. A slot is refilled
+    // only after the step's mma, which every lane of the warp executes together
+    // (mma.sync.aligned) with the values read from it.
+    uint4* const slots = reinterpret_cast<uint4*>(partial + warps * (8 * ROWS_PER_CTA)) +
+                         warp * (RING_BYTES_PER_WARP / 16);
+    const int my_steps = s_end - s_begin;
+    auto copy_w = [&](int i) {   // weights: written by no kernel
+        uint4* slot = slots + (i % RING_STEPS) * RING_SLOT_QUADS;
+        const int kk = (s_begin + i) * STEP_K;
+        const bool in = kk + 8 * t < k;
+        ring_copy(slot + lane, in && w_ok0 ? w0 + kk : w0, in && w_ok0 ? 16 : 0);
+        ring_copy(slot + 32 + lane, in && w_ok1 ? w1 + kk : w1, in && w_ok1 ? 16 : 0);
+    };
+    auto copy_x = [&](int i) {
+        uint4* slot = slots + (i % RING_STEPS) * RING_SLOT_QUADS;
+        const int kk = (s_begin + i) * STEP_K;
+        const bool in = x_ok && kk + 8 * t < k;
+        cp_async16(smem_addr(slot + 64 + lane), in ? xr + kk : xr, in ? 16 : 0);
+    };
+    // W of the first RING_STEPS steps before the wait (one group each), X after it (one
+    // group); the loop then commits one group per step, empty near the end, so that at step
+    // i >= RING_STEPS exactly RING_STEPS - 1 groups were committed after the one holding it.
 #pragma unroll
-        for (int i = 0; i < RING_STEPS; ++i) {
-            if (i < my_steps) copy_w(i);
-            cp_async_commit();
-        }
-        wait_for_producer();   // X is the previous kernel's output
-        copy_producer_ss();    // its own group, committed before X's: done by X's wait below
-#pragma unroll
-        for (int i = 0; i < RING_STEPS; ++i)
-            if (i < my_steps) copy_x(i);
+    for (int i = 0; i < RING_STEPS; ++i) {
+        if (i < my_steps) copy_w(i);
         cp_async_commit();
-        cp_async_wait<0>();
-        for (int i = 0; i < my_steps; ++i) {
-            if (i >= RING_STEPS) cp_async_wait<RING_STEPS - 1>();
-            if constexpr (MODE == XLoad::rms_norm) __syncwarp();   // lane (0, t)'s norm weight chunk
-            const uint4* slot = slots + (i % RING_STEPS) * RING_SLOT_QUADS;
-            const uint4 p = slot[lane], q = slot[32 + lane];
-            uint4 v = slot[64 + lane];
-            if constexpr (MODE == XLoad::rms_norm) {
-                const int kk = (s_begin + i) * STEP_K;
-                if (x_ok && kk + 8 * t < k) v = scale_by_weight(v, slot[96 + t], ss);
-            }
-            mma_pair(acc, p, q, v);
-            if (i + RING_STEPS < my_steps) {
-                copy_w(i + RING_STEPS);
-                copy_x(i + RING_STEPS);
-            }
-            cp_async_commit();
-        }
     }
-    for (int s0 = ring ? s_end : s_begin; s0 < s_end; s0 += UNROLL) {
-        uint4 wv0[UNROLL], wv1[UNROLL], xv[UNROLL];
+    wait_for_producer();   // X is the previous kernel's output
+    copy_producer_ss();    // its own group, committed before X's: done by X's wait below
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int kk = (s0 + u) * STEP_K;
-            const bool in = s0 + u < s_end && kk + 8 * t < k;
-            wv0[u] = wv1[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (in && w_ok0) wv0[u] = load_stream(w0 + kk, wide_l2);
-            if (in && w_ok1) wv1[u] = load_stream(w1 + kk, wide_l2);
+    for (int i = 0; i < RING_STEPS; ++i)
+        if (i < my_steps) copy_x(i);
+    cp_async_commit();
+    cp_async_wait<0>();
+    for (int i = 0; i < my_steps; ++i) {
+        if (i >= RING_STEPS) cp_async_wait<RING_STEPS - 1>();
+        const uint4* slot = slots + (i % RING_STEPS) * RING_SLOT_QUADS;
+        const uint4 p = slot[lane], q = slot[32 + lane], v = slot[64 + lane];
+        mma_pair(acc, p, q, v);
+        if (i + RING_STEPS < my_steps) {
+            copy_w(i + RING_STEPS);
+            copy_x(i + RING_STEPS);
         }
-        if (s0 == s_begin) {   // X is the previous kernel's output
-            wait_for_producer();
-            copy_producer_ss();
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int kk = (s0 + u) * STEP_K;
-            const bool in = s0 + u < s_end && kk + 8 * t < k;
-            xv[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (in && x_ok) {
-                if constexpr (MODE != XLoad::rms_norm) {
-                    xv[u] = load_cached(xr + kk);
-                } else {
-                    xv[u] = scale_by_weight(load_cached(xr + kk), load_weight(norm.weight + 8 * t + kk), ss);
-                }
-            }
-            if constexpr (ONE_BY_ONE) mma_pair(acc, wv0[u], wv1[u], xv[u]);
-        }
-        if constexpr (!ONE_BY_ONE) {
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) mma_pair(acc, wv0[u], wv1[u], xv[u]);
-        }
+        cp_async_commit();
     }
-    wait_for_producer();   // warps without steps: Y is read/written below
-    if (!ring && s_begin >= s_end) copy_producer_ss();   // the register path's warps without steps
     if constexpr (MODE == XLoad::prenormed) cp_async_wait<0>();   // visible to all after __syncthreads
 
     // Lane (g, t) holds tile columns g and 8 + g of x rows 2t and 2t+1 (this warp's share of K);
@@ -406,13 +277,6 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
     mine[ROWS_PER_CTA] = acc[1];
     mine[8] = acc[2];
     mine[ROWS_PER_CTA + 8] = acc[3];
-    float* const row_ss = partial + warps * (8 * ROWS_PER_CTA);   // rms_norm: [warps][8 rows]
-    static_assert(NORM_SS_BYTES_PER_WARP == 8 * sizeof(float), "gpu/ops.py sizes row_ss by it");
-    if constexpr (MODE == XLoad::rms_norm) {
-        ss += __shfl_xor_sync(0xffffffffu, ss, 1);   // the 4 lanes (g, t) of x row g
-        ss += __shfl_xor_sync(0xffffffffu, ss, 2);
-        if (t == 0) row_ss[warp * 8 + g] = ss;
-    }
     __syncthreads();
 
     // Thread i of a pass owns (x row i / 16, tile column i % 16): a half warp holds one row's 16
@@ -430,16 +294,10 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
         float sum = 0.f;
         if (in_n)
             for (int v = 0; v < warps; ++v) sum += partial[v * (8 * ROWS_PER_CTA) + i];
-        if constexpr (MODE == XLoad::rms_norm) {       // the norm's scale, out of the dot product
-            float row_sum_sq = 0.f;
-            if (in_n)
-                for (int v = 0; v < warps; ++v) row_sum_sq += row_ss[v * 8 + row];
-            // fast division and rsqrt (2 ulp each, far below the bf16 rounding of the operand):
-            // IEEE division's slow-path call costs registers this kernel does not have
-            sum *= rsqrtf(__fdividef(row_sum_sq, (float)k) + norm.eps);
-        } else if constexpr (MODE == XLoad::prenormed) {   // the same scale from the producer's sums
+        if constexpr (MODE == XLoad::prenormed) {   // the norm's scale, from the producer's sums
             // the row's 16 lanes each add every 16th partial, then meet in a fixed butterfly:
-            // every CTA gets the same inv_rms (all lanes take part: the shuffles need them)
+            // every CTA gets the same inv_rms (all lanes take part: the shuffles need them).
+            // Fast division and rsqrt (2 ulp each, far below the bf16 rounding of the operand).
             float row_sum_sq = 0.f;
             if (live)
                 for (int c = col; c < ss_count; c += ROWS_PER_CTA) row_sum_sq += producer_ss[row * ss_count + c];
@@ -470,7 +328,7 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             }
         } else {
             // Both fused epilogues read the product as the unfused chain's next kernel would:
-            // rounded to bf16 (with the norm: the scaled product). The partner of column c is column c ^ 8 (the other run).
+            // rounded to bf16 (the scaled product). The partner of column c is column c ^ 8 (the other run).
             const float value = bf16_round(sum);
             const float partner = __shfl_xor_sync(0xffffffffu, value, 8);
             bf16* yb = static_cast<bf16*>(y);
@@ -504,49 +362,8 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
 // Y (+)= X @ W^T. y: [m, n] bf16 (out_f32 = 0) or fp32 (out_f32 = 1); x: [m, k]; w: [n, k].
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_bf16(void* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
-          int m, int n, int k, int out_f32, int accumulate, int wide_l2, int ring) {
-    gemv_body<XLoad::plain, Epilogue::store>(y, x, NormArgs{}, w, m, n, k, out_f32, accumulate, RopeArgs{}, NormOut{}, wide_l2, ring);
-}
-
-// qkv = X @ W^T, then RoPE on its q and k heads (q rotated in place; k rotated into k_cache, v into
-// v_cache at slot_mapping): gemv_bf16 and rope_write_kv in one launch, the same bits.
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const bf16* __restrict__ w,
-                  int m, int n, int k, bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
-                  const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                  int num_q_heads, int num_kv_heads, int head_dim, int wide_l2, int ring) {
-    gemv_body<XLoad::plain, Epilogue::rope_kv>(
-        qkv, x, NormArgs{}, w, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, NormOut{}, wide_l2, ring);
-}
-
-// gemv_rope_kv_bf16 with the RMSNorm of x (the residual stream [m, k], gain norm_w) inside, its
-// scale out of the dot product (header): qkv = inv_rms * (bf16(x * norm_w) @ W^T), then the epilogue.
-// Shared memory: kw * NORM_SS_BYTES_PER_WARP more than gemv_bf16's.
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_norm_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
-                       const bf16* __restrict__ w, int m, int n, int k, float eps,
-                       bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
-                       const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                       int num_q_heads, int num_kv_heads, int head_dim, int wide_l2, int ring) {
-    gemv_body<XLoad::rms_norm, Epilogue::rope_kv>(
-        qkv, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, NormOut{}, wide_l2, ring);
-}
-
-// act = silu(gate) * up of gate_up = X @ W^T, W = [gate; up] ([n, k], gate rows first): gemv_bf16
-// and silu_mul in one launch, the same bits. act: [m, n/2].
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ w,
-                   int m, int n, int k, int wide_l2, int ring) {
-    gemv_body<XLoad::plain, Epilogue::silu_mul>(act, x, NormArgs{}, w, m, n, k, 0, 0, RopeArgs{}, NormOut{}, wide_l2, ring);
-}
-
-// gemv_silu_mul_bf16 with the RMSNorm of x inside, as gemv_norm_rope_kv_bf16.
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_norm_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
-                        const bf16* __restrict__ w, int m, int n, int k, float eps, int wide_l2, int ring) {
-    gemv_body<XLoad::rms_norm, Epilogue::silu_mul>(act, x, NormArgs{norm_w, eps}, w, m, n, k, 0, 0, RopeArgs{}, NormOut{}, wide_l2, ring);
+          int m, int n, int k, int out_f32, int accumulate) {
+    gemv_body<XLoad::plain, Epilogue::store>(y, x, NormArgs{}, w, m, n, k, out_f32, accumulate, RopeArgs{}, NormOut{});
 }
 
 // The handed-over norm (header): y += x @ W^T as gemv_bf16 with accumulate = 1 (the o or down
@@ -555,25 +372,24 @@ gemv_norm_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, cons
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_residual_norm_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const bf16* __restrict__ w,
                         int m, int n, int k, const bf16* __restrict__ norm_w, bf16* __restrict__ normed,
-                        float* __restrict__ row_ss, int wide_l2, int ring) {
+                        float* __restrict__ row_ss) {
     gemv_body<XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, w, m, n, k, 0, 1, RopeArgs{},
-                                                     NormOut{norm_w, normed, row_ss}, wide_l2, ring);
+                                                     NormOut{norm_w, normed, row_ss});
 }
 
-// gemv_rope_kv_bf16 on x = normed from gemv_residual_norm_bf16, each output scaled by its row's
-// inv_rms = 1 / sqrt(sum(row_ss[j]) / k + eps) before the epilogue: the formula of
-// gemv_norm_rope_kv_bf16 without its per-CTA work on x. row_ss: [m][k / 16], k % 64 == 0.
-// Shared memory: m * k / 16 * 4 bytes more than gemv_bf16's.
+// qkv = inv_rms * (x @ W^T) on x = normed from gemv_residual_norm_bf16 (or the embedding gather),
+// inv_rms = 1 / sqrt(sum(row_ss[j]) / k + eps), then RoPE on its q and k heads (q rotated in
+// place; k rotated into k_cache, v into v_cache at slot_mapping): rope_write_kv inside.
+// row_ss: [m][k / 16], k % 64 == 0. Shared memory: m * k / 16 * 4 bytes more than gemv_bf16's.
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_prenormed_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
                             const bf16* __restrict__ w, int m, int n, int k, float eps,
                             bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
                             const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                            int num_q_heads, int num_kv_heads, int head_dim, int wide_l2, int ring) {
+                            int num_q_heads, int num_kv_heads, int head_dim) {
     gemv_body<XLoad::prenormed, Epilogue::rope_kv>(
-        qkv, x, NormArgs{nullptr, eps, row_ss}, w, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, NormOut{},
-        wide_l2, ring);
+        qkv, x, NormArgs{eps, row_ss}, w, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, NormOut{});
 }
 
 // Y = inv_rms * (x @ W^T) on a prenormed x, as gemv_prenormed_rope_kv_bf16, stored as gemv_bf16
@@ -586,15 +402,16 @@ gemv_prenormed_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, 
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_prenormed_bf16(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss,
                     const bf16* __restrict__ w, int m, int n, int k, float eps, int out_f32,
-                    unsigned long long* __restrict__ head_argmax, int wide_l2, int ring) {
-    gemv_body<XLoad::prenormed, Epilogue::store>(y, x, NormArgs{nullptr, eps, row_ss}, w, m, n, k, out_f32, 0,
-                                                 RopeArgs{}, NormOut{}, wide_l2, ring, head_argmax);
+                    unsigned long long* __restrict__ head_argmax) {
+    gemv_body<XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, w, m, n, k, out_f32, 0,
+                                                 RopeArgs{}, NormOut{}, head_argmax);
 }
 
-// gemv_silu_mul_bf16 on a prenormed x, as gemv_prenormed_rope_kv_bf16.
+// act = silu(gate) * up of gate_up = inv_rms * (x @ W^T) on a prenormed x, as
+// gemv_prenormed_rope_kv_bf16; W = [gate; up] ([n, k], gate rows first), act: [m, n/2].
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_prenormed_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const float* __restrict__ row_ss,
-                             const bf16* __restrict__ w, int m, int n, int k, float eps, int wide_l2, int ring) {
-    gemv_body<XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{nullptr, eps, row_ss}, w, m, n, k, 0, 0,
-                                                    RopeArgs{}, NormOut{}, wide_l2, ring);
+                             const bf16* __restrict__ w, int m, int n, int k, float eps) {
+    gemv_body<XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, w, m, n, k, 0, 0,
+                                                    RopeArgs{}, NormOut{});
 }

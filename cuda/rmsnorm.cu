@@ -4,7 +4,7 @@
 // The sum of squares: chunk sums of SS_CHUNK = 16 columns (common.cuh's chunk_sum_sq, the tree the
 // embedding's handed-over norm uses too) in shared memory, added in sum_of_chunk_sums' order.
 // Launch: one block per output row, THREADS threads, 16-byte loads. Requires hidden % 8 == 0 and
-// hidden <= MAX_HIDDEN (gpu/ops.py checks both).
+// hidden <= MAX_HIDDEN (gpu/ops/rowwise.py checks both).
 // `in` is the previous kernel's output: no __restrict__, so its loads are never the read-only
 // (.nc) kind that ptxas may move above wait_for_producer() (see common.cuh).
 #include "common.cuh"
@@ -27,7 +27,7 @@ __device__ __forceinline__ float norm_apply(float x, float inv_rms, float weight
     return __fmul_rn(__fmul_rn(x, inv_rms), weight);
 }
 
-constexpr int THREADS = 256;   // block size (gpu/ops.py launches with it)
+constexpr int THREADS = 256;   // block size (gpu/ops/rowwise.py launches with it)
 constexpr int MAX_HIDDEN = 32768;   // the chunk sums of one row sit in shared memory (8 KB)
 
 extern "C" __global__ void __launch_bounds__(THREADS) rms_norm(bf16* __restrict__ out, const bf16* in,

@@ -7,7 +7,7 @@
 // Launch: one block per token, threads over (head, pair) and then over the v row.
 #include "common.cuh"
 
-constexpr int THREADS = 256;   // block size (gpu/ops.py launches with it)
+constexpr int THREADS = 256;   // block size (gpu/ops/rowwise.py launches with it)
 
 extern "C" __global__ void __launch_bounds__(THREADS) rope_write_kv(bf16* __restrict__ qkv, bf16* __restrict__ k_cache,
                                          bf16* __restrict__ v_cache, const int* __restrict__ positions,

@@ -24,7 +24,7 @@ def cuda_unavailable_reason() -> str | None:
 def pytest_collection_modifyitems(config, items):
     reason = None
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:   # the marker, not a directory named gpu
             reason = reason or cuda_unavailable_reason()
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
@@ -42,7 +42,7 @@ def tiny_model_dir(tmp_path_factory):
 def gpu_ops():
     """GPU tests: the device's primary CUDA context current for the module, every cuda/*.cu
     kernel compiled (PyCUDA caches the cubins), and the launchers the model itself calls
-    (gpu/ops.py) on the default stream, with a cuBLAS handle for linear()."""
+    (gpu/ops/) on the default stream, with a cuBLAS handle for linear()."""
     import pycuda.driver as drv
 
     from tinyvllm.gpu.cublas import Cublas

@@ -46,7 +46,7 @@ def test_alignment_and_sizes(layout):
     for p in itertools.chain(layout.activations.values(), layout.inputs.values()):
         assert p.offset % ALIGN == 0
     assert max(p.offset + p.nbytes for p in layout.activations.values()) <= layout.activation_bytes
-    # a decode step's upload stops inside block_tables (cuda_runner._stage_inputs): every input
+    # a decode step's upload stops inside block_tables (gpu/input_banks.py's _stage_inputs): every input
     # a decode step uses lies before it, and only the prefill per-token arrays after it
     names = [s.name for s in INPUTS]
     after = names[names.index("block_tables") + 1:]

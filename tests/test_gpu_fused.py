@@ -1,19 +1,22 @@
-"""The fused decode layer's kernels (cuda/gemv.cu: gemv_[norm_]rope_kv_bf16,
-gemv_[norm_]silu_mul_bf16) against the unfused kernel chains they replace and against numpy.
+"""The fused decode layer's GEMVs (cuda/gemv.cu: gemv_residual_norm_bf16 and the embedding
+gather handing an RMSNorm over, gemv_prenormed_rope_kv_bf16, gemv_prenormed_silu_mul_bf16,
+gemv_prenormed_bf16) against their numpy twins and against the unfused kernels.
 
-1. Bitwise (no norm inside): gemv_rope_kv / gemv_silu_mul equal, bit for bit, the chain they
-   replace run on the GPU — rms_norm(), gemv() (same k_warps: the split of K fixes each dot
-   product's summation order), then rope_write_kv() or silu_mul(). common.cuh gives both sides
-   the same arithmetic, so any difference is a bug, not rounding; the chain's projection is
-   checked against its twin too (bound in _check_twin).
-2. Norm inside (gemv_norm_*: the RMSNorm's scale out of the dot product) against the numpy twin
-   reference/kernels.py rms_norm_linear, P_t = fl(r_t fl(sum_k a_k w_k)), a = bf16(x * norm_w)
-   (the same bf16 operand on both sides: the product of two bf16 values is exact in fp32). The
-   GPU differs only in fp32 order and its fast inv_rms. With u = 2^-24, S = |a| @ |W|^T and
-   r* the exact inv_rms (float64):
+1. The handed-over operand: gemv_residual_norm's y += X @ W^T equals gemv()'s with accumulate at
+   the same k-split (bitwise: the same dot products), the embedding's rows the plain gather's;
+   normed = bf16(y * norm_w) bitwise (one fp32 product, one rounding), the row sums of squares of
+   each 16 columns within 4 u of float64 (_handed_over).
+2. Bitwise against the chains: gemv_prenormed_rope_kv equals gemv_prenormed_bf16 (bf16 Y, the
+   same k-split: each output's dot product and scale are the same code) then rope_write_kv();
+   gemv_prenormed_silu_mul equals gemv_prenormed_bf16 then silu_mul() (common.cuh gives both
+   sides the RoPE and SwiGLU arithmetic).
+3. Against the numpy twin reference/kernels.py rms_norm_linear, P_t = fl(r_t fl(sum_k a_k w_k)),
+   a = bf16(x * norm_w) (the same bf16 operand on both sides: the product of two bf16 values is
+   exact in fp32). The GPU differs only in fp32 order and its fast inv_rms. With u = 2^-24,
+   S = |a| @ |W|^T and r* the exact inv_rms (float64):
      - the two fp32 sums of the same k products: each within g_k S of the exact, g_k = k u / (1 - k u);
      - inv_rms: the twin's within rho_t = ((k + 3) / 2 + 2) u of r* (test_reference_fused.py), the
-       GPU's (fp32 sum of squares in its order: k u, halved by the root; __fdividef 2 ulp and the
+       GPU's (fp32 sums of squares in its order: k u, halved by the root; __fdividef 2 ulp and the
        eps add, halved; rsqrtf 2^-22.9 < 4 u) within rho_g = ((k + 3) / 2 + 4) u;
      - the final multiplies: u each.
    |P_g - P_t| <= delta = 1.001 r* S (2 g_k + rho_t + rho_g + 2 u)   (|sum| <= S).
@@ -29,8 +32,9 @@ gemv_[norm_]silu_mul_bf16) against the unfused kernel chains they replace and ag
    radians, sincosf's error < 2^-21 absolute: (|x1| + |x2|) times their sum), three fp32 roundings
    of the rotation (3 u (|x1| + |x2|)) and the bf16 store (2^-8 |y|). Compared with the float64
    rotation of the twin's pair by the float64 angle pos * inv_freq.
-3. Nothing written outside the outputs: outputs and caches start poisoned, guard rows / unused
-   cache slots must keep their bits; inputs carry NaN past their valid rows.
+4. Nothing written outside the outputs: outputs and caches start poisoned, guard rows / unused
+   cache slots / a padding row's slot (-1) must keep their bits; inputs carry NaN past their
+   valid rows.
 Inputs are drawn fresh each run (seeds printed by the rng fixture).
 """
 from __future__ import annotations
@@ -46,19 +50,11 @@ pytestmark = pytest.mark.gpu
 
 EPS = 1e-5
 U = 2.0 ** -24
-# (hidden k, intermediate): 1B, SmolLM2-135M, tiny, k not a multiple of 16, k = 8
-SILU_SHAPES = [(2048, 8192), (576, 1536), (256, 768), (264, 136), (8, 16)]
-# (hidden k, q heads, kv heads, head_dim): 1B, SmolLM2-135M, head_dim 128, k not a multiple of 16, one head
-ROPE_SHAPES = [(2048, 32, 8, 64), (576, 9, 3, 64), (256, 4, 2, 128), (264, 2, 1, 64), (64, 1, 1, 16)]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["registers", "ring"])
-def gpu(gpu_ops, request):
-    """Every test runs on both weight paths of the GEMV (gemv.cu's header: registers, or the
-    cp.async ring in shared memory)."""
-    gpu_ops.gemv_ring = request.param
-    yield gpu_ops
-    gpu_ops.gemv_ring = False
+@pytest.fixture(scope="module")
+def gpu(gpu_ops):
+    return gpu_ops
 
 
 def _sync():
@@ -75,21 +71,8 @@ def _with_nan_rows(a: np.ndarray, rows: int = 1) -> np.ndarray:
     return np.concatenate([a, np.full((rows, *a.shape[1:]), np.nan, np.float32).astype(BF16)])
 
 
-def _check_twin(got, operand, w32, want):
-    """bf16 product of an fp32-accumulated GEMV against the twin: the operand may differ by one
-    bf16 ulp (2^-7 relative) where the fp32 formulas round differently, both sides accumulate k
-    products in fp32 (k 2^-24 of the sum of absolute products each), Y is rounded to bf16
-    (2^-8 relative)."""
-    k = operand.shape[-1]
-    bound = (2.0 ** -7 + 2 * k * U) * (np.abs(operand) @ np.abs(w32).T)
-    bound = bound + 2.0 ** -8 * (np.abs(want) + bound)
-    got = got.astype(np.float32)
-    assert np.all(np.isfinite(got))
-    assert float(np.max(np.abs(got - want) / np.maximum(bound, 1e-30))) <= 1.0
-
-
 def _norm_twin(stored, norm_w, w32):
-    """(P_t float64, Delta: the bound on |bf16(P_g) - P_t|) of the module docstring, item 2."""
+    """(P_t float64, Delta: the bound on |bf16(P_g) - P_t|) of the module docstring, item 3."""
     k = stored.shape[-1]
     x64 = stored.astype(np.float64)
     r_exact = 1 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + EPS)
@@ -126,195 +109,13 @@ def _embedding_inputs(rng, m, k):
     return DeviceArray(table), DeviceArray(ids), vocab
 
 
-def _residual(gpu, rng, m, k, producer):
-    """The residual stream [m, k] as the model makes it: the o/down GEMV's residual add
-    (hidden += x @ W^T), or the embedding gather. -> (device hidden, host hidden as stored)."""
-    from gpu_helpers import BF16, DeviceArray, to_bf16
-    if producer == "embedding":
-        table, ids, vocab = _embedding_inputs(rng, m, k)
-        hidden = DeviceArray.poisoned((m, k), BF16)
-        gpu.embedding(hidden, table, ids, m, k, vocab)
-    else:
-        h0 = to_bf16(rng.standard_normal((m, k)) * rng.uniform(0.1, 30))
-        inner = 3 * k
-        x = DeviceArray(_with_nan_rows(to_bf16(rng.standard_normal((m, inner)))))
-        _, d_w = _weights(rng, k, inner)
-        hidden = DeviceArray(h0)
-        gpu.gemv(hidden, x, d_w, m, k, inner, accumulate=True)
-    _sync()
-    return hidden, hidden.get()
-
-
 def _norm_weight(rng, k):
     from gpu_helpers import DeviceArray, to_bf16
     norm_w = to_bf16(1 + 0.2 * rng.standard_normal(k))
     return norm_w, DeviceArray(np.concatenate([norm_w, np.full(8, np.nan, np.float32).astype(norm_w.dtype)]))
 
 
-@pytest.mark.parametrize("norm_inside", [True, False], ids=["norm", "plain"])
-@pytest.mark.parametrize("producer", ["gemv", "embedding"])
-@pytest.mark.parametrize("m", [1, 2, 5, 8])
-@pytest.mark.parametrize("k,inter", SILU_SHAPES, ids=lambda v: str(v))
-def test_silu_mul(gpu, rng, k, inter, m, producer, norm_inside, k_warps=None):
-    from gpu_helpers import DeviceArray
-    hidden, stored = _residual(gpu, rng, m, k, producer)
-    norm_w, d_nw = _norm_weight(rng, k)
-    w32, d_w = _weights(rng, 2 * inter, k)
-    fused = DeviceArray.poisoned((m + 2, inter), stored.dtype)          # guard rows 0 and m + 1
-    normed = DeviceArray.poisoned((m, k), stored.dtype)
-    gate_up = DeviceArray.poisoned((m, 2 * inter), stored.dtype)
-    act = DeviceArray.poisoned((m, inter), stored.dtype)
-    gpu.rms_norm(normed, hidden, d_nw, m, k, EPS)
-    x, norm = (hidden, (d_nw, EPS)) if norm_inside else (normed, None)
-    gpu.gemv_silu_mul(fused.ptr + inter * 2, x, d_w, m, 2 * inter, k, norm=norm, k_warps=k_warps)
-    gpu.gemv(gate_up, normed, d_w, m, 2 * inter, k, k_warps=k_warps)
-    gpu.silu_mul(act, gate_up, m, inter)
-    _sync()
-    got = fused.get()
-    np.testing.assert_array_equal(_bits(got[[0, -1]]), np.full((2, inter), 0x7FC0, np.uint16),
-                                  err_msg="wrote outside act[0:m]")
-    operand = ref.bf16_round(ref.rms_norm(stored, norm_w, EPS))       # what rms_norm stores, to an ulp
-    _check_twin(gate_up.get(), operand, w32, ref.linear(operand, w32))
-    if not norm_inside:
-        np.testing.assert_array_equal(_bits(got[1:-1]), _bits(act.get()), err_msg="fused != rms_norm, gemv, silu_mul")
-        return
-    twin, bound = _norm_twin(stored, norm_w, w32)                      # module docstring, item 2
-    g, u = twin[:, :inter], twin[:, inter:]
-    dg, du = bound[:, :inter], bound[:, inter:]
-    act_got = got[1:-1].astype(np.float64)
-    silu_bound = ((np.abs(g) + dg) * du + 1.1 * np.abs(u) * dg + 2.0 ** -19 * (np.abs(g) + dg) * (np.abs(u) + du)
-                  + 2.0 ** -8 * np.abs(act_got))
-    _within(act_got, g / (1 + np.exp(-g)) * u, silu_bound, "silu(gate) * up")
-
-
-@pytest.mark.parametrize("k_warps", [1, 3, 8, 32])
-@pytest.mark.parametrize("m,k,inter", [(1, 2048, 8192), (8, 576, 1536), (5, 264, 136)])
-def test_silu_mul_split_k(gpu, rng, m, k, inter, k_warps):
-    """Every split of K, including more warps than steps (warps that only take part in the
-    epilogue)."""
-    test_silu_mul(gpu, rng, k, inter, m, "gemv", True, k_warps=k_warps)
-    test_silu_mul(gpu, rng, k, inter, m, "gemv", False, k_warps=k_warps)
-
-
-@pytest.mark.parametrize("norm_inside", [True, False], ids=["norm", "plain"])
-@pytest.mark.parametrize("producer", ["gemv", "embedding"])
-@pytest.mark.parametrize("m", [1, 2, 5, 8])
-@pytest.mark.parametrize("k,hq,hkv,d", ROPE_SHAPES, ids=lambda v: str(v))
-def test_rope_kv(gpu, rng, k, hq, hkv, d, m, producer, norm_inside, k_warps=None):
-    import dataclasses
-
-    from gpu_helpers import DeviceArray
-
-    from tinyvllm.checkpoint.model_writer import preset_config
-    from tinyvllm.config import rope_inv_freq
-    hidden, stored = _residual(gpu, rng, m, k, producer)
-    norm_w, d_nw = _norm_weight(rng, k)
-    n = (hq + 2 * hkv) * d
-    w32, d_w = _weights(rng, n, k)
-    freqs = rope_inv_freq(dataclasses.replace(preset_config("llama-3.2-1b"), head_dim=d))
-    inv_freq = DeviceArray(freqs)
-    positions = rng.integers(0, 131072, m).astype(np.int32)
-    slots = rng.permutation(4 * 16)[:m].astype(np.int32)
-    if m > 1:
-        slots[1] = -1                                                     # a padding row: no cache write
-    d_pos, d_slots = DeviceArray(positions), DeviceArray(slots)
-    out = {}
-    for path in ("fused", "chain"):
-        qkv = DeviceArray.poisoned((m + 2, n), stored.dtype)
-        caches = [DeviceArray.poisoned((4, 16, hkv, d), stored.dtype) for _ in range(2)]
-        normed = DeviceArray.poisoned((m, k), stored.dtype)
-        gpu.rms_norm(normed, hidden, d_nw, m, k, EPS)
-        if path == "fused":
-            x, norm = (hidden, (d_nw, EPS)) if norm_inside else (normed, None)
-            gpu.gemv_rope_kv(qkv.ptr + n * 2, x, d_w, m, n, k, *caches, d_pos, d_slots, inv_freq,
-                             num_q_heads=hq, num_kv_heads=hkv, head_dim=d, norm=norm, k_warps=k_warps)
-        else:
-            gpu.gemv(qkv.ptr + n * 2, normed, d_w, m, n, k, k_warps=k_warps)
-            _sync()
-            raw = qkv.get()[1:-1].copy()
-            gpu.rope_write_kv(qkv.ptr + n * 2, *caches, d_pos, d_slots, inv_freq, m, hq, hkv, d)
-        _sync()
-        out[path] = [qkv.get(), *(c.get() for c in caches)]
-    (q_f, k_f, v_f), (q_c, k_c, v_c) = out["fused"], out["chain"]
-    poison = np.uint16(0x7FC0)
-    assert np.all(_bits(q_f[[0, -1]]) == poison), "wrote outside qkv[0:m]"
-    written = np.zeros(4 * 16, bool)
-    written[slots[slots >= 0]] = True
-    for cache in (k_f, v_f):
-        flat = _bits(cache).reshape(4 * 16, -1)
-        assert np.all(flat[~written] == poison) and not np.any(flat[written] == poison)
-    operand = ref.bf16_round(ref.rms_norm(stored, norm_w, EPS))       # what rms_norm stores, to an ulp
-    _check_twin(raw, operand, w32, ref.linear(operand, w32))      # the chain's projection (k and v as stored)
-    if not norm_inside:
-        np.testing.assert_array_equal(_bits(q_f), _bits(q_c), err_msg="qkv: fused != rms_norm, gemv, rope_write_kv")
-        np.testing.assert_array_equal(_bits(k_f), _bits(k_c), err_msg="k cache: fused != chain")
-        np.testing.assert_array_equal(_bits(v_f), _bits(v_c), err_msg="v cache: fused != chain")
-        return
-    twin, bound = _norm_twin(stored, norm_w, w32)                      # module docstring, item 2
-    q_size, got = hq * d, q_f[1:-1].astype(np.float64)
-    _within(got[:, q_size:], twin[:, q_size:], bound[:, q_size:], "k, v as stored in qkv")
-    # RoPE of the twin's pairs in float64, and its bound (module docstring, item 2)
-    half = d // 2
-    pairs = twin.reshape(m, -1, d)[:, :hq + hkv]
-    pair_bound = bound.reshape(m, -1, d)[:, :hq + hkv]
-    x1, x2, b1, b2 = pairs[..., :half], pairs[..., half:], pair_bound[..., :half], pair_bound[..., half:]
-    angle = positions.astype(np.float64)[:, None, None] * freqs.astype(np.float64)[None, None, :]
-    cos, sin = np.cos(angle), np.sin(angle)
-    rotated = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    mag = np.abs(x1) + np.abs(x2) + b1 + b2
-    rot_bound = np.concatenate([b1 + b2 + mag * (U * angle + 2.0 ** -21 + 3 * U)] * 2, axis=-1)
-    q_got = got[:, :q_size].reshape(m, hq, d)
-    _within(q_got, rotated[:, :hq], rot_bound[:, :hq] + 2.0 ** -8 * np.abs(q_got), "q rotated")
-    live = slots >= 0
-    k_got = k_f.reshape(4 * 16, hkv, d)[slots[live]].astype(np.float64)
-    _within(k_got, rotated[live, hq:], rot_bound[live, hq:] + 2.0 ** -8 * np.abs(k_got), "k cache rotated")
-    v_got = v_f.reshape(4 * 16, hkv, d)[slots[live]].astype(np.float64)
-    v_twin, v_bound = (a[:, q_size + hkv * d:].reshape(m, hkv, d)[live] for a in (twin, bound))
-    _within(v_got, v_twin, v_bound, "v cache")
-
-
-@pytest.mark.parametrize("k_warps", [1, 3, 8, 32])
-@pytest.mark.parametrize("m,k,hq,hkv,d", [(1, 2048, 32, 8, 64), (8, 576, 9, 3, 64), (3, 264, 2, 1, 64)])
-def test_rope_kv_split_k(gpu, rng, m, k, hq, hkv, d, k_warps):
-    test_rope_kv(gpu, rng, k, hq, hkv, d, m, "gemv", True, k_warps=k_warps)
-    test_rope_kv(gpu, rng, k, hq, hkv, d, m, "gemv", False, k_warps=k_warps)
-
-
-@pytest.mark.parametrize("k_warps", [1, 3, 16])
-@pytest.mark.parametrize("m", [1, 8])
-def test_norm_gemvs_ring_changes_no_bits(gpu, rng, m, k_warps):
-    """The norm-inside GEMVs (the ones compared with their twin, not bit for bit, above) give the
-    same bits on the ring path as on the register path at one k-split."""
-    from gpu_helpers import BF16, DeviceArray
-    k, inter, hq, hkv, d = 576, 1536, 9, 3, 64
-    hidden, _ = _residual(gpu, rng, m, k, "gemv")
-    _, d_nw = _norm_weight(rng, k)
-    _, d_gu = _weights(rng, 2 * inter, k)
-    n = (hq + 2 * hkv) * d
-    _, d_qkv = _weights(rng, n, k)
-    slots = 8
-    positions = DeviceArray(rng.integers(0, 4096, m).astype(np.int32))
-    slot_mapping = DeviceArray(rng.permutation(slots)[:m].astype(np.int32))
-    inv_freq = DeviceArray((1.0 / 10000.0 ** (np.arange(0, d, 2) / d)).astype(np.float32))
-    was, outs = gpu.gemv_ring, []
-    try:
-        for ring in (False, True):
-            gpu.gemv_ring = ring
-            act, qkv = DeviceArray.poisoned((m, inter), BF16), DeviceArray.poisoned((m, n), BF16)
-            k_cache, v_cache = (DeviceArray.poisoned((slots, hkv, d), BF16) for _ in range(2))
-            gpu.gemv_silu_mul(act, hidden, d_gu, m, 2 * inter, k, norm=(d_nw, EPS), k_warps=k_warps)
-            gpu.gemv_rope_kv(qkv, hidden, d_qkv, m, n, k, k_cache, v_cache, positions, slot_mapping, inv_freq,
-                             num_q_heads=hq, num_kv_heads=hkv, head_dim=d, norm=(d_nw, EPS), k_warps=k_warps)
-            _sync()
-            outs.append([_bits(a.get()) for a in (act, qkv, k_cache, v_cache)])
-    finally:
-        gpu.gemv_ring = was
-    for name, reg, ring_out in zip(("act", "qkv", "k_cache", "v_cache"), *outs):
-        np.testing.assert_array_equal(reg, ring_out, err_msg=f"{name}: the ring path changed bits")
-
-
 GUARD_KEY = 0x0123456789ABCDEF   # an argmax key no row of logits has (its low word is no index here)
-HANDOVER_SHAPES = [(2048, 8192, 32, 8, 64), (576, 1536, 9, 3, 64), (256, 768, 4, 2, 128), (64, 16, 1, 1, 16)]
 
 
 def _handed_over(gpu, rng, m, k, k_warps, producer="gemv"):
@@ -354,16 +155,35 @@ def _handed_over(gpu, rng, m, k, k_warps, producer="gemv"):
     return stored, norm_w, normed, row_ss
 
 
+def _rope_twin(twin, bound, positions, freqs, hq: int, hkv: int, d: int):
+    """(rotated, rot_bound): the float64 RoPE of the twin's q and k pairs [m, hq + hkv, d] and its
+    bound before the bf16 store (module docstring, item 3)."""
+    m, half = twin.shape[0], d // 2
+    pairs = twin.reshape(m, -1, d)[:, :hq + hkv]
+    pair_bound = bound.reshape(m, -1, d)[:, :hq + hkv]
+    x1, x2, b1, b2 = pairs[..., :half], pairs[..., half:], pair_bound[..., :half], pair_bound[..., half:]
+    angle = positions.astype(np.float64)[:, None, None] * freqs.astype(np.float64)[None, None, :]
+    cos, sin = np.cos(angle), np.sin(angle)
+    rotated = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    mag = np.abs(x1) + np.abs(x2) + b1 + b2
+    return rotated, np.concatenate([b1 + b2 + mag * (U * angle + 2.0 ** -21 + 3 * U)] * 2, axis=-1)
+
+
+HANDOVER_SHAPES = [(2048, 8192, 32, 8, 64), (576, 1536, 9, 3, 64), (256, 768, 4, 2, 128), (64, 16, 1, 1, 16)]
+SLOTS = 64
+
+
 @pytest.mark.parametrize("producer", ["gemv", "embedding"])
-@pytest.mark.parametrize("k_warps", [None, 1, 32])
+@pytest.mark.parametrize("k_warps", [None, 1, 3, 32])
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("k,inter,hq,hkv,d", HANDOVER_SHAPES, ids=lambda v: str(v))
 def test_handed_over_norm(gpu, rng, k, inter, hq, hkv, d, m, k_warps, producer):
-    """TINYVLLM_FUSE_NORM=producer (gpu/model.py): gemv_residual_norm's or the embedding's outputs
-    (_handed_over), then the prenormed gate_up + silu and qkv + RoPE GEMVs on them against the
-    norm-inside twin rms_norm_linear with the module docstring's bounds (item 2: the same operand
-    bf16(x * norm_w), the sum of squares in another fp32 order, still k terms). k_warps 32 on
-    small k leaves warps without steps (their copy of the row sums comes after the loop)."""
+    """The fused decode layer's norm, handed over: gemv_residual_norm's or the embedding's outputs
+    (_handed_over: item 1), then the prenormed gate_up + silu and qkv + RoPE GEMVs on them, bitwise
+    against gemv_prenormed_bf16 then silu_mul / rope_write_kv (item 2) and against the twin
+    rms_norm_linear with the module docstring's bounds (item 3); nothing written past row m, into
+    a cache slot no row names, or for the padding row (slot -1; item 4). k_warps 32 on small k
+    leaves warps without steps (the ring copies nothing for them), 3 splits K unevenly."""
     import dataclasses
 
     from gpu_helpers import BF16, DeviceArray
@@ -371,22 +191,48 @@ def test_handed_over_norm(gpu, rng, k, inter, hq, hkv, d, m, k_warps, producer):
     from tinyvllm.checkpoint.model_writer import preset_config
     from tinyvllm.config import rope_inv_freq
     stored, norm_w, normed, row_ss = _handed_over(gpu, rng, m, k, k_warps, producer)
+    prenormed = (row_ss, EPS)
+    # gate_up + silu, and its chain
     w32, d_w = _weights(rng, 2 * inter, k)
-    act = DeviceArray.poisoned((m + 1, inter), BF16)
-    gpu.gemv_silu_mul(act, normed, d_w, m, 2 * inter, k, prenormed=(row_ss, EPS), k_warps=k_warps)
+    act, gate_up, chain_act = (DeviceArray.poisoned((m + 1, width), BF16) for width in (inter, 2 * inter, inter))
+    gpu.gemv_silu_mul(act, normed, d_w, m, 2 * inter, k, prenormed=prenormed, k_warps=k_warps)
+    gpu.gemv(gate_up, normed, d_w, m, 2 * inter, k, prenormed=prenormed, k_warps=k_warps)
+    gpu.silu_mul(chain_act, gate_up, m, inter)
+    # qkv + RoPE + the cache write, and its chain
     n = (hq + 2 * hkv) * d
     q32, d_q = _weights(rng, n, k)
     freqs = rope_inv_freq(dataclasses.replace(preset_config("llama-3.2-1b"), head_dim=d))
     positions = rng.integers(0, 131072, m).astype(np.int32)
-    slots = rng.permutation(64)[:m].astype(np.int32)
-    qkv = DeviceArray.poisoned((m + 1, n), BF16)
-    caches = [DeviceArray.poisoned((64, hkv, d), BF16) for _ in range(2)]
-    gpu.gemv_rope_kv(qkv, normed, d_q, m, n, k, *caches, DeviceArray(positions), DeviceArray(slots),
-                     DeviceArray(freqs), num_q_heads=hq, num_kv_heads=hkv, head_dim=d, prenormed=(row_ss, EPS),
-                     k_warps=k_warps)
-    _sync()
-    got_act, got_qkv = act.get(), qkv.get()
+    slots = rng.permutation(SLOTS)[:m].astype(np.int32)
+    if m > 1:
+        slots[1] = -1                                                     # a padding row: no cache write
+    rope_in = [DeviceArray(a) for a in (positions, slots, freqs)]
+    out = {}
+    for path in ("fused", "chain"):
+        qkv = DeviceArray.poisoned((m + 1, n), BF16)
+        caches = [DeviceArray.poisoned((SLOTS, hkv, d), BF16) for _ in range(2)]
+        if path == "fused":
+            gpu.gemv_rope_kv(qkv, normed, d_q, m, n, k, *caches, *rope_in, num_q_heads=hq, num_kv_heads=hkv,
+                             head_dim=d, prenormed=prenormed, k_warps=k_warps)
+        else:
+            gpu.gemv(qkv, normed, d_q, m, n, k, prenormed=prenormed, k_warps=k_warps)
+            gpu.rope_write_kv(qkv, *caches, *rope_in, m, hq, hkv, d)
+        _sync()
+        out[path] = [qkv.get(), *(c.get() for c in caches)]
+    got_act = act.get()
+    np.testing.assert_array_equal(_bits(got_act), _bits(chain_act.get()),
+                                  err_msg="gemv_prenormed_silu_mul != gemv_prenormed_bf16, silu_mul")
+    for name, fused, chain in zip(("qkv", "k cache", "v cache"), out["fused"], out["chain"]):
+        np.testing.assert_array_equal(_bits(fused), _bits(chain),
+                                      err_msg=f"{name}: gemv_prenormed_rope_kv != gemv_prenormed_bf16, rope_write_kv")
+    got_qkv, k_cache, v_cache = out["fused"]
     assert np.all(_bits(got_act[m]) == 0x7FC0) and np.all(_bits(got_qkv[m]) == 0x7FC0), "wrote past row m"
+    written = np.zeros(SLOTS, bool)
+    written[slots[slots >= 0]] = True
+    for cache in (k_cache, v_cache):
+        flat = _bits(cache).reshape(SLOTS, -1)
+        assert np.all(flat[~written] == 0x7FC0) and not np.any(flat[written] == 0x7FC0), "cache slots"
+    # against the twin (item 3)
     twin, bound = _norm_twin(stored, norm_w, w32)
     g, u, dg, du = twin[:, :inter], twin[:, inter:], bound[:, :inter], bound[:, inter:]
     act_got = got_act[:m].astype(np.float64)
@@ -394,11 +240,17 @@ def test_handed_over_norm(gpu, rng, k, inter, hq, hkv, d, m, k_warps, producer):
                   + 2.0 ** -8 * np.abs(act_got))
     _within(act_got, g / (1 + np.exp(-g)) * u, silu_bound, "prenormed silu(gate) * up")
     twin, bound = _norm_twin(stored, norm_w, q32)
-    q_size = hq * d
-    _within(got_qkv[:m, q_size:].astype(np.float64), twin[:, q_size:], bound[:, q_size:], "prenormed k, v in qkv")
-    v_got = caches[1].get()[slots].astype(np.float64)
-    _within(v_got, twin[:, q_size + hkv * d:].reshape(m, hkv, d), bound[:, q_size + hkv * d:].reshape(m, hkv, d),
-            "prenormed v cache")
+    q_size, got = hq * d, got_qkv[:m].astype(np.float64)
+    _within(got[:, q_size:], twin[:, q_size:], bound[:, q_size:], "prenormed k, v as stored in qkv")
+    rotated, rot_bound = _rope_twin(twin, bound, positions, freqs, hq, hkv, d)
+    q_got = got[:, :q_size].reshape(m, hq, d)
+    _within(q_got, rotated[:, :hq], rot_bound[:, :hq] + 2.0 ** -8 * np.abs(q_got), "prenormed q rotated")
+    live = slots >= 0
+    k_got = k_cache[slots[live]].astype(np.float64)
+    _within(k_got, rotated[live, hq:], rot_bound[live, hq:] + 2.0 ** -8 * np.abs(k_got), "prenormed k cache rotated")
+    v_got = v_cache[slots[live]].astype(np.float64)
+    v_twin, v_bound = (a[:, q_size + hkv * d:].reshape(m, hkv, d)[live] for a in (twin, bound))
+    _within(v_got, v_twin, v_bound, "prenormed v cache")
 
 
 @pytest.mark.parametrize("k,n,last", [(2048, 128256, True), (576, 49152, True), (256, 1000, False), (64, 40, False)],
@@ -406,7 +258,7 @@ def test_handed_over_norm(gpu, rng, k, inter, hq, hkv, d, m, k_warps, producer):
 def test_prenormed_head(gpu, rng, k, n, last):
     """The LM head after the final norm handed over by the last down (gemv_prenormed_bf16):
     Y = inv_rms * (normed @ W^T) stored fp32 (the logits) or bf16, for m = 1, 4, 8, against the
-    norm-inside twin with the module docstring's bound delta (item 2) and, for bf16, the 2^-8 of
+    twin rms_norm_linear with the module docstring's bound delta (item 3) and, for bf16, the 2^-8 of
     its rounding; the fp32 store adds no rounding. Llama-1B's and SmolLM2's heads at
     gemv_k_warps' `last` rule, small shapes at the plain rule (one weight draw per shape: the
     big heads are 100-525 MB). A guard row past m keeps its poison. Also rejects what it cannot
@@ -444,51 +296,19 @@ def test_prenormed_head(gpu, rng, k, n, last):
         gpu.gemv(y, normed, d_w, m, n, 72, prenormed=(row_ss, EPS))
 
 
-def test_prenormed_gemvs_ring_changes_no_bits(gpu, rng):
-    """The handed-over norm's kernels give the same bits on the ring and the register path."""
-    from gpu_helpers import BF16, DeviceArray
-    m, k, inter = 2, 576, 1536
-    was, outs = gpu.gemv_ring, []
-    _, _, normed, row_ss = _handed_over(gpu, rng, m, k, None)
-    _, d_w = _weights(rng, 2 * inter, k)
-    try:
-        for ring in (False, True):
-            gpu.gemv_ring = ring
-            act = DeviceArray.poisoned((m, inter), BF16)
-            gpu.gemv_silu_mul(act, normed, d_w, m, 2 * inter, k, prenormed=(row_ss, EPS), k_warps=8)
-            _sync()
-            outs.append(_bits(act.get()))
-    finally:
-        gpu.gemv_ring = was
-    np.testing.assert_array_equal(*outs, err_msg="the ring path changed the prenormed GEMV's bits")
-
-
 def test_fused_launchers_reject(gpu):
-    kw = dict(num_q_heads=2, num_kv_heads=1, head_dim=64)
+    kw = dict(num_q_heads=2, num_kv_heads=1, head_dim=64, prenormed=(0, EPS))
     with pytest.raises(ValueError, match="head_dim"):
         gpu.gemv_rope_kv(0, 0, 0, 1, 250, 64, 0, 0, 0, 0, 0, **kw)                  # n != (2 + 2) * 64
     with pytest.raises(ValueError, match="unsupported shape"):
-        gpu.gemv_rope_kv(0, 0, 0, 9, 256, 64, 0, 0, 0, 0, 0, norm=(0, EPS), **kw)     # m = 9
+        gpu.gemv_rope_kv(0, 0, 0, 9, 256, 64, 0, 0, 0, 0, 0, **kw)                  # m = 9
     with pytest.raises(ValueError, match="16-byte aligned"):
-        gpu.gemv_silu_mul(0, 0, 0, 1, 32, 16, norm=(8, EPS))                          # the norm weight
+        gpu.gemv_silu_mul(0, 0, 0, 1, 32, 64, prenormed=(8, EPS))                   # the row sums
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gpu.gemv_residual_norm(0, 0, 0, 1, 32, 64, 0, 8, 0)                         # normed
     with pytest.raises(ValueError, match="multiple of 16"):
-        gpu.gemv_silu_mul(0, 0, 0, 1, 40, 16)
-    with pytest.raises(ValueError, match="exclude each other"):
-        gpu.gemv_silu_mul(0, 0, 0, 1, 32, 64, norm=(0, EPS), prenormed=(0, EPS))
+        gpu.gemv_silu_mul(0, 0, 0, 1, 40, 64, prenormed=(0, EPS))
     with pytest.raises(ValueError, match="k % 64 == 0"):
-        gpu.gemv_silu_mul(0, 0, 0, 1, 32, 48, prenormed=(0, EPS))                     # whole chunks of row sums
-
-
-def test_fuses_decode(gpu):
-    """The fused layer runs when fusing is on and every projection is on the GEMV (m <= 8).
-    (Where a norm goes inside it: tests/test_trace.py::test_fuses_norm_follows_the_measured_rule.)"""
-    was = gpu.fuse
-    try:
-        gpu.fuse = True
-        assert gpu.fuses_decode(8, 576, 960, 1536, 64) == gpu.use_gemv
-        assert not gpu.fuses_decode(9, 576, 960, 1536, 64)        # cuBLAS's
-        assert not gpu.fuses_decode(1, 576, 960, 1536, 8)         # head_dim % 16
-        gpu.fuse = False
-        assert not gpu.fuses_decode(1, 576, 960, 1536, 64)
-    finally:
-        gpu.fuse = was
+        gpu.gemv_silu_mul(0, 0, 0, 1, 32, 48, prenormed=(0, EPS))                   # whole chunks of row sums
+    with pytest.raises(ValueError, match="k % 64 == 0"):
+        gpu.gemv_rope_kv(0, 0, 0, 1, 256, 72, 0, 0, 0, 0, 0, **kw)

@@ -1,5 +1,5 @@
 """Every CUDA kernel and linear() against its numpy twin in tinyvllm/reference/kernels.py, through
-the same launchers (gpu/ops.py) the model calls, on fresh random inputs with the outputs poisoned
+the same launchers (gpu/ops/) the model calls, on fresh random inputs with the outputs poisoned
 first. Tolerances: bf16 outputs, relative (Frobenius) error
 <= 1e-2 unless stated; copies must be exact."""
 from __future__ import annotations
@@ -205,7 +205,7 @@ def test_attention_prefill_long(gpu, rng, hq, hkv, d, block_size):
 # The contexts the decode kernel's split and step arithmetic can get wrong: 1 token, either side
 # of one 16-token warp step and of the 128-token minimum split (a step for each of the 8 warps),
 # 2, 3 and 4 steps a warp in one split (the third is the last the prologue copies before the PDL
-# wait with FULL_RING = 1, the first of the main loop with 0; the fourth reuses the first's stage),
+# wait, the fourth the first of the main loop, which reuses the first's stage),
 # either side of the one-split limit (512: shorter contexts run one split whatever the grid), a
 # split count that does not divide the context, and 5,000 (many steps per warp).
 DECODE_CONTEXTS = [1, 15, 16, 17, 63, 64, 65, 128, 129, 256, 257, 383, 384, 512, 513, 1024, 4129, 5000]
@@ -280,63 +280,38 @@ def test_attention_decode(gpu, rng, hq, hkv, d, batch, splits):
                 np.testing.assert_array_equal(got.view(np.uint16), first.view(np.uint16))
 
 
-@pytest.mark.parametrize("batch,splits", [(1, None), (1, 1), (7, 5)])
-def test_attention_decode_l2_prefetch_changes_no_bits(gpu, rng, batch, splits):
-    """The prefetch blocks (l2_prefetch) only warm L2: the same inputs give bit-identical
-    outputs, counters back at zero, with no range, a range of 0 bytes, one that is not a whole
-    number of PREFETCH_CHUNKs (at an offset inside the buffer) and one of 16 MB + 16 bytes (the
-    model's budget and more), on Llama-3.2-1B's attention shapes (32/8 heads, head_dim 64)."""
-    from gpu_helpers import DeviceArray
-
-    from tinyvllm.gpu.ops import DECODE
-    hq, hkv, d, block_size = 32, 8, 64, 16
-    ctx = [300] if batch == 1 else [1, 17, 256, 257, 1024, 4129, 5000]
-    fb, q, kc, vc, _ = _attention_case(rng, [1] * batch, ctx, hq, hkv, d, block_size=block_size)
-    weights = DeviceArray(rng.integers(0, 256, (16 << 20) + 4096, dtype=np.uint8))   # any bytes do
-    chunk = DECODE["PREFETCH_CHUNK"]
-    ranges = [None, (weights.ptr, 0), (weights.ptr + 4096, 3 * chunk + 48), (weights.ptr, (16 << 20) + 16)]
-    run, counters = _decode_launcher(gpu, fb, q, kc, vc, hq, hkv, d, block_size)
-    outputs = []
-    for prefetch in ranges:
-        outputs.append(run(splits=splits, l2_prefetch=prefetch).view(np.uint16))
-        np.testing.assert_array_equal(counters.get(), 0)
-    assert np.isfinite(outputs[0].view(q.dtype).astype(np.float32)).all()
-    for prefetch, got in zip(ranges[1:], outputs[1:]):
-        np.testing.assert_array_equal(got, outputs[0], err_msg=f"l2_prefetch {prefetch}")
-
-
-# Contexts for early_kv: the newest token (position ctx - 1) in a warp's first, second or third
-# prologue step (one split up to 512 tokens, 8 warps x 16 tokens a step: ctx <= 128, 129..256, and
-# 257..384, the step FULL_RING = 1 adds), in a main-loop step (1024 and 4129 at splits=1), in the
-# last of several splits (1024 and 4129 otherwise), in a 16-token step's first or last row, and
-# ctx = 1, where the only row is the newest. test_attention_decode's 384 and 512 take the last
-# prologue row and a main-loop row inside one split (early_kv is on by default there).
-EARLY_KV_CONTEXTS = [1, 2, 15, 16, 17, 31, 64, 127, 128, 129, 255, 256, 257, 300, 1024, 4129]
+# Contexts for the newest row (position ctx - 1), which the decode attention loads itself after
+# the PDL wait while its early K/V copies of the other rows go out before it (attention_decode.cu's
+# header): in a warp's first, second or third prologue step (one split up to 512 tokens, 8 warps x
+# 16 tokens a step: ctx <= 128, 129..256, 257..384), in a main-loop step (1024 and 4129 at
+# splits=1), in the last of several splits (1024 and 4129 otherwise), in a 16-token step's first
+# or last row, and ctx = 1, where the only row is the newest. test_attention_decode's 384 and 512
+# take the last prologue row and a main-loop row inside one split.
+NEWEST_ROW_CONTEXTS = [1, 2, 15, 16, 17, 31, 64, 127, 128, 129, 255, 256, 257, 300, 1024, 4129]
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 64), (16, 2, 64), (8, 8, 128), (24, 8, 128)])
 @pytest.mark.parametrize("splits", [None, 1, 5])
-def test_attention_decode_early_kv_changes_no_bits(gpu, rng, hq, hkv, d, splits):
-    """early_kv (attention_decode.cu's header) only moves copies before the PDL wait and loads the
-    newest row itself after it: on and off give bit-identical outputs, counters back at zero, at
-    batch 1 over every context of EARLY_KV_CONTEXTS and on one batch of all of them (block size 1
-    there: every row its own page), and both match the numpy twin (as test_attention_decode)."""
+def test_attention_decode_newest_row(gpu, rng, hq, hkv, d, splits):
+    """The newest K/V row, wherever NEWEST_ROW_CONTEXTS put it, at batch 1 and on one batch of all
+    of them (block size 1 there: every row its own page): the outputs match the numpy twin (as
+    test_attention_decode), counters back at zero, and a second launch gives the same bits."""
     from gpu_helpers import rel_err
-    cases = [([c], 16) for c in EARLY_KV_CONTEXTS] + [(list(rng.permutation(EARLY_KV_CONTEXTS)), 1)]
+    cases = [([c], 16) for c in NEWEST_ROW_CONTEXTS] + [(list(rng.permutation(NEWEST_ROW_CONTEXTS)), 1)]
     for ctx, block_size in cases:
         ctx = [int(c) for c in ctx]
         fb, q, kc, vc, want = _attention_case(rng, [1] * len(ctx), ctx, hq, hkv, d, block_size=block_size)
         run, counters = _decode_launcher(gpu, fb, q, kc, vc, hq, hkv, d, block_size)
-        outputs = {}
-        for early_kv in (False, True, False, True):
-            got = run(splits=splits, early_kv=early_kv)
+        first = None
+        for launch in range(2):
+            got = run(splits=splits)
             np.testing.assert_array_equal(counters.get(), 0)
             for i in range(fb.num_seqs):
-                assert rel_err(got[i], want[i]) < BF16_TOL, f"early_kv {early_kv}, sequence {i} (context {ctx[i]})"
-            if early_kv in outputs:
-                np.testing.assert_array_equal(got.view(np.uint16), outputs[early_kv], err_msg=f"early_kv {early_kv}")
-            outputs[early_kv] = got.view(np.uint16)
-        np.testing.assert_array_equal(outputs[True], outputs[False], err_msg=f"contexts {ctx}")
+                assert rel_err(got[i], want[i]) < BF16_TOL, f"launch {launch}, sequence {i} (context {ctx[i]})"
+            if first is None:
+                first = got.view(np.uint16)
+            else:
+                np.testing.assert_array_equal(got.view(np.uint16), first, err_msg=f"contexts {ctx}")
 
 
 def test_attention_decode_rejects_bad_splits(gpu):

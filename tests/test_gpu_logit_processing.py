@@ -1,5 +1,5 @@
 """GPU logit processing, min_p and raw logprobs (cuda/sampling.cu's apply_logit_edits,
-sample_tokens' min_p, step_logprobs, through their launchers in gpu/ops.py, and CudaRunner's
+sample_tokens' min_p, step_logprobs, through their launchers in gpu/ops/sampling.py, and CudaRunner's
 optional sampler road) against the numpy twins in reference/sampling.py, on fresh random
 logits, with every output buffer poisoned first.
 

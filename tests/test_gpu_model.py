@@ -47,17 +47,20 @@ def _rel(got, want):
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-@pytest.mark.parametrize("fuse_norm", ["auto", "producer"])
-def test_tiny_model_matches_reference(tiny, fuse_norm):
-    """fuse_norm "producer": the decode steps (eager here, through forward_logits) hand each norm
-    over to the residual GEMV before it (gpu/model.py), with the same tolerances."""
+@pytest.mark.parametrize("fused_decode", [True, False], ids=["fused", "nine-launch"])
+def test_tiny_model_matches_reference(tiny, fused_decode):
+    """The decode steps (eager here, through forward_logits) on the fused layer (the default: five
+    launches, each norm handed over, gpu/model.py) and on the nine-launch layer
+    (EngineConfig.fused_decode=False), both held to the numpy reference with the same tolerances."""
+    from tinyvllm.gpu.model import StepShape
     cfg, runner, refm, ref32 = tiny
-    was = runner.ops.fuse_norm
-    runner.ops.fuse_norm = fuse_norm
+    was = runner.ops.fused_decode
+    runner.ops.fused_decode = fused_decode
     try:
+        assert runner.model.fused(StepShape(3, 3, is_prefill=False)) == fused_decode
         _matches_reference(cfg, runner, refm, ref32)
     finally:
-        runner.ops.fuse_norm = was
+        runner.ops.fused_decode = was
 
 
 def _matches_reference(cfg, runner, refm, ref32):
@@ -207,49 +210,29 @@ def _assert_settings_give_the_same_steps(tiny, rng_seed: int, num_seqs: int, a: 
     _assert_steps_equal(*runs)
 
 
-def test_pdl_graphs_equal_plain_graphs(tiny):
+@pytest.mark.parametrize("fused_decode", [True, False], ids=["fused", "nine-launch"])
+def test_pdl_graphs_equal_plain_graphs(tiny, fused_decode):
     """Programmatic dependent launch only lets a kernel start early and wait (gpu/kernels.py):
-    the graphs captured with it give bitwise the logits of graphs captured without it."""
+    the graphs captured with it give bitwise the logits of graphs captured without it
+    (EngineConfig.pdl=False), on either decode layer."""
     cfg, runner, _, _ = tiny
-    assert runner.ops.pdl, "PDL is on by default (TINYVLLM_PDL unset)"
-    with_pdl = _decode_run(cfg, runner, 7)
-    with runner.recaptured(pdl=False):
+    assert runner.ops.pdl and runner.ops.fused_decode, "EngineConfig's defaults"
+    with runner.recaptured(fused_decode=fused_decode):
+        with_pdl = _decode_run(cfg, runner, 7)
+    with runner.recaptured(fused_decode=fused_decode, pdl=False):
         without = _decode_run(cfg, runner, 7)
     _assert_steps_equal(with_pdl, without)
 
 
-def test_l2_prefetch_graphs_equal_plain_graphs(tiny):
-    """The fused decode layer's attention prefetches the o and gate_up weights into L2
-    (gpu/model.py, TINYVLLM_L2_PREFETCH): timing only, so decode graphs captured with it give
-    bitwise the logits of graphs captured without it."""
-    _assert_settings_give_the_same_steps(tiny, 13, 3, {"l2_prefetch": True}, {"l2_prefetch": False})
-
-
+@pytest.mark.parametrize("fused_decode", [True, False], ids=["fused", "nine-launch"])
 @pytest.mark.parametrize("num_seqs", [1, 3])
-def test_early_kv_graphs_equal_plain_graphs(tiny, num_seqs):
-    """The decode attention's early K/V copies (TINYVLLM_ATTN_EARLY_KV, attention_decode.cu's
-    header) run under PDL inside the graphs, where the qkv GEMV writing the newest K/V row may
-    still be running: decode graphs captured with them give bitwise the logits of graphs
-    captured without them."""
-    _assert_settings_give_the_same_steps(tiny, 17, num_seqs, {"early_kv": True}, {"early_kv": False})
-
-
-@pytest.mark.parametrize("num_seqs", [1, 3])
-def test_ring_graphs_equal_register_graphs(tiny, num_seqs):
-    """The GEMV's ring path (TINYVLLM_GEMV_RING, gemv.cu's header) computes the register path's
-    products in the same order at one k-split, and under PDL in the graphs every kernel's weight
-    copies may now be in flight while several kernels before it still run: decode graphs
-    captured with it give bitwise the logits of graphs captured without it."""
-    _assert_settings_give_the_same_steps(tiny, 19, num_seqs, {"gemv_ring": True}, {"gemv_ring": False})
-
-
-@pytest.mark.parametrize("num_seqs", [1, 3])
-def test_handed_over_norm_graphs_equal_eager_steps(tiny, num_seqs):
-    """TINYVLLM_FUSE_NORM=producer in the decode graphs (under PDL, gemv_residual_norm's
-    `normed` and row sums are read by the next GEMV and rewritten two kernels later) gives
-    bitwise the logits of the same launches run eagerly, one at a time without PDL."""
+def test_graphs_under_pdl_equal_eager_steps_without_it(tiny, num_seqs, fused_decode):
+    """The decode graphs under PDL, where kernels overlap their neighbours — the decode attention's
+    early K/V copies go out while the qkv GEMV that writes the newest row still runs, the fused
+    layer's `normed` and row sums are read by the next GEMV and rewritten two kernels later —
+    give bitwise the logits of the same launches run eagerly, one at a time without PDL."""
     cfg, runner, _, _ = tiny
-    with runner.recaptured(fuse_norm="producer"):
+    with runner.recaptured(fused_decode=fused_decode):
         graphs = _decode_run(cfg, runner, 29, steps=24, num_seqs=num_seqs)
         runner.ops.pdl = False
         try:
@@ -305,37 +288,52 @@ def test_each_banks_graph_gives_the_eager_steps(tiny, num_seqs):
     _assert_steps_equal(graphs, eager)
 
 
+def _ops_of_a_decode_step(cfg, runner, num_seqs: int) -> list[str]:
+    """The ops one eager decode step of num_seqs sequences launches (after their prefill)."""
+    calls, tables = [], [[70 + i] for i in range(num_seqs)]
+    tokens = runner.execute(ForwardBatch.build([[1, 2, 3, 4]] * num_seqs, [4] * num_seqs, tables, BLOCK, True),
+                            SamplingBatch.greedy(num_seqs))
+    runner.ops.observer = lambda op, repeat, details: calls.append(op)
+    try:
+        runner.execute(ForwardBatch.build([[int(t)] for t in tokens], [5] * num_seqs, tables, BLOCK, False),
+                       SamplingBatch.greedy(num_seqs), replay=False)
+    finally:
+        runner.ops.observer = None
+    return calls
+
+
 @pytest.mark.parametrize("num_seqs", [1, 3])
-def test_fused_graphs_equal_unfused_graphs(tiny, num_seqs):
-    """The fused decode layer: five launches per layer with the norms inside the GEMVs (the
-    default for the tiny model's small GEMVs, ops.fuses_norm), RoPE + KV write and silu too. Its norms take the scale out of the dot product, which changes bits,
-    so the default is held to the numpy reference by test_tiny_model_matches_reference (its
-    decode steps run it: batch <= 8) with that test's tolerances. What stays bitwise: with the
-    norms separate (TINYVLLM_FUSE_NORM=none, seven launches) the fused layer shares the unfused
-    kernels' arithmetic (cuda/common.cuh), so its decode graphs give bitwise the logits of
-    graphs of the nine separate launches (TINYVLLM_FUSE=0)."""
-    import os
+def test_decode_layer_launches(tiny, num_seqs):
+    """A decode step on the fused layer: per layer the prenormed qkv + RoPE and gate_up + silu
+    GEMVs and two residual GEMVs handing the norms over, no rms_norm, rope_write_kv or silu_mul;
+    the LM head prenormed. With ops.fused_decode cleared: the nine launches per layer and the
+    final rms_norm, none of the fused kernels."""
     cfg, runner, _, _ = tiny
-    if os.environ.get("TINYVLLM_FUSE") == "0":
-        pytest.skip("TINYVLLM_FUSE=0: this run keeps the fused decode layer off (its kernel tests failed)")
     L = cfg.num_hidden_layers
-    for fuse_norm, norms in (("all", 0), ("none", 2)):    # separate rms_norm launches per layer
-        with runner.recaptured(fuse=True, fuse_norm=fuse_norm):
-            calls, tables = [], [[70 + i] for i in range(num_seqs)]
-            tokens = runner.execute(ForwardBatch.build([[1, 2, 3, 4]] * num_seqs, [4] * num_seqs, tables, BLOCK,
-                                                       True), SamplingBatch.greedy(num_seqs))
-            runner.ops.observer = lambda op, repeat, details: calls.append(op)
-            try:      # one eager decode step: which ops it launches
-                runner.execute(ForwardBatch.build([[int(t)] for t in tokens], [5] * num_seqs, tables, BLOCK, False),
-                               SamplingBatch.greedy(num_seqs), replay=False)
-            finally:
-                runner.ops.observer = None
-            prefix = "gemv_norm_" if fuse_norm == "all" else "gemv_"
-            assert calls.count(f"{prefix}rope_kv_bf16") == L and calls.count(f"{prefix}silu_mul_bf16") == L, calls
-            assert calls.count("rms_norm") == 1 + norms * L, calls      # + the final norm
-            assert "silu_mul" not in calls and "rope_write_kv" not in calls
-            if fuse_norm == "none":
-                fused = _decode_run(cfg, runner, 11, num_seqs=num_seqs)
-    with runner.recaptured(fuse=False, fuse_norm="none"):
-        unfused = _decode_run(cfg, runner, 11, num_seqs=num_seqs)
-    _assert_steps_equal(fused, unfused)
+    calls = _ops_of_a_decode_step(cfg, runner, num_seqs)
+    assert calls.count("gemv_prenormed_rope_kv_bf16") == L and calls.count("gemv_prenormed_silu_mul_bf16") == L
+    assert calls.count("gemv_residual_norm_bf16") == 2 * L and calls.count("gemv_prenormed_bf16") == 1
+    assert not {"rms_norm", "rope_write_kv", "silu_mul"} & set(calls), calls
+    with runner.recaptured(fused_decode=False):
+        calls = _ops_of_a_decode_step(cfg, runner, num_seqs)
+    assert calls.count("rms_norm") == 2 * L + 1 and calls.count("rope_write_kv") == L and calls.count("silu_mul") == L
+    assert not any(op.startswith("gemv_") for op in calls), calls   # linear()'s "gemv NxK" only
+
+
+def test_engine_config_switches_reach_the_launchers(tiny, tiny_model_dir):
+    """EngineConfig(fused_decode=False, pdl=False) (--no-fused-decode --no-pdl) builds a runner
+    whose launchers have both off: its eager decode steps give bitwise the logits of the default
+    runner's graphs captured with ops.fused_decode and ops.pdl cleared."""
+    from tinyvllm.gpu.cuda_runner import CudaRunner
+    cfg, runner, _, _ = tiny
+    other = CudaRunner(cfg, load_weights(tiny_model_dir, cfg),
+                       EngineConfig(max_num_seqs=8, max_num_batched_tokens=1024, num_kv_blocks=128, block_size=BLOCK,
+                                    max_model_len=2048, fused_decode=False, pdl=False, enforce_eager=True))
+    try:
+        assert other.ops.fused_decode is False and other.ops.pdl is False and not other.graphs
+        switched_off = _decode_run(cfg, other, 37, num_seqs=2)     # a graph size: no padding
+    finally:
+        other.close()
+    with runner.recaptured(fused_decode=False, pdl=False):
+        default_runner = _decode_run(cfg, runner, 37, num_seqs=2)
+    _assert_steps_equal(switched_off, default_runner)

@@ -1,5 +1,5 @@
-"""Structured outputs on the GPU: gpu/cuda/token_mask.cu's apply_token_mask (through its launcher
-in gpu/structured_ops.py) against reference/sampling.py's apply_token_mask on fresh random
+"""Structured outputs on the GPU: cuda/token_mask.cu's apply_token_mask (through its launcher
+in gpu/ops/sampling.py) against reference/sampling.py's apply_token_mask on fresh random
 logits and bits, with every row the kernel must not touch poisoned first; the masked sampler step
 against sample_step; and CudaRunner's constrained road end to end (greedy rows must not take the
 LM head's argmax keys of the unmasked logits).
@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from tinyvllm.engine.batch import SamplingBatch
-from tinyvllm.gpu.structured_ops import apply_token_mask as gpu_apply_token_mask
 from tinyvllm.reference.sampling import apply_token_mask, sample_step
 from tinyvllm.structured.mask import TokenMask
 
@@ -52,7 +51,7 @@ def gpu_mask(gpu_ops, logits: np.ndarray, mask: TokenMask) -> np.ndarray:
     dev = drv.to_device(np.ascontiguousarray(guarded))
     rows = drv.to_device(np.ascontiguousarray(mask.rows, np.int32))
     bits = drv.to_device(np.ascontiguousarray(mask.bits, np.int32))
-    gpu_apply_token_mask(gpu_ops, int(dev), vocab, int(rows), int(bits), mask.bits.shape[1], mask.num_rows)
+    gpu_ops.apply_token_mask(int(dev), vocab, int(rows), int(bits), mask.bits.shape[1], mask.num_rows)
     drv.Context.synchronize()
     out = drv.from_device(dev, guarded.shape, np.float32)
     assert np.all(np.isnan(out[n])), "apply_token_mask wrote past the last row"

@@ -1,6 +1,6 @@
 """The kernel facts Python reads from the .cu sources (gpu/kernels.py), checked without a GPU:
 every kernel's signature parses, the launch constants the launchers use exist, and every kernel
-in cuda/ has a launcher in gpu/ops.py."""
+in cuda/ has a launcher in gpu/ops/."""
 from __future__ import annotations
 
 import inspect
@@ -17,17 +17,14 @@ def test_signatures_match_the_c_parameter_lists():
     assert kernel_signatures("embedding.cu") == {"embedding_gather": "PPPPPiiiPPPP"}   # + the handed-over norm, head keys
     assert kernel_signatures("sampling.cu") == {"sample_tokens": "PiPPPPPPPPPPP",   # comments inside the list
                                                 "apply_logit_edits": "PiPi", "step_logprobs": "PiPPiPPPP"}
-    assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiiiii",            # plain and the two fused,
-                                            "gemv_rope_kv_bf16": "PPPiiiPPPPPiiiii",  # each ending in wide_l2, ring
-                                            "gemv_norm_rope_kv_bf16": "PPPPiiifPPPPPiiiii",
-                                            "gemv_silu_mul_bf16": "PPPiiiii", "gemv_norm_silu_mul_bf16": "PPPPiiifii",
-                                            "gemv_residual_norm_bf16": "PPPiiiPPPii",   # the handed-over norm
-                                            "gemv_prenormed_rope_kv_bf16": "PPPPiiifPPPPPiiiii",
-                                            "gemv_prenormed_silu_mul_bf16": "PPPPiiifii",
-                                            "gemv_prenormed_bf16": "PPPPiiifiPii"}        # the LM head
+    assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiii",
+                                            "gemv_residual_norm_bf16": "PPPiiiPPP",     # the handed-over norm
+                                            "gemv_prenormed_rope_kv_bf16": "PPPPiiifPPPPPiii",
+                                            "gemv_prenormed_bf16": "PPPPiiifiP",        # the LM head
+                                            "gemv_prenormed_silu_mul_bf16": "PPPPiiif"}
     assert kernel_signatures("token_mask.cu") == {"apply_token_mask": "PiPPii"}
     (pattern, sig), = kernel_signatures("attention_decode.cu").items()          # a macro-made family
-    assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiifPQi"  # ..., l2 prefetch, early_kv
+    assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiif"
 
 
 def test_constants_are_read_with_their_dependencies():
@@ -38,19 +35,19 @@ def test_constants_are_read_with_their_dependencies():
     assert kernel_constants("sampling.cu")["NUM_WARPS"] == kernel_constants("sampling.cu")["SAMPLE_THREADS"] // 32
     for table, names in ((ops.EMBEDDING, ["THREADS"]), (ops.RMS_NORM, ["THREADS"]), (ops.ROPE, ["THREADS"]),
                          (ops.SILU, ["THREADS"]), (ops.PREFILL, ["BLOCK_Q", "THREADS"]), (ops.DECODE, ["THREADS"]),
-                         (ops.GEMV, ["ROWS_PER_CTA", "STEP_K", "UNROLL", "MAX_K_WARPS"]),
+                         (ops.GEMV, ["ROWS_PER_CTA", "STEP_K", "RING_STEPS", "RING_BYTES_PER_WARP", "MAX_K_WARPS"]),
                          (ops.SAMPLING, ["SAMPLE_THREADS", "EDIT_THREADS", "EDIT_WORDS", "MAX_TOP_LOGPROBS"])):
         for name in names:
             assert isinstance(table[name], int) and table[name] > 0, name
 
 
 def test_every_kernel_has_a_launcher():
-    from tinyvllm.gpu import structured_ops  # token_mask.cu's launcher lives beside its upload
-    launcher_source = inspect.getsource(ops.GpuOps) + inspect.getsource(structured_ops)
+    """Every kernel's name appears in the source of a launcher family GpuOps is made of."""
+    launcher_source = "".join(inspect.getsource(family) for family in ops.GpuOps.__mro__[1:-1])
     for path in sorted(CUDA_DIR.glob("*.cu")):
         for name in kernel_signatures(path.name):
             stem = name.strip("^$").split("_d\\w+")[0]       # attention_decode_d\w+_g\w+ -> attention_decode
-            assert f'"{stem}' in launcher_source, f"{path.name}: kernel {name} has no launcher in gpu/ops.py"
+            assert f'"{stem}' in launcher_source, f"{path.name}: kernel {name} has no launcher in gpu/ops/"
 
 
 def test_sampler_constants_agree_with_the_host_side():
@@ -62,8 +59,9 @@ def test_sampler_constants_agree_with_the_host_side():
 
 def test_launch_attributes_reach_the_driver_in_cuda_h_layout(monkeypatch):
     """Kernel.launch's attributes as cuLaunchKernelEx reads them (a fake libcuda records the
-    CUlaunchConfig): PDL only for a PDL-capable kernel, clusterDim's x, y, z in the union's first
-    three words, 72-byte attributes (cuda.h: id, padding, a 64-byte union)."""
+    CUlaunchConfig): PDL only when asked and only for a PDL-capable kernel, its flag in the
+    union's first word, 72-byte attributes (cuda.h: id, padding, a 64-byte union); a failed
+    launch is one error naming the kernel and its grid."""
     import ctypes
 
     from tinyvllm.gpu import driver, kernels
@@ -82,14 +80,14 @@ def test_launch_attributes_reach_the_driver_in_cuda_h_layout(monkeypatch):
             return 0
 
     monkeypatch.setattr(driver, "libcuda", lambda: FakeCuda())
-    pdl, cluster = driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, driver.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    pdl = driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     capable, plain = (kernels.Kernel("k", ctypes.c_void_p(1), "Pi", c) for c in (True, False))
-    for kernel, options, attrs in ((capable, {"pdl": True, "cluster": 8}, [(pdl, (1, 0, 0)), (cluster, (8, 1, 1))]),
-                                   (capable, {"pdl": True}, [(pdl, (1, 0, 0))]),
-                                   (plain, {"pdl": True, "cluster": 16}, [(cluster, (16, 1, 1))]),
+    for kernel, options, attrs in ((capable, {"pdl": True}, [(pdl, (1, 0, 0))]),
+                                   (plain, {"pdl": True}, []),
+                                   (capable, {"pdl": False}, []),
                                    (capable, {}, [])):
         kernel.launch((8, 1, 1), (32, 1, 1), 0, (5, -3), **options)
         assert seen.pop() == (attrs, -3)
-    with pytest.raises(driver.CudaDriverError, match=r"launch of k grid \(0, 1, 1\) block \(32, 1, 1\) cluster 8 "
+    with pytest.raises(driver.CudaDriverError, match=r"launch of k grid \(0, 1, 1\) block \(32, 1, 1\) "
                                                      r"failed: invalid argument \(CUresult 1\)"):
-        capable.launch((0, 1, 1), (32, 1, 1), 0, (5, -3), cluster=8)
+        capable.launch((0, 1, 1), (32, 1, 1), 0, (5, -3), pdl=True)

@@ -18,7 +18,7 @@ from tinyvllm.gpu.arena import INPUT_BANKS, ArenaDims, ArenaLayout, round_up
 from tinyvllm.gpu.cublas import Cublas
 from tinyvllm.gpu.device_weights import DeviceWeights, LayerWeights, device_tensor_shapes, device_weight_bytes
 from tinyvllm.gpu.model import LlamaModel, StepShape
-from tinyvllm.gpu.ops import GpuOps, parse_k_warps_for
+from tinyvllm.gpu.ops import GpuOps
 from tinyvllm.trace import TracingRunner
 
 
@@ -49,7 +49,8 @@ class _FakeKV:
 
 
 class _FakeCudaRunner:
-    """CudaRunner's shape (arena, weights, kv_cache, ops, blas, graphs) without a device."""
+    """CudaRunner's shape (arena, weights, kv_cache, ops, blas, graphs) without a device; its
+    GpuOps takes EngineConfig's fused_decode and pdl as CudaRunner's does."""
 
     def __init__(self, config: ModelConfig, engine: EngineConfig):
         self.cfg, self.num_kv_blocks = config, 64
@@ -67,7 +68,7 @@ class _FakeCudaRunner:
         self.blas.observer, self.blas.handle = None, ctypes.c_void_p()
         self.blas._one, self.blas._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.blas.lib = type("Lib", (), {"cublasGemmEx": staticmethod(lambda *a: 0)})()
-        self.ops = GpuOps(_Launches(), blas=self.blas, num_sms=132, fuse=True)   # the fused decode layer
+        self.ops = GpuOps(_Launches(), blas=self.blas, num_sms=132, fused_decode=engine.fused_decode, pdl=engine.pdl)
         self.model = LlamaModel(config, self.weights, self.arena, self.kv_cache, self.ops)
         self.graphs, self.replays = {(size, bank): None for size in (1, 2) for bank in range(INPUT_BANKS)}, []
 
@@ -121,7 +122,7 @@ def test_gpu_trace_names_every_argument(tiny_model_dir):
     # every norm is handed over (the default): the first by the embedding, the final one by the
     # last down to the LM head, which runs on the GEMV with the norm's scale (no linear() at all)
     L = config.num_hidden_layers
-    assert decode.count("gemv_norm_rope_kv_bf16  grid") == 0 and decode.count("gemv_prenormed_rope_kv_bf16  grid") == L
+    assert decode.count("gemv_prenormed_rope_kv_bf16  grid") == L
     assert decode.count("gemv_prenormed_silu_mul_bf16  grid") == L and decode.count("gemv_residual_norm_bf16  grid") == 2 * L
     assert decode.count("gemv_prenormed_bf16  grid") == 1 and "linear ->" not in decode
     head = decode[decode.index("gemv_prenormed_bf16  grid"):]
@@ -135,8 +136,6 @@ def test_gpu_trace_names_every_argument(tiny_model_dir):
     assert "silu_mul  grid" not in decode and "rope_write_kv" not in decode
     assert "rms_norm  grid" not in decode
     assert "attention_decode_d64_g2" in decode and "sample_tokens" in decode
-    assert re.search(r"l2_prefetch\s+W?R?\s+NULL", decode)     # off by default (TINYVLLM_L2_PREFETCH=1: model.py)
-    assert re.search(r"early_kv\s+1\b", decode)               # on by default (TINYVLLM_ATTN_EARLY_KV=0: off)
     assert "replays the CUDA graph captured for 1 sequences" in decode
     assert "=== trace ends after 2 steps" in text
     assert "0x7" not in text, "every pointer resolves to a name"
@@ -165,11 +164,10 @@ def test_trace_steps_must_be_non_negative():
         EngineConfig(trace_steps=-1)
 
 
-def _decode_attention_launches(fake, l2_prefetch: bool) -> list[dict]:
-    """The attention_decode launches of one decode step of the fake runner: their details."""
+def _ops_of_a_decode_step(fake) -> list[tuple[str, dict]]:
+    """(op, details) of every op one batch-1 decode step of the fake runner launches, in order."""
     launches = []
-    fake.ops.l2_prefetch = l2_prefetch
-    fake.ops.observer = lambda op, repeat, details: launches.append(details) if op.startswith("attention_decode") else None
+    fake.ops.observer = lambda op, repeat, details: launches.append((op, details))
     try:
         fake.execute(ForwardBatch.build([[7]], [12], [[5]], 16, is_prefill=False), SamplingBatch.greedy(1))
     finally:
@@ -177,91 +175,18 @@ def _decode_attention_launches(fake, l2_prefetch: bool) -> list[dict]:
     return launches
 
 
-def test_decode_attention_prefetches_the_next_weights(tiny_model_dir):
-    """The fused decode layer hands attention_decode the o weight and the start of gate_up
-    (o, post_norm, gate_up are adjacent, so one range) at most L2_PREFETCH_BYTES; the grid gets
-    ceil(PREFETCH_CTAS / splits) more columns; ops.l2_prefetch off (the default; TINYVLLM_L2_PREFETCH=1 on)
-    launches neither."""
-    from tinyvllm.gpu.model import L2_PREFETCH_BYTES
-    from tinyvllm.gpu.ops import DECODE
-    config = ModelConfig.from_pretrained(tiny_model_dir)
-    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
-    on, off = _decode_attention_launches(fake, True), _decode_attention_launches(fake, False)
-    assert len(on) == len(off) == config.num_hidden_layers
-    H, inter = config.hidden_size, config.intermediate_size
-    for lw, a, b in zip(fake.weights.layers, on, off):
-        splits = a["grid"][2]
-        assert a["grid"] == (config.num_key_value_heads + -(-DECODE["PREFETCH_CTAS"] // splits), 1, splits)
-        assert b["grid"] == (config.num_key_value_heads, 1, splits) and b["args"][-3:-1] == (0, 0)
-        assert a["args"][-3:-1] == (lw.o, min(lw.gate_up + 2 * inter * H * 2 - lw.o, L2_PREFETCH_BYTES))
-        assert a["args"][:-3] == b["args"][:-3] and a["args"][-1] == b["args"][-1] == 1   # early_kv on
+def _engine(**options) -> EngineConfig:
+    return EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, **options)
 
 
-def test_attention_decode_passes_early_kv(tiny_model_dir, monkeypatch):
-    """The decode attention's last argument, early_kv: 1 by default (TINYVLLM_ATTN_EARLY_KV unset),
-    0 in every layer when GpuOps.early_kv is cleared (TINYVLLM_ATTN_EARLY_KV=0 or the attribute);
-    the launcher's own early_kv argument wins; no other argument changes."""
-    monkeypatch.delenv("TINYVLLM_ATTN_EARLY_KV", raising=False)
-    config = ModelConfig.from_pretrained(tiny_model_dir)
-    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
-    assert fake.ops.early_kv is True
-    on = _decode_attention_launches(fake, False)
-    fake.ops.early_kv = False
-    off = _decode_attention_launches(fake, False)
-    assert len(on) == len(off) == config.num_hidden_layers
-    for a, b in zip(on, off):
-        assert a["args"][-1] == 1 and b["args"][-1] == 0 and a["args"][:-1] == b["args"][:-1]
-        assert a["grid"] == b["grid"]
-    monkeypatch.setenv("TINYVLLM_ATTN_EARLY_KV", "0")
-    ops = GpuOps(_Launches(), num_sms=132)
-    assert ops.early_kv is False
-    args = []
-    ops.observer = lambda op, repeat, details: args.append(details["args"][-1])
-    for explicit in (True, None, False):
-        ops.attention_decode(0, 0, 0, 0, 0, 64, 0, 0, 0, 0, 0, num_seqs=1, num_q_heads=1, num_kv_heads=1,
-                             head_dim=64, block_size=16, scale=1.0, early_kv=explicit)
-    assert args == [1, 0, 0]
-
-
-def test_attention_decode_checks_its_prefetch_range():
-    ops = GpuOps(_Launches(), num_sms=132)
-    launch = lambda prefetch: ops.attention_decode(  # noqa: E731
-        0, 0, 0, 0, 0, 64, 0, 0, 0, 0, 0, num_seqs=1, num_q_heads=1, num_kv_heads=1, head_dim=64,
-        block_size=16, scale=1.0, l2_prefetch=prefetch)
-    for good in (None, (0, 0), (0x7E0000000000, 0), (0x7E0000000010, 48)):
-        launch(good)
-    for bad in (0x7E0000000000, (0x7E0000000000,), (0x7E0000000008, 64), (0x7E0000000000, 40),
-                (0x7E0000000000, -16), (0, 64), ("x", 16), (0x7E0000000000, 1 << 64)):
-        with pytest.raises(ValueError, match="l2_prefetch"):
-            launch(bad)
-
-
-def test_fuses_norm_follows_the_measured_rule():
-    """TINYVLLM_FUSE_NORM=producer (the default) hands the norms over and, like auto, puts the
-    first input norm inside the GEMV after it only where ceil(n / 16) * k <=
-    NORM_INSIDE_MAX_VALUES: SmolLM2-135M's qkv and gate_up, not Llama-1B's."""
-    from tinyvllm.gpu.ops import FUSE_NORM_DEFAULT
-    ops = GpuOps(_Launches(), num_sms=132)
-    assert FUSE_NORM_DEFAULT == "producer" and ops.fuse_norm == "producer"
-    assert ops.fuses_norm(960, 576) and not ops.fuses_norm(3072, 2048)
-    ops.fuse_norm = "auto"
-    assert ops.fuses_norm(960, 576) and ops.fuses_norm(3072, 576)            # SmolLM2: qkv, gate_up
-    assert not ops.fuses_norm(3072, 2048) and not ops.fuses_norm(16384, 2048)   # Llama-3.2-1B
-    ops.fuse_norm = "all"
-    assert ops.fuses_norm(16384, 2048)
-    ops.fuse_norm = "none"
-    assert not ops.fuses_norm(960, 576)
-
-
-@pytest.mark.parametrize("fuse_norm", ["producer", "auto"])
-def test_skip_ops_leaves_ops_out_of_a_step(tiny_model_dir, fuse_norm):
+@pytest.mark.parametrize("fused_decode", [True, False])
+def test_skip_ops_leaves_ops_out_of_a_step(tiny_model_dir, fused_decode):
     """GpuOps.skip_ops (benchmarks/decode_profile.py --leave-one-out): the named kernels and
-    linear() projections are not launched (nor shown to the observer); every other op is. With
-    every norm handed over (producer, the default) a decode step is kernels only; with the auto
-    rule the final norm is an rms_norm launch and the LM head a linear()."""
+    linear() projections are not launched (nor shown to the observer); every other op is. The
+    fused decode layer (the default) is kernels only; the nine-launch layer has rms_norm
+    launches and linear() projections, the LM head among them."""
     config = ModelConfig.from_pretrained(tiny_model_dir)
-    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
-    fake.ops.fuse_norm = fuse_norm
+    fake = _FakeCudaRunner(config, _engine(fused_decode=fused_decode))
 
     def ops_of_a_decode_step() -> list[str]:
         seen = []
@@ -273,11 +198,11 @@ def test_skip_ops_leaves_ops_out_of_a_step(tiny_model_dir, fuse_norm):
         return seen
 
     every = ops_of_a_decode_step()
-    if fuse_norm == "producer":
+    if fused_decode:
         skip = {"gemv_prenormed_bf16", "gemv_residual_norm_bf16"}
         assert "rms_norm" not in every and not any(op.startswith("gemv ") for op in every)
     else:
-        skip = {"rms_norm", f"gemv {config.vocab_size}x{config.hidden_size}", "gemv_norm_rope_kv_bf16"}
+        skip = {"rms_norm", f"gemv {config.vocab_size}x{config.hidden_size}", "rope_write_kv"}
     assert skip <= set(every) and "sample_tokens" in every
     fake.ops.skip_ops = frozenset(skip)
     try:
@@ -316,24 +241,20 @@ def test_sampler_launch_splits_the_argmax_by_vocabulary_and_batch():
 
 
 def test_decode_layer_hands_the_norms_over(tiny_model_dir):
-    """TINYVLLM_FUSE_NORM=producer (gpu/model.py): every norm is handed over by the kernel before
-    it — the embedding gather the first input norm, the o and every down GEMV (gemv_residual_norm)
-    the next one, the last down the final norm — each writing `normed` (with that norm's gain) and
+    """The fused decode layer (gpu/model.py): every norm is handed over by the kernel before it —
+    the embedding gather the first input norm, the o and every down GEMV (gemv_residual_norm) the
+    next one, the last down the final norm — each writing `normed` (with that norm's gain) and
     `norm_row_ss`; the qkv and gate_up GEMVs and the LM head (gemv_prenormed_bf16, fp32 logits)
-    read exactly those. No rms_norm is launched."""
+    read exactly those. Five launches a layer; no rms_norm, rope_write_kv or silu_mul."""
     config = ModelConfig.from_pretrained(tiny_model_dir)
-    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
-    fake.ops.fuse_norm = "producer"
-    launches = []
-    fake.ops.observer = lambda op, repeat, details: launches.append((op, details))
-    try:
-        fake.execute(ForwardBatch.build([[7]], [12], [[5]], 16, is_prefill=False), SamplingBatch.greedy(1))
-    finally:
-        fake.ops.observer = None
+    fake = _FakeCudaRunner(config, _engine())
+    assert fake.ops.fused_decode and fake.ops.pdl, "EngineConfig's defaults"
+    launches = _ops_of_a_decode_step(fake)
     L, v, w = config.num_hidden_layers, fake.arena.view, fake.weights
     names = [op for op, _ in launches]
-    assert "rms_norm" not in names and names.count("gemv_norm_rope_kv_bf16") == 0
+    assert not {"rms_norm", "rope_write_kv", "silu_mul"} & set(names) and not any(op.startswith("gemv ") for op in names)
     assert names.count("gemv_prenormed_rope_kv_bf16") == L and names.count("gemv_prenormed_silu_mul_bf16") == L
+    assert len(names) == 1 + 5 * L + 2     # the embedding, five a layer, the LM head and the sampler
     embedding = launches[names.index("embedding_gather")][1]["args"]   # (..., norm_w, normed, row_ss, head_argmax)
     assert tuple(map(int, embedding[-4:])) == (int(w.layers[0].input_norm), int(v("normed")), int(v("norm_row_ss")),
                                                int(v("head_argmax")))
@@ -359,15 +280,39 @@ def test_decode_layer_hands_the_norms_over(tiny_model_dir):
     assert names.index("gemv_residual_norm_bf16") > names.index("attention_decode_d64_g2")
 
 
-@pytest.mark.parametrize("fuse_norm", ["auto", "producer"])
-def test_decode_layer_takes_per_projection_k_warps(tiny_model_dir, fuse_norm):
-    """TINYVLLM_GEMV_K_WARPS (ops.gemv_k_warps_for): each named decode projection launches with
-    that many warps splitting K (block = 32 x warps), on both the norm and the handed-over norm
-    paths; the projections not named keep gemv_k_warps' rule. Bad settings are one clear error."""
+def test_unfused_decode_layer_launches_the_nine(tiny_model_dir):
+    """EngineConfig(fused_decode=False) (--no-fused-decode): a decode step runs the nine launches
+    per layer the guide follows — rms_norm, qkv linear(), rope_write_kv, the decode attention, o
+    linear() adding into the residual, rms_norm, gate_up linear(), silu_mul, down linear() — then
+    the final norm of the last tokens and the LM head as a linear(), on the plain GEMV; the
+    embedding hands nothing over and the sampler runs its own argmax pass."""
     config = ModelConfig.from_pretrained(tiny_model_dir)
-    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256))
+    fake = _FakeCudaRunner(config, _engine(fused_decode=False))
+    assert not fake.ops.fused_decode
+    launches = _ops_of_a_decode_step(fake)
+    names = [op for op, _ in launches]
+    H, I, q = config.hidden_size, config.intermediate_size, config.q_size + 2 * config.kv_size
+    layer = ["rms_norm", f"gemv {q}x{H}", "rope_write_kv", "attention_decode_d64_g2", f"gemv {H}x{config.q_size}",
+             "rms_norm", f"gemv {2 * I}x{H}", "silu_mul", f"gemv {H}x{I}"]
+    assert names == (["embedding_gather"] + layer * config.num_hidden_layers
+                     + ["rms_norm", f"gemv {config.vocab_size}x{H}", "sample_tokens"])
+    assert launches[0][1]["args"][-4:] == (0, 0, 0, 0)          # no norm handed over, no argmax keys
+    residual_adds = [d for op, d in launches if op in (f"gemv {H}x{config.q_size}", f"gemv {H}x{I}")]
+    assert all(d["accumulate"] and d["y"] == fake.arena.view("hidden") for d in residual_adds)
+    head = launches[-2][1]
+    assert head["last"] and head["out_dtype"] == "float32" and head["x"] == fake.arena.view("final_normed")
+    sampler = launches[-1][1]          # no head_argmax keys: the argmax pass in its slices
+    assert int(sampler["args"][-2]) == 0 and sampler["grid"] == (1, fake.ops.sample_slices(1, config.vocab_size), 1)
+
+
+@pytest.mark.parametrize("fused_decode", [True, False])
+def test_decode_layer_k_warps_follow_the_rule(tiny_model_dir, fused_decode):
+    """Every decode GEMV launches with gemv_k_warps' rule (block = 32 x warps), on both layers:
+    the o GEMV's at most half an SM per CTA (it follows the attention), the LM head by its `last`
+    rule."""
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    fake = _FakeCudaRunner(config, _engine(fused_decode=fused_decode))
     ops, H, I = fake.ops, config.hidden_size, config.intermediate_size
-    ops.fuse_norm = fuse_norm
     launched = []
 
     class Recording:              # every kernel launch's (name, block, args), enqueueing nothing
@@ -377,30 +322,17 @@ def test_decode_layer_takes_per_projection_k_warps(tiny_model_dir, fuse_norm):
             return type("Fn", (), {"launch": staticmethod(launch), "max_dynamic_shared_bytes": 1 << 20})()
 
     ops.library = Recording()
-
-    def blocks_by_k():
-        """{(n, k) of each GEMV's weight: the k-split warps it launched with}"""
-        launched.clear()
-        fake.execute(ForwardBatch.build([[7]], [12], [[5]], 16, is_prefill=False), SamplingBatch.greedy(1))
-        seen = {}
-        for name, block, a in launched:     # (y, x, w, m, n, k ...); norm / prenormed: (y, x, nw, w, m, n, k ...)
-            if name.startswith("gemv"):
-                n, k = (a[4], a[5]) if name in ("gemv_bf16", "gemv_residual_norm_bf16") else (a[5], a[6])
-                seen.setdefault((n, k), set()).add(block[0] // 32)
-        return seen
-
-    # the o GEMV's rule: at most half an SM per CTA (Llama-1B's 32 warps -> 16; SmolLM2's 8 stay)
+    fake.execute(ForwardBatch.build([[7]], [12], [[5]], 16, is_prefill=False), SamplingBatch.greedy(1))
+    seen = {}
+    for name, block, a in launched:     # (y, x, w, m, n, k ...); prenormed: (y, x, row_ss, w, m, n, k ...)
+        if name.startswith("gemv"):
+            n, k = (a[4], a[5]) if name in ("gemv_bf16", "gemv_residual_norm_bf16") else (a[5], a[6])
+            seen.setdefault((n, k), set()).add(block[0] // 32)
+    o, head = (H, config.q_size), (config.vocab_size, H)
+    want = {(n, k): {ops.gemv_k_warps(n, k, beside_attention=(n, k) == o)}
+            for n, k in ((config.q_size + 2 * config.kv_size, H), o, (2 * I, H), (H, I))}
+    want[head] = {ops.gemv_k_warps(*head, last=True)}
+    assert seen == want
+    # the o rule: at most half an SM per CTA (Llama-1B's 32 warps -> 16; SmolLM2's 8 stay)
     assert (ops.gemv_k_warps(2048, 2048), ops.gemv_k_warps(2048, 2048, beside_attention=True)) == (32, 16)
     assert ops.gemv_k_warps(576, 576) == ops.gemv_k_warps(576, 576, beside_attention=True) == 8
-    rule = blocks_by_k()
-    o, down = (H, config.num_attention_heads * config.head_dim), (H, I)
-    assert rule[o] == {ops.gemv_k_warps(*o, beside_attention=True)}
-    ops.gemv_k_warps_for = {"o": 2, "down": 4}
-    chosen = blocks_by_k()
-    assert chosen[o] == {2} and chosen[down] == {4} and rule[o] != {2}
-    assert {key: v for key, v in chosen.items() if key not in (o, down)} == \
-           {key: v for key, v in rule.items() if key not in (o, down)}
-    for bad in ("o=0", "lm_head=4", "o=33", "o", "o=-1"):
-        with pytest.raises(ValueError, match="TINYVLLM_GEMV_K_WARPS"):
-            parse_k_warps_for(bad)
-    assert parse_k_warps_for(" o=16, down=24 ") == {"o": 16, "down": 24} and parse_k_warps_for("") == {}

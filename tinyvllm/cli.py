@@ -51,6 +51,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each decode step before the previous one's tokens are read back, "
                         "hiding the host's per-step work (default: on for cuda, off for cpu)")
+    g.add_argument("--no-fused-decode", dest="fused_decode", action="store_false", default=None,
+                   help="cuda: decode with the nine-launch layer the guide follows, not the fused five")
+    g.add_argument("--no-pdl", dest="pdl", action="store_false", default=None,
+                   help="cuda: each kernel waits for the one before to end (no programmatic dependent launch)")
 
 
 def _int_or_auto(text: str):
@@ -65,7 +69,7 @@ def _int_or_auto(text: str):
 def engine_options_from_args(args) -> dict:
     names = ("device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_gb",
              "gpu_memory_utilization", "num_kv_blocks", "enforce_eager", "enable_prefix_caching",
-             "async_scheduling")
+             "async_scheduling", "fused_decode", "pdl")
     options = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if options.get("device") == "cpu" and "gpu_memory_utilization" in options:
         raise TinyVLLMError("--gpu-memory-utilization sizes the GPU's KV cache; the cpu backend's "

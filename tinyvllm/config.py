@@ -183,6 +183,10 @@ class EngineConfig:
                                          # steps (cuda yes, cpu no)
     generation_config: str = "auto"      # sampling defaults: "auto" (the model's generation_config.json),
                                          # "vllm" (none: SamplingParams()), or a directory holding one
+    fused_decode: bool = True            # cuda: decode steps of <= 8 sequences run the fused five-launch
+                                         # layer (gpu/model.py); False: the nine-launch layer the guide follows
+    pdl: bool = True                     # cuda: kernels launch with programmatic dependent launch (each may
+                                         # start while the one before ends); False: one after the other
 
     def __post_init__(self):
         _check_int("max_num_seqs", self.max_num_seqs, 1, INT32_MAX)
@@ -201,8 +205,9 @@ class EngineConfig:
                 raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.num_kv_blocks is not None:   # every slot (block * block_size + offset) is an int32
             _check_int("num_kv_blocks", self.num_kv_blocks, 1, INT32_MAX // self.block_size)
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "fused_decode", "pdl"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {self.scheduling!r}")
         if self.device not in ("cuda", "cpu"):

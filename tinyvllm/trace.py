@@ -34,7 +34,7 @@ SHOW = 12                         # entries of a per-token array shown in a step
 TWIN_OF = {
     "embedding": "embedding.cu::embedding_gather",
     "rms_norm": "rmsnorm.cu::rms_norm",
-    "linear": "gpu/ops.py::GpuOps.linear (gemv.cu::gemv_bf16 or cublasGemmEx)",
+    "linear": "gpu/ops/gemv.py::GemvOps.linear (gemv.cu::gemv_bf16 or cublasGemmEx)",
     "apply_rope": "rope_kv.cu::rope_write_kv (rotation)",
     "write_kv": "rope_kv.cu::rope_write_kv (paged K/V write)",
     "paged_attention": "attention_prefill.cu / attention_decode.cu",

@@ -17,14 +17,14 @@ The per-step inputs (token ids, positions, slot mapping, block tables, sampling 
 form one contiguous region mirrored in page-locked host memory, so a step uploads them with a
 single copy. The region exists twice on the device (INPUT_BANKS), and steps take the banks in
 turn: the next step's inputs go up into one bank on a copy stream while the step before it still
-reads the other (cuda_runner.py), so no upload stands between two decode graphs. A decode step
+reads the other (gpu/input_banks.py), so no upload stands between two decode graphs. A decode step
 has one token per sequence, so its per-token inputs have their own arrays of max-sequences
 length (decode_*), placed with the per-sequence ones before the block tables, which are packed
 with the batch's own width: a decode step's copy stops right after the rows in use (at batch 1,
 a few hundred bytes). The prefill steps' per-token arrays (max-tokens
-long: 256 KB at 16,384 tokens, which every decode step used to upload; 12 us per step on the
-stream, docs/perf-notes.md session 9) come after the block tables, and only prefill copies cross
-them.
+long: 256 KB at 16,384 tokens, whose transfer took ~7 us of every decode step when each
+uploaded them: H200, 2026-12-04, 06f3a66) come after the block tables, and only prefill copies
+cross them.
 """
 from __future__ import annotations
 
@@ -94,8 +94,8 @@ ACTIVATIONS = [
     # the decode LM head's greedy argmax key per sequence (common.cuh's argmax_key), cleared by
     # the step's embedding; the sampler reads it instead of the logits
     BufferSpec("head_argmax", lambda d: (d.seqs,), U64, "head_argmax"),
-    # the fused decode layer's handed-over norm (TINYVLLM_FUSE_NORM=producer, gpu/model.py): the
-    # residual GEMV's per-CTA sums of squares of the new rows, for the GEMV after the norm
+    # the fused decode layer's handed-over norm (gpu/model.py): the residual GEMV's (or the
+    # embedding's) per-CTA sums of squares of the new rows, for the GEMV after the norm
     BufferSpec("norm_row_ss", lambda d: (GEMV_MAX_ROWS, -(-d.hidden // GEMV["ROWS_PER_CTA"])), F32, "norm_row_ss"),
     BufferSpec("cublas_workspace", lambda d: (CUBLAS_WORKSPACE_BYTES // 4,), F32, "cublas_workspace"),
 ]

@@ -1,5 +1,5 @@
 """cuBLAS through ctypes: a handle bound to our stream, and the row-major `matmul()` that
-gpu/ops.py's `linear()` calls for every projection the GEMV does not take.
+gpu/ops/gemv.py's `linear()` calls for every projection the GEMV does not take.
 
 Only what the engine needs is bound: create/destroy, set stream, set workspace, GemmEx, and the
 status-string lookup so failures carry cuBLAS's own message.

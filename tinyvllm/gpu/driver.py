@@ -54,7 +54,7 @@ class CudaDriverError(RuntimeError):
 
 class LaunchAttribute(ctypes.Structure):
     """CUlaunchAttribute (cuda.h): an id, padding to 8 bytes, a 64-byte value union whose first
-    three words are all the attributes used here need (a flag in value[0], or clusterDim x, y, z)."""
+    three words are more than the one attribute used here needs (a flag in value[0])."""
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 3),
                 ("rest", ctypes.c_char * 52)]
 
@@ -66,7 +66,6 @@ class LaunchConfig(ctypes.Structure):
                 ("num_attrs", ctypes.c_uint)]
 
 
-CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14

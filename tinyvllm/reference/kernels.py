@@ -41,7 +41,7 @@ def embedding(token_ids: np.ndarray, table: np.ndarray, fed_rows=None, fed_ids=N
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Y[m, n] = X[m, k] @ W[n, k]^T, W as HF stores it [out, in] (gpu/ops.py's linear())."""
+    """Y[m, n] = X[m, k] @ W[n, k]^T, W as HF stores it [out, in] (gpu/ops/gemv.py's linear())."""
     return as_f32(x) @ as_f32(w).T
 
 
@@ -76,14 +76,15 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 
 # ---- the fused decode GEMVs' formulas for their operands (cuda/gemv.cu) ------------------
-# The GEMV with the RMSNorm inside takes the norm's scale out of the dot product (gemv.cu's
-# header): its operand is bf16(x * weight), the product is scaled by inv_rms in fp32 after the
-# sum. That is RMSNorm-then-linear up to rounding (tests/test_reference_fused.py bounds it),
-# not its bits. The silu epilogue's operand is what silu_mul stores.
+# The fused decode layer's GEMVs take the RMSNorm's scale out of the dot product (gemv.cu's
+# header: the handed-over norm): their operand is bf16(x * weight), the product is scaled by
+# inv_rms in fp32 after the sum. That is RMSNorm-then-linear up to rounding
+# (tests/test_reference_fused.py bounds it), not its bits. The silu epilogue's operand is what
+# silu_mul stores.
 
 def rms_norm_operand(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """bf16(x * weight): the norm GEMVs' X operand (the fp32 product of two bf16 values is
-    exact, so this is the kernel's one rounding)."""
+    """bf16(x * weight): the prenormed GEMVs' X operand, written by the kernel before the norm
+    (the fp32 product of two bf16 values is exact, so this is the kernel's one rounding)."""
     return bf16_round(as_f32(x) * as_f32(weight))
 
 
@@ -95,7 +96,7 @@ def rms_inv(x: np.ndarray, eps: float) -> np.ndarray:
 
 def rms_norm_linear(x: np.ndarray, norm_weight: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """Y = inv_rms * (bf16(x * norm_weight) @ W^T), x the residual stream [m, k]: RMSNorm then
-    linear as the fused norm GEMVs compute it (fp32 product, then times inv_rms per row)."""
+    linear as the fused decode layer's GEMVs compute it (fp32 product, then times inv_rms per row)."""
     return linear(rms_norm_operand(x, norm_weight), w) * rms_inv(x, eps)
 
 

@@ -11,7 +11,7 @@
 The engine's side (docs/engine.md, "Structured outputs"): add_request gives each sequence of a
 constrained request a Constraint (GrammarCompiler.attach); every step that samples such a row
 builds a TokenMask on the host, and the sampler sets each refused token's logit to -inf before
-the sampling rule (numpy: reference/sampling.py; CUDA: gpu/cuda/token_mask.cu, launched only
+the sampling rule (numpy: reference/sampling.py; CUDA: cuda/token_mask.cu, launched only
 for steps with a mask); each sampled token advances the row's matcher (output_processor.py), and
 the request finishes with "stop" once the grammar is complete.
 """

@@ -9,7 +9,7 @@ engine/batch.py), from each row's matcher (structured/grammar.py), all rows at o
 llguidance's thread pool; None when no row of the step is constrained, and then nothing of this
 runs and the runner launches nothing for it. Both samplers set every refused token's logit to
 -inf before anything else (reference/sampling.py's apply_token_mask, its CUDA twin
-gpu/cuda/token_mask.cu), so the sampling rule, whatever it is, can only pick an allowed token.
+cuda/token_mask.cu), so the sampling rule, whatever it is, can only pick an allowed token.
 
 A row whose prompt is not complete after this step (a prefill chunk) samples nothing and gets
 no mask.

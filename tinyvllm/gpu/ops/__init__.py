@@ -1,0 +1,56 @@
+"""GpuOps: one typed launcher per CUDA kernel, what the model, the GPU tests and the benchmarks
+call. The launchers live by kernel family, beside the .cu files they launch:
+
+    kernel (cuda/)                         launcher (gpu/ops/)             numpy twin (reference/)         GPU test (tests/)
+    embedding.cu  embedding_gather         rowwise  embedding()            kernels.embedding               test_gpu_kernels::test_embedding_gather
+    rmsnorm.cu    rms_norm                 rowwise  rms_norm()             kernels.rms_norm                test_gpu_kernels::test_rms_norm
+    rope_kv.cu    rope_write_kv            rowwise  rope_write_kv()        kernels.apply_rope, write_kv    test_gpu_kernels::test_rope_write_kv
+    activation.cu silu_mul                 rowwise  silu_mul()             kernels.silu_mul                test_gpu_kernels::test_silu_mul
+    attention_prefill.cu  attention_prefill_d{64,128}
+                                           attention attention_prefill()   kernels.paged_attention         test_gpu_kernels::test_attention_prefill
+    attention_decode.cu   attention_decode_d{64,128}_g{1,2,3,4,8}
+                                           attention attention_decode()    kernels.paged_attention         test_gpu_kernels::test_attention_decode
+    gemv.cu       gemv_bf16                gemv     gemv(), via linear()   kernels.linear                  test_gpu_gemv
+    gemv.cu       gemv_residual_norm_bf16  gemv     gemv_residual_norm()   kernels.linear, rms_norm_operand  test_gpu_fused::test_handed_over_norm
+    gemv.cu       gemv_prenormed_rope_kv_bf16
+                                           gemv     gemv_rope_kv()         kernels.rms_norm_linear, apply_rope, write_kv
+                                                                                                           test_gpu_fused::test_handed_over_norm
+    gemv.cu       gemv_prenormed_silu_mul_bf16
+                                           gemv     gemv_silu_mul()        kernels.rms_norm_linear, silu_mul  test_gpu_fused::test_handed_over_norm
+    gemv.cu       gemv_prenormed_bf16      gemv     gemv(prenormed=...)    kernels.rms_norm_linear, sampling.head_argmax_keys
+                                                                                                           test_gpu_fused::test_prenormed_head
+    sampling.cu   sample_tokens            sampling sample()               sampling.sample                 test_gpu_sampling
+    sampling.cu   apply_logit_edits        sampling apply_logit_edits()    sampling.apply_edits            test_gpu_logit_processing
+    sampling.cu   step_logprobs            sampling step_logprobs()        sampling.step_logprobs          test_gpu_logit_processing
+    token_mask.cu apply_token_mask         sampling apply_token_mask()     sampling.apply_token_mask       test_gpu_token_mask
+    (cuBLAS)      cublasGemmEx             gemv     linear()               kernels.linear                  test_gpu_kernels::test_linear
+
+Each launcher owns its kernel's launch geometry, computed from the constants its .cu file
+defines (read by gpu/kernels.py, never copied), and passes the arguments in the kernel's own
+order; the argument types come from the kernel's C signature. Every launch goes through
+`_launch` (gpu/ops/launch.py) and every projection through `linear()` (gpu/ops/gemv.py); the
+fused decode layer's GEMVs are launches of their own kernels.
+"""
+from __future__ import annotations
+
+from tinyvllm.gpu.ops.attention import (
+    DECODE,
+    DECODE_GROUPS,
+    DECODE_HEAD_DIMS,
+    MAX_DECODE_SPLITS,
+    PREFILL,
+    PREFILL_HEAD_DIMS,
+    AttentionOps,
+)
+from tinyvllm.gpu.ops.gemv import GEMV, GEMV_MAX_ROWS, GemvOps
+from tinyvllm.gpu.ops.rowwise import EMBEDDING, RMS_NORM, ROPE, SILU, RowwiseOps
+from tinyvllm.gpu.ops.sampling import MAX_ARGMAX_SLICES, SAMPLING, SamplingOps
+
+__all__ = ["GpuOps", "EMBEDDING", "RMS_NORM", "ROPE", "SILU", "PREFILL", "DECODE", "GEMV", "SAMPLING",
+           "DECODE_HEAD_DIMS", "DECODE_GROUPS", "PREFILL_HEAD_DIMS", "MAX_DECODE_SPLITS", "MAX_ARGMAX_SLICES",
+           "GEMV_MAX_ROWS"]
+
+
+class GpuOps(RowwiseOps, AttentionOps, GemvOps, SamplingOps):
+    """Every launcher, bound to one kernel library, stream, cuBLAS handle and SM count
+    (OpsBase's arguments, with EngineConfig's fused_decode and pdl)."""

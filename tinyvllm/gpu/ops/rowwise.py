@@ -1,0 +1,47 @@
+"""The launchers of the row-wise kernels: the embedding gather, RMSNorm, RoPE with the KV-cache
+write, and SwiGLU (embedding.cu, rmsnorm.cu, rope_kv.cu, activation.cu)."""
+from __future__ import annotations
+
+from tinyvllm.gpu.kernels import kernel_constants
+from tinyvllm.gpu.ops.launch import OpsBase
+
+EMBEDDING = kernel_constants("embedding.cu")
+RMS_NORM = kernel_constants("rmsnorm.cu")
+ROPE = kernel_constants("rope_kv.cu")
+SILU = kernel_constants("activation.cu")
+
+
+class RowwiseOps(OpsBase):
+    def embedding(self, out, table, token_ids, num_tokens: int, hidden: int, vocab_size: int,
+                  fed_rows=0, fed_ids=0, norm=None, head_argmax=0) -> None:
+        """out[t] = table[id_t] (bf16 rows; an id outside the vocab gives a zero row), id_t =
+        fed_ids[fed_rows[t]] where fed_rows (int32 [num_tokens], 0: none) is >= 0, else
+        token_ids[t]. norm = (norm_weight, normed, row_ss): the first layer's input norm handed
+        over as gemv_residual_norm() hands the others over (embedding.cu's header): normed [T,
+        hidden] = bf16(out * norm_weight), row_ss (fp32 [T, hidden / 16]) the rows' sums of
+        squares of 16 columns each, for gemv_rope_kv(prenormed=(row_ss, eps)). head_argmax (uint64
+        [num_tokens], 0: none): cleared to 0 for the LM head's argmax keys (gemv(head_argmax=))."""
+        norm_w, normed, row_ss = norm or (0, 0, 0)
+        if norm is not None and (hidden % 16 or not (int(norm_w) and int(normed) and int(row_ss))):
+            raise ValueError(f"embedding: the handed-over norm needs hidden % 16 == 0 (got {hidden}) and its "
+                             f"weight, normed and row_ss pointers")
+        self._launch("embedding_gather", num_tokens, EMBEDDING["THREADS"], out, table, token_ids,
+                     fed_rows, fed_ids, num_tokens, hidden, vocab_size, norm_w, normed, row_ss, head_argmax)
+
+    def rms_norm(self, out, x, weight, num_rows: int, hidden: int, eps: float, rows=0) -> None:
+        """out[r] = RMSNorm(x[rows[r] if rows else r]) * weight; one block per output row."""
+        if hidden > RMS_NORM["MAX_HIDDEN"]:
+            raise ValueError(f"rms_norm: hidden {hidden} is above the kernel's MAX_HIDDEN {RMS_NORM['MAX_HIDDEN']}")
+        self._launch("rms_norm", num_rows, RMS_NORM["THREADS"], out, x, weight, rows, num_rows, hidden, eps)
+
+    def rope_write_kv(self, qkv, k_cache, v_cache, positions, slot_mapping, inv_freq, num_tokens: int,
+                      num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        """Rotate q and k in the fused qkv rows; write k and v to the paged cache at slot_mapping."""
+        self._launch("rope_write_kv", num_tokens, ROPE["THREADS"], qkv, k_cache, v_cache, positions,
+                     slot_mapping, inv_freq, num_tokens, num_q_heads, num_kv_heads, head_dim)
+
+    def silu_mul(self, out, gate_up, num_tokens: int, inter: int) -> None:
+        """out = silu(gate) * up over the fused gate_up rows; grid-stride, at most 4 waves."""
+        threads = SILU["THREADS"]
+        grid = min(num_tokens * inter // 8 // threads + 1, 4 * self.num_sms)
+        self._launch("silu_mul", grid, threads, out, gate_up, num_tokens, inter)
