@@ -14,6 +14,15 @@ class InvalidRequestError(TinyVLLMError, ValueError):
     """A request that can never be served: bad sampling values, empty or too-long prompt."""
 
 
+class RequestValueError(InvalidRequestError):
+    """An InvalidRequestError that knows which request field is at fault (the server's error
+    body names it as `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 class GPUUnavailableError(TinyVLLMError):
     """No CUDA driver, no GPU, PyCUDA or cuBLAS missing."""
 

@@ -19,13 +19,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyvllm.engine.stats import StatsLogger
-from tinyvllm.errors import InvalidRequestError
+from tinyvllm.errors import InvalidRequestError, RequestValueError
 from tinyvllm.server import responses as R
 from tinyvllm.server.encoding import PromptEncoder
 from tinyvllm.server.engine_loop import EngineFailure, EngineLoop
 from tinyvllm.server.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard, key_matches
 from tinyvllm.server.metrics import EngineMetrics
-from tinyvllm.server.protocol import ChatCompletionRequest, CompletionRequest, RequestValueError
+from tinyvllm.server.protocol import ChatCompletionRequest, CompletionRequest
 from tinyvllm.server.responses_api import add_responses_route
 from tinyvllm.server.serving import serve
 from tinyvllm.server.structured_request import RequestPreparer

@@ -19,8 +19,7 @@ from typing import Callable
 from tinyvllm.checkpoint import content_tokens
 from tinyvllm.engine.intake import TokenizedPrompt
 from tinyvllm.engine.limits import check_text
-from tinyvllm.errors import InvalidRequestError
-from tinyvllm.server.protocol import RequestValueError
+from tinyvllm.errors import InvalidRequestError, RequestValueError
 
 MAX_WORKERS = 4
 

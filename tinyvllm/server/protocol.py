@@ -14,16 +14,8 @@ from typing import Any, ClassVar, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from tinyvllm.engine.sampling_params import SamplingParams
-from tinyvllm.errors import InvalidRequestError
-
-
-class RequestValueError(InvalidRequestError):
-    """An InvalidRequestError that knows which request field is at fault (the error body's
-    `param`)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+from tinyvllm.errors import InvalidRequestError, RequestValueError
+from tinyvllm.server.structured_request import request_constraint
 
 
 class StreamOptions(BaseModel):
@@ -80,7 +72,6 @@ class _SamplingFields(BaseModel):
         max_tokens above `default_max_tokens` when that is the context left is refused by the
         caller (chat: ChatCompletionRequest; completions: serving.check_context).
         tool_constraint: the grammar of a required or named tool_choice (ToolPlan.constraint)."""
-        from tinyvllm.server.structured_request import request_constraint
         self._refuse_unsupported()
         constraint = request_constraint(self)
         if tool_constraint is not None:

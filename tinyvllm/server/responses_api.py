@@ -29,9 +29,10 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from tinyvllm.errors import RequestValueError
 from tinyvllm.server import responses as R
 from tinyvllm.server import responses_shapes as S
-from tinyvllm.server.protocol import ChatCompletionRequest, RequestValueError
+from tinyvllm.server.protocol import ChatCompletionRequest
 from tinyvllm.server.request_stream import EngineFailure
 from tinyvllm.server.serving import EngineStreamingResponse, collect_all
 from tinyvllm.server.structured_request import text_format_constraint

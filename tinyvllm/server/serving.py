@@ -13,9 +13,10 @@ import collections
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tinyvllm.errors import RequestValueError
 from tinyvllm.server import responses as R
 from tinyvllm.server.engine_loop import EngineFailure, EngineLoop, RequestStream
-from tinyvllm.server.protocol import RequestValueError, context_error
+from tinyvllm.server.protocol import context_error
 from tinyvllm.server.tool_stream import ToolStream, tool_choice_body
 
 SSE_DONE = R.SSE_DONE.encode()

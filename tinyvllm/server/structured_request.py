@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinyvllm.errors import InvalidRequestError
-from tinyvllm.server.protocol import RequestValueError
+from tinyvllm.errors import InvalidRequestError, RequestValueError
 from tinyvllm.structured import StructuredOutputsParams as SO
 from tinyvllm.structured import tool_calls as T
 

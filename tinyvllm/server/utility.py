@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyvllm import __version__
-from tinyvllm.server.protocol import ChatMessage, RequestValueError
+from tinyvllm.errors import RequestValueError
+from tinyvllm.server.protocol import ChatMessage
 
 
 class _Body(BaseModel):
