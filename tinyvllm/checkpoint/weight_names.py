@@ -1,8 +1,17 @@
-"""The one home of a Llama checkpoint's tensor names (Hugging Face layout) and of the fusions
-the engine runs: per layer, q/k/v concatenated along the output dimension into one
-[q + 2 kv, hidden] matrix and gate/up into one [2 inter, hidden] matrix, so a layer runs two
-projections where HF runs five. The numpy reference and the GPU upload both build their
-per-layer matrices with `fused_layer`, so they cannot disagree about the layout.
+"""The one home of a checkpoint's tensor names (Hugging Face layout, every family of
+tinyvllm/model_family.py) and of the fusions the engine runs: per layer, q/k/v concatenated along
+the output dimension into one [q + 2 kv, hidden] matrix (and their biases into one [q + 2 kv]
+vector) and gate/up into one [2 inter, hidden] matrix, so a layer runs two projections where HF
+runs five. The numpy reference and the GPU upload both build their per-layer tensors with
+`fused_layer`, so they cannot disagree about the layout.
+
+Per-layer parts (LAYER_PARTS keys), and which families have them (layer_parts):
+  input_norm, qkv, o, post_norm, gate_up, down   every family; post_norm is HF's
+                        post_attention_layernorm: the MLP's input norm on Llama, Mistral and
+                        Qwen, but the norm of the attention output on Gemma 3
+  qkv_bias              Qwen2 (q_proj/k_proj/v_proj.bias)
+  q_norm, k_norm        Qwen3, Gemma 3 ([head_dim], shared by every head)
+  pre_mlp_norm, post_mlp_norm   Gemma 3 (pre_/post_feedforward_layernorm)
 """
 from __future__ import annotations
 
@@ -15,11 +24,23 @@ EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "
 LAYER_PARTS = {
     "input_norm": ("input_layernorm.weight",),
     "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "qkv_bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "q_norm": ("self_attn.q_norm.weight",),
+    "k_norm": ("self_attn.k_norm.weight",),
     "o": ("self_attn.o_proj.weight",),
     "post_norm": ("post_attention_layernorm.weight",),
+    "pre_mlp_norm": ("pre_feedforward_layernorm.weight",),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight",),
     "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "down": ("mlp.down_proj.weight",),
 }
+LLAMA_PARTS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
+
+
+def layer_parts(config: ModelConfig) -> tuple[str, ...]:
+    """The LAYER_PARTS keys a layer of this model has."""
+    return (LLAMA_PARTS + ("qkv_bias",) * config.qkv_bias + ("q_norm", "k_norm") * config.qk_norm
+            + ("pre_mlp_norm", "post_mlp_norm") * config.sandwich_norms)
 
 
 def layer_prefix(layer: int) -> str:
@@ -27,12 +48,17 @@ def layer_prefix(layer: int) -> str:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama checkpoint must hold, by its Hugging Face name, with its shape."""
-    h, v, i = config.hidden_size, config.vocab_size, config.intermediate_size
-    part_shapes = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (config.q_size, h),
-                   "self_attn.k_proj.weight": (config.kv_size, h), "self_attn.v_proj.weight": (config.kv_size, h),
-                   "self_attn.o_proj.weight": (h, config.q_size), "post_attention_layernorm.weight": (h,),
-                   "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+    """Every tensor the model's checkpoint must hold, by its Hugging Face name, with its shape."""
+    h, v, i, d = config.hidden_size, config.vocab_size, config.intermediate_size, config.head_dim
+    q, kv = config.q_size, config.kv_size
+    shape_of = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, h),
+                "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+                "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+                "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+                "self_attn.o_proj.weight": (h, q), "post_attention_layernorm.weight": (h,),
+                "pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,),
+                "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+    part_shapes = {name: shape_of[name] for part in layer_parts(config) for name in LAYER_PARTS[part]}
     shapes = {EMBED: (v, h)}
     for layer in range(config.num_hidden_layers):
         shapes.update({layer_prefix(layer) + name: shape for name, shape in part_shapes.items()})
@@ -43,7 +69,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def fused_layer(weights: dict[str, np.ndarray], layer: int, part: str) -> np.ndarray:
-    """One per-layer matrix as the engine runs it (a LAYER_PARTS key), concatenated from the
+    """One per-layer tensor as the engine runs it (a LAYER_PARTS key), concatenated from the
     checkpoint's tensors when fused; made one at a time, so at most one extra copy exists."""
     names = [layer_prefix(layer) + n for n in LAYER_PARTS[part]]
     return weights[names[0]] if len(names) == 1 else np.concatenate([weights[n] for n in names], axis=0)

@@ -57,6 +57,10 @@ def runner_class(engine_config: EngineConfig) -> type[ModelRunner]:
 
 def make_runner(config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig) -> ModelRunner:
     """A started runner of engine_config's device holding `weights`."""
+    different = config.differences_from_llama()
+    if engine_config.device == "cuda" and different:     # the CUDA kernels compute Llama's formulas
+        raise ModelLoadError(f"the CUDA backend runs the Llama forward pass, and this {config.family} model "
+                             f"needs {', '.join(different)}: serve it with --device cpu")
     try:
         return runner_class(engine_config)(config, weights, engine_config)
     except TinyVLLMError:

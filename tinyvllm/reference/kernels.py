@@ -1,5 +1,6 @@
-"""The numpy float32 oracle: one function per GPU kernel, and the whole Llama forward pass built
-from them. GPU tests compare every kernel against these; the engine's CPU backend runs on them.
+"""The numpy float32 oracle: one function per GPU kernel, from which reference/model.py builds
+the forward pass of every model family. GPU tests compare every kernel against these; the
+engine's CPU backend runs on them.
 
 Everything computes in float32 whatever the input dtype (bf16 inputs are widened first). Pass
 `round_bf16=True` to ReferenceModel to round activations to bf16 wherever the GPU stores them,
@@ -40,16 +41,21 @@ def embedding(token_ids: np.ndarray, table: np.ndarray, fed_rows=None, fed_ids=N
     return np.where(valid[:, None], as_f32(table[np.where(valid, ids, 0)]), np.float32(0))
 
 
-def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Y[m, n] = X[m, k] @ W[n, k]^T, W as HF stores it [out, in] (gpu/ops/gemv.py's linear())."""
-    return as_f32(x) @ as_f32(w).T
+def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """Y[m, n] = X[m, k] @ W[n, k]^T (+ bias[n]), W as HF stores it [out, in] (gpu/ops/gemv.py's
+    linear()). The bias is nn.Linear's: added to the fp32 product (Qwen2's q/k/v)."""
+    y = as_f32(x) @ as_f32(w).T
+    return y if bias is None else y + as_f32(bias)
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """x / sqrt(mean(x^2) + eps) * weight over the last axis, in float32."""
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, weight_offset: float = 0.0) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * (weight_offset + weight) over the last axis, in float32.
+    weight_offset 1 is Gemma3RMSNorm's x * (1 + w), the sum taken in fp32 as there (1 + w
+    rounded to bf16 would lose w's low bits)."""
     x = as_f32(x)
     mean_square = np.mean(x * x, axis=-1, keepdims=True)
-    return x / np.sqrt(mean_square + np.float32(eps)) * as_f32(weight)
+    scale = as_f32(weight) + np.float32(weight_offset) if weight_offset else as_f32(weight)
+    return x / np.sqrt(mean_square + np.float32(eps)) * scale
 
 
 def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
@@ -63,6 +69,18 @@ def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np
     sin = np.sin(angle).astype(np.float32)[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def gelu_tanh_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gelu_tanh(gate) * up in fp32: Gemma 3's GeGLU (ACT2FN["gelu_pytorch_tanh"], torch's
+    gelu(approximate="tanh")). gelu_tanh(x) = x * (1 + tanh(u)) / 2 with u = sqrt(2/pi) * (x +
+    0.044715 x^3); written as x / (1 + e^(-2u)), the same function without the cancellation of
+    1 + tanh(u) for very negative u (see silu_mul). For u < -44, e^(-2u) overflows to inf and
+    x / inf = -0, the right limit; the cube overflows only past |x| ~ 1.4e13."""
+    x = as_f32(gate)
+    u = np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * x * x * x)
+    with np.errstate(over="ignore"):
+        return x / (np.float32(1) + np.exp(np.float32(-2) * u)) * as_f32(up)
 
 
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -124,18 +142,23 @@ def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, k: np.ndarray, v: np.ndar
     v_cache[blocks, offsets] = np.asarray(v)[keep]
 
 
-def gather_kv(cache: np.ndarray, block_table: np.ndarray, context_len: int) -> np.ndarray:
-    """One sequence's first `context_len` positions out of a paged cache -> [context_len, Hkv, D]."""
+def gather_kv(cache: np.ndarray, block_table: np.ndarray, context_len: int, first: int = 0) -> np.ndarray:
+    """One sequence's positions first..context_len-1 out of a paged cache -> [context_len -
+    first, Hkv, D]; only the blocks holding them are read."""
     block_size = cache.shape[1]
-    blocks = np.asarray(block_table[: math.ceil(context_len / block_size)], np.int64)
-    return cache[blocks].reshape(-1, *cache.shape[2:])[:context_len]
+    skipped = first // block_size
+    blocks = np.asarray(block_table[skipped: math.ceil(context_len / block_size)], np.int64)
+    base = skipped * block_size              # the position of the first row read
+    return cache[blocks].reshape(-1, *cache.shape[2:])[first - base: context_len - base]
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                    batch: ForwardBatch, scale: float) -> np.ndarray:
+                    batch: ForwardBatch, scale: float, window: int | None = None) -> np.ndarray:
     """Causal attention of each new token over its own sequence's positions 0..position, reading
     K/V through the block tables. q [T, Hq, D] -> [T, Hq, D] float32. Query head h reads kv head
-    h // (Hq / Hkv) (grouped-query attention)."""
+    h // (Hq / Hkv) (grouped-query attention). With a window (a sliding layer), a token at
+    position p sees positions p - window + 1 .. p, and only the blocks holding the window of the
+    sequence's first new token onwards are read."""
     q = as_f32(q)
     out = np.empty_like(q)
     for i in range(batch.num_seqs):
@@ -143,23 +166,31 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         if end == start:
             continue
         ctx = int(batch.context_lens[i])
-        k = as_f32(gather_kv(k_cache, batch.block_tables[i], ctx))
-        v = as_f32(gather_kv(v_cache, batch.block_tables[i], ctx))
-        out[start:end] = causal_gqa_attention(q[start:end], k, v, batch.positions[start:end], scale)
+        first = 0 if window is None else max(0, int(batch.positions[start]) - window + 1)
+        k = as_f32(gather_kv(k_cache, batch.block_tables[i], ctx, first))
+        v = as_f32(gather_kv(v_cache, batch.block_tables[i], ctx, first))
+        out[start:end] = causal_gqa_attention(q[start:end], k, v, batch.positions[start:end], scale,
+                                              window, first)
     return out
 
 
 def causal_gqa_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
-                          scale: float) -> np.ndarray:
-    """q [n, Hq, D] at `positions`; k, v [ctx, Hkv, D] for positions 0..ctx-1 -> [n, Hq, D].
-    Heads are batched as [Hkv, group * n, D] so that the work is a few BLAS matmuls."""
+                          scale: float, window: int | None = None, first: int = 0) -> np.ndarray:
+    """q [n, Hq, D] at `positions`; k, v [ctx - first, Hkv, D] for positions first..ctx-1 ->
+    [n, Hq, D]. A query at position p sees keys at p' <= p, and with a window only those with
+    p' > p - window (transformers' sliding_window_overlay: the window counts p itself). Heads are
+    batched as [Hkv, group * n, D] so that the work is a few BLAS matmuls."""
     n, hq, d = q.shape
     ctx, hkv, _ = k.shape
     group = hq // hkv
     qh = q.reshape(n, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, group * n, d)
     scores = (qh @ k.transpose(1, 2, 0)) * np.float32(scale)            # [Hkv, group*n, ctx]
-    row_pos = np.tile(np.asarray(positions, np.int64), group)           # rows ordered (g, n)
-    scores[:, np.arange(ctx)[None, :] > row_pos[:, None]] = -np.inf
+    row_pos = np.tile(np.asarray(positions, np.int64), group)[:, None]  # rows ordered (g, n)
+    key_pos = np.arange(first, first + ctx)[None, :]
+    hidden = key_pos > row_pos
+    if window is not None:
+        hidden |= key_pos <= row_pos - window
+    scores[:, hidden] = -np.inf
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)

@@ -1,5 +1,8 @@
-"""ReferenceModel: the Llama forward pass in float32 numpy, built from the kernel twins in
-reference/kernels.py, over a paged KV cache (and a dense full recompute for tests)."""
+"""ReferenceModel: the forward pass of every model family in float32 numpy, built from the
+kernel twins in reference/kernels.py, over a paged KV cache (and a dense full recompute for tests).
+
+One model: the Llama decoder, branching where a family's formula differs (ModelConfig's family
+fields, tinyvllm/model_family.py); each branch names the transformers 5 code it mirrors."""
 from __future__ import annotations
 
 import math
@@ -9,12 +12,14 @@ import numpy as np
 from tinyvllm.checkpoint import weight_names as names
 from tinyvllm.config import ModelConfig, rope_inv_freq
 from tinyvllm.engine.batch import ForwardBatch
+from tinyvllm.hf_config import LAYER_TYPES
 from tinyvllm.reference.kernels import (
     apply_rope,
     as_f32,
     bf16_round,
     causal_gqa_attention,
     embedding,
+    gelu_tanh_mul,
     linear,
     paged_attention,
     rms_norm,
@@ -24,7 +29,7 @@ from tinyvllm.reference.kernels import (
 
 
 class ReferenceModel:
-    """Llama forward pass in float32 numpy over a paged KV cache (and a dense twin for tests)."""
+    """The forward pass in float32 numpy over a paged KV cache (and a dense twin for tests)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], round_bf16: bool = False):
         self.config = config
@@ -32,10 +37,15 @@ class ReferenceModel:
         self.embed = as_f32(weights[names.EMBED])
         self.lm_head = as_f32(names.lm_head(weights, config))
         self.final_norm = as_f32(weights[names.FINAL_NORM])
-        self.layers = [{part: as_f32(names.fused_layer(weights, layer, part)) for part in names.LAYER_PARTS}
+        self.layers = [{part: as_f32(names.fused_layer(weights, layer, part)) for part in names.layer_parts(config)}
                        for layer in range(config.num_hidden_layers)]
-        self.inv_freq = rope_inv_freq(config)
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.inv_freq = {kind: rope_inv_freq(config, kind) for kind in LAYER_TYPES}
+        self.scale = config.attention_scale
+        # Gemma3TextScaledWordEmbedding: the embedding times sqrt(hidden) cast to the embedding's
+        # dtype (fp32 here; bf16 where activations are bf16)
+        self.embed_scale = None if config.embedding_scale is None else self.round(np.float32(config.embedding_scale))
+        # Gemma3MLP: ACT2FN["gelu_pytorch_tanh"]; every other family: SiLU
+        self.gate_act = ("gelu_tanh_mul", gelu_tanh_mul) if config.hidden_act == "gelu_tanh" else ("silu_mul", silu_mul)
         # observer(twin_name, args, out): told of every twin call after it returns (tinyvllm/trace.py
         # prints them); None (the default) costs one attribute test per call
         self.observer = None
@@ -57,7 +67,8 @@ class ReferenceModel:
         def attend(layer, q, k, v):
             k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
             self._twin("write_kv", write_kv, k_cache, v_cache, k, v, batch.slot_mapping)
-            return self._twin("paged_attention", paged_attention, q, k_cache, v_cache, batch, self.scale)
+            return self._twin("paged_attention", paged_attention, q, k_cache, v_cache, batch, self.scale,
+                              self.config.layer_window(layer))
 
         hidden = self._run_layers(batch.token_ids, batch.positions, attend)
         return self._logits(hidden[batch.last_token_indices])
@@ -72,7 +83,7 @@ class ReferenceModel:
         positions = np.arange(len(token_ids))
 
         def attend(layer, q, k, v):
-            return causal_gqa_attention(q, k, v, positions, self.scale)
+            return causal_gqa_attention(q, k, v, positions, self.scale, self.config.layer_window(layer))
 
         return self._run_layers(token_ids, positions, attend)
 
@@ -80,19 +91,41 @@ class ReferenceModel:
         c, r, op = self.config, self.round, self._twin
         t = len(token_ids)
         hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        eps, offset = c.rms_norm_eps, c.norm_weight_offset      # Gemma3RMSNorm: x * (1 + w)
+
+        def norm(x, weight):
+            return r(op("rms_norm", rms_norm, x, weight, eps, offset))
+
         hidden = r(op("embedding", embedding, token_ids, self.embed))        # the residual stream
+        if self.embed_scale is not None:          # Gemma3TextScaledWordEmbedding.forward
+            hidden = r(hidden * self.embed_scale)
         for i, w in enumerate(self.layers):
-            x = r(op("rms_norm", rms_norm, hidden, w["input_norm"], c.rms_norm_eps))
-            qkv = r(op("linear", linear, x, w["qkv"]))
+            x = norm(hidden, w["input_norm"])
+            # Qwen2Attention: q_proj, k_proj, v_proj with bias=True
+            qkv = r(op("linear", linear, x, w["qkv"], w.get("qkv_bias")))
             q, k, v = np.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=1)
-            q = r(op("apply_rope", apply_rope, q.reshape(t, hq, d), positions, self.inv_freq))
-            k = r(op("apply_rope", apply_rope, k.reshape(t, hkv, d), positions, self.inv_freq))
+            q, k = q.reshape(t, hq, d), k.reshape(t, hkv, d)
+            if c.qk_norm:       # Qwen3Attention / Gemma3Attention: q_norm, k_norm per head, before rotary
+                q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
+            inv_freq = self.inv_freq[c.layer_type(i)]       # Gemma3RotaryEmbedding: one per layer type
+            q = r(op("apply_rope", apply_rope, q, positions, inv_freq))
+            k = r(op("apply_rope", apply_rope, k, positions, inv_freq))
             attn = r(attend(i, q, k, v.reshape(t, hkv, d)))
-            hidden = r(hidden + op("linear", linear, attn.reshape(t, c.q_size), w["o"]))
-            x = r(op("rms_norm", rms_norm, hidden, w["post_norm"], c.rms_norm_eps))
+            # the projections' outputs go into the residual unrounded (the GPU adds them in the
+            # GEMM's epilogue) except where a norm reads them first
+            out = op("linear", linear, attn.reshape(t, c.q_size), w["o"])
+            if c.sandwich_norms:     # Gemma3DecoderLayer: post_attention_layernorm on the attention output,
+                hidden = r(hidden + norm(r(out), w["post_norm"]))       # pre_feedforward_layernorm
+                x = norm(hidden, w["pre_mlp_norm"])                     # before the MLP
+            else:                    # LlamaDecoderLayer: post_attention_layernorm before the MLP
+                hidden = r(hidden + out)
+                x = norm(hidden, w["post_norm"])
             gate, up = np.split(r(op("linear", linear, x, w["gate_up"])), 2, axis=1)
-            hidden = r(hidden + op("linear", linear, r(op("silu_mul", silu_mul, gate, up)), w["down"]))
-        return r(op("rms_norm", rms_norm, hidden, self.final_norm, c.rms_norm_eps))
+            out = op("linear", linear, r(op(*self.gate_act, gate, up)), w["down"])
+            if c.sandwich_norms:     # Gemma3DecoderLayer: post_feedforward_layernorm on the MLP output
+                out = norm(r(out), w["post_mlp_norm"])
+            hidden = r(hidden + out)
+        return norm(hidden, self.final_norm)
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(self._twin("linear", linear, hidden, self.lm_head), dtype=np.float32)

@@ -1,0 +1,140 @@
+"""The model families tinyvllm serves, and what each changes from Llama, read from config.json.
+
+Every family is the Llama decoder (RMSNorm, RoPE, grouped-query attention, a gated MLP) with a
+few changes, each one a ModelConfig field:
+
+  family          model_type    architecture         changes from Llama
+  Llama 3.x       llama         LlamaForCausalLM     -
+  Mistral         mistral       MistralForCausalLM   a sliding window on every layer (v0.1: 4096;
+                                                     null on v0.3, which is then Llama exactly)
+  Qwen2 / Qwen2.5 qwen2         Qwen2ForCausalLM     biases on q, k, v
+  Qwen3           qwen3         Qwen3ForCausalLM     RMSNorm over each head of q and k before RoPE;
+                                                     head_dim of its own
+  Gemma 3 text    gemma3_text   Gemma3ForCausalLM    RMSNorm as x * (1 + w); embeddings times
+                                                     sqrt(hidden); GeGLU with tanh-GELU; norms on
+                                                     the attention output and around the MLP; q/k
+                                                     norms; scores times query_pre_attn_scalar^-1/2;
+                                                     sliding and full layers, each with its RoPE
+
+(Qwen2 and Qwen3 have sliding windows too, off unless use_sliding_window is true.)
+
+The rule for fields: what the family's transformers 5 classes read is read here, with their
+defaults where config.json leaves a field out (Qwen3Config's head_dim 128, MistralConfig's
+sliding_window 4096, ...), so a directory loads as it does there; a value the engine cannot
+honour is a ModelLoadError naming the field. A field the family's classes do not read (Mistral's
+attention_bias, Llama's sliding_window) is not read here either.
+"""
+from __future__ import annotations
+
+from tinyvllm.errors import ModelLoadError
+from tinyvllm.hf_config import FULL, SLIDING, ConfigFields, parse_layer_ropes, parse_layer_types, parse_rope
+
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+ARCHITECTURE_FAMILY = {arch: family for family, arch in FAMILIES.items()}
+# head_dim when config.json has none: the config class's default (None: hidden / heads)
+HEAD_DIM_DEFAULT = {"qwen3": 128, "gemma3_text": 256}
+TIED_DEFAULT = {"gemma3_text": True}              # tie_word_embeddings when absent (else False)
+SILU_NAMES = ("silu", "swish")                    # transformers' ACT2FN: the same SiLU
+TANH_GELU_NAMES = ("gelu_pytorch_tanh", "gelu_python_tanh")   # ACT2FN: the same tanh-approximate GELU
+GEMMA3_THETAS = (1_000_000.0, 10_000.0)           # Gemma3TextConfig.default_theta: full, sliding
+
+
+def family_of(cfg: dict, source: str) -> str:
+    """The family from model_type (what transformers' Auto classes go by), else from
+    architectures; the two must not name different families."""
+    archs = cfg.get("architectures") or []
+    named = [ARCHITECTURE_FAMILY[a] for a in archs if a in ARCHITECTURE_FAMILY] if isinstance(archs, list) else []
+    model_type = cfg.get("model_type")
+    if model_type in FAMILIES:
+        if named and named[0] != model_type:
+            raise ModelLoadError(f"{source}: model_type {model_type!r} and architectures {archs!r} "
+                                 "name different model families")
+        return model_type
+    if named:
+        return named[0]
+    raise ModelLoadError(f"{source}: unsupported architecture {archs or model_type!r}; tinyvllm serves "
+                         f"{', '.join(FAMILIES.values())}")
+
+
+def family_fields(family: str, cfg: dict, source: str, num_layers: int, hidden: int) -> dict:
+    """The ModelConfig fields that differ between families, from config.json."""
+    f = ConfigFields(cfg, source)
+    if family == "gemma3_text":
+        return _gemma3(cfg, f, source, num_layers, hidden)
+    act = f.get("hidden_act", str, "silu")
+    if act not in SILU_NAMES:
+        raise ModelLoadError(f"{source}: unsupported hidden_act {act!r} (only silu)")
+    if family in ("llama", "qwen3") and f.get("attention_bias", bool, False):
+        raise ModelLoadError(f"{source}: attention_bias=true is not supported (no bias tensors)")
+    if family == "llama" and f.get("mlp_bias", bool, False):
+        raise ModelLoadError(f"{source}: mlp_bias=true is not supported (no bias tensors)")
+    rope_theta, rope_scaling = parse_rope(cfg, source)
+    window, layer_types = _windows(family, cfg, f, source, num_layers)
+    return dict(family=family, rope_theta=rope_theta, rope_scaling=rope_scaling, sliding_window=window,
+                layer_types=layer_types,
+                qkv_bias=family == "qwen2",       # Qwen2Attention: q/k/v_proj with bias=True
+                qk_norm=family == "qwen3")        # Qwen3Attention: q_norm, k_norm
+
+
+def _windows(family: str, cfg: dict, f: ConfigFields, source: str, num_layers: int):
+    """(sliding_window, layer_types) as the family's attention masks use them; (None, ()) when
+    every layer attends to the whole context."""
+    if family == "llama":
+        return None, ()
+    if family == "mistral":
+        # MistralModel masks every layer with config.sliding_window; MistralConfig ignores
+        # layer_types (alternating layers are Ministral's), so a config that sets them is refused
+        if cfg.get("layer_types") is not None:
+            raise ModelLoadError(f"{source}: layer_types is not read by MistralForCausalLM (every layer "
+                                 "has the same attention); remove it")
+        window = f.positive_int("sliding_window", None) if "sliding_window" in cfg else 4096
+        return _normalized(window, (SLIDING,) * num_layers if window else (), source)
+    # Qwen2Config / Qwen3Config: the window only with use_sliding_window, on the layers from
+    # max_window_layers on (unless layer_types says which)
+    use = f.get("use_sliding_window", bool, False)
+    window = f.positive_int("sliding_window", None) if use else None
+    first = f.get("max_window_layers", int, 28)
+    default = [SLIDING if window and i >= first else FULL for i in range(num_layers)]
+    return _normalized(window, parse_layer_types(cfg, source, num_layers, default), source)
+
+
+def _normalized(window, layer_types, source):
+    if SLIDING not in layer_types:
+        return None, ()
+    if window is None:
+        raise ModelLoadError(f"{source}: layer_types names sliding_attention layers but there is no "
+                             "sliding_window (null, or use_sliding_window is false)")
+    return window, tuple(layer_types)
+
+
+def _gemma3(cfg: dict, f: ConfigFields, source: str, num_layers: int, hidden: int) -> dict:
+    """Gemma3TextConfig's fields (modeling_gemma3.py: Gemma3TextModel, Gemma3DecoderLayer,
+    Gemma3Attention, Gemma3RMSNorm, Gemma3MLP)."""
+    act = f.get("hidden_activation", str, "gelu_pytorch_tanh")
+    if act not in TANH_GELU_NAMES:
+        raise ModelLoadError(f"{source}: unsupported hidden_activation {act!r} (only gelu_pytorch_tanh)")
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(name) is not None:
+            raise ModelLoadError(f"{source}: {name}={cfg[name]!r} is not supported (no logit soft-capping)")
+    if f.get("use_bidirectional_attention", bool, False):
+        raise ModelLoadError(f"{source}: use_bidirectional_attention=true is not supported (causal attention only)")
+    if f.get("attention_bias", bool, False):
+        raise ModelLoadError(f"{source}: attention_bias=true is not supported (no bias tensors)")
+    # without layer_types: every sliding_window_pattern-th layer is a full one (4.x configs)
+    pattern = f.positive_int("sliding_window_pattern", 6)
+    default = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
+    window = f.positive_int("sliding_window", None) if "sliding_window" in cfg else 4096
+    window, layer_types = _normalized(window, parse_layer_types(cfg, source, num_layers, default), source)
+    ropes = parse_layer_ropes(cfg, source, *GEMMA3_THETAS)
+    return dict(
+        family="gemma3_text", rope_theta=ropes[FULL][0], rope_scaling=ropes[FULL][1],
+        sliding_rope_theta=ropes[SLIDING][0], sliding_rope_scaling=ropes[SLIDING][1],
+        sliding_window=window, layer_types=layer_types,
+        qk_norm=True,                          # Gemma3Attention: q_norm, k_norm
+        norm_weight_offset=1.0,                # Gemma3RMSNorm: x * (1 + w)
+        sandwich_norms=True,                   # Gemma3DecoderLayer: four norms per layer
+        hidden_act="gelu_tanh",                # Gemma3MLP: ACT2FN["gelu_pytorch_tanh"]
+        embedding_scale=hidden ** 0.5,         # Gemma3TextScaledWordEmbedding: embed_scale
+        query_pre_attn_scalar=f.positive_float("query_pre_attn_scalar", 256.0),   # Gemma3Attention.scaling
+    )
