@@ -55,13 +55,13 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="cuda: decode with the nine-launch layer the guide follows, not the fused five")
     g.add_argument("--no-pdl", dest="pdl", action="store_false", default=None,
                    help="cuda: each kernel waits for the one before to end (no programmatic dependent launch)")
+    g.add_argument("--quantization", choices=["fp8"], default=None, help="fp8: a bf16 checkpoint's linears "
+                   "quantized at load to FP8 e4m3, one scale per output row (an FP8 checkpoint needs no flag)")
 
 
 def _int_or_auto(text: str):
-    if text == "auto":
-        return text
     try:
-        return int(text)
+        return text if text == "auto" else int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
@@ -69,7 +69,7 @@ def _int_or_auto(text: str):
 def engine_options_from_args(args) -> dict:
     names = ("device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_gb",
              "gpu_memory_utilization", "num_kv_blocks", "enforce_eager", "enable_prefix_caching",
-             "async_scheduling", "fused_decode", "pdl")
+             "async_scheduling", "fused_decode", "pdl", "quantization")
     options = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     if options.get("device") == "cpu" and "gpu_memory_utilization" in options:
         raise TinyVLLMError("--gpu-memory-utilization sizes the GPU's KV cache; the cpu backend's "
@@ -171,7 +171,7 @@ def _prefix_cache_summary(engine) -> str:
 def _cmd_inspect(args) -> int:
     from tinyvllm.engine.llm_engine import make_engine_config
     from tinyvllm.model_report import inspect_report
-    names = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size")
+    names = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "quantization")
     config = make_engine_config(None, {n: getattr(args, n) for n in names if getattr(args, n) is not None})
     print(inspect_report(args.model, config))
     return 0
@@ -198,7 +198,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from tinyvllm.checkpoint.default_model import DEFAULT_MODEL
     from tinyvllm.checkpoint.model_writer import PRESET_NAMES
-    default_help = f"Hugging Face model directory (default: {DEFAULT_MODEL}, converted once)"
+    default_help = f"Hugging Face model directory or GGUF file (default: {DEFAULT_MODEL}, converted once to bf16)"
     p = _Parser(prog="tinyvllm", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"tinyvllm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -249,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     ins = sub.add_parser("inspect", help="config, tensors, weight / KV / arena memory of a model (no GPU)")
-    ins.add_argument("--model", required=True, help="Hugging Face model directory")
+    ins.add_argument("--model", required=True, help="Hugging Face model directory or GGUF file")
+    ins.add_argument("--quantization", choices=["fp8"], default=None, help="as the engine option")
     ins.add_argument("--max-model-len", type=int, default=None, help="context limit to size the KV cache for")
     ins.add_argument("--max-num-seqs", type=int, default=None, help="sequences per batch (arena plan)")
     ins.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (arena plan)")

@@ -3,8 +3,9 @@ runs it (EngineConfig). Both are frozen: nothing changes them after start-up.
 
 config.json is read in both its transformers 4 and 5 forms (tinyvllm/hf_config.py), for every
 family of tinyvllm/model_family.py. Anything we would have to ignore to load the model (an
-unimplemented rope type, partial rotary, soft-capping, quantized weights) and any malformed value
-is a ModelLoadError naming the field, never a silent default."""
+unimplemented rope type, partial rotary, soft-capping, a quantization_config field
+tinyvllm/quant/quant_config.py cannot honour) and any malformed value is a ModelLoadError naming
+the field, never a silent default."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ import numpy as np
 from tinyvllm.errors import ModelLoadError
 from tinyvllm.hf_config import FULL, SLIDING, ConfigFields, LinearRopeScaling, RopeScaling, parse_dtype
 from tinyvllm.model_family import FAMILIES, HEAD_DIM_DEFAULT, TIED_DEFAULT, family_fields, family_of
+from tinyvllm.quant.quant_config import QuantConfig, parse_quantization_config
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling", "LinearRopeScaling", "EngineConfig",
            "rope_inv_freq"]
@@ -54,6 +56,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()     # per layer "full_attention" / "sliding_attention"; () = all full
     sliding_rope_theta: float | None = None   # sliding layers' own RoPE (Gemma 3); None: the full layers'
     sliding_rope_scaling: RopeScaling | LinearRopeScaling | None = None
+    quantization: QuantConfig | None = None   # config.json's quantization_config (FP8 weights)
 
     @property
     def q_size(self) -> int:
@@ -119,11 +122,6 @@ class ModelConfig:
         if heads % kv_heads:
             raise ModelLoadError(f"{source}: num_attention_heads={heads} is not a multiple of "
                                  f"num_key_value_heads={kv_heads}")
-        if cfg.get("quantization_config"):
-            method = cfg["quantization_config"]
-            method = method.get("quant_method", "?") if isinstance(method, dict) else method
-            raise ModelLoadError(f"{source}: quantized checkpoints (quantization_config: {method!r}) "
-                                 "are not supported; use bf16/fp16/fp32 weights")
         # pretraining_tp > 1 made old transformers split each matmul into slices and sum them:
         # the same maths, so any positive value is served as it is.
         f.positive_int("pretraining_tp", default=1)
@@ -142,6 +140,7 @@ class ModelConfig:
             bos_token_id=f.token_ids("bos_token_id", allow_list=False),
             eos_token_ids=f.token_ids("eos_token_id", allow_list=True),
             dtype=parse_dtype(cfg, source),
+            quantization=parse_quantization_config(cfg, source),
             **family_fields(family, cfg, source, layers, hidden),
         )
 
@@ -219,6 +218,8 @@ class EngineConfig:
                                          # layer (gpu/model.py); False: the nine-launch layer the guide follows
     pdl: bool = True                     # cuda: kernels launch with programmatic dependent launch (each may
                                          # start while the one before ends); False: one after the other
+    quantization: str | None = None      # "fp8": a bf16 checkpoint's layer linears quantized at load
+                                         # (e4m3, a scale per output row); None: as the checkpoint is
 
     def __post_init__(self):
         _check_int("max_num_seqs", self.max_num_seqs, 1, INT32_MAX)
@@ -248,6 +249,8 @@ class EngineConfig:
         _check_int("trace_steps", self.trace_steps, 0, INT32_MAX)
         if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
             raise ValueError(f"async_scheduling must be true, false or None, got {self.async_scheduling!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be 'fp8' or None, got {self.quantization!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a directory, "
                              f"got {self.generation_config!r}")

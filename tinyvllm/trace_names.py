@@ -43,6 +43,9 @@ class ArrayNames:
             return f"{label + ' ' if label else ''}{a.dtype} {a.shape}"
         if hasattr(a, "is_prefill"):
             return f"batch({'prefill' if a.is_prefill else 'decode'}, T={a.num_tokens}, S={a.num_seqs})"
+        if hasattr(a, "nbytes") and hasattr(a, "shape"):      # a quantized weight (FP8, GGUF blocks)
+            from tinyvllm.quant.weight_kinds import kind_name
+            return f"{label + ' ' if label else ''}{kind_name(a)} {a.shape}"
         return f"{a:.6g}" if isinstance(a, float) else repr(a)
 
 

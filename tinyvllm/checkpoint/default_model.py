@@ -21,6 +21,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from tinyvllm.errors import ModelLoadError
 
@@ -52,20 +53,29 @@ def default_gguf_path() -> Path:
 
 def default_model_dir(home: Path | None = None) -> Path:
     """The converted default model, converting it first if no complete copy exists."""
+    from tinyvllm.checkpoint import gguf
+
     final = (home or tinyvllm_home()) / "models" / DEFAULT_MODEL
-    source = default_gguf_path()
-    if _is_complete(final, source):
+    return converted_once(default_gguf_path(), final, lambda source, out: gguf.convert_gguf(source, out),
+                          "the default model")
+
+
+def converted_once(source: Path, final: Path, convert: Callable[[Path, Path], object], what: str,
+                   stamp_extra: dict | None = None) -> Path:
+    """`final`, made by convert(source, temporary directory) and renamed into place unless a
+    complete copy made from this source (its stamp: name, size, and `stamp_extra`) is there."""
+    stamp = {**_stamp(source), **(stamp_extra or {})}
+    if _is_complete(final, stamp):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(final.parent)
-    print(f"converting the default model ({source.name}) into {final} (once) ...", file=sys.stderr)
-    from tinyvllm.checkpoint.gguf import convert_gguf
+    print(f"converting {what} ({source.name}) into {final} (once) ...", file=sys.stderr)
     temp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-", dir=final.parent))
     try:
         temp.chmod(0o755)                  # mkdtemp makes it private; the model is not secret
-        convert_gguf(source, temp)
-        (temp / MARKER).write_text(json.dumps(_stamp(source)) + "\n")
-        _install(temp, final, source)
+        convert(source, temp)
+        (temp / MARKER).write_text(json.dumps(stamp) + "\n")
+        _install(temp, final, stamp)
     finally:
         shutil.rmtree(temp, ignore_errors=True)       # gone after a rename; else a failed attempt
     return final
@@ -76,14 +86,14 @@ def _stamp(source: Path) -> dict:
             "source_bytes": source.stat().st_size}
 
 
-def _is_complete(folder: Path, source: Path) -> bool:
+def _is_complete(folder: Path, stamp: dict) -> bool:
     try:
-        return json.loads((folder / MARKER).read_text()) == _stamp(source)
+        return json.loads((folder / MARKER).read_text()) == stamp
     except (OSError, ValueError):
         return False
 
 
-def _install(temp: Path, final: Path, source: Path) -> None:
+def _install(temp: Path, final: Path, stamp: dict) -> None:
     """Rename temp to final. A stale final (older converter, damaged) is moved aside first; if
     another process installs its copy in the meantime, that copy is as good as ours."""
     for _ in range(3):
@@ -91,7 +101,7 @@ def _install(temp: Path, final: Path, source: Path) -> None:
             os.rename(temp, final)
             return
         except OSError:
-            if _is_complete(final, source):
+            if _is_complete(final, stamp):
                 return
             if final.exists():
                 stale = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}stale-", dir=final.parent))

@@ -180,11 +180,18 @@ def hf_tensor(t, name: str, config: ModelConfig) -> np.ndarray:
     from gguf import quants
     shape = tuple(int(d) for d in reversed(t.shape))
     w = np.asarray(quants.dequantize(np.asarray(t.data), t.tensor_type), np.float32).reshape(shape)
+    return hf_layout(w, name, config).astype(BF16)
+
+
+def hf_layout(w: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:
+    """A tensor's rows in Hugging Face order: llama.cpp's q/k row order undone. `w` is a float
+    matrix or a block-quantized one's raw rows (uint8 [rows, row_bytes]: a row permutation
+    moves whole block rows, checkpoint/gguf_blocks.py)."""
     if name.endswith("self_attn.q_proj.weight"):
-        w = unpermute_rope_rows(w, config.num_attention_heads)
-    elif name.endswith("self_attn.k_proj.weight"):
-        w = unpermute_rope_rows(w, config.num_key_value_heads)
-    return w.astype(BF16)
+        return unpermute_rope_rows(w, config.num_attention_heads)
+    if name.endswith("self_attn.k_proj.weight"):
+        return unpermute_rope_rows(w, config.num_key_value_heads)
+    return w
 
 
 def _one_or_list(ids: list[int]):
@@ -193,23 +200,29 @@ def _one_or_list(ids: list[int]):
 
 # ---- the whole conversion ---------------------------------------------------------------------
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
-    """Write the Hugging Face directory for a Llama GGUF file into out_dir; -> out_dir."""
+def write_model_files(reader, out: Path, source: str) -> tuple[ModelConfig, dict[str, object]]:
+    """Everything of the Hugging Face directory but the weights (config.json, the tokenizer
+    files, generation_config.json) into `out`; -> the config and the checked tensor map."""
     from tinyvllm.checkpoint.gguf_tokenizer import write_tokenizer_files
-    gguf_path, out = Path(gguf_path), Path(out_dir)
-    reader = open_gguf(gguf_path)
     meta = metadata(reader)
-    source = str(gguf_path)
     cfg = hf_config(meta, {t.name for t in reader.tensors}, source)
     config = ModelConfig.from_dict(cfg, source)
     tensors = tensor_map(reader, config, source)
     out.mkdir(parents=True, exist_ok=True)
-    special = write_tokenizer_files(meta, config, out, source)    # fails before the big write
+    special = write_tokenizer_files(meta, config, out, source)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     generation = {k: v for k, v in (("bos_token_id", cfg.get("bos_token_id")),
                                     ("eos_token_id", _one_or_list(special.eos_ids)),
                                     ("pad_token_id", cfg.get("pad_token_id"))) if v is not None}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return config, tensors
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write the Hugging Face directory for a Llama GGUF file into out_dir; -> out_dir."""
+    gguf_path, out = Path(gguf_path), Path(out_dir)
+    reader = open_gguf(gguf_path)
+    config, tensors = write_model_files(reader, out, str(gguf_path))   # fails before the big write
     specs = [TensorSpec(name, tuple(expected_shapes(config)[name]), BF16) for name in tensors]
     write_safetensors(out / SINGLE_FILE, specs, lambda s: hf_tensor(tensors[s.name], s.name, config),
                       metadata={"format": "pt", "source": f"converted by tinyvllm from {gguf_path.name}"})

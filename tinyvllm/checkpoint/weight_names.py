@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from tinyvllm.config import ModelConfig
+from tinyvllm.quant.weight_kinds import concat_rows
 
 EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 # per-layer tensor -> the HF tensors it is made of (in concatenation order)
@@ -70,9 +71,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def fused_layer(weights: dict[str, np.ndarray], layer: int, part: str) -> np.ndarray:
     """One per-layer tensor as the engine runs it (a LAYER_PARTS key), concatenated from the
-    checkpoint's tensors when fused; made one at a time, so at most one extra copy exists."""
+    checkpoint's tensors when fused; made one at a time, so at most one extra copy exists.
+    Quantized parts stack as tinyvllm/quant/weight_kinds.py::concat_rows says."""
     names = [layer_prefix(layer) + n for n in LAYER_PARTS[part]]
-    return weights[names[0]] if len(names) == 1 else np.concatenate([weights[n] for n in names], axis=0)
+    return concat_rows([weights[n] for n in names], names)
 
 
 def lm_head(weights: dict[str, np.ndarray], config: ModelConfig) -> np.ndarray:

@@ -33,7 +33,7 @@ DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32),
     "F64": np.dtype(np.float64), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
+    "BOOL": np.dtype(np.bool_), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -151,38 +151,63 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     return {name: path for path in files for name in SafetensorsFile.open(path).entries}
 
 
-def load_weights(model_dir: str | Path, config: ModelConfig) -> dict[str, np.ndarray]:
-    """Exactly the tensors of expected_shapes(config), as bf16 arrays. bf16 tensors are views
-    over the memory-mapped files; fp16/fp32 ones are converted. Tensors the model does not use
-    (rotary inv_freq, lm_head of a tied model) are ignored."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"model directory not found: {model_dir}")
-    where = checkpoint_files(model_dir)
-    opened: dict[Path, SafetensorsFile] = {}
-    weights = {}
-    for name, shape in expected_shapes(config).items():
-        if name not in where:
-            raise ModelLoadError(f"{model_dir}: checkpoint has no tensor {name!r}")
-        path = where[name]
-        if path not in opened:
+class CheckpointReader:
+    """A checkpoint directory's tensors by name; each file is mapped once, when first needed."""
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        if not self.model_dir.is_dir():
+            raise ModelLoadError(f"model directory not found: {self.model_dir}")
+        self.where = checkpoint_files(self.model_dir)
+        self._opened: dict[Path, SafetensorsFile] = {}
+
+    def entry(self, name: str) -> tuple[SafetensorsFile, dict]:
+        """The file holding `name` and its header entry; a tensor missing is a ModelLoadError."""
+        if name not in self.where:
+            raise ModelLoadError(f"{self.model_dir}: checkpoint has no tensor {name!r}")
+        path = self.where[name]
+        if path not in self._opened:
             if not path.is_file():
-                raise ModelLoadError(f"{model_dir}: shard {path.name} (holding {name!r}) is missing")
-            opened[path] = SafetensorsFile.open(path)
-        f = opened[path]
+                raise ModelLoadError(f"{self.model_dir}: shard {path.name} (holding {name!r}) is missing")
+            self._opened[path] = SafetensorsFile.open(path)
+        f = self._opened[path]
         if name not in f.entries:
             raise ModelLoadError(f"{path}: the index says it holds {name!r}, but it does not")
-        entry = f.entries[name]
-        if tuple(entry["shape"]) != shape:
-            raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(entry['shape'])}, "
+        return f, f.entries[name]
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None,
+            dtypes: tuple[str, ...] = FLOAT_DTYPES, why: str = "") -> np.ndarray:
+        """The tensor as stored (a view of the map), its shape and dtype checked."""
+        f, entry = self.entry(name)
+        if shape is not None and tuple(entry["shape"]) != shape:
+            raise ModelLoadError(f"{f.path}: tensor {name!r} has shape {tuple(entry['shape'])}, "
                                  f"config.json implies {shape}")
-        if entry["dtype"] not in FLOAT_DTYPES:
-            raise ModelLoadError(f"{path}: tensor {name!r} has dtype {entry['dtype']}; "
-                                 f"expected one of {', '.join(FLOAT_DTYPES)} (quantized checkpoints "
-                                 "are not supported)")
-        array = f.get(name)
-        weights[name] = array if array.dtype == BF16 else array.astype(BF16)
-    return weights
+        if entry["dtype"] not in dtypes:
+            raise ModelLoadError(f"{f.path}: tensor {name!r} has dtype {entry['dtype']}; expected one "
+                                 f"of {', '.join(dtypes)}{why}")
+        return f.get(name)
+
+
+def load_weights(model_dir: str | Path, config: ModelConfig,
+                 quantization: str | None = None) -> dict[str, np.ndarray]:
+    """Exactly the tensors of expected_shapes(config), as bf16 arrays. bf16 tensors are views
+    over the memory-mapped files; fp16/fp32 ones are converted. Tensors the model does not use
+    (rotary inv_freq, lm_head of a tied model) are ignored. A checkpoint whose config.json
+    declares FP8 weights, or `quantization="fp8"` (EngineConfig.quantization), gives Fp8Weight
+    for the quantized linears (tinyvllm/quant/fp8_checkpoint.py)."""
+    reader = CheckpointReader(model_dir)
+    if config.quantization is not None or quantization is not None:
+        from tinyvllm.quant.fp8_checkpoint import load_fp8_weights
+        return load_fp8_weights(reader, config, quantization)
+    return {name: as_bf16(reader.get(name, shape, why=UNQUANTIZED))
+            for name, shape in expected_shapes(config).items()}
+
+
+UNQUANTIZED = " (config.json declares no quantization_config)"
+
+
+def as_bf16(array: np.ndarray) -> np.ndarray:
+    return array if array.dtype == BF16 else array.astype(BF16)
 
 
 # ---- writing ------------------------------------------------------------------------------

@@ -17,12 +17,14 @@ from pathlib import Path
 import numpy as np
 
 from tinyvllm.checkpoint.default_model import resolve_model_dir
+from tinyvllm.checkpoint.gguf_blocks import gguf_model_dir, is_gguf_file, load_gguf_blocks
 from tinyvllm.checkpoint.tokenizer import Tokenizer
 from tinyvllm.checkpoint.weights import load_weights
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.limits import fit_context_to_cache
 from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.errors import GPUUnavailableError, ModelLoadError, TinyVLLMError
+from tinyvllm.quant.weight_kinds import quantization_summary
 
 
 def make_engine_config(engine_config: EngineConfig | None, options: dict) -> EngineConfig:
@@ -61,6 +63,9 @@ def make_runner(config: ModelConfig, weights: dict[str, np.ndarray], engine_conf
     if engine_config.device == "cuda" and different:     # the CUDA kernels compute Llama's formulas
         raise ModelLoadError(f"the CUDA backend runs the Llama forward pass, and this {config.family} model "
                              f"needs {', '.join(different)}: serve it with --device cpu")
+    quantized = quantization_summary(weights)
+    if engine_config.device == "cuda" and quantized:
+        raise ModelLoadError(cuda_refuses(quantized))
     try:
         return runner_class(engine_config)(config, weights, engine_config)
     except TinyVLLMError:
@@ -69,6 +74,29 @@ def make_runner(config: ModelConfig, weights: dict[str, np.ndarray], engine_conf
         if type(e).__module__.startswith("pycuda"):
             raise GPUUnavailableError(f"CUDA start-up failed ({e}); use --device cpu") from None
         raise
+
+
+def cuda_refuses(quantization: str) -> str:
+    return (f"the CUDA backend has no kernels for quantized weights ({quantization}) yet: serve the "
+            "model with --device cpu, or in bf16 (a bf16 checkpoint, or convert-gguf for a GGUF file)")
+
+
+def resolve_checkpoint(model: str | Path | None, engine_config: EngineConfig) -> tuple[Path, Path | None]:
+    """(the directory holding config.json and the tokenizer, the GGUF file when `model` is one)."""
+    if not is_gguf_file(model):
+        return resolve_model_dir(model), None
+    if engine_config.quantization:
+        raise ModelLoadError(f"{model}: --quantization {engine_config.quantization} quantizes a bf16 "
+                             "checkpoint; a GGUF file runs at its own precision (convert-gguf makes a bf16 one)")
+    return gguf_model_dir(model), Path(model)
+
+
+def read_weights(model_dir: Path, gguf_file: Path | None, config: ModelConfig,
+                 engine_config: EngineConfig) -> dict:
+    """The model's weights, quantized as the checkpoint is or as engine_config.quantization asks."""
+    if gguf_file is not None:
+        return load_gguf_blocks(gguf_file, config)
+    return load_weights(model_dir, config, engine_config.quantization)
 
 
 @dataclass(frozen=True)
@@ -82,20 +110,25 @@ class LoadedModel:
 
 def load_model(model: str | Path | None, engine_config: EngineConfig, runner: ModelRunner | None,
                chat_template: str | Path | None) -> LoadedModel:
-    """The model directory (None: the default model, checkpoint/default_model.py), its config and
-    tokenizer, and a runner holding its weights (`runner`, when given, is used as it is: tests and
-    benchmarks drive the real engine with a fake model this way). With trace_steps the runner is
-    wrapped in tinyvllm/trace.py's TracingRunner."""
+    """The model directory (None: the default model, checkpoint/default_model.py; a GGUF file: its
+    blocks kept, checkpoint/gguf_blocks.py), its config and tokenizer, and a runner holding its
+    weights, quantized as the checkpoint is or as engine_config.quantization asks (`runner`, when
+    given, is used as it is: tests and benchmarks drive the real engine with a fake model this
+    way). With trace_steps the runner is wrapped in tinyvllm/trace.py's TracingRunner."""
     if runner is None and model is None:
         runner_class(engine_config)        # a backend that cannot load is said before the default model's conversion
-    model_dir = resolve_model_dir(model)
+    if runner is None and engine_config.device == "cuda" and engine_config.quantization:
+        raise ModelLoadError(cuda_refuses(f"--quantization {engine_config.quantization}"))  # before quantizing
+    model_dir, gguf_file = resolve_checkpoint(model, engine_config)
     model_config = ModelConfig.from_pretrained(model_dir)
     tokenizer = Tokenizer.from_pretrained(model_dir, model_config, chat_template)
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ModelLoadError(
             f"{model_dir}: tokenizer.json has {tokenizer.vocab_size} tokens but config.json's "
             f"vocab_size is {model_config.vocab_size}: the model has no embedding for the rest")
-    runner = runner or make_runner(model_config, load_weights(model_dir, model_config), engine_config)
+    if runner is None:
+        runner = make_runner(model_config, read_weights(model_dir, gguf_file, model_config, engine_config),
+                             engine_config)
     try:
         engine_config = fit_context_to_cache(engine_config, model_config, runner.num_kv_blocks)
     except TinyVLLMError:

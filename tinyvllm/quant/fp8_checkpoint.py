@@ -1,85 +1,45 @@
-"""FP8 checkpoints' tensors: a safetensors file that holds F8_E4M3 weights, and the pairing of each
-quantized linear's `weight` with its `weight_scale`.
+"""FP8 weights at load: a checkpoint saved in FP8 read directly, or a bf16 checkpoint quantized
+per output channel (`--quantization fp8`, EngineConfig.quantization).
 
-What such a checkpoint stores for a quantized linear layer M (vLLM's "fp8" serialisation and
-compressed-tensors' float-quantized format alike):
+What an FP8 checkpoint stores for a quantized linear layer M (vLLM's "fp8" serialisation and
+compressed-tensors' float-quantized format alike; config.json's quantization_config says which
+linears, tinyvllm/quant/quant_config.py):
     M.weight        F8_E4M3  [rows, cols]    one e4m3 code per weight (fp8.py's layout)
     M.weight_scale  F32 (or BF16 / F16)      [] or [1]: per tensor;  [rows] or [rows, 1]: per channel
     M.input_scale   present only with static activation scales, which are refused
 W[r, c] ~ weight[r, c] * scale[r] (or the one scale). Other tensors (embedding, norms, ignored
-linears) are ordinary float tensors.
+linears) are ordinary float tensors, loaded as bf16. The files are read by
+checkpoint/weights.py's one safetensors reader (F8_E4M3 is in its dtype table).
 
-read_safetensors reads a file as checkpoint/weights.py's reader does (header length, JSON header,
-every entry checked against the file's size, zero-copy views over a read-only map) with the
-F8_E4M3 dtype added to its table.
+The engine fuses q/k/v and gate/up into one matrix each (checkpoint/weight_names.py); a fused
+group is FP8 in all its parts or in none (an ignore list that splits a group is an error, as in
+vLLM), and per-tensor scales of a group become per-channel rows when the parts are stacked
+(tinyvllm/quant/weight_kinds.py::concat_rows). lm_head is quantized only when the checkpoint
+stores it in FP8; `--quantization fp8` leaves it and the embedding in bf16, as vLLM's dynamic
+FP8 does.
 """
 from __future__ import annotations
 
-import json
-import math
-import mmap
-import struct
-from pathlib import Path
-
 import numpy as np
 
-from tinyvllm.checkpoint.weights import DTYPES, MAX_HEADER_BYTES
+from tinyvllm.checkpoint.weight_names import LAYER_PARTS, LM_HEAD, expected_shapes, layer_prefix
+from tinyvllm.checkpoint.weights import UNQUANTIZED, CheckpointReader, as_bf16
+from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError
-from tinyvllm.quant.fp8 import E4M3, Fp8Weight
-from tinyvllm.quant.quant_config import QuantConfig
+from tinyvllm.quant.fp8 import E4M3, Fp8Weight, quantize_per_channel
+from tinyvllm.quant.quant_config import QuantConfig, online_fp8
 
 FP8_DTYPE = "F8_E4M3"
-TENSOR_DTYPES = {**DTYPES, FP8_DTYPE: E4M3}
 SCALE_DTYPES = ("F32", "BF16", "F16")
 WEIGHT, SCALE, INPUT_SCALE = ".weight", ".weight_scale", ".input_scale"
+LINEAR_PARTS = ("qkv", "o", "gate_up", "down")
+QUANTIZATION_METHODS = ("fp8",)
 
 
-def read_safetensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """-> ({name: read-only array over the mapped file}, {name: safetensors dtype name})."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, 2)
-            f.seek(0)
-            head = f.read(8)
-            header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else size
-            if header_len > min(size - 8, MAX_HEADER_BYTES):
-                raise ModelLoadError(f"{path}: truncated or corrupt safetensors header")
-            header = json.loads(f.read(header_len).decode("utf-8"))
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 8 + header_len else None
-    except OSError as e:
-        raise ModelLoadError(f"cannot read {path}: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ModelLoadError(f"{path}: corrupt safetensors header ({type(e).__name__})") from None
-    if not isinstance(header, dict):
-        raise ModelLoadError(f"{path}: corrupt safetensors header (not a JSON object)")
-    header.pop("__metadata__", None)
-    start, tensors, dtypes = 8 + header_len, {}, {}
-    for name, entry in header.items():
-        dtype_name, shape, (begin, end) = _checked_entry(name, entry, size - start, path)
-        dtype = TENSOR_DTYPES[dtype_name]
-        tensors[name] = (np.zeros(shape, dtype) if end == begin else
-                         np.frombuffer(mapped, dtype, (end - begin) // dtype.itemsize, start + begin).reshape(shape))
-        dtypes[name] = dtype_name
-    return tensors, dtypes
-
-
-def _checked_entry(name: str, entry, data_size: int, path: Path):
-    def valid_ints(values, count=None):
-        return (isinstance(values, list) and (count is None or len(values) == count)
-                and all(type(v) is int and v >= 0 for v in values))
-
-    if not isinstance(entry, dict) or entry.get("dtype") not in TENSOR_DTYPES:
-        raise ModelLoadError(f"{path}: tensor {name!r}: unsupported or missing dtype "
-                             f"{entry.get('dtype') if isinstance(entry, dict) else entry!r}")
-    shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    if not valid_ints(shape) or not valid_ints(offsets, 2):
-        raise ModelLoadError(f"{path}: tensor {name!r}: malformed shape or data_offsets")
-    begin, end = offsets
-    if end - begin != math.prod(shape) * TENSOR_DTYPES[entry["dtype"]].itemsize or end > data_size:
-        raise ModelLoadError(f"{path}: tensor {name!r}: data_offsets {offsets} do not match shape "
-                             f"{shape} within the file's {data_size} data bytes")
-    return entry["dtype"], tuple(shape), offsets
+def linear_groups(config: ModelConfig) -> list[tuple[str, ...]]:
+    """The layer linears' weight names, grouped as the engine fuses them (q/k/v, o, gate/up, down)."""
+    return [tuple(layer_prefix(layer) + name for name in LAYER_PARTS[part])
+            for layer in range(config.num_hidden_layers) for part in LINEAR_PARTS]
 
 
 def fp8_weight(codes: np.ndarray, scale: np.ndarray, name: str, strategy: str | None,
@@ -104,31 +64,69 @@ def fp8_weight(codes: np.ndarray, scale: np.ndarray, name: str, strategy: str | 
     return Fp8Weight(codes, scale32.reshape(() if found == "tensor" else (rows,)))
 
 
-def fp8_linears(tensors: dict[str, np.ndarray], dtypes: dict[str, str], qconfig: QuantConfig,
-                source: str) -> dict[str, Fp8Weight | np.ndarray]:
-    """The tensors of an FP8 checkpoint with each quantized linear's `M.weight` and
-    `M.weight_scale` replaced by one Fp8Weight under `M.weight`. An F8_E4M3 weight without its
-    scale, a scale without its weight, an F8_E4M3 weight of a module the config ignores, and an
-    input_scale (static activation scales) are each a ModelLoadError naming the tensor."""
-    out: dict[str, Fp8Weight | np.ndarray] = {}
-    for name, array in tensors.items():
+def load_fp8_weights(reader: CheckpointReader, config: ModelConfig,
+                     quantization: str | None) -> dict[str, np.ndarray | Fp8Weight]:
+    """The model's tensors with its quantized linears as Fp8Weight: read from an FP8 checkpoint
+    (config.quantization set), or quantized here from bf16 (`quantization` "fp8")."""
+    source = str(reader.model_dir)
+    declared = config.quantization
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ModelLoadError(f"quantization {quantization!r} is not supported (only 'fp8')")
+    if declared is None:
+        weights = {name: as_bf16(reader.get(name, shape, why=UNQUANTIZED))
+                   for name, shape in expected_shapes(config).items()}
+        return quantize_linears(weights, config, online_fp8())
+    if quantization is not None and quantization != declared.method:
+        raise ModelLoadError(f"{source}: --quantization {quantization} contradicts the checkpoint's "
+                             f"quantization_config ({declared.origin}: {declared.method} weights)")
+    for name in reader.where:
         if name.endswith(INPUT_SCALE):
             raise ModelLoadError(f"{source}: {name}: static activation scales are not supported "
                                  "(quantize the activations dynamically)")
-        if name.endswith(SCALE):
-            if dtypes.get(name[:-len(SCALE)] + WEIGHT) != FP8_DTYPE:
-                raise ModelLoadError(f"{source}: {name} has no F8_E4M3 weight beside it")
-            if dtypes[name] not in SCALE_DTYPES:
-                raise ModelLoadError(f"{source}: {name} is {dtypes[name]}; expected one of {', '.join(SCALE_DTYPES)}")
+    layer_linears = {name for group in linear_groups(config) for name in group}
+    weights: dict[str, np.ndarray | Fp8Weight] = {}
+    for name, shape in expected_shapes(config).items():
+        module = name[:-len(WEIGHT)]
+        if reader.entry(name)[1]["dtype"] == FP8_DTYPE:
+            if (name not in layer_linears and name != LM_HEAD) or not declared.quantizes(module):
+                raise ModelLoadError(f"{source}: {name} is F8_E4M3 but quantization_config does "
+                                     "not quantize it")
+            if module + SCALE not in reader.where:
+                raise ModelLoadError(f"{source}: {name} is F8_E4M3 but {module}{SCALE} is missing")
+            scale = reader.get(module + SCALE, dtypes=SCALE_DTYPES)
+            weights[name] = fp8_weight(reader.get(name, shape, (FP8_DTYPE,)), scale, module,
+                                       declared.weight_strategy, source)
             continue
-        if dtypes[name] != FP8_DTYPE:
-            out[name] = array
-            continue
-        module = name[:-len(WEIGHT)] if name.endswith(WEIGHT) else name
-        if not name.endswith(WEIGHT) or not qconfig.quantizes(module):
-            raise ModelLoadError(f"{source}: {name} is F8_E4M3 but quantization_config does not "
-                                 "quantize it")
-        if module + SCALE not in tensors:
-            raise ModelLoadError(f"{source}: {name} is F8_E4M3 but {module}{SCALE} is missing")
-        out[name] = fp8_weight(array, tensors[module + SCALE], module, qconfig.weight_strategy, source)
+        if module + SCALE in reader.where:
+            raise ModelLoadError(f"{source}: {module}{SCALE} has no F8_E4M3 weight beside it")
+        if name in layer_linears and declared.quantizes(module):
+            raise ModelLoadError(f"{source}: quantization_config quantizes {module}, but its weight "
+                                 f"is stored as {reader.entry(name)[1]['dtype']}, not F8_E4M3")
+        weights[name] = as_bf16(reader.get(name, shape))
+    check_fused_groups(weights, config, source)
+    return weights
+
+
+def quantize_linears(weights: dict[str, np.ndarray], config: ModelConfig,
+                     qconfig: QuantConfig) -> dict[str, np.ndarray | Fp8Weight]:
+    """Every layer linear that `qconfig` quantizes -> Fp8Weight, one scale per output row
+    (fp8.py::quantize_per_channel); the embedding, norms and lm_head stay as they are."""
+    out: dict[str, np.ndarray | Fp8Weight] = dict(weights)
+    for group in linear_groups(config):
+        for name in group:
+            if qconfig.quantizes(name[:-len(WEIGHT)]):
+                out[name] = quantize_per_channel(weights[name], name)
+    check_fused_groups(out, config, "--quantization fp8")
     return out
+
+
+def check_fused_groups(weights: dict, config: ModelConfig, source: str) -> None:
+    """A fused group (q/k/v, gate/up) must be FP8 in all its parts or in none."""
+    for group in linear_groups(config):
+        kinds = {isinstance(weights[name], Fp8Weight) for name in group}
+        if len(kinds) > 1:
+            fp8 = [name[:-len(WEIGHT)] for name in group if isinstance(weights[name], Fp8Weight)]
+            rest = [name[:-len(WEIGHT)] for name in group if name[:-len(WEIGHT)] not in fp8]
+            raise ModelLoadError(f"{source}: the engine fuses {', '.join(n.rsplit('.', 1)[-1] for n in group)} "
+                                 f"into one matrix, but {', '.join(fp8)} are FP8 and {', '.join(rest)} "
+                                 "are not (an ignore list must keep or drop a fused group whole)")

@@ -16,6 +16,8 @@ import ml_dtypes
 import numpy as np
 
 from tinyvllm.engine.batch import ForwardBatch
+from tinyvllm.quant.weight_kinds import embedding_rows
+from tinyvllm.quant.weight_kinds import linear as quantized_linear
 
 
 def bf16_round(x: np.ndarray) -> np.ndarray:
@@ -30,21 +32,23 @@ def as_f32(x) -> np.ndarray:
 # ---- one twin per kernel ------------------------------------------------------------------
 
 def embedding(token_ids: np.ndarray, table: np.ndarray, fed_rows=None, fed_ids=None) -> np.ndarray:
-    """[T] ids, [V, H] table -> [T, H] float32; an id outside [0, V) gives a zero row. fed_rows
+    """[T] ids, [V, H] table (of any weight kind: a quantized one dequantizes only the rows
+    read) -> [T, H] float32; an id outside [0, V) gives a zero row. fed_rows
     [T] (None: none): where >= 0, token t's id is fed_ids[fed_rows[t]] (the previous step's
     sampled ids: engine/batch.py's "Fed tokens") instead of token_ids[t]."""
     ids = np.asarray(token_ids, np.int64).copy()
     if fed_rows is not None:
         fed = np.asarray(fed_rows) >= 0
         ids[fed] = np.asarray(fed_ids, np.int64)[np.asarray(fed_rows)[fed]]
-    valid = (ids >= 0) & (ids < len(table))
-    return np.where(valid[:, None], as_f32(table[np.where(valid, ids, 0)]), np.float32(0))
+    valid = (ids >= 0) & (ids < table.shape[0])
+    return np.where(valid[:, None], embedding_rows(table, np.where(valid, ids, 0)), np.float32(0))
 
 
 def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     """Y[m, n] = X[m, k] @ W[n, k]^T (+ bias[n]), W as HF stores it [out, in] (gpu/ops/gemv.py's
-    linear()). The bias is nn.Linear's: added to the fp32 product (Qwen2's q/k/v)."""
-    y = as_f32(x) @ as_f32(w).T
+    linear()). The bias is nn.Linear's: added to the fp32 product (Qwen2's q/k/v). A quantized W
+    (FP8, GGUF blocks) runs its own twin (tinyvllm/quant/weight_kinds.py::linear)."""
+    y = quantized_linear(x, w)
     return y if bias is None else y + as_f32(bias)
 
 

@@ -13,6 +13,7 @@ from tinyvllm.checkpoint import weight_names as names
 from tinyvllm.config import ModelConfig, rope_inv_freq
 from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.hf_config import LAYER_TYPES
+from tinyvllm.quant.weight_kinds import is_quantized
 from tinyvllm.reference.kernels import (
     apply_rope,
     as_f32,
@@ -28,16 +29,23 @@ from tinyvllm.reference.kernels import (
 )
 
 
+def held(weight):
+    """A weight as the model holds it: a float array in float32, a quantized weight as it is."""
+    return weight if is_quantized(weight) else as_f32(weight)
+
+
 class ReferenceModel:
     """The forward pass in float32 numpy over a paged KV cache (and a dense twin for tests)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], round_bf16: bool = False):
         self.config = config
         self.round = bf16_round if round_bf16 else (lambda x: x)
-        self.embed = as_f32(weights[names.EMBED])
-        self.lm_head = as_f32(names.lm_head(weights, config))
+        # float arrays widened to float32 once; quantized weights (FP8, GGUF blocks) kept as they
+        # are, each linear running its own twin (reference/kernels.py::linear)
+        self.embed = held(weights[names.EMBED])
+        self.lm_head = held(names.lm_head(weights, config))
         self.final_norm = as_f32(weights[names.FINAL_NORM])
-        self.layers = [{part: as_f32(names.fused_layer(weights, layer, part)) for part in names.layer_parts(config)}
+        self.layers = [{part: held(names.fused_layer(weights, layer, part)) for part in names.layer_parts(config)}
                        for layer in range(config.num_hidden_layers)]
         self.inv_freq = {kind: rope_inv_freq(config, kind) for kind in LAYER_TYPES}
         self.scale = config.attention_scale
@@ -49,6 +57,9 @@ class ReferenceModel:
         # observer(twin_name, args, out): told of every twin call after it returns (tinyvllm/trace.py
         # prints them); None (the default) costs one attribute test per call
         self.observer = None
+        # linear(x, w, bias=None): every projection's twin; a study of another engine's rounding
+        # swaps it (tinyvllm/quant/llama_cpp_rounding.py)
+        self.linear = linear
 
     def _twin(self, name: str, fn, *args):
         out = fn(*args)
@@ -102,7 +113,7 @@ class ReferenceModel:
         for i, w in enumerate(self.layers):
             x = norm(hidden, w["input_norm"])
             # Qwen2Attention: q_proj, k_proj, v_proj with bias=True
-            qkv = r(op("linear", linear, x, w["qkv"], w.get("qkv_bias")))
+            qkv = r(op("linear", self.linear, x, w["qkv"], w.get("qkv_bias")))
             q, k, v = np.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=1)
             q, k = q.reshape(t, hq, d), k.reshape(t, hkv, d)
             if c.qk_norm:       # Qwen3Attention / Gemma3Attention: q_norm, k_norm per head, before rotary
@@ -113,22 +124,22 @@ class ReferenceModel:
             attn = r(attend(i, q, k, v.reshape(t, hkv, d)))
             # the projections' outputs go into the residual unrounded (the GPU adds them in the
             # GEMM's epilogue) except where a norm reads them first
-            out = op("linear", linear, attn.reshape(t, c.q_size), w["o"])
+            out = op("linear", self.linear, attn.reshape(t, c.q_size), w["o"])
             if c.sandwich_norms:     # Gemma3DecoderLayer: post_attention_layernorm on the attention output,
                 hidden = r(hidden + norm(r(out), w["post_norm"]))       # pre_feedforward_layernorm
                 x = norm(hidden, w["pre_mlp_norm"])                     # before the MLP
             else:                    # LlamaDecoderLayer: post_attention_layernorm before the MLP
                 hidden = r(hidden + out)
                 x = norm(hidden, w["post_norm"])
-            gate, up = np.split(r(op("linear", linear, x, w["gate_up"])), 2, axis=1)
-            out = op("linear", linear, r(op(*self.gate_act, gate, up)), w["down"])
+            gate, up = np.split(r(op("linear", self.linear, x, w["gate_up"])), 2, axis=1)
+            out = op("linear", self.linear, r(op(*self.gate_act, gate, up)), w["down"])
             if c.sandwich_norms:     # Gemma3DecoderLayer: post_feedforward_layernorm on the MLP output
                 out = norm(r(out), w["post_mlp_norm"])
             hidden = r(hidden + out)
         return norm(hidden, self.final_norm)
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(self._twin("linear", linear, hidden, self.lm_head), dtype=np.float32)
+        return np.ascontiguousarray(self._twin("linear", self.linear, hidden, self.lm_head), dtype=np.float32)
 
     def greedy_generate(self, prompt_ids, max_new_tokens: int, stop_token_ids=(),
                         block_size: int = 16) -> list[int]:

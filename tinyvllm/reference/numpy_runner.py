@@ -9,6 +9,7 @@ import numpy as np
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 from tinyvllm.engine.model_runner import ModelRunner
+from tinyvllm.quant.weight_kinds import is_quantized, quantization_summary
 from tinyvllm.reference.model import ReferenceModel
 from tinyvllm.reference.sampling import sample_step
 
@@ -35,9 +36,11 @@ class NumpyRunner(ModelRunner):
         self.model = ReferenceModel(config, weights)
         self.num_kv_blocks = numpy_kv_blocks(config, engine_config)
         self.kv_cache = self.model.new_kv_cache(self.num_kv_blocks, engine_config.block_size)
-        log.info("numpy backend (float32): weights %.1f MiB, KV cache %.1f MiB (%s blocks)",
-                 4 * config.num_parameters / 2**20, self.kv_cache.nbytes / 2**20,
-                 f"{self.num_kv_blocks:,}")
+        quantized = quantization_summary(weights)
+        held = sum(w.nbytes if is_quantized(w) else 4 * w.size for w in weights.values())
+        log.info("numpy backend (float32%s): weights %.1f MiB, KV cache %.1f MiB (%s blocks)",
+                 f"; {quantized} weights, dequantized in each linear" if quantized else "",
+                 held / 2**20, self.kv_cache.nbytes / 2**20, f"{self.num_kv_blocks:,}")
 
     supports_logprobs = True
     supports_prompt_logprobs = True
