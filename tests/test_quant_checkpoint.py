@@ -1,21 +1,25 @@
 """FP8 checkpoints: quantization_config parsing (tinyvllm/quant/quant_config.py), one error naming
-each field that cannot be honoured, and F8_E4M3 safetensors files written by the safetensors
-package itself read back and paired with their scales (tinyvllm/quant/fp8_checkpoint.py)."""
+each field that cannot be honoured; F8_E4M3 checkpoints written by the safetensors package itself
+loaded by load_weights with each weight paired with its scale (tinyvllm/quant/fp8_checkpoint.py),
+and every broken checkpoint one error naming the tensor; `--quantization fp8` at load."""
 from __future__ import annotations
 
 import copy
 import json
 import re
-import struct
+import shutil
 
 import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
 
+from tinyvllm.checkpoint.weight_names import EMBED, fused_layer
+from tinyvllm.checkpoint.weights import load_weights
+from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError
-from tinyvllm.quant.fp8 import E4M3, quantize_per_channel
-from tinyvllm.quant.fp8_checkpoint import fp8_linears, read_safetensors
+from tinyvllm.quant.fp8 import E4M3, Fp8Weight, quantize_per_channel
+from tinyvllm.quant.fp8_checkpoint import linear_groups
 from tinyvllm.quant.quant_config import QuantConfig, online_fp8, parse_quantization_config
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -95,83 +99,155 @@ def test_a_field_that_cannot_be_honoured_is_one_error_naming_it(config, field):
         parse(config)
 
 
-def two_linears(strategy: str):
-    """q_proj per channel ([rows, 1] scale, as compressed-tensors writes it) or per tensor ([]),
-    a bf16 norm, all written by the safetensors package."""
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((6, 32)).astype(BF16)
-    fp8 = quantize_per_channel(w)
-    scale = fp8.scale.reshape(6, 1) if strategy == "channel" else np.array(fp8.scale.max(), np.float32)
-    return {"model.layers.0.self_attn.q_proj.weight": fp8.codes,
-            "model.layers.0.self_attn.q_proj.weight_scale": scale,
-            "model.layers.0.input_layernorm.weight": np.ones(32, BF16)}
-
-
-@pytest.mark.parametrize("strategy", ["channel", "tensor"])
-def test_an_fp8_file_from_the_safetensors_package_reads_back(tmp_path, strategy):
-    tensors = two_linears(strategy)
-    safetensors.numpy.save_file(tensors, tmp_path / "model.safetensors")
-    read, dtypes = read_safetensors(tmp_path / "model.safetensors")
-    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == "F8_E4M3"
-    out = fp8_linears(read, dtypes, QuantConfig("fp8", strategy, (), "compressed-tensors"), "m")
-    assert set(out) == {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight"}
-    q = out["model.layers.0.self_attn.q_proj.weight"]
-    assert q.codes.dtype == E4M3 and q.per_channel == (strategy == "channel")
-    np.testing.assert_array_equal(q.codes.view(np.uint8), tensors["model.layers.0.self_attn.q_proj.weight"].view(np.uint8))
-    np.testing.assert_array_equal(q.row_scales(), np.broadcast_to(tensors["model.layers.0.self_attn.q_proj.weight_scale"].reshape(-1), (6,)))
-    np.testing.assert_array_equal(out["model.layers.0.input_layernorm.weight"], np.ones(32, BF16))
-
+# ---- FP8 checkpoints on disk ------------------------------------------------------------------
 
 Q = "model.layers.0.self_attn.q_proj"
+PER_TENSOR = {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["lm_head"]}
 
 
-def broken(tensors: dict, change: str) -> dict:
-    t = dict(tensors)
-    if change == "no scale":
-        del t[f"{Q}.weight_scale"]
-    elif change == "no weight":
-        t[f"{Q}.weight"] = t[f"{Q}.weight"].astype(np.float32).astype(BF16)
-    elif change == "input scale":
-        t[f"{Q}.input_scale"] = np.array(0.1, np.float32)
-    elif change == "scale shape":
-        t[f"{Q}.weight_scale"] = np.ones((3, 2), np.float32)
-    elif change == "scale dtype":
-        t[f"{Q}.weight_scale"] = np.ones((6, 1), np.int32)
-    elif change == "non-finite scale":
-        t[f"{Q}.weight_scale"] = np.full((6, 1), np.inf, np.float32)
-    return t
+def channel_config() -> dict:
+    return changed(COMPRESSED, "ignore", ["lm_head"])
 
 
-CASES = [("no scale", f"{Q}.weight is F8_E4M3 but {Q}.weight_scale is missing", None),
-         ("no weight", f"{Q}.weight_scale has no F8_E4M3 weight beside it", None),
-         ("input scale", f"{Q}.input_scale: static activation scales", None),
-         ("scale shape", r"weight_scale has shape \[3, 2\]; expected \[6\] or \[6, 1\]", "channel"),
-         ("scale dtype", "weight_scale is I32", None),
-         ("non-finite scale", "weight_scale holds a non-finite value", None),
-         ("strategy", r"weight_scale has shape \[6, 1\]; expected \[\] or \[1\]", "tensor"),
-         ("ignored", f"{Q}.weight is F8_E4M3 but quantization_config does not quantize it", None)]
+def write_fp8_checkpoint(out, source_dir, quantization_config: dict, per_tensor: bool = False,
+                         change=None):
+    """The tiny preset model with every layer linear stored as e4m3 codes and a scale: per
+    channel ([rows, 1], as compressed-tensors writes it) or per tensor (a scalar; q, k and v get
+    different ones), written by the safetensors package; `change(tensors)` breaks it first."""
+    config = ModelConfig.from_pretrained(source_dir)
+    weights = load_weights(source_dir, config)
+    tensors = dict(weights)
+    for group in linear_groups(config):
+        for name in group:
+            w32 = weights[name].astype(np.float32)
+            if per_tensor:
+                scale = np.float32(np.abs(w32).max() / 448)
+                tensors[name] = np.clip(w32 / scale, -448, 448).astype(E4M3)
+                tensors[name[:-len(".weight")] + ".weight_scale"] = np.array(scale, np.float32)
+            else:
+                fp8 = quantize_per_channel(weights[name], name)
+                tensors[name] = fp8.codes
+                tensors[name[:-len(".weight")] + ".weight_scale"] = fp8.scale.reshape(-1, 1)
+    if change is not None:
+        change(tensors)
+    out.mkdir()
+    for f in source_dir.iterdir():
+        if f.name != "model.safetensors" and f.is_file():
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((source_dir / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(cfg, quantization_config=quantization_config)))
+    safetensors.numpy.save_file(tensors, out / "model.safetensors")
+    return out, tensors
 
 
-@pytest.mark.parametrize("change,message,strategy", CASES, ids=[c for c, _, _ in CASES])
-def test_a_broken_fp8_checkpoint_is_one_error_naming_the_tensor(tmp_path, change, message, strategy):
-    safetensors.numpy.save_file(broken(two_linears("channel"), change), tmp_path / "m.safetensors")
-    tensors, dtypes = read_safetensors(tmp_path / "m.safetensors")
-    ignored = (Q,) if change == "ignored" else ()
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["channel", "tensor"])
+def test_an_fp8_checkpoint_loads_with_scales_paired(tmp_path, tiny_model_dir, per_tensor):
+    out, stored = write_fp8_checkpoint(tmp_path / "fp8", tiny_model_dir,
+                                       PER_TENSOR if per_tensor else channel_config(), per_tensor)
+    config = ModelConfig.from_pretrained(out)
+    assert config.quantization.method == "fp8"
+    weights = load_weights(out, config)
+    for group in linear_groups(config):
+        for name in group:
+            w = weights[name]
+            assert isinstance(w, Fp8Weight) and w.per_channel == (not per_tensor)
+            np.testing.assert_array_equal(w.codes.view(np.uint8), stored[name].view(np.uint8))
+            scale = stored[name[:-len(".weight")] + ".weight_scale"].reshape(-1)
+            np.testing.assert_array_equal(w.row_scales(), np.broadcast_to(scale, (w.shape[0],)))
+    assert weights[EMBED].dtype == BF16 and "lm_head.weight" not in weights     # tied: the bf16 embedding
+    # the fused q/k/v: one scale per row, each part's scalar repeated over its rows
+    qkv = fused_layer(weights, 0, "qkv")
+    parts = [weights[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]
+    np.testing.assert_array_equal(qkv.scale, np.concatenate([p.row_scales() for p in parts]))
+    np.testing.assert_array_equal(qkv.codes.view(np.uint8), np.concatenate([p.codes for p in parts]).view(np.uint8))
+
+
+def test_online_fp8_equals_the_same_codes_saved_as_a_checkpoint(tmp_path, tiny_model_dir):
+    """--quantization fp8 on the bf16 model and an FP8 checkpoint holding quantize_per_channel's
+    codes and scales load to the same weights, and the embedding, norms stay bf16."""
+    out, _ = write_fp8_checkpoint(tmp_path / "fp8", tiny_model_dir, channel_config())
+    saved = load_weights(out, ModelConfig.from_pretrained(out))
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    online = load_weights(tiny_model_dir, config, quantization="fp8")
+    assert saved.keys() == online.keys()
+    for name, w in online.items():
+        if isinstance(w, Fp8Weight):
+            np.testing.assert_array_equal(w.codes.view(np.uint8), saved[name].codes.view(np.uint8))
+            np.testing.assert_array_equal(w.scale, saved[name].scale)
+        else:
+            assert w.dtype == BF16 and np.array_equal(w.view(np.uint16), saved[name].view(np.uint16)), name
+    assert sum(isinstance(w, Fp8Weight) for w in online.values()) == 7 * config.num_hidden_layers
+
+
+def drop(name):
+    return lambda t: t.pop(name)
+
+
+def bf16_weight(t):
+    t[f"{Q}.weight"] = t[f"{Q}.weight"].astype(np.float32).astype(BF16)
+
+
+def set_tensor(name, value):
+    return lambda t: t.__setitem__(name, value)
+
+
+BROKEN = [
+    ("no scale", drop(f"{Q}.weight_scale"), None, f"{Q}.weight is F8_E4M3 but {Q}.weight_scale is missing"),
+    ("no weight", bf16_weight, None, f"{Q}.weight_scale has no F8_E4M3 weight beside it"),
+    ("input scale", set_tensor(f"{Q}.input_scale", np.array(0.1, np.float32)), None,
+     f"{Q}.input_scale: static activation scales"),
+    ("scale shape", set_tensor(f"{Q}.weight_scale", np.ones((3, 2), np.float32)), None,
+     r"weight_scale has shape \[3, 2\]; expected \[256\] or \[256, 1\]"),
+    ("scale dtype", set_tensor(f"{Q}.weight_scale", np.ones((256, 1), np.int32)), None,
+     "weight_scale' has dtype I32; expected one of F32, BF16, F16"),
+    ("non-finite scale", set_tensor(f"{Q}.weight_scale", np.full((256, 1), np.inf, np.float32)), None,
+     "weight_scale holds a non-finite value"),
+    ("strategy", None, changed(channel_config(), f"{W}.strategy", "tensor"),
+     r"weight_scale has shape \[256, 1\]; expected \[\] or \[1\]"),
+    ("ignored", None, changed(channel_config(), "ignore", ["lm_head", Q]),
+     f"{Q}.weight is F8_E4M3 but quantization_config does not quantize it"),
+    ("not stored as fp8", lambda t: (bf16_weight(t), t.pop(f"{Q}.weight_scale")), None,
+     f"quantization_config quantizes {Q}, but its weight is stored as BF16"),
+]
+
+
+@pytest.mark.parametrize("name,change,config,message", BROKEN, ids=[b[0] for b in BROKEN])
+def test_a_broken_fp8_checkpoint_is_one_error_naming_the_tensor(tmp_path, tiny_model_dir, name, change,
+                                                                config, message):
+    out, _ = write_fp8_checkpoint(tmp_path / "fp8", tiny_model_dir, config or channel_config(), change=change)
     with pytest.raises(ModelLoadError, match=message):
-        fp8_linears(tensors, dtypes, QuantConfig("fp8", strategy, ignored, "fp8"), "m")
+        load_weights(out, ModelConfig.from_pretrained(out))
 
 
-def test_a_corrupt_or_truncated_file_is_a_model_load_error(tmp_path):
-    path = tmp_path / "m.safetensors"
-    safetensors.numpy.save_file(two_linears("channel"), path)
-    raw = path.read_bytes()
-    path.write_bytes(raw[:-10])
-    with pytest.raises(ModelLoadError, match="data_offsets .* within the file's"):
-        read_safetensors(path)
-    path.write_bytes(struct.pack("<Q", 5) + b"{oops")
-    with pytest.raises(ModelLoadError, match="corrupt safetensors header"):
-        read_safetensors(path)
+def test_an_ignore_list_that_splits_a_fused_group_is_an_error(tmp_path, tiny_model_dir):
+    """v_proj left in bf16 by the ignore list while q and k are FP8: the engine cannot run one
+    fused q/k/v matrix of two kinds (vLLM refuses it the same way)."""
+    v = "model.layers.1.self_attn.v_proj"
+
+    def keep_v_bf16(t):
+        t[f"{v}.weight"] = t[f"{v}.weight"].astype(np.float32).astype(BF16)
+        t.pop(f"{v}.weight_scale")
+    out, _ = write_fp8_checkpoint(tmp_path / "fp8", tiny_model_dir, changed(channel_config(), "ignore", ["lm_head", v]),
+                                  change=keep_v_bf16)
+    with pytest.raises(ModelLoadError, match=r"fuses self_attn.q_proj, self_attn.k_proj, self_attn.v_proj of "
+                                             r"model.layers.1 into one matrix, but self_attn.q_proj, "
+                                             r"self_attn.k_proj are FP8 and self_attn.v_proj is not"):
+        load_weights(out, ModelConfig.from_pretrained(out))
+
+
+def test_an_unknown_float8_dtype_is_refused(tmp_path):
     header = json.dumps({"x": {"dtype": "F8_E5M2", "shape": [1], "data_offsets": [0, 1]}}).encode()
-    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0")
-    with pytest.raises(ModelLoadError, match="unsupported or missing dtype 'F8_E5M2'"):
-        read_safetensors(path)
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0")
+    from tinyvllm.checkpoint.weights import SafetensorsFile
+    with pytest.raises(ModelLoadError, match="unsupported dtype 'F8_E5M2'"):
+        SafetensorsFile.open(tmp_path / "model.safetensors")
+
+
+def test_f8_weights_without_a_quantization_config_are_refused(tmp_path, tiny_model_dir):
+    out, _ = write_fp8_checkpoint(tmp_path / "fp8", tiny_model_dir, channel_config())
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"has dtype F8_E4M3; expected one of BF16, F16, F32 \(config.json "
+                                             r"declares no quantization_config\)"):
+        load_weights(out, ModelConfig.from_pretrained(out))

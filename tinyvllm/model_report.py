@@ -1,7 +1,8 @@
 """`python -m tinyvllm inspect`: what a model is and what serving it costs, without a GPU.
 
 The model's config and parameter count, every checkpoint tensor (name, dtype, shape, bytes, from
-the safetensors headers), the fused tensors the GPU backend uploads, KV-cache memory at the
+the safetensors headers or a GGUF file's tensor table), the weights as loaded by kind (quantized
+ones at their own bytes: FP8 codes and scales, GGUF blocks), the fused tensors the GPU backend uploads, KV-cache memory at the
 engine's context limit, and the buffer arena planned for the engine's batch limits: all pure
 Python over the same functions the engine itself uses (gpu/arena.py plans without allocating).
 The trace (tinyvllm/trace.py) prints the KV layout and arena map from here too.
@@ -30,13 +31,13 @@ def checkpoint_tensor_lines(model_dir: Path) -> list[str]:
     """One line per tensor of the checkpoint, in file order, from the safetensors headers."""
     from tinyvllm.checkpoint.weights import SafetensorsFile, checkpoint_files
     files = sorted(set(checkpoint_files(model_dir).values()))
-    lines, total = [f"  {'tensor':<48}{'dtype':<6}{'shape':<16}{'bytes':>14}"], 0
+    lines, total = [f"  {'tensor':<48}{'dtype':<8}{'shape':<16}{'bytes':>14}"], 0
     for path in files:
         entries = SafetensorsFile.open(path).entries
         for name, e in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             nbytes = e["data_offsets"][1] - e["data_offsets"][0]
             total += nbytes
-            lines.append(f"  {name:<48}{e['dtype']:<6}{str(tuple(e['shape'])):<16}{nbytes:>14,}")
+            lines.append(f"  {name:<48}{e['dtype']:<8}{str(tuple(e['shape'])):<16}{nbytes:>14,}")
         lines.append(f"  -- {path.name}: {len(entries)} tensors")
     lines.append(f"  checkpoint tensors: {_gib(total)}")
     return lines
@@ -90,17 +91,50 @@ def arena_layout(config: ModelConfig, engine: EngineConfig) -> ArenaLayout:
     return ArenaLayout.plan(ArenaDims.from_configs(config, engine))
 
 
-def inspect_report(model_dir: str | Path, engine: EngineConfig) -> str:
-    path = Path(model_dir)
-    config = ModelConfig.from_pretrained(path)
+def gguf_tensor_lines(gguf_file: Path) -> list[str]:
+    """One line per tensor of a GGUF file, in file order, from its tensor table."""
+    from tinyvllm.checkpoint.gguf_header import open_gguf
+    lines, total = [f"  {'tensor':<48}{'type':<8}{'shape':<16}{'bytes':>14}"], 0
+    for t in open_gguf(gguf_file).tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))
+        total += int(t.n_bytes)
+        lines.append(f"  {t.name:<48}{t.tensor_type.name:<8}{str(shape):<16}{int(t.n_bytes):>14,}")
+    lines.append(f"  GGUF tensors: {_gib(total)}")
+    return lines
+
+
+def loaded_weight_lines(weights: dict, config: ModelConfig) -> list[str]:
+    """The weights as the engine holds them, by kind: quantized weights count their own bytes
+    (codes and scales, or blocks), float arrays theirs."""
+    from tinyvllm.quant.weight_kinds import bytes_by_kind
+    kinds = bytes_by_kind(weights)
+    lines = [f"  {'kind':<12}{'tensors':>8}{'bytes':>16}"]
+    lines += [f"  {kind:<12}{count:>8}{nbytes:>16,}" for kind, (count, nbytes) in sorted(kinds.items())]
+    total = sum(nbytes for _, nbytes in kinds.values())
+    lines.append(f"  total {_gib(total)}: {8 * total / config.num_parameters:.2f} bits per parameter "
+                 f"(bf16: {_gib(2 * config.num_parameters)})")
+    return lines
+
+
+def inspect_report(model: str | Path, engine: EngineConfig) -> str:
+    from tinyvllm.engine.startup import cuda_refuses, read_weights, resolve_checkpoint
+    from tinyvllm.quant.weight_kinds import quantization_summary
+    model_dir, gguf_file = resolve_checkpoint(model, engine)
+    config = ModelConfig.from_pretrained(model_dir)
+    loaded = read_weights(model_dir, gguf_file, config, engine)
+    quantized = quantization_summary(loaded)
     layout = arena_layout(config, engine)
     weights = device_weight_bytes(config)
     kv_full = config.kv_bytes_per_token * engine.context_limit(config) * engine.max_num_seqs
+    tensors = (["GGUF tensors (the file's tensor table):", *gguf_tensor_lines(gguf_file)] if gguf_file else
+               ["checkpoint tensors (safetensors headers):", *checkpoint_tensor_lines(model_dir)])
+    device = ([f"  {cuda_refuses(quantized)}; in bf16 the upload would be:"] if quantized else [])
     return "\n".join([
-        f"model {path}", "config:", *config_lines(config),
-        f"parameters: {config.num_parameters:,}", "",
-        "checkpoint tensors (safetensors headers):", *checkpoint_tensor_lines(path), "",
-        "device weights (q/k/v and gate/up fused, as uploaded to the GPU):", *device_weight_lines(config), "",
+        f"model {model}", "config:", *config_lines(config),
+        f"parameters: {config.num_parameters:,}", "", *tensors, "",
+        f"weights as loaded{f' ({quantized})' if quantized else ''}:", *loaded_weight_lines(loaded, config), "",
+        "device weights (q/k/v and gate/up fused, as uploaded to the GPU):", *device,
+        *device_weight_lines(config), "",
         "KV cache:", *kv_cache_lines(config, engine), "",
         f"arena for max_num_seqs={engine.max_num_seqs}, max_num_batched_tokens={engine.max_num_batched_tokens}, "
         f"context limit {engine.context_limit(config):,}:", layout.memory_map(), "",

@@ -125,8 +125,11 @@ def check_fused_groups(weights: dict, config: ModelConfig, source: str) -> None:
     for group in linear_groups(config):
         kinds = {isinstance(weights[name], Fp8Weight) for name in group}
         if len(kinds) > 1:
-            fp8 = [name[:-len(WEIGHT)] for name in group if isinstance(weights[name], Fp8Weight)]
-            rest = [name[:-len(WEIGHT)] for name in group if name[:-len(WEIGHT)] not in fp8]
-            raise ModelLoadError(f"{source}: the engine fuses {', '.join(n.rsplit('.', 1)[-1] for n in group)} "
-                                 f"into one matrix, but {', '.join(fp8)} are FP8 and {', '.join(rest)} "
-                                 "are not (an ignore list must keep or drop a fused group whole)")
+            prefix = group[0][:group[0].index(".self_attn.") if ".self_attn." in group[0] else group[0].index(".mlp.")]
+            short = {name: name[len(prefix) + 1:-len(WEIGHT)] for name in group}
+            fp8 = [short[name] for name in group if isinstance(weights[name], Fp8Weight)]
+            rest = [short[name] for name in group if short[name] not in fp8]
+            raise ModelLoadError(f"{source}: the engine fuses {', '.join(short.values())} of {prefix} into one "
+                                 f"matrix, but {', '.join(fp8)} {'is' if len(fp8) == 1 else 'are'} FP8 and "
+                                 f"{', '.join(rest)} {'is' if len(rest) == 1 else 'are'} not (an ignore list "
+                                 "must keep or drop a fused group whole)")
