@@ -120,8 +120,13 @@ def linear(x: np.ndarray, weight: QuantizedWeight) -> np.ndarray:
     X is rounded to bf16 (the activations live in bf16 on the GPU), W is dequantized as the
     module docstring states (one float32 value, one bf16 rounding), the products of two bf16
     values are exact in float32 and summed in float32."""
-    x32 = np.asarray(x, np.float32).astype(BF16).astype(np.float32)
-    return x32 @ weight.dequantize_bf16().astype(np.float32).T
+    return bf16_as_f32(np.asarray(x, np.float32).astype(BF16)) @ bf16_as_f32(weight.dequantize_bf16()).T
+
+
+def bf16_as_f32(a: np.ndarray) -> np.ndarray:
+    """bf16 -> float32, exactly (a bf16 value is the top half of its float32): a shift of the
+    bits, much faster than ml_dtypes' element-wise cast."""
+    return (np.asarray(a, BF16).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 # ---- field readers shared by the formats ------------------------------------------------------
