@@ -39,7 +39,7 @@ class NumpyRunner(ModelRunner):
         quantized = quantization_summary(weights)
         held = sum(w.nbytes if is_quantized(w) else 4 * w.size for w in weights.values())
         log.info("numpy backend (float32%s): weights %.1f MiB, KV cache %.1f MiB (%s blocks)",
-                 f"; {quantized} weights, dequantized in each linear" if quantized else "",
+                 f"; weights {quantized}, dequantized in each linear" if quantized else "",
                  held / 2**20, self.kv_cache.nbytes / 2**20, f"{self.num_kv_blocks:,}")
 
     supports_logprobs = True
