@@ -111,5 +111,5 @@ def test_cuda_backend_refuses_what_its_kernels_do_not_compute(family):
     from tinyvllm import LLM
     folder = Path(__file__).parent / "fixtures" / "families" / family
     different = ModelConfig.from_pretrained(folder).differences_from_llama()
-    with pytest.raises(ModelLoadError, match=f"CUDA backend runs the Llama forward pass.*needs {different[0]}"):
+    with pytest.raises(ModelLoadError, match=f"CUDA backend does not run {family}.*needs {different[0]}"):
         LLM(folder, device="cuda")

@@ -23,8 +23,20 @@ def test_signatures_match_the_c_parameter_lists():
                                             "gemv_prenormed_bf16": "PPPPiiifiP",        # the LM head
                                             "gemv_prenormed_silu_mul_bf16": "PPPPiiif"}
     assert kernel_signatures("token_mask.cu") == {"apply_token_mask": "PiPPii"}
-    (pattern, sig), = kernel_signatures("attention_decode.cu").items()          # a macro-made family
-    assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiif"
+    (full, sig), (window, window_sig) = kernel_signatures("attention_decode.cu").items()   # macro-made families
+    assert re.match(full, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiif"
+    assert re.match(window, "attention_decode_window_d256_g4") and window_sig == sig + "i"    # + the window
+    assert not re.match(full, "attention_decode_window_d64_g4")
+    (full, sig), (window, window_sig) = kernel_signatures("attention_prefill.cu").items()
+    assert re.match(full, "attention_prefill_d256") and window_sig == sig + "i" and sig == "PPiPPPPPPiiif"
+
+
+def test_attention_instantiations_are_read_from_the_sources():
+    """The head shapes the model may ask for are the .cu files' instantiation lines."""
+    assert {(64, 4), (128, 8), (64, 7), (256, 4)} <= ops.DECODE_SHAPES and (256, 3) not in ops.DECODE_SHAPES
+    assert ops.PREFILL_HEAD_DIMS == (64, 128, 256)
+    assert ops.attention_kernels_missing(128, 32, 8) is None
+    assert "head_dim 96 with 4 query heads" in ops.attention_kernels_missing(96, 32, 8)
 
 
 def test_constants_are_read_with_their_dependencies():

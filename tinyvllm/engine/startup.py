@@ -55,12 +55,26 @@ def runner_class(engine_config: EngineConfig) -> type[ModelRunner]:
     return CudaRunner
 
 
+# The families whose differences from Llama the CUDA backend computes (gpu/model.py)
+CUDA_FAMILIES = ("llama", "mistral")
+
+
+def check_cuda_support(config: ModelConfig) -> None:
+    """Before the GPU starts: one ModelLoadError line when the CUDA kernels cannot compute this model."""
+    from tinyvllm.gpu.ops.attention import attention_kernels_missing
+    different = config.differences_from_llama()
+    if different and config.family not in CUDA_FAMILIES:
+        raise ModelLoadError(f"the CUDA backend does not run {config.family} models yet, and this one "
+                             f"needs {', '.join(different)}: serve it with --device cpu")
+    missing = attention_kernels_missing(config.head_dim, config.num_attention_heads, config.num_key_value_heads)
+    if missing:
+        raise ModelLoadError(f"the CUDA backend has {missing}: serve this model with --device cpu")
+
+
 def make_runner(config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig) -> ModelRunner:
     """A started runner of engine_config's device holding `weights`."""
-    different = config.differences_from_llama()
-    if engine_config.device == "cuda" and different:     # the CUDA kernels compute Llama's formulas
-        raise ModelLoadError(f"the CUDA backend runs the Llama forward pass, and this {config.family} model "
-                             f"needs {', '.join(different)}: serve it with --device cpu")
+    if engine_config.device == "cuda":
+        check_cuda_support(config)
     try:
         return runner_class(engine_config)(config, weights, engine_config)
     except TinyVLLMError:

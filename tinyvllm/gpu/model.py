@@ -50,7 +50,6 @@ tests call); the numpy twins of the nine-launch sequence are reference/model.py'
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from tinyvllm.config import ModelConfig
@@ -58,7 +57,7 @@ from tinyvllm.errors import TinyVLLMError
 from tinyvllm.gpu.arena import INPUT_BANKS, TOKEN_INPUTS, Arena
 from tinyvllm.gpu.device_weights import DeviceWeights
 from tinyvllm.gpu.kv_cache import DeviceKVCache
-from tinyvllm.gpu.ops import DECODE_GROUPS, DECODE_HEAD_DIMS, GpuOps
+from tinyvllm.gpu.ops import GpuOps, attention_kernels_missing
 
 
 @dataclass(frozen=True)
@@ -104,12 +103,11 @@ class BankInputs:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: DeviceWeights, arena: Arena,
                  kv_cache: DeviceKVCache, ops: GpuOps):
-        group = config.num_attention_heads // config.num_key_value_heads
-        if config.head_dim not in DECODE_HEAD_DIMS or group not in DECODE_GROUPS:
-            raise TinyVLLMError(f"no attention kernels for head_dim {config.head_dim} with {group} query "
-                                f"heads per kv head (built: head_dim {DECODE_HEAD_DIMS}, groups {DECODE_GROUPS})")
+        missing = attention_kernels_missing(config.head_dim, config.num_attention_heads, config.num_key_value_heads)
+        if missing:
+            raise TinyVLLMError(missing)
         self.cfg, self.w, self.arena, self.kv, self.ops = config, weights, arena, kv_cache, ops
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.scale = config.attention_scale        # head_dim^-1/2 (Gemma 3: query_pre_attn_scalar^-1/2)
         self.qkv_width = config.q_size + 2 * config.kv_size
         H, I = config.hidden_size, config.intermediate_size
         # each layer projection's weight [n, k] by name; with the LM head's, what ops.fuses_decode asks
@@ -203,7 +201,7 @@ class LlamaModel:
         paged = (self.kv.k(layer), self.kv.v(layer), inputs.block_tables, inputs.block_table_width)
         shape = dict(num_seqs=step.num_seqs, num_q_heads=c.num_attention_heads,
                      num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                     block_size=self.kv.block_size, scale=self.scale)
+                     block_size=self.kv.block_size, scale=self.scale, window=c.layer_window(layer))
         if step.is_prefill:
             self.ops.attention_prefill(self.attn_out, self.qkv, self.qkv_width, *paged, inputs.query_start,
                                        inputs.context_lens, max_query_len=step.max_query_len, **shape)
