@@ -135,6 +135,15 @@ __device__ __forceinline__ float chunk_sum_sq(const float v[SS_CHUNK]) {
     return __fadd_rn(s[0], s[1]);
 }
 
+// An RMSNorm's arithmetic (rmsnorm.cu's kernels and the q/k norm of rope_kv.cu): inv_rms from a
+// row's sum of squares, and one normalised value before its bf16 rounding, (x * inv_rms) * weight.
+__device__ __forceinline__ float norm_inv_rms(float sum_sq, int hidden, float eps) {
+    return rsqrtf(__fadd_rn(__fdiv_rn(sum_sq, (float)hidden), eps));
+}
+__device__ __forceinline__ float norm_apply(float x, float inv_rms, float weight) {
+    return __fmul_rn(__fmul_rn(x, inv_rms), weight);
+}
+
 // ---- greedy argmax as one 64-bit key per value -----------------------------------------------
 // The sampler's first pass (sampling.cu) finds each row's max logit, its lowest index among equal
 // values, and whether the row is broken (a NaN or +inf, or nothing finite). The decode LM head

@@ -18,15 +18,6 @@ __device__ __forceinline__ float sum_of_chunk_sums(const float* p, int chunks, i
     return warp_sum(s);
 }
 
-__device__ __forceinline__ float norm_inv_rms(float sum_sq, int hidden, float eps) {
-    return rsqrtf(__fadd_rn(__fdiv_rn(sum_sq, (float)hidden), eps));
-}
-
-// One normalised value before its bf16 rounding: (x * inv_rms) * weight.
-__device__ __forceinline__ float norm_apply(float x, float inv_rms, float weight) {
-    return __fmul_rn(__fmul_rn(x, inv_rms), weight);
-}
-
 constexpr int THREADS = 256;   // block size (gpu/ops/rowwise.py launches with it)
 constexpr int MAX_HIDDEN = 32768;   // the chunk sums of one row sit in shared memory (8 KB)
 

@@ -20,6 +20,7 @@ def test_signatures_match_the_c_parameter_lists():
     assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiii",
                                             "gemv_residual_norm_bf16": "PPPiiiPPP",     # the handed-over norm
                                             "gemv_prenormed_rope_kv_bf16": "PPPPiiifPPPPPiii",
+                                            "gemv_prenormed_rope_kv_bias_bf16": "PPPPiiifPPPPPiiiP",   # + the biases
                                             "gemv_prenormed_bf16": "PPPPiiifiP",        # the LM head
                                             "gemv_prenormed_silu_mul_bf16": "PPPPiiif"}
     assert kernel_signatures("token_mask.cu") == {"apply_token_mask": "PiPPii"}

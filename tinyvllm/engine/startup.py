@@ -56,7 +56,7 @@ def runner_class(engine_config: EngineConfig) -> type[ModelRunner]:
 
 
 # The families whose differences from Llama the CUDA backend computes (gpu/model.py)
-CUDA_FAMILIES = ("llama", "mistral")
+CUDA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def check_cuda_support(config: ModelConfig) -> None:

@@ -160,8 +160,7 @@ class LlamaModel:
                 continue
             ops.rms_norm(self.normed, self.hidden, lw.input_norm, T, H, eps)
             ops.linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H, k_warps=kw["qkv"])
-            ops.rope_write_kv(self.qkv, self.kv.k(layer), self.kv.v(layer), tok.positions, tok.slot_mapping,
-                              w.rope_inv_freq, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+            self._rope_write_kv(step, layer, lw)
             self._attention(step, layer)
             ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True, k_warps=kw["o"])
             ops.rms_norm(self.normed, self.hidden, lw.post_norm, T, H, eps)
@@ -184,10 +183,14 @@ class LlamaModel:
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
         prenormed = (self.norm_row_ss, eps)
         tok = self.inputs[step.bank].tokens[False]
-        ops.gemv_rope_kv(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),
-                         tok.positions, tok.slot_mapping, w.rope_inv_freq, num_q_heads=c.num_attention_heads,
-                         num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, prenormed=prenormed,
-                         k_warps=kw["qkv"])
+        if c.qk_norm:       # the q/k norm needs whole heads: the product stored, then rope_write_kv's
+            ops.gemv(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H, prenormed=prenormed, k_warps=kw["qkv"])
+            self._rope_write_kv(step, layer, lw)
+        else:
+            ops.gemv_rope_kv(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),
+                             tok.positions, tok.slot_mapping, w.inv_freq(c.layer_type(layer)),
+                             num_q_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                             head_dim=c.head_dim, prenormed=prenormed, k_warps=kw["qkv"], bias=lw.qkv_bias)
         self._attention(step, layer)
         ops.gemv_residual_norm(self.hidden, self.attn_out, lw.o, T, H, c.q_size, lw.post_norm, self.normed,
                                self.norm_row_ss, k_warps=kw["o"])
@@ -195,6 +198,15 @@ class LlamaModel:
         next_norm = w.layers[layer + 1].input_norm if layer + 1 < len(w.layers) else w.final_norm
         ops.gemv_residual_norm(self.hidden, self.act, lw.down, T, H, I, next_norm, self.normed, self.norm_row_ss,
                                k_warps=kw["down"])
+
+    def _rope_write_kv(self, step: StepShape, layer: int, lw) -> None:
+        """RoPE on the qkv rows (the layer type's frequencies) and the K/V cache write, with the
+        family's q/k/v biases (Qwen2) or q/k norms (Qwen3, Gemma 3) first."""
+        c, tok = self.cfg, self.inputs[step.bank].tokens[step.is_prefill]
+        qk_norm = (lw.q_norm, lw.k_norm, c.rms_norm_eps, c.norm_weight_offset) if c.qk_norm else None
+        self.ops.rope_write_kv(self.qkv, self.kv.k(layer), self.kv.v(layer), tok.positions, tok.slot_mapping,
+                               self.w.inv_freq(c.layer_type(layer)), step.num_tokens, c.num_attention_heads,
+                               c.num_key_value_heads, c.head_dim, bias=lw.qkv_bias, qk_norm=qk_norm)
 
     def _attention(self, step: StepShape, layer: int) -> None:
         c, inputs = self.cfg, self.inputs[step.bank]

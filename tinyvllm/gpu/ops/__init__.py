@@ -5,6 +5,10 @@ call. The launchers live by kernel family, beside the .cu files they launch:
     embedding.cu  embedding_gather         rowwise  embedding()            kernels.embedding               test_gpu_kernels::test_embedding_gather
     rmsnorm.cu    rms_norm                 rowwise  rms_norm()             kernels.rms_norm                test_gpu_kernels::test_rms_norm
     rope_kv.cu    rope_write_kv            rowwise  rope_write_kv()        kernels.apply_rope, write_kv    test_gpu_kernels::test_rope_write_kv
+    rope_kv.cu    rope_write_kv_bias       rowwise  rope_write_kv(bias=)   kernels.bf16_round(qkv + bias), apply_rope
+                                                                                                           test_gpu_families::test_rope_write_kv_bias
+    rope_kv.cu    rope_write_kv_qk_norm    rowwise  rope_write_kv(qk_norm=)  kernels.rms_norm(offset), apply_rope
+                                                                                                           test_gpu_families::test_rope_write_kv_qk_norm
     activation.cu silu_mul                 rowwise  silu_mul()             kernels.silu_mul                test_gpu_kernels::test_silu_mul
     attention_prefill.cu  attention_prefill_d{64,128,256}
                                            attention attention_prefill()   kernels.paged_attention         test_gpu_kernels::test_attention_prefill
@@ -21,6 +25,9 @@ call. The launchers live by kernel family, beside the .cu files they launch:
     gemv.cu       gemv_prenormed_rope_kv_bf16
                                            gemv     gemv_rope_kv()         kernels.rms_norm_linear, apply_rope, write_kv
                                                                                                            test_gpu_fused::test_handed_over_norm
+    gemv.cu       gemv_prenormed_rope_kv_bias_bf16
+                                           gemv     gemv_rope_kv(bias=)    its chain: gemv(prenormed=), rope_write_kv(bias=)
+                                                                                                           test_gpu_families::test_gemv_rope_kv_bias_equals_its_chain
     gemv.cu       gemv_prenormed_silu_mul_bf16
                                            gemv     gemv_silu_mul()        kernels.rms_norm_linear, silu_mul  test_gpu_fused::test_handed_over_norm
     gemv.cu       gemv_prenormed_bf16      gemv     gemv(prenormed=...)    kernels.rms_norm_linear, sampling.head_argmax_keys

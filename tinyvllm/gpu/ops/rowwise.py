@@ -35,10 +35,23 @@ class RowwiseOps(OpsBase):
         self._launch("rms_norm", num_rows, RMS_NORM["THREADS"], out, x, weight, rows, num_rows, hidden, eps)
 
     def rope_write_kv(self, qkv, k_cache, v_cache, positions, slot_mapping, inv_freq, num_tokens: int,
-                      num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        """Rotate q and k in the fused qkv rows; write k and v to the paged cache at slot_mapping."""
-        self._launch("rope_write_kv", num_tokens, ROPE["THREADS"], qkv, k_cache, v_cache, positions,
-                     slot_mapping, inv_freq, num_tokens, num_q_heads, num_kv_heads, head_dim)
+                      num_q_heads: int, num_kv_heads: int, head_dim: int, *, bias=0, qk_norm=None) -> None:
+        """Rotate q and k in the fused qkv rows; write k and v to the paged cache at slot_mapping.
+        bias (Qwen2, 0: none): the q/k/v biases [qkv width], added to every value first
+        (rope_write_kv_bias). qk_norm (Qwen3, Gemma 3) = (q_norm, k_norm, eps, weight_offset):
+        each q and k head RMS-normalised before RoPE, times (weight_offset + w) (rope_write_kv_qk_norm)."""
+        args = (qkv, k_cache, v_cache, positions, slot_mapping, inv_freq, num_tokens, num_q_heads, num_kv_heads,
+                head_dim)
+        if bias and qk_norm:
+            raise ValueError("rope_write_kv: q/k/v biases and q/k norms together are not built (no family has both)")
+        if bias:
+            self._launch("rope_write_kv_bias", num_tokens, ROPE["THREADS"], *args, bias)
+        elif qk_norm:
+            q_norm, k_norm, eps, weight_offset = qk_norm
+            self._launch("rope_write_kv_qk_norm", num_tokens, ROPE["THREADS"], *args, q_norm, k_norm, float(eps),
+                         float(weight_offset))
+        else:
+            self._launch("rope_write_kv", num_tokens, ROPE["THREADS"], *args)
 
     def silu_mul(self, out, gate_up, num_tokens: int, inter: int) -> None:
         """out = silu(gate) * up over the fused gate_up rows; grid-stride, at most 4 waves."""
