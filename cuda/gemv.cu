@@ -69,7 +69,8 @@
 //                             take gemv_prenormed_bf16 then rope_write_kv_qk_norm instead: the norm
 //                             needs a whole head, and a CTA holds 16 of its rows.
 //   gemv_prenormed_silu_mul   the gate_up projection on the handed-over operand, its epilogue
-//                             storing silu(gate) * up (silu_mul inside).
+//                             storing silu(gate) * up (silu_mul inside); gemv_prenormed_gelu_mul
+//                             stores gelu_tanh(gate) * up (Gemma 3's GeGLU: gelu_tanh_mul inside).
 //   gemv_prenormed_bf16       Y = inv_rms * (X @ W^T) on the handed-over operand, stored: the LM
 //                             head after the final norm, which the last down hands over; it may
 //                             also keep each row's greedy argmax key (head_argmax).
@@ -119,7 +120,7 @@ __device__ __forceinline__ void mma_pair(float acc[4], const uint4& p, const uin
 // residual_norm: Y += X @ W^T (the residual add, bf16), and for the norm after it
 // bf16(Y * norm weight) and each CTA's sum of Y's squares per row (the handed-over norm, header).
 enum class XLoad { plain, prenormed };
-enum class Epilogue { store, rope_kv, silu_mul, residual_norm };
+enum class Epilogue { store, rope_kv, silu_mul, residual_norm, gelu_mul };
 
 // The handed-over norm of X (prenormed).
 struct NormArgs {
@@ -154,7 +155,7 @@ template <Epilogue EPI>
 __device__ __forceinline__ Tile cta_tile(int cta, int n, int head_dim) {
     if constexpr (EPI == Epilogue::store || EPI == Epilogue::residual_norm) {
         return {cta * ROWS_PER_CTA, cta * ROWS_PER_CTA + 8};
-    } else if constexpr (EPI == Epilogue::silu_mul) {         // gate rows [0, n/2), up rows [n/2, n)
+    } else if constexpr (EPI == Epilogue::silu_mul || EPI == Epilogue::gelu_mul) {   // gate rows [0, n/2), up [n/2, n)
         return {cta * 8, n / 2 + cta * 8};
     } else {                                                  // head_dim / 16 CTAs per head
         const int per_head = head_dim / ROWS_PER_CTA;
@@ -183,7 +184,7 @@ __device__ __forceinline__ unsigned long long row_max16(unsigned long long x) {
 }
 
 // y: per EPI (store: [m, n] bf16 or fp32 (out_f32), row stride n; rope_kv: the qkv rows [m, n];
-// silu_mul: act [m, n/2]); w: [n, k] bf16; x: [m, k] bf16 (prenormed: the handed-over operand).
+// silu_mul, gelu_mul: act [m, n/2]); w: [n, k] bf16; x: [m, k] bf16 (prenormed: the handed-over operand).
 // accumulate = 1 (store): y += x @ w^T (fp32 sum of the old value and the product, rounded once).
 // QKV_BIAS (rope_kv): each product rounded to bf16 gets its bias rope.bias[n] added, rounded again
 // (rope_kv.cu's rope_write_kv_bias adds it to the stored product the same way).
@@ -341,6 +342,8 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
             bf16* yb = static_cast<bf16*>(y);
             if constexpr (EPI == Epilogue::silu_mul) {         // value = gate (col < 8), partner = up
                 if (in_n && col < 8) yb[(size_t)row * (n / 2) + out] = __float2bfloat16(silu_times(value, partner));
+            } else if constexpr (EPI == Epilogue::gelu_mul) {
+                if (in_n && col < 8) yb[(size_t)row * (n / 2) + out] = __float2bfloat16(gelu_tanh_times(value, partner));
             } else if (in_n) {
                 const int D = rope.head_dim, half = D / 2, kv_row = rope.num_kv_heads * D;
                 const int head = out / D, d = out % D;
@@ -435,5 +438,14 @@ extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_prenormed_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const float* __restrict__ row_ss,
                              const bf16* __restrict__ w, int m, int n, int k, float eps) {
     gemv_body<XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, w, m, n, k, 0, 0,
+                                                    RopeArgs{}, NormOut{});
+}
+
+// act = gelu_tanh(gate) * up of gate_up = inv_rms * (x @ W^T) on a prenormed x, as
+// gemv_prenormed_silu_mul_bf16 (Gemma 3's GeGLU).
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_prenormed_gelu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                             const bf16* __restrict__ w, int m, int n, int k, float eps) {
+    gemv_body<XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, w, m, n, k, 0, 0,
                                                     RopeArgs{}, NormOut{});
 }

@@ -74,7 +74,7 @@ def _step(fake, batch: ForwardBatch) -> list[str]:
 def _configs():
     from tinyvllm.checkpoint.model_writer import preset_config
     return {"llama": preset_config("tiny"), **{f: ModelConfig.from_pretrained(FIXTURES / f)
-                                               for f in ("mistral", "qwen2", "qwen3")}}
+                                               for f in ("gemma3", "mistral", "qwen2", "qwen3")}}
 
 
 # per family: the kernels a decode layer launches on the fused path besides the attention
@@ -87,9 +87,22 @@ FUSED_LAYER = {
               "gemv_residual_norm_bf16"],
     "qwen3": ["gemv_prenormed_bf16", "rope_write_kv_qk_norm", "gemv_residual_norm_bf16",
               "gemv_prenormed_silu_mul_bf16", "gemv_residual_norm_bf16"],
+    # the output norms need whole rows: o and down store their products, rms_norm_residual_add
+    # normalises them into the residual and hands the next norm over
+    "gemma3": ["gemv_prenormed_bf16", "rope_write_kv_qk_norm", "gemv_bf16", "rms_norm_residual_add",
+               "gemv_prenormed_gelu_mul_bf16", "gemv_bf16", "rms_norm_residual_add"],
 }
 ROPE = {"llama": "rope_write_kv", "mistral": "rope_write_kv", "qwen2": "rope_write_kv_bias",
-        "qwen3": "rope_write_kv_qk_norm"}
+        "qwen3": "rope_write_kv_qk_norm", "gemma3": "rope_write_kv_qk_norm"}
+EMBEDDING = {"gemma3": "embedding_gather_scaled"}
+
+
+def _attention(config: ModelConfig, kind: str) -> list[str]:
+    """The attention kernels of the layers in order: window kernels on sliding layers."""
+    group = config.num_attention_heads // config.num_key_value_heads
+    shape = f"d{config.head_dim}" + (f"_g{group}" if kind == "decode" else "")
+    return [f"attention_{kind}_window_{shape}" if config.layer_window(i) else f"attention_{kind}_{shape}"
+            for i in range(config.num_hidden_layers)]
 
 
 @pytest.mark.parametrize("fused_decode", [True, False], ids=["fused", "nine-launch"])
@@ -100,22 +113,17 @@ def test_every_launch_matches_its_kernel(family, fused_decode):
     L = config.num_hidden_layers
     prompt = ForwardBatch.build([list(range(1, 12)), [3, 4]], [11, 30], [[5], [6, 7]], 16, is_prefill=True)
     prefill = _step(fake, prompt)
-    attention = "attention_prefill_window_d" if config.sliding_window else "attention_prefill_d"
-    assert sum(op.startswith(attention) for op in prefill) == L
-    assert prefill.count(ROPE[family]) == L and prefill.count("rms_norm") == 2 * L + 1
+    norm = "rms_norm_offset" if config.norm_weight_offset else "rms_norm"
+    assert [op for op in prefill if op.startswith("attention_")] == _attention(config, "prefill")
+    assert prefill.count(ROPE[family]) == L and prefill.count(norm) == 2 * L + 1
+    assert prefill.count("rms_norm_residual_add") == 2 * L * config.sandwich_norms
+    assert prefill.count("gelu_tanh_mul" if config.hidden_act == "gelu_tanh" else "silu_mul") == L
     for seqs in (1, 3):
         decode = _step(fake, ForwardBatch.build([[7]] * seqs, [12] * seqs, [[5]] * seqs, 16, is_prefill=False))
-        attention = "attention_decode_window_d" if config.sliding_window else "attention_decode_d"
-        assert sum(op.startswith(attention) for op in decode) == L
+        assert [op for op in decode if op.startswith("attention_")] == _attention(config, "decode")
         layer = [op for op in decode if not op.startswith("attention_")]
+        embedding = EMBEDDING.get(family, "embedding_gather")
         if fused_decode:
-            assert layer == ["embedding_gather", *FUSED_LAYER[family] * L, "gemv_prenormed_bf16"], layer
+            assert layer == [embedding, *FUSED_LAYER[family] * L, "gemv_prenormed_bf16"], layer
         else:
-            assert layer.count(ROPE[family]) == L and layer.count("rms_norm") == 2 * L + 1
-
-
-def test_gemma3_is_still_refused_on_cuda():
-    from tinyvllm.engine.startup import check_cuda_support
-    from tinyvllm.errors import ModelLoadError
-    with pytest.raises(ModelLoadError, match="gemma3_text"):
-        check_cuda_support(ModelConfig.from_pretrained(FIXTURES / "gemma3"))
+            assert layer[0] == embedding and layer.count(ROPE[family]) == L and layer.count(norm) == 2 * L + 1

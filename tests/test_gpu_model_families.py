@@ -24,7 +24,7 @@ from tinyvllm.reference.model import ReferenceModel
 
 pytestmark = pytest.mark.gpu
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
-FAMILIES = ["mistral", "qwen2", "qwen3"]
+FAMILIES = ["gemma3", "mistral", "qwen2", "qwen3"]
 BF16_NOISE_RATIO = 1.5
 BLOCK = 16
 

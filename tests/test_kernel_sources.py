@@ -13,8 +13,11 @@ from tinyvllm.gpu.kernels import CUDA_DIR, kernel_constants, kernel_signatures
 
 
 def test_signatures_match_the_c_parameter_lists():
-    assert kernel_signatures("rmsnorm.cu") == {"rms_norm": "PPPPiif"}
-    assert kernel_signatures("embedding.cu") == {"embedding_gather": "PPPPPiiiPPPP"}   # + the handed-over norm, head keys
+    assert kernel_signatures("rmsnorm.cu") == {"rms_norm": "PPPPiif", "rms_norm_offset": "PPPPiiff",
+                                               "rms_norm_residual_add": "PPPiiffPPP"}
+    assert kernel_signatures("embedding.cu") == {"embedding_gather": "PPPPPiiiPPPP",   # + the handed-over norm, head keys
+                                                 "embedding_gather_scaled": "PPPPPiiiPPPPff"}
+    assert kernel_signatures("activation.cu") == {"silu_mul": "PPii", "gelu_tanh_mul": "PPii"}
     assert kernel_signatures("sampling.cu") == {"sample_tokens": "PiPPPPPPPPPPP",   # comments inside the list
                                                 "apply_logit_edits": "PiPi", "step_logprobs": "PiPPiPPPP"}
     assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiii",
@@ -22,7 +25,8 @@ def test_signatures_match_the_c_parameter_lists():
                                             "gemv_prenormed_rope_kv_bf16": "PPPPiiifPPPPPiii",
                                             "gemv_prenormed_rope_kv_bias_bf16": "PPPPiiifPPPPPiiiP",   # + the biases
                                             "gemv_prenormed_bf16": "PPPPiiifiP",        # the LM head
-                                            "gemv_prenormed_silu_mul_bf16": "PPPPiiif"}
+                                            "gemv_prenormed_silu_mul_bf16": "PPPPiiif",
+                                            "gemv_prenormed_gelu_mul_bf16": "PPPPiiif"}
     assert kernel_signatures("token_mask.cu") == {"apply_token_mask": "PiPPii"}
     (full, sig), (window, window_sig) = kernel_signatures("attention_decode.cu").items()   # macro-made families
     assert re.match(full, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiif"

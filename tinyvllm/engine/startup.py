@@ -55,17 +55,11 @@ def runner_class(engine_config: EngineConfig) -> type[ModelRunner]:
     return CudaRunner
 
 
-# The families whose differences from Llama the CUDA backend computes (gpu/model.py)
-CUDA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
-
 def check_cuda_support(config: ModelConfig) -> None:
-    """Before the GPU starts: one ModelLoadError line when the CUDA kernels cannot compute this model."""
+    """Before the GPU starts: one ModelLoadError line when the CUDA kernels cannot compute this
+    model (every family's differences from Llama are computed, gpu/model.py; the attention kernels
+    are instantiated for the head shapes of the .cu files' lists)."""
     from tinyvllm.gpu.ops.attention import attention_kernels_missing
-    different = config.differences_from_llama()
-    if different and config.family not in CUDA_FAMILIES:
-        raise ModelLoadError(f"the CUDA backend does not run {config.family} models yet, and this one "
-                             f"needs {', '.join(different)}: serve it with --device cpu")
     missing = attention_kernels_missing(config.head_dim, config.num_attention_heads, config.num_key_value_heads)
     if missing:
         raise ModelLoadError(f"the CUDA backend has {missing}: serve this model with --device cpu")
@@ -109,7 +103,10 @@ def load_model(model: str | Path | None, engine_config: EngineConfig, runner: Mo
         raise ModelLoadError(
             f"{model_dir}: tokenizer.json has {tokenizer.vocab_size} tokens but config.json's "
             f"vocab_size is {model_config.vocab_size}: the model has no embedding for the rest")
-    runner = runner or make_runner(model_config, load_weights(model_dir, model_config), engine_config)
+    if runner is None:
+        if engine_config.device == "cuda":
+            check_cuda_support(model_config)       # before the weights load
+        runner = make_runner(model_config, load_weights(model_dir, model_config), engine_config)
     try:
         engine_config = fit_context_to_cache(engine_config, model_config, runner.num_kv_blocks)
     except TinyVLLMError:

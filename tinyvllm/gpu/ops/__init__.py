@@ -3,13 +3,19 @@ call. The launchers live by kernel family, beside the .cu files they launch:
 
     kernel (cuda/)                         launcher (gpu/ops/)             numpy twin (reference/)         GPU test (tests/)
     embedding.cu  embedding_gather         rowwise  embedding()            kernels.embedding               test_gpu_kernels::test_embedding_gather
+    embedding.cu  embedding_gather_scaled  rowwise  embedding(scale=)      kernels.embedding * scale, rms_norm_operand(offset)
+                                                                                                           test_gpu_families::test_embedding_gather_scaled
     rmsnorm.cu    rms_norm                 rowwise  rms_norm()             kernels.rms_norm                test_gpu_kernels::test_rms_norm
+    rmsnorm.cu    rms_norm_offset          rowwise  rms_norm(weight_offset=)  kernels.rms_norm(offset)    test_gpu_families::test_rms_norm_offset
+    rmsnorm.cu    rms_norm_residual_add    rowwise  rms_norm_residual_add()  kernels.rms_norm(offset) + add, rms_norm_operand(offset)
+                                                                                                           test_gpu_families::test_rms_norm_residual_add
     rope_kv.cu    rope_write_kv            rowwise  rope_write_kv()        kernels.apply_rope, write_kv    test_gpu_kernels::test_rope_write_kv
     rope_kv.cu    rope_write_kv_bias       rowwise  rope_write_kv(bias=)   kernels.bf16_round(qkv + bias), apply_rope
                                                                                                            test_gpu_families::test_rope_write_kv_bias
     rope_kv.cu    rope_write_kv_qk_norm    rowwise  rope_write_kv(qk_norm=)  kernels.rms_norm(offset), apply_rope
                                                                                                            test_gpu_families::test_rope_write_kv_qk_norm
     activation.cu silu_mul                 rowwise  silu_mul()             kernels.silu_mul                test_gpu_kernels::test_silu_mul
+    activation.cu gelu_tanh_mul            rowwise  silu_mul(gelu_tanh=)   kernels.gelu_tanh_mul           test_gpu_families::test_gelu_tanh_mul
     attention_prefill.cu  attention_prefill_d{64,128,256}
                                            attention attention_prefill()   kernels.paged_attention         test_gpu_kernels::test_attention_prefill
     attention_prefill.cu  attention_prefill_window_d{64,128,256}, and d256
@@ -30,6 +36,9 @@ call. The launchers live by kernel family, beside the .cu files they launch:
                                                                                                            test_gpu_families::test_gemv_rope_kv_bias_equals_its_chain
     gemv.cu       gemv_prenormed_silu_mul_bf16
                                            gemv     gemv_silu_mul()        kernels.rms_norm_linear, silu_mul  test_gpu_fused::test_handed_over_norm
+    gemv.cu       gemv_prenormed_gelu_mul_bf16
+                                           gemv     gemv_silu_mul(gelu_tanh=)  its chain: gemv(prenormed=), gelu_tanh_mul
+                                                                                                           test_gpu_families::test_gemv_gelu_mul_equals_its_chain
     gemv.cu       gemv_prenormed_bf16      gemv     gemv(prenormed=...)    kernels.rms_norm_linear, sampling.head_argmax_keys
                                                                                                            test_gpu_fused::test_prenormed_head
     sampling.cu   sample_tokens            sampling sample()               sampling.sample                 test_gpu_sampling

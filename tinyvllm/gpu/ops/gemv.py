@@ -206,13 +206,15 @@ class GemvOps(OpsBase):
                      v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim,
                      *((bias,) if bias else ()), shared_bytes=shared + self._producer_ss_bytes(kernel, m, k))
 
-    def gemv_silu_mul(self, act, x, w, m: int, n: int, k: int, *, prenormed, k_warps: int | None = None) -> None:
+    def gemv_silu_mul(self, act, x, w, m: int, n: int, k: int, *, prenormed, k_warps: int | None = None,
+                      gelu_tanh: bool = False) -> None:
         """The decode gate_up projection with silu_mul inside, on the handed-over norm (x and
         prenormed as gemv_rope_kv()): act [m, n/2] = silu(gate) * up of inv_rms * (x @ W^T),
-        W = gate_up [n, k] (gate rows first)."""
+        W = gate_up [n, k] (gate rows first). gelu_tanh: Gemma 3's GeGLU instead, gelu_tanh(gate)
+        * up (gemv_prenormed_gelu_mul_bf16: gelu_tanh_mul inside)."""
         if n % 16:
             raise ValueError(f"gemv_silu_mul: n = 2 * intermediate = {n} must be a multiple of 16")
-        kernel = "gemv_prenormed_silu_mul_bf16"
+        kernel = "gemv_prenormed_gelu_mul_bf16" if gelu_tanh else "gemv_prenormed_silu_mul_bf16"
         row_ss, eps = prenormed
         grid, block, shared, x_ptr, w_ptr = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps, row_ss)
         self._launch(kernel, grid, block, int(act), x_ptr, int(row_ss), w_ptr, m, n, k, float(eps),
