@@ -18,12 +18,14 @@ call. The launchers live by kernel family, beside the .cu files they launch:
     activation.cu gelu_tanh_mul            rowwise  silu_mul(gelu_tanh=)   kernels.gelu_tanh_mul           test_gpu_families::test_gelu_tanh_mul
     attention_prefill.cu  attention_prefill_d{64,128,256}
                                            attention attention_prefill()   kernels.paged_attention         test_gpu_kernels::test_attention_prefill
-    attention_prefill.cu  attention_prefill_window_d{64,128,256}, and d256
+                                                                                                           (d256: test_gpu_attention_families)
+    attention_prefill.cu  attention_prefill_window_d{64,128,256}
                                            attention attention_prefill(window=)  kernels.paged_attention(window)
                                                                                                            test_gpu_attention_families::test_attention_prefill_families
-    attention_decode.cu   attention_decode_d{64,128}_g{1..8}
+    attention_decode.cu   attention_decode_d{64,128}_g{1..8}, d256_g{1,2,4,8}
                                            attention attention_decode()    kernels.paged_attention         test_gpu_kernels::test_attention_decode
-    attention_decode.cu   attention_decode_window_d{64,128}_g{1..8}, both kinds at d256_g{1,2,4,8}, g{5,6,7}
+                                                                                                           (d256, g5-7: test_gpu_attention_families)
+    attention_decode.cu   attention_decode_window_d*_g* (the same shapes)
                                            attention attention_decode(window=)  kernels.paged_attention(window)
                                                                                                            test_gpu_attention_families::test_attention_decode_families
     gemv.cu       gemv_bf16                gemv     gemv(), via linear()   kernels.linear                  test_gpu_gemv
