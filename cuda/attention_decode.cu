@@ -7,9 +7,9 @@
 // that share one kv head, so each K/V row is read from memory once per GQA group.
 //
 // Splits. The grid's split count is fixed per batch size (a CUDA graph fixes the grid); a
-// sequence uses num_splits = min(max_splits, ceil(context / MIN_SPLIT_TOKENS)) of them (one for
-// a context of at most ONE_SPLIT_TOKENS), each of per_split tokens (a multiple of STEP), and the
-// surplus blocks leave at once. The count depends
+// sequence uses num_splits = min(max_splits, ceil(context / MIN_SPLIT)) of them (one for
+// a context of at most ONE_SPLIT_TOKENS; MIN_SPLIT = one STEP for each warp of the block), each of
+// per_split tokens (a multiple of STEP), and the surplus blocks leave at once. The count depends
 // only on the batch size and the context, never on timing, so results are deterministic.
 //
 // Inside a block each warp owns every WARPS-th step of STEP = 16 tokens of the block's split and
@@ -73,7 +73,6 @@ constexpr int STAGES = 3;                         // cp.async ring depth per war
 // bench latency 1,050 -> 1,058 tok/s on the 1B preset, batch64 unchanged within noise (H100,
 // 2026-12-06, 2510e25).
 constexpr int PROLOGUE_STEPS = STAGES;
-constexpr int MIN_SPLIT_TOKENS = WARPS * STEP;    // a split gives every warp at least one step
 // Contexts up to ONE_SPLIT_TOKENS run in one split: the merge of several (a fence, an atomic
 // and two rounds of L2 reads in the last block) costs more at batch 1 than the parallel blocks
 // save. Measured end to end (`bench --workload latency`, contexts 128..384): 8 warps with one
@@ -83,6 +82,20 @@ constexpr int ONE_SPLIT_TOKENS = 512;
 constexpr int MAX_SPLITS = 32;                    // the merge gives each split one lane
 constexpr int MERGE_UNROLL = 8;                   // partials each merging thread loads at once
 constexpr int SMEM_BYTES_PER_DIM = WARPS * STAGES * STEP * 2 * 2;   // x head_dim: K and V rows, bf16
+// head_dim 256 (Gemma 3): 8 warps' rings would take SMEM_BYTES_PER_DIM * 256 = 384 KB, above an
+// SM's 227 KB; those blocks run 4 warps, with 4 * 3 stages * 16 rows * 2 (K, V) * 512 bytes =
+// 192 KB, as head_dim 128's 8 warps have (and 4 warps' shorter minimum split).
+constexpr int WIDE_HEAD_DIM = 256;
+constexpr int WIDE_THREADS = 128;
+constexpr int WIDE_SMEM_BYTES_PER_DIM = (WIDE_THREADS / 32) * STAGES * STEP * 2 * 2;
+
+// A block's threads and dynamic shared memory at one head_dim (gpu/ops/attention.py: the same rule).
+__host__ __device__ constexpr int decode_threads(int head_dim) {
+    return head_dim >= WIDE_HEAD_DIM ? WIDE_THREADS : THREADS;
+}
+__host__ __device__ constexpr int decode_smem_bytes(int head_dim) {
+    return (head_dim >= WIDE_HEAD_DIM ? WIDE_SMEM_BYTES_PER_DIM : SMEM_BYTES_PER_DIM) * head_dim;
+}
 
 // 16-byte register -> shared store (the newest K/V row, header: early K/V)
 __device__ __forceinline__ void st_shared16(uint32_t dst, const uint4& v) {
@@ -114,13 +127,15 @@ __device__ __forceinline__ float ex2(float x) {   // 2^x; 2^-inf = 0
     return y;
 }
 
-template <int HEAD_DIM, int GROUP>
+template <int HEAD_DIM, int GROUP, bool WINDOWED>
 __device__ __forceinline__ void decode_attention(
     bf16* out, float* __restrict__ partial_out, float* __restrict__ partial_ml,
     int* __restrict__ split_counters, const bf16* q, int q_row_stride, const bf16* k_cache,
     const bf16* v_cache, const int* __restrict__ block_tables, const int* __restrict__ block_table_width,
-    const int* __restrict__ context_lens, int block_size, int num_kv_heads, float scale) {
+    const int* __restrict__ context_lens, int block_size, int num_kv_heads, float scale, int window) {
     static_assert(GROUP >= 1 && GROUP <= 8, "the query heads of a group are one MMA n-tile of 8");
+    constexpr int BLOCK_THREADS = decode_threads(HEAD_DIM), BLOCK_WARPS = BLOCK_THREADS / 32;
+    constexpr int MIN_SPLIT = BLOCK_WARPS * STEP;    // a split gives every warp at least one step
     static_assert(HEAD_DIM % 64 == 0, "rows are whole 8 x 16-byte swizzle groups");
     constexpr int DSTEPS = HEAD_DIM / 16;            // MMA k-steps of the scores = m-tiles of O^T
     constexpr int CHUNKS = HEAD_DIM / 8;             // 16-byte chunks per K/V row
@@ -128,7 +143,7 @@ __device__ __forceinline__ void decode_attention(
     constexpr int TILE_BYTES = STEP * ROW_BYTES;     // one step of K (or V)
     constexpr int STAGE_BYTES = 2 * TILE_BYTES;
     constexpr int COPIES = STEP * CHUNKS / 32;       // 16-byte copies per lane per tensor per step
-    static_assert(WARPS * STAGES * STAGE_BYTES == SMEM_BYTES_PER_DIM * HEAD_DIM, "launcher's size");
+    static_assert(BLOCK_WARPS * STAGES * STAGE_BYTES == decode_smem_bytes(HEAD_DIM), "launcher's size");
     extern __shared__ __align__(128) unsigned char smem[];
     // PDL (common.cuh): the o projection that follows may launch at once and stream its weights
     // under this kernel. q and the new token's K/V are the qkv GEMV's (or rope_write_kv's)
@@ -142,21 +157,26 @@ __device__ __forceinline__ void decode_attention(
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
     const int ctx = context_lens[seq];
-    const int wanted = ctx <= ONE_SPLIT_TOKENS
-        ? 1 : max(1, min(min((int)gridDim.z, MAX_SPLITS), (ctx + MIN_SPLIT_TOKENS - 1) / MIN_SPLIT_TOKENS));
-    const int per_split = max(STEP, ((ctx + wanted - 1) / wanted + STEP - 1) / STEP * STEP);
-    const int num_splits = max(1, (ctx + per_split - 1) / per_split);   // no split is left empty
+    // The positions read: first .. ctx - 1; a sliding layer's window (WINDOWED, window > 0) starts
+    // at ctx - window (the query at ctx - 1 sees its last `window` positions, its own included),
+    // and the splits cut that span only, beginning in the window's first block.
+    const int first = WINDOWED && window > 0 && ctx > window ? ctx - window : 0;
+    const int span = ctx - first;
+    const int wanted = span <= ONE_SPLIT_TOKENS
+        ? 1 : max(1, min(min((int)gridDim.z, MAX_SPLITS), (span + MIN_SPLIT - 1) / MIN_SPLIT));
+    const int per_split = max(STEP, ((span + wanted - 1) / wanted + STEP - 1) / STEP * STEP);
+    const int num_splits = max(1, (span + per_split - 1) / per_split);   // no split is left empty
     if (split >= num_splits) return;
-    const int begin = split * per_split, end = min(ctx, begin + per_split);
+    const int begin = first + split * per_split, end = min(ctx, begin + per_split);
     const int split_steps = max(0, (end - begin + STEP - 1) / STEP);
-    const int steps = split_steps > warp ? (split_steps - warp + WARPS - 1) / WARPS : 0;   // this warp's
+    const int steps = split_steps > warp ? (split_steps - warp + BLOCK_WARPS - 1) / BLOCK_WARPS : 0;   // this warp's
     // the row stride is read from device memory so a captured CUDA graph serves any width
     const int* table = block_tables + (size_t)seq * *block_table_width;
     const int bs_shift = __ffs(block_size) - 1;      // block_size is a power of two
     const size_t kv_row = (size_t)num_kv_heads * HEAD_DIM;
     const bf16* k_head = k_cache + (size_t)kv_head * HEAD_DIM;
     const bf16* v_head = v_cache + (size_t)kv_head * HEAD_DIM;
-    auto step_begin = [&](int i) { return begin + (warp + i * WARPS) * STEP; };
+    auto step_begin = [&](int i) { return begin + (warp + i * BLOCK_WARPS) * STEP; };
 
     // Lane t < STEP: the cache slot of token t of this warp's step i, or -1 past the end.
     auto load_slot = [&](int i) -> int {
@@ -308,9 +328,9 @@ __device__ __forceinline__ void decode_attention(
 
     // Merge the warps through shared memory (the stages are free once every warp is here).
     __syncthreads();
-    float* warp_o = reinterpret_cast<float*>(smem);      // [WARPS][GROUP][HEAD_DIM]
-    float* warp_m = warp_o + WARPS * GROUP * HEAD_DIM;   // [WARPS][GROUP]
-    float* warp_l = warp_m + WARPS * GROUP;
+    float* warp_o = reinterpret_cast<float*>(smem);      // [BLOCK_WARPS][GROUP][HEAD_DIM]
+    float* warp_m = warp_o + BLOCK_WARPS * GROUP * HEAD_DIM;   // [BLOCK_WARPS][GROUP]
+    float* warp_l = warp_m + BLOCK_WARPS * GROUP;
     {
         const int h0 = 2 * (lane % 4), h1 = h0 + 1;
 #pragma unroll
@@ -335,14 +355,14 @@ __device__ __forceinline__ void decode_attention(
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
+    for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += BLOCK_THREADS) {
         const int g = e / HEAD_DIM, d = e % HEAD_DIM;
         float m = -CUDART_INF_F;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, warp_m[w * GROUP + g]);
+        for (int w = 0; w < BLOCK_WARPS; ++w) m = fmaxf(m, warp_m[w * GROUP + g]);
         float acc = 0.0f, l = 0.0f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
+        for (int w = 0; w < BLOCK_WARPS; ++w) {
             const float mw = warp_m[w * GROUP + g];
             const float weight = mw == -CUDART_INF_F ? 0.0f : ex2(mw - m);   // a warp with no tokens
             acc += weight * warp_o[(w * GROUP + g) * HEAD_DIM + d];
@@ -377,7 +397,7 @@ __device__ __forceinline__ void decode_attention(
     // partials are read through L2 (__ldcg): L1 is not coherent across SMs. First one warp per
     // head turns the splits' (m, l) into weights (one split per lane) ...
     float* weights = reinterpret_cast<float*>(smem);                  // [GROUP][MAX_SPLITS]
-    for (int g = warp; g < GROUP; g += WARPS) {
+    for (int g = warp; g < GROUP; g += BLOCK_WARPS) {
         const size_t base = ((size_t)seq * num_q_heads + kv_head * GROUP + g) * MAX_SPLITS;
         float2 ml = make_float2(-CUDART_INF_F, 0.0f);
         if (lane < num_splits) ml = __ldcg(reinterpret_cast<const float2*>(partial_ml) + base + lane);
@@ -391,9 +411,9 @@ __device__ __forceinline__ void decode_attention(
     // in flight at once; slices (when a head group has fewer quads than the block has threads)
     // are added in a fixed order, so the result never depends on timing.
     constexpr int QUADS = GROUP * HEAD_DIM / 4;
-    constexpr int SLICES = QUADS >= THREADS ? 1 : THREADS / QUADS;
+    constexpr int SLICES = QUADS >= BLOCK_THREADS ? 1 : BLOCK_THREADS / QUADS;
     float4* slice_sum = reinterpret_cast<float4*>(weights + GROUP * MAX_SPLITS);   // [SLICES][QUADS]
-    for (int e = threadIdx.x; e < QUADS * SLICES; e += THREADS) {
+    for (int e = threadIdx.x; e < QUADS * SLICES; e += BLOCK_THREADS) {
         const int quad = e % QUADS, slice = e / QUADS;
         const int g = quad / (HEAD_DIM / 4), d4 = quad % (HEAD_DIM / 4);
         const size_t base = ((size_t)seq * num_q_heads + kv_head * GROUP + g) * MAX_SPLITS;
@@ -426,7 +446,7 @@ __device__ __forceinline__ void decode_attention(
     }
     if (SLICES > 1) {
         __syncthreads();
-        for (int quad = threadIdx.x; quad < QUADS; quad += THREADS) {
+        for (int quad = threadIdx.x; quad < QUADS; quad += BLOCK_THREADS) {
             float4 acc = slice_sum[quad];
 #pragma unroll
             for (int sl = 1; sl < SLICES; ++sl) {
@@ -447,24 +467,50 @@ __device__ __forceinline__ void decode_attention(
 
 }  // namespace
 
+// Kernels: attention_decode_d{D}_g{G} over the whole context, attention_decode_window_d{D}_g{G}
+// over the last `window` positions (0: the whole context), a sliding layer's (its own
+// instantiations, so the full-context kernels' code has no window in it).
 #define DECODE_ATTENTION_KERNEL(D, G)                                                            \
-    extern "C" __global__ void __launch_bounds__(THREADS) attention_decode_d##D##_g##G(          \
+    extern "C" __global__ void __launch_bounds__(decode_threads(D)) attention_decode_d##D##_g##G( \
         bf16* out, float* partial_out, float* partial_ml, int* split_counters, const bf16* q,    \
         int q_row_stride, const bf16* k_cache, const bf16* v_cache, const int* block_tables,     \
         const int* block_table_width, const int* context_lens, int block_size, int num_kv_heads, \
         float scale) {                                                                           \
-        decode_attention<D, G>(out, partial_out, partial_ml, split_counters, q, q_row_stride,    \
-                               k_cache, v_cache, block_tables, block_table_width, context_lens,  \
-                               block_size, num_kv_heads, scale);                                 \
+        decode_attention<D, G, false>(out, partial_out, partial_ml, split_counters, q,           \
+                                      q_row_stride, k_cache, v_cache, block_tables,              \
+                                      block_table_width, context_lens, block_size, num_kv_heads, \
+                                      scale, 0);                                                 \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(decode_threads(D)) attention_decode_window_d##D##_g##G( \
+        bf16* out, float* partial_out, float* partial_ml, int* split_counters, const bf16* q,    \
+        int q_row_stride, const bf16* k_cache, const bf16* v_cache, const int* block_tables,     \
+        const int* block_table_width, const int* context_lens, int block_size, int num_kv_heads, \
+        float scale, int window) {                                                               \
+        decode_attention<D, G, true>(out, partial_out, partial_ml, split_counters, q,            \
+                                     q_row_stride, k_cache, v_cache, block_tables,               \
+                                     block_table_width, context_lens, block_size, num_kv_heads,  \
+                                     scale, window);                                             \
     }
-// head_dim x group: Llama 3.2 1B is (64, 4), 3B (128, 3), 3.1 8B (128, 4); the tiny preset (64, 2)
+// head_dim x group: Llama 3.2 1B is (64, 4), 3B (128, 3), 3.1 8B (128, 4), the tiny preset (64, 2);
+// Qwen2.5 0.5B (64, 7), 1.5B (128, 6), 3B (128, 8), 7B (128, 7); Qwen3 0.6B-1.7B (128, 2), 4B-8B
+// (128, 4); Mistral 7B (128, 4); Gemma 3 1B (256, 4), 4B-27B (256, 2)
 DECODE_ATTENTION_KERNEL(64, 1)
 DECODE_ATTENTION_KERNEL(64, 2)
 DECODE_ATTENTION_KERNEL(64, 3)
 DECODE_ATTENTION_KERNEL(64, 4)
+DECODE_ATTENTION_KERNEL(64, 5)
+DECODE_ATTENTION_KERNEL(64, 6)
+DECODE_ATTENTION_KERNEL(64, 7)
 DECODE_ATTENTION_KERNEL(64, 8)
 DECODE_ATTENTION_KERNEL(128, 1)
 DECODE_ATTENTION_KERNEL(128, 2)
 DECODE_ATTENTION_KERNEL(128, 3)
 DECODE_ATTENTION_KERNEL(128, 4)
+DECODE_ATTENTION_KERNEL(128, 5)
+DECODE_ATTENTION_KERNEL(128, 6)
+DECODE_ATTENTION_KERNEL(128, 7)
 DECODE_ATTENTION_KERNEL(128, 8)
+DECODE_ATTENTION_KERNEL(256, 1)
+DECODE_ATTENTION_KERNEL(256, 2)
+DECODE_ATTENTION_KERNEL(256, 4)
+DECODE_ATTENTION_KERNEL(256, 8)

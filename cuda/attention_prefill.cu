@@ -38,7 +38,11 @@
 // (key > row position -> -inf); tiles wholly below it need none; tiles past the last row's
 // position are never loaded. Every row sees key 0 in the first tile, so its running max is finite
 // from then on and a fully masked later tile gives p = 0, alpha = 1. Rows past the sequence's end
-// load Q = 0 (finite scores) and are never stored.
+// load Q = 0 (finite scores) and are never stored. On a sliding layer (the window kernels) a row
+// at position p sees keys p - window + 1 .. p (transformers' sliding window counts p itself):
+// tiles before the tile's first row's window are not loaded, keys below a row's window are
+// masked, and a row whose keys in the first tiles are all masked keeps max -inf and adds nothing
+// (offset 0) until it meets its window.
 //
 // block_size must be a power of two (EngineConfig enforces it; the launcher checks it).
 #include "common.cuh"
@@ -74,23 +78,23 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {  // lo -> th
 
 __device__ __forceinline__ uint32_t load_u32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-template <int D>
+template <int D, int TILE_K, bool WINDOWED>
 __device__ __forceinline__ void prefill_attention(
     bf16* __restrict__ out, const bf16* __restrict__ q, int q_row_stride,
     const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ block_table_width,
     const int* __restrict__ query_start, const int* __restrict__ context_lens, int block_size,
-    int num_kv_heads, int group, float scale) {
+    int num_kv_heads, int group, float scale, int window) {
     constexpr int ROW = D + SMEM_PAD;                    // shared row stride, bf16
     constexpr int ROW_CHUNKS = D / 8;                    // 16-byte chunks per K/V row
     constexpr int ROWS_PER_PASS = THREADS / ROW_CHUNKS;  // tile rows one pass of the CTA copies
-    constexpr int LOADS = BLOCK_K / ROWS_PER_PASS;       // chunks per thread per tile
+    constexpr int LOADS = TILE_K / ROWS_PER_PASS;       // chunks per thread per tile
     constexpr int DK = D / 16;                           // 16-wide chunks of the head dim
-    constexpr int NT = BLOCK_K / 8;                      // n-tiles of S (8 keys each)
+    constexpr int NT = TILE_K / 8;                      // n-tiles of S (8 keys each)
     constexpr int NO = D / 8;                            // n-tiles of O (8 dims each)
-    static_assert(THREADS % ROW_CHUNKS == 0 && BLOCK_K % ROWS_PER_PASS == 0, "tile copy shape");
-    __shared__ __align__(128) bf16 k_tile[BLOCK_K * ROW];
-    __shared__ __align__(128) bf16 v_tile[BLOCK_K * ROW];
+    static_assert(THREADS % ROW_CHUNKS == 0 && TILE_K % ROWS_PER_PASS == 0, "tile copy shape");
+    __shared__ __align__(128) bf16 k_tile[TILE_K * ROW];
+    __shared__ __align__(128) bf16 v_tile[TILE_K * ROW];
 
     const int head = blockIdx.x, seq = blockIdx.y, kv_head = head / group;
     const int num_q_heads = num_kv_heads * group;
@@ -100,7 +104,12 @@ __device__ __forceinline__ void prefill_attention(
     if (tile_q0 >= q_len) return;  // uniform across the block
     const int first_pos = context_lens[seq] - q_len;
     const int kv_end = first_pos + min(tile_q0 + BLOCK_Q, q_len);  // one past the last row's position
-    const int num_tiles = (kv_end + BLOCK_K - 1) / BLOCK_K;
+    const int num_tiles = (kv_end + TILE_K - 1) / TILE_K;
+    // A sliding layer's window (WINDOWED, window > 0): the tile's first row sees positions from
+    // its own - window + 1 on, every later row from later ones, so the key tiles before the one
+    // holding that first position are skipped; keys below a row's window are masked (below).
+    const bool windowed = WINDOWED && window > 0;
+    const int first_tile = windowed ? max(0, first_pos + tile_q0 - window + 1) / TILE_K : 0;
     // the row stride is read from device memory so a captured CUDA graph serves any width
     const int* table = block_tables + (size_t)seq * *block_table_width;
     const int block_shift = __ffs(block_size) - 1;
@@ -130,7 +139,7 @@ __device__ __forceinline__ void prefill_attention(
         }
         cp_async_commit();
     };
-    find_slots(0);
+    find_slots(first_tile * TILE_K);
     issue_copy(k_dst, k_src);
 
     // ---- Q fragments: rows r0 = tile_q0 + 16 warp + g and r1 = r0 + 8 of this sequence ------------
@@ -166,12 +175,12 @@ __device__ __forceinline__ void prefill_attention(
     float row_max[2] = {-INFINITY, -INFINITY};
     float row_sum[2] = {0.0f, 0.0f};  // this lane's share; the 4 lanes of a row add up at the end
 
-    for (int kt = 0; kt < num_tiles; ++kt) {
-        const int k0 = kt * BLOCK_K;
+    for (int kt = first_tile; kt < num_tiles; ++kt) {
+        const int k0 = kt * TILE_K;
         cp_async_wait<0>();
         __syncthreads();  // K[kt] is in; every warp is done with V[kt-1]
         issue_copy(v_dst, v_src);
-        if (kt + 1 < num_tiles) find_slots(k0 + BLOCK_K);
+        if (kt + 1 < num_tiles) find_slots(k0 + TILE_K);
 
         float s[NT][4];
 #pragma unroll
@@ -186,7 +195,7 @@ __device__ __forceinline__ void prefill_attention(
                 mma_bf16(s[2 * j + 1], qf[c][0], qf[c][1], qf[c][2], qf[c][3], b[2], b[3]);
             }
         }
-        if (k0 + BLOCK_K - 1 > tile_first_pos) {  // some key of this tile is later than some row
+        if (k0 + TILE_K - 1 > tile_first_pos) {  // some key of this tile is later than some row
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
                 const int key = k0 + 8 * n + 2 * t;
@@ -194,6 +203,16 @@ __device__ __forceinline__ void prefill_attention(
                 if (key + 1 > pos0) s[n][1] = -INFINITY;
                 if (key > pos1) s[n][2] = -INFINITY;
                 if (key + 1 > pos1) s[n][3] = -INFINITY;
+            }
+        }
+        if (windowed && k0 <= kv_end - 1 - window) {   // some key of this tile is below some row's window
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const int key = k0 + 8 * n + 2 * t;
+                if (key <= pos0 - window) s[n][0] = -INFINITY;
+                if (key + 1 <= pos0 - window) s[n][1] = -INFINITY;
+                if (key <= pos1 - window) s[n][2] = -INFINITY;
+                if (key + 1 <= pos1 - window) s[n][3] = -INFINITY;
             }
         }
 
@@ -209,8 +228,11 @@ __device__ __forceinline__ void prefill_attention(
         for (int r = 0; r < 2; ++r) {
             new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffffu, new_max[r], 1));
             new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffffu, new_max[r], 2));
-            alpha[r] = fast_exp2((row_max[r] - new_max[r]) * scale_log2);  // 0 on the first tile
-            offset[r] = new_max[r] * scale_log2;
+            // A windowed row may see no key of its first tiles (its max still -inf): it then takes
+            // offset 0, so its p are exp2(-inf) = 0 and alpha exp2(-inf) = 0 instead of NaN.
+            const float seen_max = WINDOWED && new_max[r] == -INFINITY ? 0.0f : new_max[r];
+            alpha[r] = fast_exp2((row_max[r] - seen_max) * scale_log2);  // 0 on the first tile
+            offset[r] = seen_max * scale_log2;
             row_max[r] = new_max[r];
             row_sum[r] *= alpha[r];
         }
@@ -268,14 +290,30 @@ __device__ __forceinline__ void prefill_attention(
 
 }  // namespace
 
-#define PREFILL_ATTENTION_KERNEL(D)                                                              \
+// Kernels: attention_prefill_d{D} over the whole context, attention_prefill_window_d{D} over each
+// row's last `window` positions (0: the whole context), a sliding layer's (its own instantiations,
+// so the full-context kernels' code has no window in it). head_dim 256 (Gemma 3) takes 32-key
+// tiles: 64-key ones would need 2 x 64 x 264 x 2 = 66 KB of static shared memory (48 KB at most);
+// with 32 it holds Q's 64 and O's 128 registers a thread and S's 16 in 252, without spills
+// (ptxas, nvcc 13.0 sm_90).
+#define PREFILL_ATTENTION_KERNEL(D, TILE_K)                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS) attention_prefill_d##D(                \
         bf16* out, const bf16* q, int q_row_stride, const bf16* k_cache, const bf16* v_cache,    \
         const int* block_tables, const int* block_table_width, const int* query_start,           \
         const int* context_lens, int block_size, int num_kv_heads, int group, float scale) {     \
-        prefill_attention<D>(out, q, q_row_stride, k_cache, v_cache, block_tables,               \
-                             block_table_width, query_start, context_lens, block_size,           \
-                             num_kv_heads, group, scale);                                        \
+        prefill_attention<D, TILE_K, false>(out, q, q_row_stride, k_cache, v_cache, block_tables, \
+                                            block_table_width, query_start, context_lens,         \
+                                            block_size, num_kv_heads, group, scale, 0);           \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS) attention_prefill_window_d##D(         \
+        bf16* out, const bf16* q, int q_row_stride, const bf16* k_cache, const bf16* v_cache,    \
+        const int* block_tables, const int* block_table_width, const int* query_start,           \
+        const int* context_lens, int block_size, int num_kv_heads, int group, float scale,       \
+        int window) {                                                                            \
+        prefill_attention<D, TILE_K, true>(out, q, q_row_stride, k_cache, v_cache, block_tables, \
+                                           block_table_width, query_start, context_lens,          \
+                                           block_size, num_kv_heads, group, scale, window);       \
     }
-PREFILL_ATTENTION_KERNEL(64)
-PREFILL_ATTENTION_KERNEL(128)
+PREFILL_ATTENTION_KERNEL(64, BLOCK_K)
+PREFILL_ATTENTION_KERNEL(128, BLOCK_K)
+PREFILL_ATTENTION_KERNEL(256, 32)

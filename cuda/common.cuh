@@ -135,6 +135,15 @@ __device__ __forceinline__ float chunk_sum_sq(const float v[SS_CHUNK]) {
     return __fadd_rn(s[0], s[1]);
 }
 
+// An RMSNorm's arithmetic (rmsnorm.cu's kernels and the q/k norm of rope_kv.cu): inv_rms from a
+// row's sum of squares, and one normalised value before its bf16 rounding, (x * inv_rms) * weight.
+__device__ __forceinline__ float norm_inv_rms(float sum_sq, int hidden, float eps) {
+    return rsqrtf(__fadd_rn(__fdiv_rn(sum_sq, (float)hidden), eps));
+}
+__device__ __forceinline__ float norm_apply(float x, float inv_rms, float weight) {
+    return __fmul_rn(__fmul_rn(x, inv_rms), weight);
+}
+
 // ---- greedy argmax as one 64-bit key per value -----------------------------------------------
 // The sampler's first pass (sampling.cu) finds each row's max logit, its lowest index among equal
 // values, and whether the row is broken (a NaN or +inf, or nothing finite). The decode LM head
@@ -168,7 +177,7 @@ __device__ __forceinline__ bool decode_argmax_key(unsigned long long key, float&
     return bits >= POS_INF_KEY || bits <= NEG_INF_KEY;
 }
 
-// ---- RoPE and SwiGLU arithmetic, shared by the standalone kernels and the fused GEMVs -----------
+// ---- RoPE, SwiGLU and GeGLU arithmetic, shared by the standalone kernels and the fused GEMVs -----
 // At decode gemv.cu folds RoPE with the KV-cache write into the qkv GEMV's epilogue and silu_mul
 // into the gate_up GEMV's epilogue; a fused kernel gives the bits of the kernels it replaces
 // because both sides call these functions: the same operations in the same order, the roundings
@@ -196,4 +205,15 @@ __device__ __forceinline__ void rope_rotate(float x1, float x2, float pos, float
 // -0, the right limit (__fdividef's 0 for divisors in (2^126, 2^128) is the same limit).
 __device__ __forceinline__ float silu_times(float gate, float up) {
     return __fmul_rn(__fdividef(gate, __fadd_rn(1.0f, __expf(-gate))), up);
+}
+
+// gelu_tanh(gate) * up before its bf16 rounding (Gemma 3's GeGLU, torch's gelu(approximate="tanh")):
+// gelu_tanh(x) = x (1 + tanh(v)) / 2 = x / (1 + e^(-2v)), v = sqrt(2/pi) (x + 0.044715 x^3), the
+// form without 1 + tanh(v)'s cancellation for very negative v (reference/kernels.py's
+// gelu_tanh_mul, whose order of operations this keeps). The fast intrinsics as silu_times: for
+// v < -44, e^(-2v) = inf and the quotient is -0, the right limit.
+__device__ __forceinline__ float gelu_tanh_times(float gate, float up) {
+    const float cube = __fmul_rn(__fmul_rn(__fmul_rn(0.044715f, gate), gate), gate);
+    const float v = __fmul_rn(0.7978845608028654f, __fadd_rn(gate, cube));
+    return __fmul_rn(__fdividef(gate, __fadd_rn(1.0f, __expf(__fmul_rn(-2.0f, v)))), up);
 }

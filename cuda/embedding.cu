@@ -17,16 +17,36 @@
 // gemv_prenormed_bf16): the gather, the step's first kernel, sets row t's key to 0, the value the
 // head's atomicMax starts from. Every later kernel waits for the one before it, so the clear is
 // complete before the head's first atomic, and the sampler of the step before has read its key.
+// embedding_gather_scaled (Gemma 3): every value times `scale` (bf16(sqrt(hidden)): transformers
+// casts the scale to the activations' dtype), the product rounded to bf16, and a handed-over norm
+// of weight (norm_offset + w) (Gemma's 1 + w, the sum in fp32). Its own instantiation, so the
+// plain kernel's code has neither.
 #include "common.cuh"
 
 constexpr int THREADS = 128;   // block size (gpu/ops/rowwise.py launches with it)
 
-extern "C" __global__ void __launch_bounds__(THREADS) embedding_gather(bf16* __restrict__ out, const bf16* __restrict__ table,
-                                            const int* __restrict__ token_ids, const int* __restrict__ fed_rows,
-                                            const int* __restrict__ fed_ids, int num_tokens,
-                                            int hidden, int vocab_size, const bf16* __restrict__ norm_w,
-                                            bf16* __restrict__ normed, float* __restrict__ row_ss,
-                                            unsigned long long* __restrict__ head_argmax) {
+namespace {
+
+// Eight bf16 values times scale, each product rounded to bf16 (embedding_gather_scaled).
+__device__ __forceinline__ uint4 scaled(const uint4& raw, float scale) {
+    float v[8];
+    unpack_bf16x8(raw, v);
+    uint4 out;
+    out.x = pack_bf16x2(__fmul_rn(v[0], scale), __fmul_rn(v[1], scale));
+    out.y = pack_bf16x2(__fmul_rn(v[2], scale), __fmul_rn(v[3], scale));
+    out.z = pack_bf16x2(__fmul_rn(v[4], scale), __fmul_rn(v[5], scale));
+    out.w = pack_bf16x2(__fmul_rn(v[6], scale), __fmul_rn(v[7], scale));
+    return out;
+}
+
+template <bool SCALED>
+__device__ __forceinline__ void embedding_body(bf16* __restrict__ out, const bf16* __restrict__ table,
+                                               const int* __restrict__ token_ids, const int* __restrict__ fed_rows,
+                                               const int* __restrict__ fed_ids, int num_tokens,
+                                               int hidden, int vocab_size, const bf16* __restrict__ norm_w,
+                                               bf16* __restrict__ normed, float* __restrict__ row_ss,
+                                               unsigned long long* __restrict__ head_argmax, float scale,
+                                               float norm_offset) {
     allow_consumer();
     wait_for_producer();
     const int t = blockIdx.x;
@@ -43,6 +63,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) embedding_gather(bf16* __r
         for (int col = threadIdx.x * 8; col < hidden; col += blockDim.x * 8) {
             uint4 v = make_uint4(0, 0, 0, 0);
             if (valid) v = *reinterpret_cast<const uint4*>(src + col);
+            if constexpr (SCALED) v = scaled(v, scale);
             *reinterpret_cast<uint4*>(dst + col) = v;
         }
         return;
@@ -56,6 +77,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) embedding_gather(bf16* __r
             raw[0] = *reinterpret_cast<const uint4*>(src + col);
             raw[1] = *reinterpret_cast<const uint4*>(src + col + 8);
         }
+        if constexpr (SCALED) {
+            raw[0] = scaled(raw[0], scale);
+            raw[1] = scaled(raw[1], scale);
+        }
         float v[SS_CHUNK], w[SS_CHUNK];
         unpack_bf16x8(raw[0], v);
         unpack_bf16x8(raw[1], v + 8);
@@ -65,9 +90,33 @@ extern "C" __global__ void __launch_bounds__(THREADS) embedding_gather(bf16* __r
         *reinterpret_cast<uint4*>(dst + col + 8) = raw[1];
         row_ss[(size_t)t * chunks + c] = chunk_sum_sq(v);
         // the product of two bf16 values is exact in fp32: one rounding, as gemv_residual_norm's
+        // (scaled: offset + w may hold more bits; the fp32 product is rounded, then stored in bf16,
+        // as reference/kernels.py's rms_norm_operand(weight_offset=) does)
 #pragma unroll
-        for (int i = 0; i < SS_CHUNK; ++i) w[i] = __fmul_rn(v[i], w[i]);
+        for (int i = 0; i < SS_CHUNK; ++i) w[i] = __fmul_rn(v[i], SCALED ? __fadd_rn(w[i], norm_offset) : w[i]);
         store_bf16x8(normed + (size_t)t * hidden + col, w);
         store_bf16x8(normed + (size_t)t * hidden + col + 8, w + 8);
     }
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(THREADS) embedding_gather(bf16* __restrict__ out, const bf16* __restrict__ table,
+                                            const int* __restrict__ token_ids, const int* __restrict__ fed_rows,
+                                            const int* __restrict__ fed_ids, int num_tokens,
+                                            int hidden, int vocab_size, const bf16* __restrict__ norm_w,
+                                            bf16* __restrict__ normed, float* __restrict__ row_ss,
+                                            unsigned long long* __restrict__ head_argmax) {
+    embedding_body<false>(out, table, token_ids, fed_rows, fed_ids, num_tokens, hidden, vocab_size, norm_w, normed,
+                          row_ss, head_argmax, 1.0f, 0.0f);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) embedding_gather_scaled(bf16* __restrict__ out, const bf16* __restrict__ table,
+                                            const int* __restrict__ token_ids, const int* __restrict__ fed_rows,
+                                            const int* __restrict__ fed_ids, int num_tokens,
+                                            int hidden, int vocab_size, const bf16* __restrict__ norm_w,
+                                            bf16* __restrict__ normed, float* __restrict__ row_ss,
+                                            unsigned long long* __restrict__ head_argmax, float scale, float norm_offset) {
+    embedding_body<true>(out, table, token_ids, fed_rows, fed_ids, num_tokens, hidden, vocab_size, norm_w, normed,
+                         row_ss, head_argmax, scale, norm_offset);
 }

@@ -57,16 +57,20 @@
 // the weight stream starts while the previous kernel (which produces X) is still finishing.
 // It calls allow_consumer() first thing, so the next kernel can be resident before this one ends.
 //
-// Five entry points share this body; they differ in how X is loaded and how Y is stored:
+// These entry points share this body; they differ in how X is loaded and how Y is stored:
 //   gemv_bf16                 X as stored; Y stored (or added: the residual add). linear() at
 //                             decode batches: the nine-launch layer's projections and LM head.
 //   gemv_residual_norm        y += x @ W^T (o or down into the residual stream), and the RMSNorm
 //                             after it handed over: bf16(y * its gain) and per-CTA sums of y^2 per row.
 //   gemv_prenormed_rope_kv    the qkv projection on that handed-over operand, its epilogue applying
 //                             RoPE to q and k and writing k and v to the paged cache (rope_write_kv
-//                             inside).
+//                             inside); its _bias twin adds Qwen2's q/k/v biases first
+//                             (rope_write_kv_bias inside). Families with q/k norms (Qwen3, Gemma 3)
+//                             take gemv_prenormed_bf16 then rope_write_kv_qk_norm instead: the norm
+//                             needs a whole head, and a CTA holds 16 of its rows.
 //   gemv_prenormed_silu_mul   the gate_up projection on the handed-over operand, its epilogue
-//                             storing silu(gate) * up (silu_mul inside).
+//                             storing silu(gate) * up (silu_mul inside); gemv_prenormed_gelu_mul
+//                             stores gelu_tanh(gate) * up (Gemma 3's GeGLU: gelu_tanh_mul inside).
 //   gemv_prenormed_bf16       Y = inv_rms * (X @ W^T) on the handed-over operand, stored: the LM
 //                             head after the final norm, which the last down hands over; it may
 //                             also keep each row's greedy argmax key (head_argmax).
@@ -116,7 +120,7 @@ __device__ __forceinline__ void mma_pair(float acc[4], const uint4& p, const uin
 // residual_norm: Y += X @ W^T (the residual add, bf16), and for the norm after it
 // bf16(Y * norm weight) and each CTA's sum of Y's squares per row (the handed-over norm, header).
 enum class XLoad { plain, prenormed };
-enum class Epilogue { store, rope_kv, silu_mul, residual_norm };
+enum class Epilogue { store, rope_kv, silu_mul, residual_norm, gelu_mul };
 
 // The handed-over norm of X (prenormed).
 struct NormArgs {
@@ -139,6 +143,7 @@ struct RopeArgs {
     const int* slot_mapping; // [m]; < 0: padding, nothing written to the cache
     const float* inv_freq;   // [D / 2]
     int num_q_heads, num_kv_heads, head_dim;
+    const bf16* bias;        // the q/k/v biases [n] (Qwen2; only where the kernel adds them)
 };
 
 // The CTA's 16 W rows: row_a + 0..7 (tile columns 0..7) and row_b + 0..7 (columns 8..15).
@@ -150,7 +155,7 @@ template <Epilogue EPI>
 __device__ __forceinline__ Tile cta_tile(int cta, int n, int head_dim) {
     if constexpr (EPI == Epilogue::store || EPI == Epilogue::residual_norm) {
         return {cta * ROWS_PER_CTA, cta * ROWS_PER_CTA + 8};
-    } else if constexpr (EPI == Epilogue::silu_mul) {         // gate rows [0, n/2), up rows [n/2, n)
+    } else if constexpr (EPI == Epilogue::silu_mul || EPI == Epilogue::gelu_mul) {   // gate rows [0, n/2), up [n/2, n)
         return {cta * 8, n / 2 + cta * 8};
     } else {                                                  // head_dim / 16 CTAs per head
         const int per_head = head_dim / ROWS_PER_CTA;
@@ -179,9 +184,11 @@ __device__ __forceinline__ unsigned long long row_max16(unsigned long long x) {
 }
 
 // y: per EPI (store: [m, n] bf16 or fp32 (out_f32), row stride n; rope_kv: the qkv rows [m, n];
-// silu_mul: act [m, n/2]); w: [n, k] bf16; x: [m, k] bf16 (prenormed: the handed-over operand).
+// silu_mul, gelu_mul: act [m, n/2]); w: [n, k] bf16; x: [m, k] bf16 (prenormed: the handed-over operand).
 // accumulate = 1 (store): y += x @ w^T (fp32 sum of the old value and the product, rounded once).
-template <XLoad MODE, Epilogue EPI>
+// QKV_BIAS (rope_kv): each product rounded to bf16 gets its bias rope.bias[n] added, rounded again
+// (rope_kv.cu's rope_write_kv_bias adds it to the stored product the same way).
+template <XLoad MODE, Epilogue EPI, bool QKV_BIAS = false>
 __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __restrict__ x,
                                           const NormArgs& norm, const bf16* __restrict__ w,
                                           int m, int n, int k, int out_f32, int accumulate,
@@ -329,11 +336,14 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
         } else {
             // Both fused epilogues read the product as the unfused chain's next kernel would:
             // rounded to bf16 (the scaled product). The partner of column c is column c ^ 8 (the other run).
-            const float value = bf16_round(sum);
+            float value = bf16_round(sum);
+            if constexpr (QKV_BIAS) value = bf16_round(__fadd_rn(value, in_n ? __bfloat162float(rope.bias[out]) : 0.0f));
             const float partner = __shfl_xor_sync(0xffffffffu, value, 8);
             bf16* yb = static_cast<bf16*>(y);
             if constexpr (EPI == Epilogue::silu_mul) {         // value = gate (col < 8), partner = up
                 if (in_n && col < 8) yb[(size_t)row * (n / 2) + out] = __float2bfloat16(silu_times(value, partner));
+            } else if constexpr (EPI == Epilogue::gelu_mul) {
+                if (in_n && col < 8) yb[(size_t)row * (n / 2) + out] = __float2bfloat16(gelu_tanh_times(value, partner));
             } else if (in_n) {
                 const int D = rope.head_dim, half = D / 2, kv_row = rope.num_kv_heads * D;
                 const int head = out / D, d = out % D;
@@ -389,7 +399,22 @@ gemv_prenormed_rope_kv_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, 
                             int num_q_heads, int num_kv_heads, int head_dim) {
     gemv_body<XLoad::prenormed, Epilogue::rope_kv>(
         qkv, x, NormArgs{eps, row_ss}, w, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim}, NormOut{});
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
+        NormOut{});
+}
+
+// gemv_prenormed_rope_kv_bf16 with the q/k/v projection's biases (Qwen2): bias [n] added to each
+// product rounded to bf16, the sum rounded again, before RoPE and the cache write.
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_prenormed_rope_kv_bias_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                                 const bf16* __restrict__ w, int m, int n, int k, float eps,
+                                 bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                                 const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                                 int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
+    gemv_body<XLoad::prenormed, Epilogue::rope_kv, true>(
+        qkv, x, NormArgs{eps, row_ss}, w, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
+        NormOut{});
 }
 
 // Y = inv_rms * (x @ W^T) on a prenormed x, as gemv_prenormed_rope_kv_bf16, stored as gemv_bf16
@@ -413,5 +438,14 @@ extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_prenormed_silu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const float* __restrict__ row_ss,
                              const bf16* __restrict__ w, int m, int n, int k, float eps) {
     gemv_body<XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, w, m, n, k, 0, 0,
+                                                    RopeArgs{}, NormOut{});
+}
+
+// act = gelu_tanh(gate) * up of gate_up = inv_rms * (x @ W^T) on a prenormed x, as
+// gemv_prenormed_silu_mul_bf16 (Gemma 3's GeGLU).
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_prenormed_gelu_mul_bf16(bf16* __restrict__ act, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                             const bf16* __restrict__ w, int m, int n, int k, float eps) {
+    gemv_body<XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, w, m, n, k, 0, 0,
                                                     RopeArgs{}, NormOut{});
 }

@@ -7,6 +7,19 @@
 // hidden <= MAX_HIDDEN (gpu/ops/rowwise.py checks both).
 // `in` is the previous kernel's output: no __restrict__, so its loads are never the read-only
 // (.nc) kind that ptxas may move above wait_for_producer() (see common.cuh).
+//
+// Kernels:
+//   rms_norm                the norm as above (Llama, Mistral, Qwen).
+//   rms_norm_offset         times (weight_offset + weight), the sum in fp32: Gemma 3's x * (1 + w)
+//                           (reference/kernels.py's rms_norm(weight_offset=)).
+//   rms_norm_residual_add   Gemma 3's norms of the attention and MLP outputs, added into the
+//                           residual stream: hidden[r] = bf16(hidden[r] + bf16(RMSNorm(x[r]) *
+//                           (weight_offset + w))); with next_weight non-null it also hands the norm
+//                           after it over, as gemv.cu's gemv_residual_norm does (normed =
+//                           bf16(hidden * (weight_offset + next_weight)), row_ss = each 16
+//                           columns' sum of squares of the new hidden), for the prenormed GEMV
+//                           that follows (the fused decode layer, gpu/model.py). Requires
+//                           hidden % 16 == 0.
 #include "common.cuh"
 
 // A row's sum of squares from its chunk sums p[0..chunks): lane l adds p[l], p[l + 32], ... in
@@ -18,21 +31,13 @@ __device__ __forceinline__ float sum_of_chunk_sums(const float* p, int chunks, i
     return warp_sum(s);
 }
 
-__device__ __forceinline__ float norm_inv_rms(float sum_sq, int hidden, float eps) {
-    return rsqrtf(__fadd_rn(__fdiv_rn(sum_sq, (float)hidden), eps));
-}
-
-// One normalised value before its bf16 rounding: (x * inv_rms) * weight.
-__device__ __forceinline__ float norm_apply(float x, float inv_rms, float weight) {
-    return __fmul_rn(__fmul_rn(x, inv_rms), weight);
-}
-
 constexpr int THREADS = 256;   // block size (gpu/ops/rowwise.py launches with it)
 constexpr int MAX_HIDDEN = 32768;   // the chunk sums of one row sit in shared memory (8 KB)
 
-extern "C" __global__ void __launch_bounds__(THREADS) rms_norm(bf16* __restrict__ out, const bf16* in,
-                                    const bf16* __restrict__ weight, const int* __restrict__ rows,
-                                    int num_rows, int hidden, float eps) {
+template <bool OFFSET>
+__device__ __forceinline__ void rms_norm_body(bf16* __restrict__ out, const bf16* in, const bf16* __restrict__ weight,
+                                              const int* __restrict__ rows, int num_rows, int hidden, float eps,
+                                              float weight_offset) {
     __shared__ float chunk_ss[MAX_HIDDEN / SS_CHUNK];
     __shared__ float inv_rms;
     allow_consumer();
@@ -60,7 +65,71 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_norm(bf16* __restrict_
         unpack_bf16x8(load_fresh(x + c), v);
         load_bf16x8(weight + c, w);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = norm_apply(v[i], scale, w[i]);
+        for (int i = 0; i < 8; ++i) v[i] = norm_apply(v[i], scale, OFFSET ? __fadd_rn(w[i], weight_offset) : w[i]);
         store_bf16x8(out + (size_t)r * hidden + c, v);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) rms_norm(bf16* __restrict__ out, const bf16* in,
+                                    const bf16* __restrict__ weight, const int* __restrict__ rows,
+                                    int num_rows, int hidden, float eps) {
+    rms_norm_body<false>(out, in, weight, rows, num_rows, hidden, eps, 0.0f);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) rms_norm_offset(bf16* __restrict__ out, const bf16* in,
+                                    const bf16* __restrict__ weight, const int* __restrict__ rows,
+                                    int num_rows, int hidden, float eps, float weight_offset) {
+    rms_norm_body<true>(out, in, weight, rows, num_rows, hidden, eps, weight_offset);
+}
+
+// hidden, x: [num_rows, hidden_size] (hidden read and written: the residual stream; x: the o or
+// down projection's output). next_weight (null: no hand-over), normed [num_rows, hidden_size] and
+// row_ss [num_rows][hidden_size / 16]: the next norm handed over.
+extern "C" __global__ void __launch_bounds__(THREADS) rms_norm_residual_add(
+    bf16* hidden, const bf16* x, const bf16* __restrict__ weight, int num_rows, int hidden_size, float eps,
+    float weight_offset, const bf16* __restrict__ next_weight, bf16* __restrict__ normed, float* __restrict__ row_ss) {
+    __shared__ float chunk_ss[MAX_HIDDEN / SS_CHUNK];
+    __shared__ float inv_rms;
+    allow_consumer();
+    wait_for_producer();
+    const int r = blockIdx.x;
+    if (r >= num_rows) return;
+    const int chunks = hidden_size / SS_CHUNK;   // the sum of squares of x's row, as rms_norm's
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        float v[SS_CHUNK];
+        unpack_bf16x8(load_fresh(x + (size_t)r * hidden_size + c * SS_CHUNK), v);
+        unpack_bf16x8(load_fresh(x + (size_t)r * hidden_size + c * SS_CHUNK + 8), v + 8);
+        chunk_ss[c] = chunk_sum_sq(v);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const float total = sum_of_chunk_sums(chunk_ss, chunks, threadIdx.x);
+        if (threadIdx.x == 0) inv_rms = norm_inv_rms(total, hidden_size, eps);
+    }
+    __syncthreads();
+    const float scale = inv_rms;
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        const size_t at = (size_t)r * hidden_size + c * SS_CHUNK;
+        float v[SS_CHUNK], h[SS_CHUNK], w[SS_CHUNK];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            unpack_bf16x8(load_fresh(x + at + 8 * half), v + 8 * half);
+            unpack_bf16x8(load_fresh(hidden + at + 8 * half), h + 8 * half);
+            load_bf16x8(weight + c * SS_CHUNK + 8 * half, w + 8 * half);
+        }
+#pragma unroll
+        for (int i = 0; i < SS_CHUNK; ++i)   // the norm's output rounded to bf16, then the add, rounded
+            h[i] = bf16_round(__fadd_rn(h[i], bf16_round(norm_apply(v[i], scale, __fadd_rn(w[i], weight_offset)))));
+        store_bf16x8(hidden + at, h);
+        store_bf16x8(hidden + at + 8, h + 8);
+        if (next_weight) {   // the next norm's operand and this chunk's sum of squares (embedding.cu's form)
+            row_ss[(size_t)r * chunks + c] = chunk_sum_sq(h);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) load_bf16x8(next_weight + c * SS_CHUNK + 8 * half, w + 8 * half);
+#pragma unroll
+            for (int i = 0; i < SS_CHUNK; ++i) w[i] = __fmul_rn(h[i], __fadd_rn(w[i], weight_offset));
+            store_bf16x8(normed + at, w);
+            store_bf16x8(normed + at + 8, w + 8);
+        }
     }
 }

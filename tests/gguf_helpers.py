@@ -1,6 +1,7 @@
 """Tiny synthetic GGUF files for the import tests, written with gguf.GGUFWriter the way
-llama.cpp's converter lays a Hugging Face Llama out: llama.cpp tensor names, ggml dimension
-order, q/k rows permuted for interleaved RoPE, norms in F32, the vocabulary as metadata."""
+llama.cpp's converter lays a Hugging Face model out: llama.cpp tensor names, ggml dimension
+order, q/k rows permuted for interleaved RoPE (llama only), Gemma 3's norms stored with their 1
+added, norms in F32, the vocabulary as metadata."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from tinyvllm.checkpoint.gguf import GLOBAL_NAMES, LAYER_NAMES, permute_rope_rows
+from tinyvllm.checkpoint.gguf import GLOBAL_NAMES, layer_names, permute_rope_rows
 from tinyvllm.checkpoint.gguf_tokenizer import byte_alphabet
 from tinyvllm.checkpoint.weight_names import expected_shapes
 from tinyvllm.config import ModelConfig
@@ -51,9 +52,9 @@ def tiny_hf_weights(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-def gguf_names() -> dict[str, str]:
+def gguf_names(arch: str = "llama") -> dict[str, str]:
     """HF tensor-name suffix -> llama.cpp name (per layer, after "blk.N.")."""
-    return {v: k for k, v in {**GLOBAL_NAMES, **LAYER_NAMES}.items()}
+    return {v: k for k, v in {**GLOBAL_NAMES, **layer_names(arch)}.items()}
 
 
 def encode_tensor(w: np.ndarray, qtype: str):
@@ -75,6 +76,7 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, np.ndarray], *, qtype: 
     key/values ({key: (kind, value)}, kind a GGUFWriter add_* suffix such as "uint32")."""
     import gguf
     tokens, merges, types = vocab or tiny_vocab()
+    spm = merges is None                    # a sentencepiece vocabulary: merges None, scores in meta
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = gguf.GGUFWriter(str(path), arch)
     a = f"{arch}."
@@ -86,19 +88,20 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, np.ndarray], *, qtype: 
           a + "rope.freq_base": ("float32", cfg["rope_theta"]),
           a + "attention.layer_norm_rms_epsilon": ("float32", cfg["rms_norm_eps"]),
           a + "vocab_size": ("uint32", cfg["vocab_size"]), a + "rope.dimension_count": ("uint32", cfg["head_dim"]),
-          "tokenizer.ggml.model": ("string", "gpt2"), "tokenizer.ggml.pre": ("string", tokenizer_pre),
-          "tokenizer.ggml.tokens": ("array", tokens), "tokenizer.ggml.merges": ("array", merges),
-          "tokenizer.ggml.token_type": ("array", types),
+          "tokenizer.ggml.model": ("string", "llama" if spm else "gpt2"),
+          "tokenizer.ggml.tokens": ("array", tokens), "tokenizer.ggml.token_type": ("array", types),
           "tokenizer.ggml.bos_token_id": ("uint32", cfg["bos_token_id"]),
           "tokenizer.ggml.eos_token_id": ("uint32", cfg["eos_token_id"]),
           "tokenizer.ggml.padding_token_id": ("uint32", cfg["eos_token_id"]),
           "tokenizer.ggml.add_bos_token": ("bool", add_bos)}
+    if not spm:
+        kv.update({"tokenizer.ggml.pre": ("string", tokenizer_pre), "tokenizer.ggml.merges": ("array", merges)})
     if chat_template is not None:
         kv["tokenizer.chat_template"] = ("string", chat_template)
     kv.update(meta or {})
     for key, (kind, value) in kv.items():
         getattr(w, f"add_{kind}")(key, list(value) if kind == "array" else value)
-    names = gguf_names()
+    names = gguf_names(arch)
     for name, value in weights.items():
         if name.startswith("model.layers."):
             layer, part = name[len("model.layers."):].split(".", 1)
@@ -107,10 +110,12 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, np.ndarray], *, qtype: 
             gname = names[name]
         if gname.rsplit(".", 1)[0].endswith(drop):
             continue
-        if part_of(name, "q_proj"):
+        if arch == "llama" and part_of(name, "q_proj"):
             value = permute_rope_rows(value, heads)
-        elif part_of(name, "k_proj"):
+        elif arch == "llama" and part_of(name, "k_proj"):
             value = permute_rope_rows(value, kv_heads)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            value = value + np.float32(1.0)          # Gemma3Model.norm_shift
         array, raw = encode_tensor(value, "F32" if value.ndim == 1 else qtype)
         w.add_tensor(gname, array, raw_dtype=raw)
     for gname, (array, raw) in (extra_tensors or {}).items():

@@ -218,10 +218,10 @@ def test_unsupported_tensor_type_names_tensor_and_type(tmp_path, tiny):
     assert "blk.1.attn_v.weight" in msg and "IQ2_XXS" in msg and "Q4_1" in msg
 
 
-def test_non_llama_architecture_is_refused(tmp_path, tiny):
+def test_unknown_architecture_is_refused(tmp_path, tiny):
     cfg, weights = tiny
-    msg = convert_error(tmp_path, write_gguf(tmp_path / "m.gguf", cfg, weights, arch="qwen2"))
-    assert "general.architecture is 'qwen2'" in msg
+    msg = convert_error(tmp_path, write_gguf(tmp_path / "m.gguf", cfg, weights, arch="gemma2"))
+    assert "general.architecture is 'gemma2'" in msg and "'qwen3'" in msg     # and what is converted
 
 
 @pytest.mark.parametrize("cut", [10, 200, 3000, -100])
@@ -259,7 +259,7 @@ def test_unknown_tensor_missing_tensor_and_unsupported_features_are_refused(tmp_
         "mixture-of-experts": dict(meta={"llama.expert_count": ("uint32", 8)}),
         "RoPE scaling 'linear'": dict(meta={"llama.rope.scaling.type": ("string", "linear")}),
         "partial rotary": dict(meta={"llama.rope.dimension_count": ("uint32", 8)}),
-        "tokenizer.ggml.pre 'qwen2' is not supported": dict(tokenizer_pre="qwen2"),
+        "tokenizer.ggml.pre 'deepseek-coder' is not supported": dict(tokenizer_pre="deepseek-coder"),
         "tokenizer.ggml.model is 'llama'": dict(meta={"tokenizer.ggml.model": ("string", "llama")}),
         "inconsistent vocabulary and merges": dict(vocab=(tokens, merges + ["x yz"], types)),
     }

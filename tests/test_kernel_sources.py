@@ -13,18 +13,35 @@ from tinyvllm.gpu.kernels import CUDA_DIR, kernel_constants, kernel_signatures
 
 
 def test_signatures_match_the_c_parameter_lists():
-    assert kernel_signatures("rmsnorm.cu") == {"rms_norm": "PPPPiif"}
-    assert kernel_signatures("embedding.cu") == {"embedding_gather": "PPPPPiiiPPPP"}   # + the handed-over norm, head keys
+    assert kernel_signatures("rmsnorm.cu") == {"rms_norm": "PPPPiif", "rms_norm_offset": "PPPPiiff",
+                                               "rms_norm_residual_add": "PPPiiffPPP"}
+    assert kernel_signatures("embedding.cu") == {"embedding_gather": "PPPPPiiiPPPP",   # + the handed-over norm, head keys
+                                                 "embedding_gather_scaled": "PPPPPiiiPPPPff"}
+    assert kernel_signatures("activation.cu") == {"silu_mul": "PPii", "gelu_tanh_mul": "PPii"}
     assert kernel_signatures("sampling.cu") == {"sample_tokens": "PiPPPPPPPPPPP",   # comments inside the list
                                                 "apply_logit_edits": "PiPi", "step_logprobs": "PiPPiPPPP"}
     assert kernel_signatures("gemv.cu") == {"gemv_bf16": "PPPiiiii",
                                             "gemv_residual_norm_bf16": "PPPiiiPPP",     # the handed-over norm
                                             "gemv_prenormed_rope_kv_bf16": "PPPPiiifPPPPPiii",
+                                            "gemv_prenormed_rope_kv_bias_bf16": "PPPPiiifPPPPPiiiP",   # + the biases
                                             "gemv_prenormed_bf16": "PPPPiiifiP",        # the LM head
-                                            "gemv_prenormed_silu_mul_bf16": "PPPPiiif"}
+                                            "gemv_prenormed_silu_mul_bf16": "PPPPiiif",
+                                            "gemv_prenormed_gelu_mul_bf16": "PPPPiiif"}
     assert kernel_signatures("token_mask.cu") == {"apply_token_mask": "PiPPii"}
-    (pattern, sig), = kernel_signatures("attention_decode.cu").items()          # a macro-made family
-    assert re.match(pattern, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiif"
+    (full, sig), (window, window_sig) = kernel_signatures("attention_decode.cu").items()   # macro-made families
+    assert re.match(full, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiif"
+    assert re.match(window, "attention_decode_window_d256_g4") and window_sig == sig + "i"    # + the window
+    assert not re.match(full, "attention_decode_window_d64_g4")
+    (full, sig), (window, window_sig) = kernel_signatures("attention_prefill.cu").items()
+    assert re.match(full, "attention_prefill_d256") and window_sig == sig + "i" and sig == "PPiPPPPPPiiif"
+
+
+def test_attention_instantiations_are_read_from_the_sources():
+    """The head shapes the model may ask for are the .cu files' instantiation lines."""
+    assert {(64, 4), (128, 8), (64, 7), (256, 4)} <= ops.DECODE_SHAPES and (256, 3) not in ops.DECODE_SHAPES
+    assert ops.PREFILL_HEAD_DIMS == (64, 128, 256)
+    assert ops.attention_kernels_missing(128, 32, 8) is None
+    assert "head_dim 96 with 4 query heads" in ops.attention_kernels_missing(96, 32, 8)
 
 
 def test_constants_are_read_with_their_dependencies():

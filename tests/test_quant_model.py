@@ -44,22 +44,43 @@ def home(tmp_path, monkeypatch):
     return tmp_path / "home"
 
 
-@pytest.mark.parametrize("qtype", KEPT)
-def test_blocks_dequantize_to_the_bf16_conversion_of_the_same_file(tmp_path, tiny, home, qtype):
-    """Names, shapes and llama.cpp's q/k row order (undone on the block rows): every matrix kept
-    as blocks dequantizes to exactly what convert-gguf writes (gguf's dequantization, rows
-    unpermuted, rounded to bf16), and the norms are the file's F32 values."""
-    cfg, weights = tiny
-    path = write_gguf(tmp_path / "m.gguf", cfg, weights, qtype=qtype)
+def family_file(tmp_path, family: str, qtype: str):
+    """(path, HF weights) of a tiny GGUF file of llama.cpp's architecture `family`."""
+    tokens, _, _ = tiny_vocab()
+    kwargs = {}
+    if family == "gemma3":
+        from test_gguf_families import _gemma3_file
+        cfg, kwargs = _gemma3_file(tmp_path)
+    elif family in ("qwen2", "qwen3"):
+        model = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+        cfg = tiny_hf_config(len(tokens), architectures=[model], model_type=family)
+        kwargs = dict(arch=family, tokenizer_pre="qwen2")
+    else:
+        cfg = tiny_hf_config(len(tokens))
+    weights = tiny_hf_weights(cfg)
+    return write_gguf(tmp_path / "m.gguf", cfg, weights, qtype=qtype, **kwargs), weights
+
+
+FILES = [("llama", q) for q in KEPT] + [("qwen2", "Q8_0"), ("qwen3", "Q4_1"), ("gemma3", "Q4_0")]
+
+
+@pytest.mark.parametrize("family,qtype", FILES, ids=[f"{f}-{q}" for f, q in FILES])
+def test_blocks_dequantize_to_the_bf16_conversion_of_the_same_file(tmp_path, home, family, qtype):
+    """Names, shapes and the layout changes (llama's q/k row order undone on the block rows,
+    Gemma 3's norms): every matrix kept as blocks dequantizes to exactly what convert-gguf
+    writes (gguf's dequantization, put back in HF layout, rounded to bf16), and the 1-D tensors
+    (norms, Qwen2's biases) are the file's float32 values, which round to the conversion's."""
+    path, weights = family_file(tmp_path, family, qtype)
     converted = convert_gguf(path, tmp_path / "hf")
     config = ModelConfig.from_pretrained(gguf_model_dir(path))
     assert config == ModelConfig.from_pretrained(converted)
     blocks = load_gguf_blocks(path, config)
     bf16 = load_weights(converted, config)
-    assert blocks.keys() == bf16.keys()
+    assert blocks.keys() == bf16.keys() == weights.keys()
     for name, w in blocks.items():
-        if isinstance(w, np.ndarray):                 # the norms
-            assert w.dtype == np.float32 and np.array_equal(w, weights[name]), name
+        if isinstance(w, np.ndarray):                 # the norms and biases
+            assert w.dtype == np.float32 and w.ndim == 1, name
+            np.testing.assert_array_equal(w.astype(BF16).view(np.uint16), bf16[name].view(np.uint16), err_msg=name)
             continue
         assert isinstance(w, QuantizedWeight) and w.format.name == qtype, name
         assert w.shape == weights[name].shape

@@ -16,7 +16,7 @@ from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 from tinyvllm.gpu.arena import INPUT_BANKS, ArenaDims, ArenaLayout, round_up
 from tinyvllm.gpu.cublas import Cublas
-from tinyvllm.gpu.device_weights import DeviceWeights, LayerWeights, device_tensor_shapes, device_weight_bytes
+from tinyvllm.gpu.device_weights import DeviceWeights, device_tensor_itemsize, device_tensor_shapes, device_weight_bytes
 from tinyvllm.gpu.model import LlamaModel, StepShape
 from tinyvllm.gpu.ops import GpuOps
 from tinyvllm.trace import TracingRunner
@@ -58,11 +58,8 @@ class _FakeCudaRunner:
         ptrs, offset = {}, 0x7E0000000000
         for key, shape in device_tensor_shapes(config).items():
             ptrs[key] = offset
-            offset += round_up(int(np.prod(shape)) * (4 if key == "rope_inv_freq" else 2))
-        layers = tuple(LayerWeights(**{f: ptrs[f"{n}.{f}"] for f in LayerWeights.__dataclass_fields__})
-                       for n in range(config.num_hidden_layers))
-        self.weights = DeviceWeights(ptrs["embed"], ptrs["final_norm"], ptrs.get("lm_head", ptrs["embed"]),
-                                     ptrs["rope_inv_freq"], layers, device_weight_bytes(config), 0x7E0000000000)
+            offset += round_up(int(np.prod(shape)) * device_tensor_itemsize(key))
+        self.weights = DeviceWeights.at(config, ptrs, device_weight_bytes(config), 0x7E0000000000)
         self.kv_cache = _FakeKV(config, self.num_kv_blocks, engine.block_size, 0x7D0000000000)
         self.blas = object.__new__(Cublas)          # the real matmul, a GemmEx that does nothing
         self.blas.observer, self.blas.handle = None, ctypes.c_void_p()

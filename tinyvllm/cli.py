@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--seed", type=int, default=0)
     mm.set_defaults(func=_cmd_make_model)
 
-    cg = sub.add_parser("convert-gguf", help="convert a Llama GGUF file into a Hugging Face directory")
+    cg = sub.add_parser("convert-gguf", help="convert a GGUF file (llama, qwen2, qwen3, gemma3) into a Hugging Face directory")
     cg.add_argument("gguf", metavar="FILE.gguf")
     cg.add_argument("out", metavar="OUT_DIR")
     cg.set_defaults(func=_cmd_convert_gguf)

@@ -54,7 +54,8 @@ class PointerNames:
     carry their names), weight tensors and KV-cache layers (plain ints, found by address)."""
 
     def __init__(self, runner, config: ModelConfig):
-        from tinyvllm.gpu.device_weights import LayerWeights, device_tensor_itemsize, device_tensor_shapes
+        from tinyvllm.checkpoint.weight_names import layer_parts
+        from tinyvllm.gpu.device_weights import device_tensor_itemsize, device_tensor_shapes
         self.recent: dict[int, tuple] = {}       # the current linear()'s pointers, for its GemmEx
         self._params: dict[str, tuple[str, ...]] = {}
         arena, layout, regions = runner.arena, runner.arena.layout, []
@@ -70,10 +71,12 @@ class PointerNames:
                             f"arena+{ptr - self.arena_base:,}"))
         w, shapes = runner.weights, device_tensor_shapes(config)
         ptrs = {"embed": w.embed, "final_norm": w.final_norm, "rope_inv_freq": w.rope_inv_freq}
+        if w.sliding_rope_inv_freq:
+            ptrs["sliding_rope_inv_freq"] = w.sliding_rope_inv_freq
         if not config.tie_word_embeddings:
             ptrs["lm_head"] = w.lm_head
         for n, lw in enumerate(w.layers):
-            ptrs.update({f"{n}.{f}": getattr(lw, f) for f in LayerWeights.__dataclass_fields__})
+            ptrs.update({f"{n}.{f}": getattr(lw, f) for f in layer_parts(config)})
         base = int(w.allocation)
         for key, ptr in ptrs.items():
             size = device_tensor_itemsize(key)

@@ -3,9 +3,9 @@
 The block-quantized tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) load as QuantizedWeight, views of the
 memory-mapped file with nothing dequantized; float tensors (F32 norms, F16/BF16 matrices) load
 as they are stored. Names and checks are convert-gguf's (checkpoint/gguf.py::tensor_map), and so
-is the one layout change: llama.cpp's q/k row order, undone here on the block rows (a row's
-blocks hold only that row's weights, so permuting rows permutes block rows;
-tests/test_quant_gguf.py checks that it commutes with dequantization).
+are the layout changes (checkpoint/gguf.py::hf_layout): llama's q/k row order, undone here on the
+block rows (a row's blocks hold only that row's weights, so permuting rows permutes block rows;
+tests/test_quant_gguf.py checks that it commutes with dequantization), and Gemma 3's norms.
 
 Config and tokenizer come from the file's metadata exactly as convert-gguf makes them: the
 directory it would write minus the weights (config.json, tokenizer.json, tokenizer_config.json,
@@ -55,9 +55,10 @@ def gguf_model_dir(gguf_path: str | Path, home: Path | None = None) -> Path:
 def load_gguf_blocks(gguf_path: str | Path, config: ModelConfig) -> dict[str, QuantizedWeight | np.ndarray]:
     """Every tensor the model needs, by its Hugging Face name, in the file's own precision."""
     from tinyvllm.checkpoint.gguf import hf_layout, tensor_map
-    source = str(gguf_path)
+    source, reader = str(gguf_path), open_gguf(gguf_path)
+    arch = reader.fields["general.architecture"].contents()
     weights: dict[str, QuantizedWeight | np.ndarray] = {}
-    for name, tensor in tensor_map(open_gguf(gguf_path), config, source).items():
+    for name, tensor in tensor_map(reader, config, source, arch).items():
         kind = tensor.tensor_type.name
         if kind not in BLOCK_FORMATS and kind not in FLOAT_TYPES:
             raise ModelLoadError(f"{source}: tensor {tensor.name!r} is {kind}; tinyvllm runs "
@@ -65,7 +66,7 @@ def load_gguf_blocks(gguf_path: str | Path, config: ModelConfig) -> dict[str, Qu
                                  "bf16 with `python -m tinyvllm convert-gguf FILE.gguf DIR` instead")
         weight = tensor_weight(tensor, source)
         if isinstance(weight, QuantizedWeight):
-            weights[name] = QuantizedWeight(weight.format, weight.shape, hf_layout(weight.blocks, name, config))
+            weights[name] = QuantizedWeight(weight.format, weight.shape, hf_layout(weight.blocks, name, config, arch))
         else:
-            weights[name] = hf_layout(weight, name, config)
+            weights[name] = hf_layout(weight, name, config, arch)
     return weights

@@ -13,6 +13,14 @@ transformers' own GGUF loader does:
     user-defined ones plain added tokens;
   * post-processor: adds BOS / EOS only when `tokenizer.ggml.add_bos_token` / `add_eos_token` is
     true (SmolLM2's is false: its chat template writes every marker itself).
+Qwen2's and Qwen3's files (`pre` "qwen2") split with Qwen2's pattern (one digit a piece) after an
+NFC normalizer, as transformers' Qwen2 tokenizer does.
+
+Gemma 3's files hold a sentencepiece vocabulary (`tokenizer.ggml.model` = "llama": tokens,
+scores, token types, no merges). It is rebuilt as transformers' GGUF loader rebuilds Gemma's, a
+BPE whose merges come from the vocabulary itself (gemma_merges): spaces are written "▁" (the
+normalizer), runs of spaces stored as spaces are respelled "▁▁...", a piece the vocabulary lacks
+falls back to its <0xNN> byte tokens, and the decoder turns "▁" back into spaces and fuses bytes.
 """
 from __future__ import annotations
 
@@ -30,8 +38,14 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 # tokenizer.ggml.pre -> the split pattern (None = GPT-2's, built into the byte-level pre-tokenizer).
 # "smollm" splits digits one by one in llama.cpp; its vocabulary has no merge involving a digit,
 # so GPT-2's pattern gives the same ids (and it is what transformers uses).
+# Qwen2's (transformers' Qwen2Converter): as Llama 3's, but digits one by one
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS = {None: None, "default": None, "gpt2": None, "smollm": None,
-                  "llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT}
+                  "llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT,
+                  "qwen2": QWEN2_SPLIT}
+NFC_PRE_TOKENIZERS = ("qwen2",)      # normalized to NFC before the split
+SPACE_PIECE = "\u2581"               # sentencepiece's "▁"
 
 
 def byte_alphabet() -> dict[int, str]:
@@ -54,11 +68,13 @@ class SpecialTokens:
 
 def build_tokenizer(meta: dict, source: str):
     """A tokenizers.Tokenizer for the file's vocabulary (see the module docstring)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama" and meta.get("general.architecture") == "gemma3":
+        return build_gemma_tokenizer(meta, source)
     if kind != "gpt2":
-        raise ModelLoadError(f"{source}: tokenizer.ggml.model is {kind!r}; tinyvllm rebuilds "
-                             "byte-level BPE vocabularies ('gpt2') only")
+        raise ModelLoadError(f"{source}: tokenizer.ggml.model is {kind!r}; tinyvllm rebuilds byte-level BPE "
+                             "vocabularies ('gpt2'), and Gemma 3's sentencepiece one ('llama') only")
     pre = meta.get("tokenizer.ggml.pre")
     if pre not in PRE_TOKENIZERS:
         known = ", ".join(k for k in PRE_TOKENIZERS if k)
@@ -94,6 +110,8 @@ def build_tokenizer(meta: dict, source: str):
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=prefix_space, use_regex=False)])
+    if pre in NFC_PRE_TOKENIZERS:
+        tok.normalizer = normalizers.NFC()
     tok.decoder = decoders.ByteLevel()
     # A control token spelled outside the byte alphabet is a mislabelled byte sequence, not a
     # marker; transformers leaves it out of the special tokens and so do we.
@@ -101,6 +119,48 @@ def build_tokenizer(meta: dict, source: str):
                             for t, k in zip(tokens, types) if k == CONTROL and set(t) <= alphabet])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, k in zip(tokens, types) if k == USER_DEFINED and t in vocab])
+    tok.post_processor = _post_processor(meta, tokens, processors)
+    return tok
+
+
+def gemma_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges from a sentencepiece vocabulary stored in merge order (Gemma's, whose scores
+    are ranks with placeholders among them): every split of a token into two vocabulary pieces is
+    a merge, ranked by the token's position (earlier first), its splits by their pieces' scores
+    (higher first) — transformers' GGUF loader's rule for Gemma (merge_ranks_from_vocab_order)."""
+    score = dict(zip(tokens, scores))
+    merges = []
+    for position, token in enumerate(tokens):
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in score and token[i:] in score]
+        splits.sort(key=lambda pair: (score[pair[0]], score[pair[1]]), reverse=True)
+        merges += [(position, pair) for pair in splits]
+    return [pair for _, pair in sorted(merges, key=lambda m: m[0])]
+
+
+def build_gemma_tokenizer(meta: dict, source: str):
+    """Gemma 3's sentencepiece vocabulary as a byte-fallback BPE (module docstring)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+    tokens = list(meta.get("tokenizer.ggml.tokens") or [])
+    scores = list(meta.get("tokenizer.ggml.scores") or [])
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    if not tokens or len(scores) != len(tokens) or len(types) != len(tokens):
+        raise ModelLoadError(f"{source}: tokenizer.ggml.tokens/scores/token_type missing or of different lengths")
+    # a run of spaces is stored as spaces; the vocabulary (and the merges) write it as "▁"s
+    tokens = [SPACE_PIECE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ModelLoadError(f"{source}: tokenizer.ggml.tokens has duplicate entries")
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=gemma_merges(tokens, scores), dropout=None,
+                               unk_token=tokens[int(unk)] if unk is not None else None, fuse_unk=True,
+                               byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", SPACE_PIECE)
+    steps = [decoders.Replace(SPACE_PIECE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if meta.get("tokenizer.ggml.add_space_prefix", False):
+        steps.append(decoders.Strip(content=" ", left=1))
+    tok.decoder = decoders.Sequence(steps)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
     tok.post_processor = _post_processor(meta, tokens, processors)
     return tok
 

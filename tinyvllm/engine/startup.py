@@ -57,15 +57,23 @@ def runner_class(engine_config: EngineConfig) -> type[ModelRunner]:
     return CudaRunner
 
 
+def check_cuda_support(config: ModelConfig) -> None:
+    """Before the GPU starts: one ModelLoadError line when the CUDA kernels cannot compute this
+    model (every family's differences from Llama are computed, gpu/model.py; the attention kernels
+    are instantiated for the head shapes of the .cu files' lists)."""
+    from tinyvllm.gpu.ops.attention import attention_kernels_missing
+    missing = attention_kernels_missing(config.head_dim, config.num_attention_heads, config.num_key_value_heads)
+    if missing:
+        raise ModelLoadError(f"the CUDA backend has {missing}: serve this model with --device cpu")
+
+
 def make_runner(config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig) -> ModelRunner:
     """A started runner of engine_config's device holding `weights`."""
-    different = config.differences_from_llama()
-    if engine_config.device == "cuda" and different:     # the CUDA kernels compute Llama's formulas
-        raise ModelLoadError(f"the CUDA backend runs the Llama forward pass, and this {config.family} model "
-                             f"needs {', '.join(different)}: serve it with --device cpu")
-    quantized = quantization_summary(weights)
-    if engine_config.device == "cuda" and quantized:
-        raise ModelLoadError(cuda_refuses(quantized))
+    if engine_config.device == "cuda":
+        quantized = quantization_summary(weights)
+        if quantized:
+            raise ModelLoadError(cuda_refuses(quantized))
+        check_cuda_support(config)
     try:
         return runner_class(engine_config)(config, weights, engine_config)
     except TinyVLLMError:
@@ -127,6 +135,8 @@ def load_model(model: str | Path | None, engine_config: EngineConfig, runner: Mo
             f"{model_dir}: tokenizer.json has {tokenizer.vocab_size} tokens but config.json's "
             f"vocab_size is {model_config.vocab_size}: the model has no embedding for the rest")
     if runner is None:
+        if engine_config.device == "cuda":
+            check_cuda_support(model_config)       # before the weights load
         runner = make_runner(model_config, read_weights(model_dir, gguf_file, model_config, engine_config),
                              engine_config)
     try:

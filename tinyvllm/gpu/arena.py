@@ -10,6 +10,8 @@ Buffers that share a `storage` name share bytes: their lifetimes within a layer 
               final_normed       final norm ... LM head
     proj      qkv                qkv_proj ... attention            (q, k, v side by side per row)
               gate_up            gate_up_proj ... silu_mul
+              proj_out           o_proj / down_proj ... their norm (Gemma 3's norms of the
+                                 attention and MLP outputs, before the residual add)
     mid       attn_out           attention ... o_proj
               act                silu_mul ... down_proj
 
@@ -82,6 +84,7 @@ ACTIVATIONS = [
     BufferSpec("final_normed", lambda d: (d.seqs, d.hidden), BF16, "normed"),
     BufferSpec("qkv", lambda d: (d.tokens, d.qkv_width), BF16, "proj"),
     BufferSpec("gate_up", lambda d: (d.tokens, 2 * d.inter), BF16, "proj"),
+    BufferSpec("proj_out", lambda d: (d.tokens, d.hidden), BF16, "proj"),
     BufferSpec("attn_out", lambda d: (d.tokens, d.q_width), BF16, "mid"),
     BufferSpec("act", lambda d: (d.tokens, d.inter), BF16, "mid"),
     BufferSpec("logits", lambda d: (d.seqs, d.vocab), F32, "logits"),

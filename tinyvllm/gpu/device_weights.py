@@ -1,8 +1,11 @@
 """Weights on the GPU: uploaded once, into one allocation, in the layout the forward pass wants.
 
 The per-layer matrices are the fused ones of checkpoint/weight_names.py (q/k/v and gate/up
-concatenated: two projections per layer where HF runs five). Tied checkpoints point the LM head
-at the embedding table instead of uploading it twice.
+concatenated: two projections per layer where HF runs five), and the parts a family adds
+(weight_names.layer_parts: Qwen2's q/k/v biases, the q/k norms of Qwen3 and Gemma 3, Gemma 3's
+norms around the MLP). Tied checkpoints point the LM head at the embedding table instead of
+uploading it twice. RoPE's frequencies are one float32 table, two for a model whose sliding
+layers have a RoPE of their own (Gemma 3).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import numpy as np
 from tinyvllm.checkpoint import weight_names as names
 from tinyvllm.config import ModelConfig, rope_inv_freq
 from tinyvllm.gpu.arena import round_up
+from tinyvllm.hf_config import FULL, SLIDING
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,12 @@ class LayerWeights:
     post_norm: int       # [hidden]
     gate_up: int         # [2 inter, hidden]
     down: int            # [hidden, inter]
+    # a family's own parts (0: the model has none)
+    qkv_bias: int = 0    # [q + 2 kv] (Qwen2)
+    q_norm: int = 0      # [head_dim] (Qwen3, Gemma 3)
+    k_norm: int = 0
+    pre_mlp_norm: int = 0     # [hidden] (Gemma 3: pre_feedforward_layernorm)
+    post_mlp_norm: int = 0    # [hidden] (Gemma 3: post_feedforward_layernorm)
 
 
 @dataclass(frozen=True)
@@ -35,27 +45,45 @@ class DeviceWeights:
     layers: tuple[LayerWeights, ...]
     nbytes: int
     allocation: object = field(repr=False, compare=False)   # the one device allocation behind them
+    sliding_rope_inv_freq: int = 0   # the sliding layers' own table (Gemma 3); 0: rope_inv_freq
+
+    def inv_freq(self, layer_type: str) -> int:
+        """The RoPE frequency table of the layers of `layer_type` (ModelConfig.layer_type)."""
+        return self.sliding_rope_inv_freq if layer_type == SLIDING and self.sliding_rope_inv_freq else self.rope_inv_freq
 
     def free(self) -> None:
         self.allocation.free()
+
+    @classmethod
+    def at(cls, config: ModelConfig, ptrs: dict[str, int], nbytes: int, allocation) -> DeviceWeights:
+        """The pointers of an upload (device_tensor_shapes' keys) as DeviceWeights."""
+        layers = tuple(LayerWeights(**{part: ptrs[f"{n}.{part}"] for part in names.layer_parts(config)})
+                       for n in range(config.num_hidden_layers))
+        return cls(embed=ptrs["embed"], final_norm=ptrs["final_norm"], lm_head=ptrs.get("lm_head", ptrs["embed"]),
+                   rope_inv_freq=ptrs["rope_inv_freq"], layers=layers, nbytes=nbytes, allocation=allocation,
+                   sliding_rope_inv_freq=ptrs.get("sliding_rope_inv_freq", 0))
 
 
 def device_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor uploaded, in upload order, with its (fused) shape."""
     h, i, qkv = config.hidden_size, config.intermediate_size, config.q_size + 2 * config.kv_size
+    part_shapes = {"input_norm": (h,), "qkv": (qkv, h), "o": (h, config.q_size), "post_norm": (h,),
+                   "gate_up": (2 * i, h), "down": (h, i), "qkv_bias": (qkv,), "q_norm": (config.head_dim,),
+                   "k_norm": (config.head_dim,), "pre_mlp_norm": (h,), "post_mlp_norm": (h,)}
     shapes = {"embed": (config.vocab_size, h)}
     for n in range(config.num_hidden_layers):
-        shapes.update({f"{n}.input_norm": (h,), f"{n}.qkv": (qkv, h), f"{n}.o": (h, config.q_size),
-                       f"{n}.post_norm": (h,), f"{n}.gate_up": (2 * i, h), f"{n}.down": (h, i)})
+        shapes.update({f"{n}.{part}": part_shapes[part] for part in names.layer_parts(config)})
     shapes["final_norm"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head"] = (config.vocab_size, h)
     shapes["rope_inv_freq"] = (config.head_dim // 2,)
+    if config.sliding_rope_theta is not None and SLIDING in config.layer_types:
+        shapes["sliding_rope_inv_freq"] = (config.head_dim // 2,)
     return shapes
 
 
 def device_tensor_itemsize(key: str) -> int:
-    return 4 if key == "rope_inv_freq" else 2          # float32 frequencies, bf16 everything else
+    return 4 if key.endswith("rope_inv_freq") else 2    # float32 frequencies, bf16 everything else
 
 
 def device_weight_bytes(config: ModelConfig) -> int:
@@ -65,8 +93,8 @@ def device_weight_bytes(config: ModelConfig) -> int:
 
 def _host_tensor(key: str, config: ModelConfig, w: dict[str, np.ndarray]) -> np.ndarray:
     """The host array for one device tensor (a device_tensor_shapes key)."""
-    if key == "rope_inv_freq":
-        return rope_inv_freq(config)             # float32: angles need the precision
+    if key.endswith("rope_inv_freq"):           # float32: angles need the precision
+        return rope_inv_freq(config, SLIDING if key == "sliding_rope_inv_freq" else FULL)
     if key in ("embed", "final_norm"):
         return w[names.EMBED if key == "embed" else names.FINAL_NORM]
     if key == "lm_head":
@@ -92,9 +120,4 @@ def upload_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> Devic
         drv.memcpy_htod(offset, arr)
         ptrs[key] = offset
         offset += round_up(arr.nbytes)
-    layers = tuple(LayerWeights(**{f: ptrs[f"{n}.{f}"] for f in LayerWeights.__dataclass_fields__})
-                   for n in range(config.num_hidden_layers))
-    return DeviceWeights(embed=ptrs["embed"], final_norm=ptrs["final_norm"],
-                         lm_head=ptrs.get("lm_head", ptrs["embed"]),
-                         rope_inv_freq=ptrs["rope_inv_freq"], layers=layers, nbytes=total,
-                         allocation=allocation)
+    return DeviceWeights.at(config, ptrs, total, allocation)

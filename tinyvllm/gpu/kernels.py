@@ -104,6 +104,15 @@ def kernel_constants(filename: str) -> dict[str, int]:
 
 
 @functools.lru_cache(maxsize=None)
+def kernel_instances(filename: str, macro: str) -> tuple[tuple[str, ...], ...]:
+    """The arguments of every line of a .cu file that instantiates kernels with `macro`, in
+    order (`DECODE_ATTENTION_KERNEL(64, 4)` -> ("64", "4")): which head dims and groups exist."""
+    source = _strip_comments((CUDA_DIR / filename).read_text())
+    return tuple(tuple(a.strip() for a in args.split(","))
+                 for args in re.findall(rf"^{macro}\(([^()]*)\)\s*$", source, re.M))
+
+
+@functools.lru_cache(maxsize=None)
 def waits_for_producer(filename: str) -> bool:
     """True when the file's kernels call common.cuh's wait_for_producer(): PDL-safe."""
     return "wait_for_producer()" in _strip_comments((CUDA_DIR / filename).read_text())

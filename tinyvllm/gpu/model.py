@@ -44,13 +44,25 @@ The o GEMV follows the attention, whose few blocks (num_kv_heads at batch 1) hol
 k-split stays at most half an SM per CTA (ops.gemv_k_warps' beside_attention), so all its CTAs
 are resident under PDL while the attention runs and hold their weights when it ends.
 
+The model families (tinyvllm/model_family.py) change a few of these launches, each where the
+family's config asks (ModelConfig's fields), the Llama launches unchanged:
+    q/k/v biases (Qwen2)        added by rope_write_kv_bias / the fused GEMV's _bias epilogue
+    q/k norms (Qwen3, Gemma 3)  rope_write_kv_qk_norm; on the fused layer after a plain prenormed
+                                qkv GEMV (the norm needs whole heads, a GEMV CTA holds 16 rows)
+    sliding windows             the attention kernels' window variants, per layer (layer_window)
+    RoPE per layer type         the layer's frequency table (DeviceWeights.inv_freq)
+    Gemma 3                     embedding_gather_scaled; rms_norm_offset (x * (1 + w)); GeGLU
+                                (gelu_tanh_mul, the GEMV's gelu epilogue); o and down store their
+                                products (proj_out) and rms_norm_residual_add normalises them into
+                                the residual, handing the next norm over on the fused layer (eight
+                                launches a layer there); the query scale query_pre_attn_scalar^-1/2.
+
 "linear" is gpu/ops/gemv.py's linear(): our GEMV for decode batches of at most 8 tokens, cuBLAS
 else. Every kernel is launched through its typed launcher in gpu/ops/ (the same ones the GPU
 tests call); the numpy twins of the nine-launch sequence are reference/model.py's ReferenceModel.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from tinyvllm.config import ModelConfig
@@ -58,7 +70,8 @@ from tinyvllm.errors import TinyVLLMError
 from tinyvllm.gpu.arena import INPUT_BANKS, TOKEN_INPUTS, Arena
 from tinyvllm.gpu.device_weights import DeviceWeights
 from tinyvllm.gpu.kv_cache import DeviceKVCache
-from tinyvllm.gpu.ops import DECODE_GROUPS, DECODE_HEAD_DIMS, GpuOps
+from tinyvllm.gpu.ops import GpuOps, attention_kernels_missing
+from tinyvllm.reference.kernels import bf16_round
 
 
 @dataclass(frozen=True)
@@ -104,12 +117,14 @@ class BankInputs:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: DeviceWeights, arena: Arena,
                  kv_cache: DeviceKVCache, ops: GpuOps):
-        group = config.num_attention_heads // config.num_key_value_heads
-        if config.head_dim not in DECODE_HEAD_DIMS or group not in DECODE_GROUPS:
-            raise TinyVLLMError(f"no attention kernels for head_dim {config.head_dim} with {group} query "
-                                f"heads per kv head (built: head_dim {DECODE_HEAD_DIMS}, groups {DECODE_GROUPS})")
+        missing = attention_kernels_missing(config.head_dim, config.num_attention_heads, config.num_key_value_heads)
+        if missing:
+            raise TinyVLLMError(missing)
         self.cfg, self.w, self.arena, self.kv, self.ops = config, weights, arena, kv_cache, ops
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.scale = config.attention_scale        # head_dim^-1/2 (Gemma 3: query_pre_attn_scalar^-1/2)
+        # Gemma 3: embeddings times sqrt(hidden) in the activations' dtype, and GeGLU
+        self.embed_scale = None if config.embedding_scale is None else float(bf16_round(config.embedding_scale))
+        self.gelu_tanh = config.hidden_act == "gelu_tanh"
         self.qkv_width = config.q_size + 2 * config.kv_size
         H, I = config.hidden_size, config.intermediate_size
         # each layer projection's weight [n, k] by name; with the LM head's, what ops.fuses_decode asks
@@ -119,6 +134,7 @@ class LlamaModel:
         v = arena.view
         self.hidden, self.normed, self.qkv, self.attn_out = v("hidden"), v("normed"), v("qkv"), v("attn_out")
         self.gate_up, self.act, self.final_normed, self.logits = v("gate_up"), v("act"), v("final_normed"), v("logits")
+        self.proj_out = v("proj_out")         # o's and down's products before their norms (Gemma 3)
         self.partial_out, self.partial_ml = v("decode_partial_out"), v("decode_partial_ml")
         self.split_counters = v("decode_split_counters")
         self.inputs = [BankInputs.of(arena, bank) for bank in range(INPUT_BANKS)]   # by StepShape.bank
@@ -142,7 +158,7 @@ class LlamaModel:
         the arena's `logits` view, fp32 [num_seqs, vocab] (and, where head_argmax_for(step) is
         non-zero, their greedy argmax keys in `head_argmax`)."""
         c, w, ops = self.cfg, self.w, self.ops
-        T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
+        T, H, eps = step.num_tokens, c.hidden_size, c.rms_norm_eps
         fused = self.fused(step)
         # each projection's GEMV k-split (ignored where linear() goes to cuBLAS, as at prefill)
         kw = {name: ops.decode_k_warps(name, n, k) for name, (n, k) in self.projection_shapes.items()}
@@ -155,28 +171,47 @@ class LlamaModel:
         ops.embedding(self.hidden, w.embed, tok.token_ids, T, H, c.vocab_size, fed_rows=tok.fed_rows,
                       fed_ids=self.sampled_ids,
                       norm=(w.layers[0].input_norm, self.normed, self.norm_row_ss) if fused else None,
-                      head_argmax=self.head_argmax if fused else 0)
+                      head_argmax=self.head_argmax if fused else 0, scale=self.embed_scale,
+                      norm_offset=c.norm_weight_offset)
         for layer, lw in enumerate(w.layers):
             if fused:
                 self._decode_layer_fused(step, layer, lw, kw)
-                continue
-            ops.rms_norm(self.normed, self.hidden, lw.input_norm, T, H, eps)
-            ops.linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H, k_warps=kw["qkv"])
-            ops.rope_write_kv(self.qkv, self.kv.k(layer), self.kv.v(layer), tok.positions, tok.slot_mapping,
-                              w.rope_inv_freq, T, c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-            self._attention(step, layer)
-            ops.linear(self.hidden, self.attn_out, lw.o, T, H, c.q_size, accumulate=True, k_warps=kw["o"])
-            ops.rms_norm(self.normed, self.hidden, lw.post_norm, T, H, eps)
-            ops.linear(self.gate_up, self.normed, lw.gate_up, T, 2 * I, H, k_warps=kw["gate_up"])
-            ops.silu_mul(self.act, self.gate_up, T, I)
-            ops.linear(self.hidden, self.act, lw.down, T, H, I, accumulate=True, k_warps=kw["down"])
+            else:
+                self._layer(step, layer, lw, kw)
         S = step.num_seqs
         if fused:   # the final norm handed over by the last down (a decode step's rows are all last tokens)
             ops.gemv(self.logits, self.normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32", last=True,
                      prenormed=(self.norm_row_ss, eps), head_argmax=self.head_argmax)
             return
-        ops.rms_norm(self.final_normed, self.hidden, w.final_norm, S, H, eps, rows=inputs.last_token_idx)
+        ops.rms_norm(self.final_normed, self.hidden, w.final_norm, S, H, eps, rows=inputs.last_token_idx,
+                     weight_offset=c.norm_weight_offset)
         ops.linear(self.logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32", last=True)
+
+    def _layer(self, step: StepShape, layer: int, lw, kw: dict[str, int]) -> None:
+        """One layer in the nine launches of the module docstring (Gemma 3: with its norms of the
+        attention and MLP outputs, _residual)."""
+        c, ops = self.cfg, self.ops
+        T, H, I, eps, offset = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps, c.norm_weight_offset
+        ops.rms_norm(self.normed, self.hidden, lw.input_norm, T, H, eps, weight_offset=offset)
+        ops.linear(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H, k_warps=kw["qkv"])
+        self._rope_write_kv(step, layer, lw)
+        self._attention(step, layer)
+        self._residual(self.attn_out, lw.o, c.q_size, lw.post_norm, T, kw["o"])
+        mlp_norm = lw.pre_mlp_norm if c.sandwich_norms else lw.post_norm
+        ops.rms_norm(self.normed, self.hidden, mlp_norm, T, H, eps, weight_offset=offset)
+        ops.linear(self.gate_up, self.normed, lw.gate_up, T, 2 * I, H, k_warps=kw["gate_up"])
+        ops.silu_mul(self.act, self.gate_up, T, I, gelu_tanh=self.gelu_tanh)
+        self._residual(self.act, lw.down, I, lw.post_mlp_norm, T, kw["down"])
+
+    def _residual(self, x, w: int, k: int, out_norm: int, T: int, k_warps: int) -> None:
+        """hidden += x @ W^T (linear()'s beta = 1); with Gemma 3's sandwich norms hidden +=
+        norm(x @ W^T), the product stored in proj_out and added by rms_norm_residual_add."""
+        c, H = self.cfg, self.cfg.hidden_size
+        if not c.sandwich_norms:
+            self.ops.linear(self.hidden, x, w, T, H, k, accumulate=True, k_warps=k_warps)
+            return
+        self.ops.linear(self.proj_out, x, w, T, H, k, k_warps=k_warps)
+        self.ops.rms_norm_residual_add(self.hidden, self.proj_out, out_norm, T, H, c.rms_norm_eps, c.norm_weight_offset)
 
     def _decode_layer_fused(self, step: StepShape, layer: int, lw, kw: dict[str, int]) -> None:
         """One layer in five launches, every norm handed over (module docstring): `normed` and
@@ -186,24 +221,49 @@ class LlamaModel:
         T, H, I, eps = step.num_tokens, c.hidden_size, c.intermediate_size, c.rms_norm_eps
         prenormed = (self.norm_row_ss, eps)
         tok = self.inputs[step.bank].tokens[False]
-        ops.gemv_rope_kv(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),
-                         tok.positions, tok.slot_mapping, w.rope_inv_freq, num_q_heads=c.num_attention_heads,
-                         num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, prenormed=prenormed,
-                         k_warps=kw["qkv"])
+        if c.qk_norm:       # the q/k norm needs whole heads: the product stored, then rope_write_kv's
+            ops.gemv(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H, prenormed=prenormed, k_warps=kw["qkv"])
+            self._rope_write_kv(step, layer, lw)
+        else:
+            ops.gemv_rope_kv(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),
+                             tok.positions, tok.slot_mapping, w.inv_freq(c.layer_type(layer)),
+                             num_q_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                             head_dim=c.head_dim, prenormed=prenormed, k_warps=kw["qkv"], bias=lw.qkv_bias)
         self._attention(step, layer)
-        ops.gemv_residual_norm(self.hidden, self.attn_out, lw.o, T, H, c.q_size, lw.post_norm, self.normed,
-                               self.norm_row_ss, k_warps=kw["o"])
-        ops.gemv_silu_mul(self.act, self.normed, lw.gate_up, T, 2 * I, H, prenormed=prenormed, k_warps=kw["gate_up"])
+        mlp_norm = lw.pre_mlp_norm if c.sandwich_norms else lw.post_norm
+        self._residual_handing_over(self.attn_out, lw.o, c.q_size, lw.post_norm, mlp_norm, T, kw["o"])
+        ops.gemv_silu_mul(self.act, self.normed, lw.gate_up, T, 2 * I, H, prenormed=prenormed, k_warps=kw["gate_up"],
+                          gelu_tanh=self.gelu_tanh)
         next_norm = w.layers[layer + 1].input_norm if layer + 1 < len(w.layers) else w.final_norm
-        ops.gemv_residual_norm(self.hidden, self.act, lw.down, T, H, I, next_norm, self.normed, self.norm_row_ss,
-                               k_warps=kw["down"])
+        self._residual_handing_over(self.act, lw.down, I, lw.post_mlp_norm, next_norm, T, kw["down"])
+
+    def _residual_handing_over(self, x, w: int, k: int, out_norm: int, next_norm: int, T: int, k_warps: int) -> None:
+        """_residual on the fused layer, handing the norm after it (weight next_norm) over:
+        gemv_residual_norm; with sandwich norms the GEMV's product, then rms_norm_residual_add,
+        which hands it over in the GEMV's stead (the output's norm needs the whole row first)."""
+        c, H, hand_over = self.cfg, self.cfg.hidden_size, (next_norm, self.normed, self.norm_row_ss)
+        if not c.sandwich_norms:
+            self.ops.gemv_residual_norm(self.hidden, x, w, T, H, k, *hand_over, k_warps=k_warps)
+            return
+        self.ops.gemv(self.proj_out, x, w, T, H, k, k_warps=k_warps)
+        self.ops.rms_norm_residual_add(self.hidden, self.proj_out, out_norm, T, H, c.rms_norm_eps, c.norm_weight_offset,
+                                       hand_over=hand_over)
+
+    def _rope_write_kv(self, step: StepShape, layer: int, lw) -> None:
+        """RoPE on the qkv rows (the layer type's frequencies) and the K/V cache write, with the
+        family's q/k/v biases (Qwen2) or q/k norms (Qwen3, Gemma 3) first."""
+        c, tok = self.cfg, self.inputs[step.bank].tokens[step.is_prefill]
+        qk_norm = (lw.q_norm, lw.k_norm, c.rms_norm_eps, c.norm_weight_offset) if c.qk_norm else None
+        self.ops.rope_write_kv(self.qkv, self.kv.k(layer), self.kv.v(layer), tok.positions, tok.slot_mapping,
+                               self.w.inv_freq(c.layer_type(layer)), step.num_tokens, c.num_attention_heads,
+                               c.num_key_value_heads, c.head_dim, bias=lw.qkv_bias, qk_norm=qk_norm)
 
     def _attention(self, step: StepShape, layer: int) -> None:
         c, inputs = self.cfg, self.inputs[step.bank]
         paged = (self.kv.k(layer), self.kv.v(layer), inputs.block_tables, inputs.block_table_width)
         shape = dict(num_seqs=step.num_seqs, num_q_heads=c.num_attention_heads,
                      num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                     block_size=self.kv.block_size, scale=self.scale)
+                     block_size=self.kv.block_size, scale=self.scale, window=c.layer_window(layer))
         if step.is_prefill:
             self.ops.attention_prefill(self.attn_out, self.qkv, self.qkv_width, *paged, inputs.query_start,
                                        inputs.context_lens, max_query_len=step.max_query_len, **shape)

@@ -104,10 +104,12 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 # (tests/test_reference_fused.py bounds it), not its bits. The silu epilogue's operand is what
 # silu_mul stores.
 
-def rms_norm_operand(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+def rms_norm_operand(x: np.ndarray, weight: np.ndarray, weight_offset: float = 0.0) -> np.ndarray:
     """bf16(x * weight): the prenormed GEMVs' X operand, written by the kernel before the norm
-    (the fp32 product of two bf16 values is exact, so this is the kernel's one rounding)."""
-    return bf16_round(as_f32(x) * as_f32(weight))
+    (the fp32 product of two bf16 values is exact, so this is the kernel's one rounding). With a
+    weight offset (Gemma 3's 1 + w, the sum in fp32) the fp32 product is rounded first."""
+    scale = as_f32(weight) + np.float32(weight_offset) if weight_offset else as_f32(weight)
+    return bf16_round(as_f32(x) * scale)
 
 
 def rms_inv(x: np.ndarray, eps: float) -> np.ndarray:
@@ -116,10 +118,11 @@ def rms_inv(x: np.ndarray, eps: float) -> np.ndarray:
     return np.float32(1) / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
 
 
-def rms_norm_linear(x: np.ndarray, norm_weight: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+def rms_norm_linear(x: np.ndarray, norm_weight: np.ndarray, w: np.ndarray, eps: float,
+                    weight_offset: float = 0.0) -> np.ndarray:
     """Y = inv_rms * (bf16(x * norm_weight) @ W^T), x the residual stream [m, k]: RMSNorm then
     linear as the fused decode layer's GEMVs compute it (fp32 product, then times inv_rms per row)."""
-    return linear(rms_norm_operand(x, norm_weight), w) * rms_inv(x, eps)
+    return linear(rms_norm_operand(x, norm_weight, weight_offset), w) * rms_inv(x, eps)
 
 
 def silu_mul_operand(gate_up: np.ndarray) -> np.ndarray:

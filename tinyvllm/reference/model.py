@@ -112,8 +112,9 @@ class ReferenceModel:
             hidden = r(hidden * self.embed_scale)
         for i, w in enumerate(self.layers):
             x = norm(hidden, w["input_norm"])
-            # Qwen2Attention: q_proj, k_proj, v_proj with bias=True
-            qkv = r(op("linear", self.linear, x, w["qkv"], w.get("qkv_bias")))
+            qkv = r(op("linear", self.linear, x, w["qkv"]))
+            if c.qkv_bias:      # Qwen2Attention: q_proj, k_proj, v_proj with bias=True; the bias goes
+                qkv = r(qkv + w["qkv_bias"])    # onto the stored product (where the GPU reads qkv)
             q, k, v = np.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=1)
             q, k = q.reshape(t, hq, d), k.reshape(t, hkv, d)
             if c.qk_norm:       # Qwen3Attention / Gemma3Attention: q_norm, k_norm per head, before rotary

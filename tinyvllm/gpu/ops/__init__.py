@@ -3,20 +3,44 @@ call. The launchers live by kernel family, beside the .cu files they launch:
 
     kernel (cuda/)                         launcher (gpu/ops/)             numpy twin (reference/)         GPU test (tests/)
     embedding.cu  embedding_gather         rowwise  embedding()            kernels.embedding               test_gpu_kernels::test_embedding_gather
+    embedding.cu  embedding_gather_scaled  rowwise  embedding(scale=)      kernels.embedding * scale, rms_norm_operand(offset)
+                                                                                                           test_gpu_families::test_embedding_gather_scaled
     rmsnorm.cu    rms_norm                 rowwise  rms_norm()             kernels.rms_norm                test_gpu_kernels::test_rms_norm
+    rmsnorm.cu    rms_norm_offset          rowwise  rms_norm(weight_offset=)  kernels.rms_norm(offset)    test_gpu_families::test_rms_norm_offset
+    rmsnorm.cu    rms_norm_residual_add    rowwise  rms_norm_residual_add()  kernels.rms_norm(offset) + add, rms_norm_operand(offset)
+                                                                                                           test_gpu_families::test_rms_norm_residual_add
     rope_kv.cu    rope_write_kv            rowwise  rope_write_kv()        kernels.apply_rope, write_kv    test_gpu_kernels::test_rope_write_kv
+    rope_kv.cu    rope_write_kv_bias       rowwise  rope_write_kv(bias=)   kernels.bf16_round(qkv + bias), apply_rope
+                                                                                                           test_gpu_families::test_rope_write_kv_bias
+    rope_kv.cu    rope_write_kv_qk_norm    rowwise  rope_write_kv(qk_norm=)  kernels.rms_norm(offset), apply_rope
+                                                                                                           test_gpu_families::test_rope_write_kv_qk_norm
     activation.cu silu_mul                 rowwise  silu_mul()             kernels.silu_mul                test_gpu_kernels::test_silu_mul
-    attention_prefill.cu  attention_prefill_d{64,128}
+    activation.cu gelu_tanh_mul            rowwise  silu_mul(gelu_tanh=)   kernels.gelu_tanh_mul           test_gpu_families::test_gelu_tanh_mul
+    attention_prefill.cu  attention_prefill_d{64,128,256}
                                            attention attention_prefill()   kernels.paged_attention         test_gpu_kernels::test_attention_prefill
-    attention_decode.cu   attention_decode_d{64,128}_g{1,2,3,4,8}
+                                                                                                           (d256: test_gpu_attention_families)
+    attention_prefill.cu  attention_prefill_window_d{64,128,256}
+                                           attention attention_prefill(window=)  kernels.paged_attention(window)
+                                                                                                           test_gpu_attention_families::test_attention_prefill_families
+    attention_decode.cu   attention_decode_d{64,128}_g{1..8}, d256_g{1,2,4,8}
                                            attention attention_decode()    kernels.paged_attention         test_gpu_kernels::test_attention_decode
+                                                                                                           (d256, g5-7: test_gpu_attention_families)
+    attention_decode.cu   attention_decode_window_d*_g* (the same shapes)
+                                           attention attention_decode(window=)  kernels.paged_attention(window)
+                                                                                                           test_gpu_attention_families::test_attention_decode_families
     gemv.cu       gemv_bf16                gemv     gemv(), via linear()   kernels.linear                  test_gpu_gemv
     gemv.cu       gemv_residual_norm_bf16  gemv     gemv_residual_norm()   kernels.linear, rms_norm_operand  test_gpu_fused::test_handed_over_norm
     gemv.cu       gemv_prenormed_rope_kv_bf16
                                            gemv     gemv_rope_kv()         kernels.rms_norm_linear, apply_rope, write_kv
                                                                                                            test_gpu_fused::test_handed_over_norm
+    gemv.cu       gemv_prenormed_rope_kv_bias_bf16
+                                           gemv     gemv_rope_kv(bias=)    its chain: gemv(prenormed=), rope_write_kv(bias=)
+                                                                                                           test_gpu_families::test_gemv_rope_kv_bias_equals_its_chain
     gemv.cu       gemv_prenormed_silu_mul_bf16
                                            gemv     gemv_silu_mul()        kernels.rms_norm_linear, silu_mul  test_gpu_fused::test_handed_over_norm
+    gemv.cu       gemv_prenormed_gelu_mul_bf16
+                                           gemv     gemv_silu_mul(gelu_tanh=)  its chain: gemv(prenormed=), gelu_tanh_mul
+                                                                                                           test_gpu_families::test_gemv_gelu_mul_equals_its_chain
     gemv.cu       gemv_prenormed_bf16      gemv     gemv(prenormed=...)    kernels.rms_norm_linear, sampling.head_argmax_keys
                                                                                                            test_gpu_fused::test_prenormed_head
     sampling.cu   sample_tokens            sampling sample()               sampling.sample                 test_gpu_sampling
@@ -35,20 +59,20 @@ from __future__ import annotations
 
 from tinyvllm.gpu.ops.attention import (
     DECODE,
-    DECODE_GROUPS,
-    DECODE_HEAD_DIMS,
+    DECODE_SHAPES,
     MAX_DECODE_SPLITS,
     PREFILL,
     PREFILL_HEAD_DIMS,
     AttentionOps,
+    attention_kernels_missing,
 )
 from tinyvllm.gpu.ops.gemv import GEMV, GEMV_MAX_ROWS, GemvOps
 from tinyvllm.gpu.ops.rowwise import EMBEDDING, RMS_NORM, ROPE, SILU, RowwiseOps
 from tinyvllm.gpu.ops.sampling import MAX_ARGMAX_SLICES, SAMPLING, SamplingOps
 
 __all__ = ["GpuOps", "EMBEDDING", "RMS_NORM", "ROPE", "SILU", "PREFILL", "DECODE", "GEMV", "SAMPLING",
-           "DECODE_HEAD_DIMS", "DECODE_GROUPS", "PREFILL_HEAD_DIMS", "MAX_DECODE_SPLITS", "MAX_ARGMAX_SLICES",
-           "GEMV_MAX_ROWS"]
+           "DECODE_SHAPES", "PREFILL_HEAD_DIMS", "MAX_DECODE_SPLITS", "MAX_ARGMAX_SLICES", "GEMV_MAX_ROWS",
+           "attention_kernels_missing"]
 
 
 class GpuOps(RowwiseOps, AttentionOps, GemvOps, SamplingOps):

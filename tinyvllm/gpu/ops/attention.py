@@ -1,56 +1,96 @@
 """The launchers of the two attention kernels: prefill over query tiles on the tensor cores
-(attention_prefill.cu) and decode split over the context (attention_decode.cu)."""
+(attention_prefill.cu) and decode split over the context (attention_decode.cu). Each has a
+full-context kernel and, for sliding-window layers (ModelConfig.layer_window), a window one."""
 from __future__ import annotations
 
 import math
 
-from tinyvllm.gpu.kernels import kernel_constants
+from tinyvllm.gpu.kernels import kernel_constants, kernel_instances
 from tinyvllm.gpu.ops.launch import OpsBase
 
 PREFILL = kernel_constants("attention_prefill.cu")
 DECODE = kernel_constants("attention_decode.cu")
-DECODE_HEAD_DIMS, DECODE_GROUPS = (64, 128), (1, 2, 3, 4, 8)   # instantiated in attention_decode.cu
-PREFILL_HEAD_DIMS = (64, 128)                                  # instantiated in attention_prefill.cu
+# (head_dim, query heads per kv head) of every decode kernel, and the prefill kernels' head dims:
+# the instantiation lines of the .cu files
+DECODE_SHAPES = frozenset((int(d), int(g)) for d, g in kernel_instances("attention_decode.cu", "DECODE_ATTENTION_KERNEL"))
+PREFILL_HEAD_DIMS = tuple(int(args[0]) for args in kernel_instances("attention_prefill.cu", "PREFILL_ATTENTION_KERNEL"))
 MAX_DECODE_SPLITS = DECODE["MAX_SPLITS"]   # flash-decoding splits per sequence; the arena sizes its workspace by it
+
+
+def attention_kernels_missing(head_dim: int, num_q_heads: int, num_kv_heads: int) -> str | None:
+    """Why no attention kernels serve this head shape (None: they do), checked before the GPU starts."""
+    group = num_q_heads // num_kv_heads
+    if head_dim in PREFILL_HEAD_DIMS and (head_dim, group) in DECODE_SHAPES:
+        return None
+    built = ", ".join(f"{d}/{g}" for d, g in sorted(DECODE_SHAPES))
+    return (f"no attention kernels for head_dim {head_dim} with {group} query heads per kv head (built, "
+            f"head_dim/group: {built}; prefill head_dim {', '.join(map(str, PREFILL_HEAD_DIMS))})")
+
+
+def decode_block(head_dim: int) -> tuple[int, int]:
+    """(threads, dynamic shared bytes) of a decode block: attention_decode.cu's decode_threads and
+    decode_smem_bytes (4 warps at head_dim 256, whose 8 warps' rings would not fit an SM)."""
+    wide = head_dim >= DECODE["WIDE_HEAD_DIM"]
+    threads = DECODE["WIDE_THREADS"] if wide else DECODE["THREADS"]
+    return threads, (DECODE["WIDE_SMEM_BYTES_PER_DIM"] if wide else DECODE["SMEM_BYTES_PER_DIM"]) * head_dim
+
+
+def _window_arg(window: int | None) -> tuple:
+    """The window kernels' extra argument (a window of 0 or None: the full-context kernel, none)."""
+    if window is not None and window < 0:
+        raise ValueError(f"attention: window must be >= 0 (0: the whole context), got {window}")
+    return (int(window),) if window else ()
 
 
 class AttentionOps(OpsBase):
     def attention_prefill(self, out, q, q_row_stride: int, k_cache, v_cache, block_tables,
                           block_table_width, query_start, context_lens, *, num_seqs: int,
                           max_query_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                          block_size: int, scale: float) -> None:
+                          block_size: int, scale: float, window: int | None = None) -> None:
         """Causal attention of each prompt token over its sequence's cached and new K/V, on the
-        tensor cores. Grid: (query heads, sequences, query tiles of BLOCK_Q rows), the kernel
-        walking the tiles last-first; THREADS (4 warps x 16 rows) per block, static shared memory."""
+        tensor cores; scores times `scale`. window (a sliding layer's; None or 0: the whole
+        context): each token sees its last `window` positions, its own included. Grid: (query
+        heads, sequences, query tiles of BLOCK_Q rows), the kernel walking the tiles last-first;
+        THREADS (4 warps x 16 rows) per block, static shared memory."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"attention_prefill: block_size must be a power of two, got {block_size}")
         grid = (num_q_heads, num_seqs, math.ceil(max_query_len / PREFILL["BLOCK_Q"]))
-        self._launch(f"attention_prefill_d{head_dim}", grid, PREFILL["THREADS"],
+        extra = _window_arg(window)
+        kernel = f"attention_prefill_window_d{head_dim}" if extra else f"attention_prefill_d{head_dim}"
+        self._launch(kernel, grid, PREFILL["THREADS"],
                      out, q, q_row_stride, k_cache, v_cache, block_tables, block_table_width,
-                     query_start, context_lens, block_size, num_kv_heads, num_q_heads // num_kv_heads, scale)
+                     query_start, context_lens, block_size, num_kv_heads, num_q_heads // num_kv_heads, scale,
+                     *extra)
 
     def decode_splits(self, num_seqs: int, num_kv_heads: int) -> int:
         """The most context splits a sequence may use: enough blocks to fill the GPU about twice.
         It depends on the batch size only, so eager steps and graph replays run identical
         launches (bit-identical results); the kernel itself uses fewer for short contexts
-        (one per MIN_SPLIT_TOKENS)."""
+        (one per MIN_SPLIT tokens: 16 per warp)."""
         return max(1, min(math.ceil(2 * self.num_sms / (num_seqs * num_kv_heads)), MAX_DECODE_SPLITS))
 
     def attention_decode(self, out, partial_out, partial_ml, split_counters, q, q_row_stride: int,
                          k_cache, v_cache, block_tables, block_table_width, context_lens, *,
                          num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                         block_size: int, scale: float, splits: int | None = None) -> None:
+                         block_size: int, scale: float, splits: int | None = None,
+                         window: int | None = None) -> None:
         """One query token per sequence over its paged context, split over the context; the last
-        split to finish merges. Grid: (sequences x kv heads, 1, splits); one block per GQA group,
-        SMEM_BYTES_PER_DIM x head_dim bytes of dynamic shared memory (its cp.async rings). The
+        split to finish merges; scores times `scale`. window (a sliding layer's; None or 0: the
+        whole context): only the last `window` positions are read, from the block holding the
+        first of them. Grid: (sequences x kv heads, 1, splits); one block per GQA group of
+        decode_block(head_dim) threads and dynamic shared memory (its cp.async rings). The
         kernel issues its first K/V copies, all rows but each sequence's newest, before it waits
         for the kernel before it (attention_decode.cu's header: early K/V), so its launches must
         be decode steps', where that row is the only one a still-running kernel writes."""
         splits = splits or self.decode_splits(num_seqs, num_kv_heads)
         if not 1 <= splits <= MAX_DECODE_SPLITS:
             raise ValueError(f"attention_decode: splits must be in 1..{MAX_DECODE_SPLITS}, got {splits}")
-        self._launch(f"attention_decode_d{head_dim}_g{num_q_heads // num_kv_heads}",
-                     (num_seqs * num_kv_heads, 1, splits), DECODE["THREADS"], out, partial_out,
+        group = num_q_heads // num_kv_heads
+        extra = _window_arg(window)
+        kernel = (f"attention_decode_window_d{head_dim}_g{group}" if extra
+                  else f"attention_decode_d{head_dim}_g{group}")
+        threads, shared = decode_block(head_dim)
+        self._launch(kernel, (num_seqs * num_kv_heads, 1, splits), threads, out, partial_out,
                      partial_ml, split_counters, q, q_row_stride, k_cache, v_cache, block_tables,
-                     block_table_width, context_lens, block_size, num_kv_heads, scale,
-                     shared_bytes=DECODE["SMEM_BYTES_PER_DIM"] * head_dim)
+                     block_table_width, context_lens, block_size, num_kv_heads, scale, *extra,
+                     shared_bytes=shared)

@@ -188,30 +188,33 @@ class GemvOps(OpsBase):
 
     def gemv_rope_kv(self, qkv, x, w, m: int, n: int, k: int, k_cache, v_cache, positions, slot_mapping,
                      inv_freq, *, num_q_heads: int, num_kv_heads: int, head_dim: int, prenormed,
-                     k_warps: int | None = None) -> None:
+                     k_warps: int | None = None, bias=0) -> None:
         """The decode qkv projection with rope_write_kv inside, on the handed-over norm: x is
         gemv_residual_norm()'s (or embedding()'s) normed output and prenormed = (row_ss, eps) its
         sums of squares; qkv = inv_rms * (x @ W^T) (reference/kernels.py: rms_norm_linear), then
         RoPE on q (in place) and k, and k, v into the paged cache at slot_mapping, as
-        rope_write_kv() does (k % 64 == 0)."""
+        rope_write_kv() does (k % 64 == 0). bias (Qwen2, 0: none): the q/k/v biases [n], added
+        as rope_write_kv(bias=) adds them (gemv_prenormed_rope_kv_bias_bf16)."""
         if n != (num_q_heads + 2 * num_kv_heads) * head_dim or head_dim % GEMV["ROWS_PER_CTA"]:
             raise ValueError(f"gemv_rope_kv: n = {n} must be (q heads + 2 kv heads) * head_dim with "
                              f"head_dim % {GEMV['ROWS_PER_CTA']} == 0 (heads {num_q_heads}/{num_kv_heads}, "
                              f"head_dim {head_dim})")
-        kernel = "gemv_prenormed_rope_kv_bf16"
+        kernel = "gemv_prenormed_rope_kv_bias_bf16" if bias else "gemv_prenormed_rope_kv_bf16"
         row_ss, eps = prenormed
         grid, block, shared, x_ptr, w_ptr = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps, row_ss)
         self._launch(kernel, grid, block, int(qkv), x_ptr, int(row_ss), w_ptr, m, n, k, float(eps), k_cache,
                      v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim,
-                     shared_bytes=shared + self._producer_ss_bytes(kernel, m, k))
+                     *((bias,) if bias else ()), shared_bytes=shared + self._producer_ss_bytes(kernel, m, k))
 
-    def gemv_silu_mul(self, act, x, w, m: int, n: int, k: int, *, prenormed, k_warps: int | None = None) -> None:
+    def gemv_silu_mul(self, act, x, w, m: int, n: int, k: int, *, prenormed, k_warps: int | None = None,
+                      gelu_tanh: bool = False) -> None:
         """The decode gate_up projection with silu_mul inside, on the handed-over norm (x and
         prenormed as gemv_rope_kv()): act [m, n/2] = silu(gate) * up of inv_rms * (x @ W^T),
-        W = gate_up [n, k] (gate rows first)."""
+        W = gate_up [n, k] (gate rows first). gelu_tanh: Gemma 3's GeGLU instead, gelu_tanh(gate)
+        * up (gemv_prenormed_gelu_mul_bf16: gelu_tanh_mul inside)."""
         if n % 16:
             raise ValueError(f"gemv_silu_mul: n = 2 * intermediate = {n} must be a multiple of 16")
-        kernel = "gemv_prenormed_silu_mul_bf16"
+        kernel = "gemv_prenormed_gelu_mul_bf16" if gelu_tanh else "gemv_prenormed_silu_mul_bf16"
         row_ss, eps = prenormed
         grid, block, shared, x_ptr, w_ptr = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps, row_ss)
         self._launch(kernel, grid, block, int(act), x_ptr, int(row_ss), w_ptr, m, n, k, float(eps),

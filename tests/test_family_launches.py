@@ -1,0 +1,129 @@
+"""Every model family's forward pass on the CUDA backend's launchers, checked on the CPU: the real
+LlamaModel.forward and GpuOps launchers over test_trace.py's fake runner (address arithmetic, no
+device), with a kernel library that looks each launched kernel up in the cuda/*.cu sources and
+checks its arguments against the kernel's C signature (count and kind), its block size and its
+shared memory. Prefill (cuBLAS) and decode at batch 1 and 3, on the fused decode layer and on
+the nine-launch one; and which kernels each family's layer launches."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.engine.batch import ForwardBatch
+from tinyvllm.gpu.kernels import CUDA_DIR, kernel_signatures
+from tinyvllm.gpu.model import StepShape
+
+FIXTURES = Path(__file__).parent / "fixtures" / "families"
+MAX_SHARED = 227 * 1024            # an H100's dynamic shared memory per block
+
+
+def _signature(name: str) -> str:
+    for path in sorted(CUDA_DIR.glob("*.cu")):
+        for pattern, sig in kernel_signatures(path.name).items():
+            if pattern == name or (pattern.startswith("^") and re.match(pattern, name)):
+                return sig
+    raise AssertionError(f"no kernel {name} in cuda/")
+
+
+class _CheckedLaunches:
+    """A kernel library whose kernels check their launches and record them."""
+
+    def __init__(self):
+        self.launched: list[str] = []
+
+    def function(self, name):
+        sig, launched = _signature(name), self.launched
+
+        class Kernel:
+            max_dynamic_shared_bytes = MAX_SHARED
+
+            @staticmethod
+            def launch(grid, block, stream, args, shared_bytes, pdl):
+                assert len(args) == len(sig), f"{name}: {len(args)} arguments for its {len(sig)} ({sig})"
+                for i, (code, arg) in enumerate(zip(sig, args)):
+                    if code == "i":
+                        assert isinstance(arg, int) and not isinstance(arg, bool), f"{name} argument {i}: {arg!r}"
+                    elif code == "f":
+                        assert isinstance(arg, (int, float)) and not isinstance(arg, bool), f"{name} argument {i}: {arg!r}"
+                    else:
+                        int(arg)                         # a pointer: an int or a device view
+                assert 1 <= block[0] * block[1] * block[2] <= 1024 and min(grid) >= 1, (name, grid, block)
+                assert shared_bytes <= MAX_SHARED, (name, shared_bytes)
+                launched.append(name)
+        return Kernel
+
+
+def _fake(config: ModelConfig, fused_decode: bool):
+    from test_trace import _FakeCudaRunner
+    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+                                                fused_decode=fused_decode))
+    fake.ops.library = _CheckedLaunches()
+    return fake
+
+
+def _step(fake, batch: ForwardBatch) -> list[str]:
+    fake.ops.library.launched.clear()
+    fake.model.forward(StepShape(batch.num_tokens, batch.num_seqs, batch.is_prefill,
+                                 int(max(batch.query_start[1:] - batch.query_start[:-1]))))
+    return list(fake.ops.library.launched)
+
+
+def _configs():
+    from tinyvllm.checkpoint.model_writer import preset_config
+    return {"llama": preset_config("tiny"), **{f: ModelConfig.from_pretrained(FIXTURES / f)
+                                               for f in ("gemma3", "mistral", "qwen2", "qwen3")}}
+
+
+# per family: the kernels a decode layer launches on the fused path besides the attention
+FUSED_LAYER = {
+    "llama": ["gemv_prenormed_rope_kv_bf16", "gemv_residual_norm_bf16", "gemv_prenormed_silu_mul_bf16",
+              "gemv_residual_norm_bf16"],
+    "mistral": ["gemv_prenormed_rope_kv_bf16", "gemv_residual_norm_bf16", "gemv_prenormed_silu_mul_bf16",
+                "gemv_residual_norm_bf16"],
+    "qwen2": ["gemv_prenormed_rope_kv_bias_bf16", "gemv_residual_norm_bf16", "gemv_prenormed_silu_mul_bf16",
+              "gemv_residual_norm_bf16"],
+    "qwen3": ["gemv_prenormed_bf16", "rope_write_kv_qk_norm", "gemv_residual_norm_bf16",
+              "gemv_prenormed_silu_mul_bf16", "gemv_residual_norm_bf16"],
+    # the output norms need whole rows: o and down store their products, rms_norm_residual_add
+    # normalises them into the residual and hands the next norm over
+    "gemma3": ["gemv_prenormed_bf16", "rope_write_kv_qk_norm", "gemv_bf16", "rms_norm_residual_add",
+               "gemv_prenormed_gelu_mul_bf16", "gemv_bf16", "rms_norm_residual_add"],
+}
+ROPE = {"llama": "rope_write_kv", "mistral": "rope_write_kv", "qwen2": "rope_write_kv_bias",
+        "qwen3": "rope_write_kv_qk_norm", "gemma3": "rope_write_kv_qk_norm"}
+EMBEDDING = {"gemma3": "embedding_gather_scaled"}
+
+
+def _attention(config: ModelConfig, kind: str) -> list[str]:
+    """The attention kernels of the layers in order: window kernels on sliding layers."""
+    group = config.num_attention_heads // config.num_key_value_heads
+    shape = f"d{config.head_dim}" + (f"_g{group}" if kind == "decode" else "")
+    return [f"attention_{kind}_window_{shape}" if config.layer_window(i) else f"attention_{kind}_{shape}"
+            for i in range(config.num_hidden_layers)]
+
+
+@pytest.mark.parametrize("fused_decode", [True, False], ids=["fused", "nine-launch"])
+@pytest.mark.parametrize("family", sorted(FUSED_LAYER))
+def test_every_launch_matches_its_kernel(family, fused_decode):
+    config = _configs()[family]
+    fake = _fake(config, fused_decode)
+    L = config.num_hidden_layers
+    prompt = ForwardBatch.build([list(range(1, 12)), [3, 4]], [11, 30], [[5], [6, 7]], 16, is_prefill=True)
+    prefill = _step(fake, prompt)
+    norm = "rms_norm_offset" if config.norm_weight_offset else "rms_norm"
+    assert [op for op in prefill if op.startswith("attention_")] == _attention(config, "prefill")
+    assert prefill.count(ROPE[family]) == L and prefill.count(norm) == 2 * L + 1
+    assert prefill.count("rms_norm_residual_add") == 2 * L * config.sandwich_norms
+    assert prefill.count("gelu_tanh_mul" if config.hidden_act == "gelu_tanh" else "silu_mul") == L
+    for seqs in (1, 3):
+        decode = _step(fake, ForwardBatch.build([[7]] * seqs, [12] * seqs, [[5]] * seqs, 16, is_prefill=False))
+        assert [op for op in decode if op.startswith("attention_")] == _attention(config, "decode")
+        layer = [op for op in decode if not op.startswith("attention_")]
+        embedding = EMBEDDING.get(family, "embedding_gather")
+        if fused_decode:
+            assert layer == [embedding, *FUSED_LAYER[family] * L, "gemv_prenormed_bf16"], layer
+        else:
+            assert layer[0] == embedding and layer.count(ROPE[family]) == L and layer.count(norm) == 2 * L + 1
