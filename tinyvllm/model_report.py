@@ -117,7 +117,7 @@ def loaded_weight_lines(weights: dict, config: ModelConfig) -> list[str]:
 
 
 def inspect_report(model: str | Path, engine: EngineConfig) -> str:
-    from tinyvllm.engine.startup import cuda_refuses, read_weights, resolve_checkpoint
+    from tinyvllm.checkpoint.loading import cuda_refuses, read_weights, resolve_checkpoint
     from tinyvllm.quant.weight_kinds import quantization_summary
     model_dir, gguf_file = resolve_checkpoint(model, engine)
     config = ModelConfig.from_pretrained(model_dir)

@@ -25,6 +25,7 @@ import numpy as np
 from tinyvllm.checkpoint.weight_names import expected_shapes
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError
+from tinyvllm.quant.quant_config import UNQUANTIZED
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -187,6 +188,10 @@ class CheckpointReader:
                                  f"of {', '.join(dtypes)}{why}")
         return f.get(name)
 
+    def get_bf16(self, name: str, shape: tuple[int, ...] | None = None, why: str = "") -> np.ndarray:
+        """get(), as bf16: a view over the file where it is stored so, else converted."""
+        return as_bf16(self.get(name, shape, why=why))
+
 
 def load_weights(model_dir: str | Path, config: ModelConfig,
                  quantization: str | None = None) -> dict[str, np.ndarray]:
@@ -201,9 +206,6 @@ def load_weights(model_dir: str | Path, config: ModelConfig,
         return load_fp8_weights(reader, config, quantization)
     return {name: as_bf16(reader.get(name, shape, why=UNQUANTIZED))
             for name, shape in expected_shapes(config).items()}
-
-
-UNQUANTIZED = " (config.json declares no quantization_config)"
 
 
 def as_bf16(array: np.ndarray) -> np.ndarray:

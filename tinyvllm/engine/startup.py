@@ -16,10 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tinyvllm.checkpoint.default_model import resolve_model_dir
-from tinyvllm.checkpoint.gguf_blocks import gguf_model_dir, is_gguf_file, load_gguf_blocks
+from tinyvllm.checkpoint.loading import cuda_refuses, read_weights, resolve_checkpoint
 from tinyvllm.checkpoint.tokenizer import Tokenizer
-from tinyvllm.checkpoint.weights import load_weights
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.limits import fit_context_to_cache
 from tinyvllm.engine.model_runner import ModelRunner
@@ -82,29 +80,6 @@ def make_runner(config: ModelConfig, weights: dict[str, np.ndarray], engine_conf
         if type(e).__module__.startswith("pycuda"):
             raise GPUUnavailableError(f"CUDA start-up failed ({e}); use --device cpu") from None
         raise
-
-
-def cuda_refuses(quantization: str) -> str:
-    return (f"the CUDA backend has no kernels for quantized weights ({quantization}) yet: serve the "
-            "model with --device cpu, or in bf16 (a bf16 checkpoint, or convert-gguf for a GGUF file)")
-
-
-def resolve_checkpoint(model: str | Path | None, engine_config: EngineConfig) -> tuple[Path, Path | None]:
-    """(the directory holding config.json and the tokenizer, the GGUF file when `model` is one)."""
-    if not is_gguf_file(model):
-        return resolve_model_dir(model), None
-    if engine_config.quantization:
-        raise ModelLoadError(f"{model}: --quantization {engine_config.quantization} quantizes a bf16 "
-                             "checkpoint; a GGUF file runs at its own precision (convert-gguf makes a bf16 one)")
-    return gguf_model_dir(model), Path(model)
-
-
-def read_weights(model_dir: Path, gguf_file: Path | None, config: ModelConfig,
-                 engine_config: EngineConfig) -> dict:
-    """The model's weights, quantized as the checkpoint is or as engine_config.quantization asks."""
-    if gguf_file is not None:
-        return load_gguf_blocks(gguf_file, config)
-    return load_weights(model_dir, config, engine_config.quantization)
 
 
 @dataclass(frozen=True)

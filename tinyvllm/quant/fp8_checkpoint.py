@@ -23,11 +23,10 @@ from __future__ import annotations
 import numpy as np
 
 from tinyvllm.checkpoint.weight_names import LAYER_PARTS, LM_HEAD, expected_shapes, layer_prefix
-from tinyvllm.checkpoint.weights import UNQUANTIZED, CheckpointReader, as_bf16
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError
 from tinyvllm.quant.fp8 import E4M3, Fp8Weight, quantize_per_channel
-from tinyvllm.quant.quant_config import QuantConfig, online_fp8
+from tinyvllm.quant.quant_config import UNQUANTIZED, QuantConfig, online_fp8
 
 FP8_DTYPE = "F8_E4M3"
 SCALE_DTYPES = ("F32", "BF16", "F16")
@@ -64,16 +63,17 @@ def fp8_weight(codes: np.ndarray, scale: np.ndarray, name: str, strategy: str | 
     return Fp8Weight(codes, scale32.reshape(() if found == "tensor" else (rows,)))
 
 
-def load_fp8_weights(reader: CheckpointReader, config: ModelConfig,
+def load_fp8_weights(reader, config: ModelConfig,
                      quantization: str | None) -> dict[str, np.ndarray | Fp8Weight]:
-    """The model's tensors with its quantized linears as Fp8Weight: read from an FP8 checkpoint
+    """reader: checkpoint/weights.py's CheckpointReader (passed in: that module imports this one).
+    The model's tensors with its quantized linears as Fp8Weight: read from an FP8 checkpoint
     (config.quantization set), or quantized here from bf16 (`quantization` "fp8")."""
     source = str(reader.model_dir)
     declared = config.quantization
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ModelLoadError(f"quantization {quantization!r} is not supported (only 'fp8')")
     if declared is None:
-        weights = {name: as_bf16(reader.get(name, shape, why=UNQUANTIZED))
+        weights = {name: reader.get_bf16(name, shape, why=UNQUANTIZED)
                    for name, shape in expected_shapes(config).items()}
         return quantize_linears(weights, config, online_fp8())
     if quantization is not None and quantization != declared.method:
@@ -102,7 +102,7 @@ def load_fp8_weights(reader: CheckpointReader, config: ModelConfig,
         if name in layer_linears and declared.quantizes(module):
             raise ModelLoadError(f"{source}: quantization_config quantizes {module}, but its weight "
                                  f"is stored as {reader.entry(name)[1]['dtype']}, not F8_E4M3")
-        weights[name] = as_bf16(reader.get(name, shape))
+        weights[name] = reader.get_bf16(name, shape)
     check_fused_groups(weights, config, source)
     return weights
 

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 from tinyvllm.errors import ModelLoadError
 
+# why a checkpoint's non-float tensor is refused when config.json declares no quantization
+UNQUANTIZED = " (config.json declares no quantization_config)"
+
 FP8_KEYS = {"quant_method", "activation_scheme", "ignored_layers", "modules_to_not_convert",
             "weight_block_size", "fmt", "is_checkpoint_fp8_serialized", "kv_cache_scheme"}
 COMPRESSED_KEYS = {"quant_method", "format", "config_groups", "ignore", "kv_cache_scheme",
