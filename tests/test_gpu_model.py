@@ -42,69 +42,15 @@ def tiny(tiny_model_dir):
     runner.close()
 
 
-def _rel(got, want):
-    assert np.all(np.isfinite(got))
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
 @pytest.mark.parametrize("fused_decode", [True, False], ids=["fused", "nine-launch"])
 def test_tiny_model_matches_reference(tiny, fused_decode):
     """The decode steps (eager here, through forward_logits) on the fused layer (the default: five
     launches, each norm handed over, gpu/model.py) and on the nine-launch layer
     (EngineConfig.fused_decode=False), both held to the numpy reference with the same tolerances."""
-    from tinyvllm.gpu.model import StepShape
+    from gpu_helpers import decode_layer, logits_match_reference
     cfg, runner, refm, ref32 = tiny
-    was = runner.ops.fused_decode
-    runner.ops.fused_decode = fused_decode
-    try:
-        assert runner.model.fused(StepShape(3, 3, is_prefill=False)) == fused_decode
-        _matches_reference(cfg, runner, refm, ref32)
-    finally:
-        runner.ops.fused_decode = was
-
-
-def _matches_reference(cfg, runner, refm, ref32):
-    rng = np.random.default_rng()
-    prompt_lens, steps = [5, 23, 70], 32
-    prompts = [list(rng.integers(0, cfg.vocab_size, n)) for n in prompt_lens]
-    need = [-(-(n + steps) // BLOCK) for n in prompt_lens]
-    perm = [int(b) for b in rng.permutation(runner.num_kv_blocks)]
-    tables = [perm[sum(need[:i]):sum(need[:i + 1])] for i in range(3)]
-    ref_cache = refm.new_kv_cache(runner.num_kv_blocks, BLOCK)
-    ref32_cache = ref32.new_kv_cache(runner.num_kv_blocks, BLOCK)
-
-    ctx = list(prompt_lens)
-    batch = ForwardBatch.build(prompts, ctx, tables, BLOCK, is_prefill=True)
-    errors, fp32_gaps, bf16_gaps, mismatches = [], [], [], 0
-    seqs = [list(p) for p in prompts]
-    for step in range(steps + 1):
-        got = runner.forward_logits(batch)
-        want = refm.forward(batch, ref_cache)
-        want32 = ref32.forward(batch, ref32_cache)
-        errors.append(max(_rel(got[i], want[i]) for i in range(3)))
-        fp32_gaps.append(max(_rel(got[i], want32[i]) for i in range(3)))
-        bf16_gaps.append(max(_rel(want[i], want32[i]) for i in range(3)))
-        # teacher forcing: both sides continue with the reference's greedy token
-        nxt = want.argmax(-1)
-        top2 = np.sort(want, axis=-1)[:, -2:]
-        for i in range(3):
-            if got[i].argmax() != nxt[i]:
-                # only a near-tie that this row's own logit error could flip is acceptable
-                max_abs_err = float(np.abs(got[i] - want[i]).max())
-                gap = float(top2[i, 1] - top2[i, 0])
-                assert gap < 2 * max_abs_err, f"step {step} seq {i}: greedy token differs (gap {gap:.3f})"
-                mismatches += 1
-            seqs[i].append(int(nxt[i]))
-        ctx = [c + 1 for c in ctx]
-        batch = ForwardBatch.build([[int(t)] for t in nxt], ctx, tables, BLOCK, is_prefill=False)
-    show = lambda xs: " ".join(f"{e:.1e}" for e in xs)  # noqa: E731
-    print("per-step max rel. logits error, gpu vs fp32:       ", show(fp32_gaps))
-    print("per-step max rel. logits error, bf16-numpy vs fp32:", show(bf16_gaps))
-    print("per-step max rel. logits error, gpu vs bf16-numpy: ", show(errors))
-    print(f"greedy mismatches at near-ties: {mismatches}")
-    assert max(fp32_gaps) < FP32_GAP_TOL
-    g, b = float(np.mean(fp32_gaps)), float(np.mean(bf16_gaps))
-    assert g <= BF16_NOISE_RATIO * b, f"mean error vs fp32: gpu {g:.2e}, bf16 numpy {b:.2e}"
+    with decode_layer(runner, fused_decode):
+        logits_match_reference(cfg, runner, refm, ref32, BLOCK, BF16_NOISE_RATIO, FP32_GAP_TOL)
 
 
 def test_execute_samples_greedy_argmax(tiny):
