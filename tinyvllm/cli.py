@@ -178,13 +178,13 @@ def _cmd_inspect(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from tinyvllm.bench.run import BenchOptions, run_bench
+    from tinyvllm.bench.options import BenchOptions, comparison_options
+    from tinyvllm.bench.run import run_bench
     options = engine_options_from_args(args)
     run_bench(BenchOptions(
         model=args.model, preset=args.preset, model_cache=args.model_cache, workload=args.workload,
-        json_path=args.json, compare_hf=args.compare_hf, hf_max_seconds=args.hf_max_seconds,
-        engine_options=options, num_requests=args.num_requests, min_len=args.min_len,
-        max_len=args.max_len, seed=args.seed))
+        json_path=args.json, engine_options=options, num_requests=args.num_requests, min_len=args.min_len,
+        max_len=args.max_len, seed=args.seed, **comparison_options(args)))
     return 0
 
 
@@ -196,6 +196,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tinyvllm.bench.options import add_comparison_arguments
     from tinyvllm.checkpoint.default_model import DEFAULT_MODEL
     from tinyvllm.checkpoint.model_writer import PRESET_NAMES
     default_help = f"Hugging Face model directory or GGUF file (default: {DEFAULT_MODEL}, converted once to bf16)"
@@ -266,10 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model-cache", default="/tmp/tinyvllm-models", help="where presets go")
     bench.add_argument("--workload", choices=["latency", "throughput", "batch64", "prefix", "all"], default="all")
     bench.add_argument("--json", default=None, metavar="OUT.json", help="write every number here")
-    bench.add_argument("--compare-hf", action="store_true",
-                       help="run the same workloads with HF transformers (needs torch, transformers)")
-    bench.add_argument("--hf-max-seconds", type=float, default=180.0,
-                       help="wall-time budget of all HF runs together (default 180)")
+    add_comparison_arguments(bench)               # --compare-hf, --compare-vllm and their limits
     bench.add_argument("--num-requests", type=int, default=None,
                        help="override the request count of batch64 and throughput (small runs)")
     bench.add_argument("--min-len", type=int, default=None, help="override: shortest ragged length")

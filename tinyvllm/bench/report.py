@@ -1,5 +1,10 @@
 """The bench's report: every number in one JSON-able object, and the table printed at the end
-(workload | metric | value | target | HF | tinyvllm/HF)."""
+(workload | metric | tinyvllm | HF | tinyvllm/HF | vLLM | tinyvllm/vLLM, the peers' columns only
+when they ran).
+
+No absolute targets: a tok/s figure means little without its card. What holds on any card is
+in the table instead: batch-1 decode as a fraction of the bandwidth floor measured on the machine
+at hand (bench/machine.py), and tinyvllm's ratio to each peer run beside it on the same card."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 
 from tinyvllm.bench.workloads import WORKLOADS, WorkloadResult, WorkloadSpec
+
+PEERS = (("hf", "HF"), ("vllm", "vLLM"))      # (report key, column label), in column order
 
 
 @dataclass
@@ -16,24 +23,34 @@ class BenchReport:
     device: dict                       # kind, name, copy bandwidth, floor
     model: dict                        # path, parameters, weight bytes
     engine_config: dict
-    workloads: dict = field(default_factory=dict)    # name -> {spec, standard, tinyvllm, hf}
+    workloads: dict = field(default_factory=dict)    # name -> {spec, standard, tinyvllm, hf, vllm, ratios}
     hf: dict | None = None             # torch / transformers versions and the time budget
+    vllm: dict | None = None           # vLLM's version, its LLM options, its start-up time
 
-    def add(self, spec: WorkloadSpec, tinyvllm: WorkloadResult, hf: WorkloadResult | None) -> None:
-        self.workloads[spec.name] = {
-            "spec": dataclasses.asdict(spec), "standard": spec == WORKLOADS[spec.name],
-            "tinyvllm": dataclasses.asdict(tinyvllm),
-            "hf": dataclasses.asdict(hf) if hf else None}
+    def add(self, spec: WorkloadSpec, tinyvllm: WorkloadResult, hf: WorkloadResult | None = None,
+            vllm: WorkloadResult | None = None) -> None:
+        ours = dataclasses.asdict(tinyvllm)
+        peers = {"hf": dataclasses.asdict(hf) if hf else None, "vllm": dataclasses.asdict(vllm) if vllm else None}
+        entry = self.workloads[spec.name] = {
+            "spec": dataclasses.asdict(spec), "standard": spec == WORKLOADS[spec.name], "tinyvllm": ours,
+            **peers, "ratios": {key: rate_ratios(ours, peer) for key, peer in peers.items() if peer}}
         if spec.name == "latency":
-            floor = self.workloads["latency"]["floor_tok_s"] = self.device.get("floor_tok_s")
-            self.workloads["latency"]["fraction_of_floor"] = \
-                tinyvllm.decode_tok_s / floor if floor and tinyvllm.decode_tok_s else None
+            floor = entry["floor_tok_s"] = self.device.get("floor_tok_s")
+            entry["fraction_of_floor"] = {
+                name: result["decode_tok_s"] / floor if floor and result and result["decode_tok_s"] else None
+                for name, result in (("tinyvllm", ours), *peers.items())}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
 
 
-# (workload, result field, label, format); the tok/s rows get a tinyvllm/HF ratio
+def rate_ratios(ours: dict, peer: dict) -> dict:
+    """tinyvllm / peer for every tok/s figure both have."""
+    return {key: ours[key] / peer[key] for key in ours
+            if key.endswith("tok_s") and ours[key] and peer.get(key)}
+
+
+# (workload, result field, label, format); the tok/s rows get a tinyvllm/peer ratio
 TABLE_ROWS = [
     ("latency", "decode_tok_s", "decode tok/s (batch 1)", "rate"),
     ("latency", "ms_per_token", "ms per token", "{:.3f}"),
@@ -49,51 +66,59 @@ TABLE_ROWS = [
 ]
 
 
+def peer_cells(entry: dict, key: str, value, fmt: str) -> list[str]:
+    """[peer value, tinyvllm/peer] for each peer in PEERS; a peer without the number shows why."""
+    cells = []
+    for peer, _ in PEERS:
+        result = entry[peer]
+        if result is None or key == "preemptions":
+            cells += ["", ""]
+            continue
+        theirs = result.get(key)
+        shown = show(theirs, fmt) if theirs is not None else (result["note"] or "n/a").split(":")[0]
+        ratio = show_ratio(value / theirs) if key.endswith("tok_s") and value and theirs else ""
+        cells += [shown, ratio]
+    return cells
+
+
 def table_rows(report: BenchReport) -> list[tuple[str, ...]]:
     rows = []
     for workload, key, label, fmt in TABLE_ROWS:
         entry = report.workloads.get(workload)
         if entry is None:
             continue
-        spec, ours, hf = entry["spec"], entry["tinyvllm"], entry["hf"]
-        value, hf_value = ours.get(key), (hf or {}).get(key)
-        target = ""
-        if key == spec["target_metric"]:
-            target = f">= {spec['target']:,.0f}"
-            if report.device["kind"] == "cuda" and entry["standard"]:   # the targets are the H200's
-                target += " (met)" if value is not None and value >= spec["target"] else " (NOT met)"
-        ratio = (f"{value / hf_value:.1f}x" if key.endswith("tok_s") and value and hf_value else "")
-        hf_cell = "" if hf is None or key == "preemptions" else show(hf_value, fmt) \
-            if hf_value is not None else (hf["note"] or "n/a").split(":")[0]
-        rows.append((workload, label, show(value, fmt), target, hf_cell, ratio))
+        value = entry["tinyvllm"].get(key)
+        rows.append((workload, label, show(value, fmt), *peer_cells(entry, key, value, fmt)))
         if (workload, key) == ("latency", "decode_tok_s"):
-            rows += floor_rows(report)
+            rows += floor_rows(entry)
         if (workload, key) == ("prefix", "output_tok_s"):
-            rows += prefix_rows(ours)
+            rows += prefix_rows(entry["tinyvllm"])
     return rows
+
+
+def floor_rows(latency: dict) -> list[tuple[str, ...]]:
+    """The bandwidth floor, and each engine's batch-1 decode as a fraction of it."""
+    fraction = latency["fraction_of_floor"]
+    peers = [cell for peer, _ in PEERS for cell in (show(fraction.get(peer), "{:.1%}") if latency[peer] else "", "")]
+    return [("latency", "bandwidth floor tok/s", show(latency["floor_tok_s"], "rate"), *[""] * 2 * len(PEERS)),
+            ("latency", "fraction of the floor", show(fraction["tinyvllm"], "{:.1%}"), *peers)]
 
 
 def prefix_rows(on: dict) -> list[tuple[str, ...]]:
     """The prefix workload's cache-on numbers beside its cache-off ones, with the gain."""
     off = on["cache_off"] or {}
+    blank = [""] * 2 * len(PEERS)
 
     def row(label, key, fmt, higher_is_better):
         a, b = on.get(key), off.get(key)
         gain = (a / b if higher_is_better else b / a) if a and b else None
-        return [("prefix", label, show(a, fmt), "", "", ""),
-                ("prefix", f"{label}, cache off", show(b, fmt) + (f" (cache: {gain:.2f}x)" if gain else ""),
-                 "", "", "")]
+        return [("prefix", label, show(a, fmt), *blank),
+                ("prefix", f"{label}, cache off", show(b, fmt) + (f" (cache: {gain:.2f}x)" if gain else ""), *blank)]
     identical = {True: "yes", False: "NO", None: "n/a"}[on["outputs_identical"]]
     return [*row("output tok/s", "output_tok_s", "rate", True)[1:],
             *row("TTFT p50 ms", "ttft_ms", "{:.1f}", False), *row("TTFT p99 ms", "ttft_p99_ms", "{:.1f}", False),
-            ("prefix", "prefix cache hit rate", show(on["prefix_cache_hit_rate"], "{:.1%}"), "", "", ""),
-            ("prefix", "greedy outputs, cache on = off", identical, "", "", "")]
-
-
-def floor_rows(report: BenchReport) -> list[tuple[str, ...]]:
-    floor, fraction = report.workloads["latency"]["floor_tok_s"], report.workloads["latency"]["fraction_of_floor"]
-    return [("latency", "bandwidth floor tok/s", show(floor, "rate"), "", "", ""),
-            ("latency", "fraction of the floor", show(fraction, "{:.1%}"), "", "", "")]
+            ("prefix", "prefix cache hit rate", show(on["prefix_cache_hit_rate"], "{:.1%}"), *blank),
+            ("prefix", "greedy outputs, cache on = off", identical, *blank)]
 
 
 def describe(report: BenchReport) -> str:
@@ -112,14 +137,28 @@ def show(value, fmt: str) -> str:
     return fmt.format(value)
 
 
+def show_ratio(ratio: float) -> str:
+    return f"{ratio:.2f}x" if ratio < 10 else f"{ratio:.1f}x"
+
+
 def format_table(report: BenchReport) -> str:
-    header = ("workload", "metric", "value", "target", "HF", "tinyvllm/HF")
+    header = ("workload", "metric", "tinyvllm", *[c for _, label in PEERS for c in (label, f"tinyvllm/{label}")])
     rows = table_rows(report)
-    if not any(r[4] for r in rows):
-        header, rows = header[:4], [r[:4] for r in rows]
+    shown = [i for i in range(len(header))            # a peer's two columns only when it ran
+             if i < 3 or getattr(report, PEERS[(i - 3) // 2][0]) is not None]
+    header, rows = [header[i] for i in shown], [[r[i] for i in shown] for r in rows]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: " | ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
     lines = [describe(report), line(header), "-+-".join("-" * w for w in widths)] + [line(r) for r in rows]
-    notes = [f"HF {name}: {e['hf']['note']}" for name, e in report.workloads.items()
-             if e["hf"] and e["hf"]["note"]]
+    notes = [f"{label} {name}: {e[peer]['note']}" for peer, label in PEERS
+             for name, e in report.workloads.items() if e[peer] and e[peer]["note"]]
+    if report.vllm:
+        notes.append(describe_vllm(report.vllm))
     return "\n".join([*lines, *notes]) + "\n"
+
+
+def describe_vllm(about: dict) -> str:
+    options = ", ".join(f"{k}={v}" for k, v in about["llm_options"].items())
+    ready = about.get("engine_start_s")
+    return (f"vLLM {about.get('vllm') or '(version n/a)'}: LLM({options}), its other settings its own "
+            f"defaults" + (f"; engine ready in {ready:.0f} s" if ready is not None else ""))

@@ -13,8 +13,9 @@ Workloads (random token-id prompts, greedy, ignore_eos, so every request runs to
               tokens, all at once; run on two engines, the prefix cache on and off (the rest of
               the options the same): TTFT p50/p99, output tok/s, hit rate, and whether the greedy
               outputs are identical. Every other run starts from an empty prefix cache.
-`--compare-hf` runs the same workloads with HF transformers (bench/hf.py); the specs and
-results are bench/workloads.py's.
+`--compare-hf` runs the same workloads with HF transformers (bench/hf.py), `--compare-vllm` with
+vLLM's offline LLM in a process of its own after tinyvllm's engines have closed (bench/vllm.py);
+the specs and results are bench/workloads.py's.
 """
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from tinyvllm.bench import vllm
 from tinyvllm.bench.hf import HFBench, check_available
 from tinyvllm.bench.machine import device_info, git_commit
+from tinyvllm.bench.options import BenchOptions
 from tinyvllm.bench.report import BenchReport, format_table
 from tinyvllm.bench.workloads import (
     WARMUP,
@@ -47,7 +49,6 @@ from tinyvllm.engine.llm import LLM
 from tinyvllm.engine.sampling_params import SamplingParams
 from tinyvllm.errors import TinyVLLMError
 
-DEFAULT_MODEL_CACHE = Path("/tmp/tinyvllm-models")
 ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 16384}
 
 
@@ -132,25 +133,9 @@ def warm_up(llm, seed: int, max_len: int | None) -> None:
 
 
 # -- the command -----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class BenchOptions:
-    model: str | None = None           # a model directory; None = the preset's random model
-    preset: str = "llama-3.2-1b"
-    model_cache: Path = DEFAULT_MODEL_CACHE
-    workload: str = "all"
-    json_path: str | None = None
-    compare_hf: bool = False
-    hf_max_seconds: float = 180.0      # all HF runs together
-    engine_options: dict = field(default_factory=dict)   # EngineConfig fields the user set
-    num_requests: int | None = None
-    min_len: int | None = None
-    max_len: int | None = None
-    seed: int = 0
-
-
 def run_bench(opts: BenchOptions, out=None):
-    """Run the workloads with tinyvllm, then (--compare-hf) with HF, print the table, write JSON.
-    -> the BenchReport."""
+    """Run the workloads with tinyvllm, then (--compare-hf) with HF and (--compare-vllm) with vLLM,
+    print the table, write JSON. -> the BenchReport."""
     out = out or sys.stdout
     specs = select_workloads(opts.workload, opts.num_requests, opts.min_len, opts.max_len)
     options = engine_options(opts.engine_options, specs)
@@ -159,6 +144,10 @@ def run_bench(opts: BenchOptions, out=None):
         if opts.hf_max_seconds <= 0:
             raise TinyVLLMError(f"--hf-max-seconds must be > 0, got {opts.hf_max_seconds:g}")
         check_available()                          # before minutes of tinyvllm runs, not after
+    if opts.compare_vllm:
+        if opts.vllm_max_seconds <= 0:
+            raise TinyVLLMError(f"--vllm-max-seconds must be > 0, got {opts.vllm_max_seconds:g}")
+        vllm.check_available(opts.vllm_site)
     model_dir = resolve_model(opts.model, opts.preset, Path(opts.model_cache))
     model_config = ModelConfig.from_pretrained(model_dir)
     ours, engine_config = run_tinyvllm_workloads(model_dir, options, specs, opts)
@@ -171,11 +160,14 @@ def run_bench(opts: BenchOptions, out=None):
         engine_config=engine_config)
     bandwidth = report.device.get("copy_bandwidth_GBps")
     report.device["floor_tok_s"] = bandwidth * 1e9 / report.model["weight_bytes"] if bandwidth else None
-    hf = {}
+    hf, theirs = {}, {}
     if opts.compare_hf:
         hf, report.hf = run_hf_workloads(model_dir, device, specs, opts)
+    if opts.compare_vllm:              # last: HF's torch has let go of its cached GPU memory
+        theirs, report.vllm = vllm.run_vllm_workloads(model_dir, specs, opts.seed, opts.max_len,
+                                                      opts.vllm_site, opts.vllm_max_seconds)
     for spec in specs:
-        report.add(spec, ours[spec.name], hf.get(spec.name))
+        report.add(spec, ours[spec.name], hf.get(spec.name), theirs.get(spec.name))
     out.write(format_table(report))
     if opts.json_path:
         Path(opts.json_path).write_text(report.to_json())
@@ -186,7 +178,7 @@ def run_bench(opts: BenchOptions, out=None):
 def run_tinyvllm_workloads(model_dir: Path, options: dict, specs: list[WorkloadSpec],
                            opts: BenchOptions) -> tuple[dict, dict]:
     """-> ({workload: result, "_device": device info}, the engine config used). The engine is
-    closed and dropped before returning, so that its GPU memory is free for HF."""
+    closed and dropped before returning, so that its GPU memory is free for HF and vLLM."""
     llm = LLM(model_dir, **options)
     outputs = {}
     try:
@@ -254,3 +246,4 @@ def run_hf_workloads(model_dir: Path, device: str, specs: list[WorkloadSpec],
     finally:
         hf.close()
     return results, about
+

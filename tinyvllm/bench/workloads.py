@@ -1,6 +1,6 @@
 """The bench's workloads and results: what the tinyvllm runs (bench/run.py), the HF runs
-(bench/hf.py) and the report (bench/report.py) share — the bottom of the bench package, so the
-three import it and never each other in a cycle."""
+(bench/hf.py), the vLLM runs (bench/vllm.py) and the report (bench/report.py) share — the bottom
+of the bench package, so the others import it and never each other in a cycle."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +19,6 @@ class WorkloadSpec:
     num_requests: int
     prompt_len: tuple[int, int]       # inclusive range; equal ends = a fixed length
     output_len: tuple[int, int]
-    target_metric: str                # the metric the issue sets a target for ...
-    target: float                     # ... and its value
     repeats: int = 1                  # runs; the median is reported (the latency run is short)
     shared_prefix: int = 0            # tokens of one system prompt before every prompt_len ones
 
@@ -44,17 +42,17 @@ class BenchRequest:
 
 
 WORKLOADS = {
-    "latency": WorkloadSpec("latency", 1, (128, 128), (256, 256), "decode_tok_s", 1300, repeats=3),
-    "batch64": WorkloadSpec("batch64", 64, (128, 128), (128, 128), "output_tok_s", 20000),
-    "throughput": WorkloadSpec("throughput", 256, (100, 1024), (100, 1024), "output_tok_s", 40000),
+    "latency": WorkloadSpec("latency", 1, (128, 128), (256, 256), repeats=3),
+    "batch64": WorkloadSpec("batch64", 64, (128, 128), (128, 128)),
+    "throughput": WorkloadSpec("throughput", 256, (100, 1024), (100, 1024)),
     # chat-like traffic: one 1,024-token system prompt, then 64-256 tokens of each request's own;
-    # run with the prefix cache on and off (bench/run.py), no target beyond the gain
-    "prefix": WorkloadSpec("prefix", 256, (64, 256), (128, 128), "", 0, shared_prefix=1024),
+    # run with the prefix cache on and off (bench/run.py)
+    "prefix": WorkloadSpec("prefix", 256, (64, 256), (128, 128), shared_prefix=1024),
 }   # in run order: HF's estimate of the throughput run needs its batch64 timing
 # Prefill at batch 1 and a small decode batch, so that compiling, first calls and graph capture
 # are paid before anything is timed.
-WARMUP = [WorkloadSpec("warmup", 1, (128, 128), (16, 16), "", 0),
-          WorkloadSpec("warmup", 8, (32, 32), (8, 8), "", 0)]
+WARMUP = [WorkloadSpec("warmup", 1, (128, 128), (16, 16)),
+          WorkloadSpec("warmup", 8, (32, 32), (8, 8))]
 
 
 def select_workloads(name: str, num_requests: int | None = None, min_len: int | None = None,
@@ -88,7 +86,7 @@ def shrink(spec: WorkloadSpec, num_requests=None, min_len=None, max_len=None) ->
 
 @dataclass
 class WorkloadResult:
-    backend: str                       # "tinyvllm" or "hf"
+    backend: str                       # "tinyvllm", "hf" or "vllm"
     num_requests: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
