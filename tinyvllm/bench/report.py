@@ -148,7 +148,11 @@ def format_table(report: BenchReport) -> str:
              if i < 3 or getattr(report, PEERS[(i - 3) // 2][0]) is not None]
     header, rows = [header[i] for i in shown], [[r[i] for i in shown] for r in rows]
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: " | ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+    def line(row):                     # trailing empty cells left out, separators and all
+        cells = [str(c).ljust(w) for c, w in zip(row, widths)]
+        while len(cells) > 1 and not cells[-1].strip():
+            cells.pop()
+        return " | ".join(cells).rstrip()
     lines = [describe(report), line(header), "-+-".join("-" * w for w in widths)] + [line(r) for r in rows]
     notes = [f"{label} {name}: {e[peer]['note']}" for peer, label in PEERS
              for name, e in report.workloads.items() if e[peer] and e[peer]["note"]]
