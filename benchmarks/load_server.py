@@ -1,18 +1,23 @@
 #!/usr/bin/env python3
-"""Load-test a running tinyvllm server over loopback: a fixed number of streamed completions at a
-bounded concurrency, then a table of throughput and latency (and the same numbers as JSON).
+"""Load-test a running tinyvllm server (or any OpenAI-compatible one, e.g. `vllm serve`) over
+loopback: a fixed number of streamed completions at a bounded concurrency, then a table of
+throughput and latency (and the same numbers as JSON).
 
     python -m tinyvllm serve --model DIR &          # in another terminal
     python benchmarks/load_server.py --num-requests 200 --concurrency 32 --max-tokens 64
+    python benchmarks/load_server.py --workload mixed --num-requests 64 --concurrency 64
 
-Bounded on purpose: it sends exactly --num-requests requests, never more than --concurrency at a
-time, gives up after --timeout seconds, and only talks to 127.0.0.1 / ::1 / localhost (it opens
+Bounded on purpose: it sends exactly --num-requests requests (--workload mixed: see below), never
+more than --concurrency at a time, gives up after --timeout seconds, and only talks to 127.0.0.1 / ::1 / localhost (it opens
 plain TCP connections itself and reads no proxy settings, so the traffic cannot leave the machine).
 
 Time to first token (TTFT) is measured from sending the request to the first chunk with text;
-inter-token latency (ITL) is the gap between consecutive text chunks (one chunk = one engine
-step for that request). `ignore_eos` is set so every request generates exactly --max-tokens
-tokens and runs are comparable.
+inter-token latency (ITL) is the gap between consecutive text chunks, per token: a chunk that
+brings k tokens after a gap g counts as k tokens g/k apart. A chunk's token count is its
+`token_ids` (every request asks for them with vLLM's `return_token_ids`; a server that ignores the
+field sends one chunk per engine step, one token each); the longest gap between two chunks of one
+stream is reported too, undivided: that is the stall a reader sees. `ignore_eos` is set so every
+request generates exactly its max_tokens and runs are comparable.
 
 The client is meant to cost far less than the server it measures (a few µs of CPU per streamed
 event): a minimal HTTP/1.1 client on asyncio protocols (keep-alive connections, chunked transfer
@@ -20,6 +25,13 @@ decoding and SSE splitting done in data_received, no task switch per read), and 
 recognised without json.loads (the usage chunk, errors and anything unexpected still go through
 json.loads). --client-procs N splits the requests and the concurrency over N processes (forked
 after the warm-up) and merges their records, for servers faster than one client core.
+
+--workload mixed: prefill against decode, the load that shows stalls. Half the --concurrency
+streams are short prompts (64-256 token ids) with 512-token outputs, --num-requests of them in
+all; the other half are long prompts (2,048-4,096 token ids) with 16-32-token outputs, each
+stream sending its next as soon as one ends, until the last 512-token stream has finished. So
+long prefills keep arriving while the short streams decode: their ITL p99 and max, and the long
+requests' TTFT, show how the server shares its steps. Reported for each class and overall.
 
 --shared-prefix-tokens N: chat-like traffic for the prefix cache. Every prompt is then token ids
 (ids in [1000, 10000), ordinary tokens of any vocabulary that large): one N-token "system
@@ -37,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import itertools
 import json
 import random
 import re
@@ -66,7 +79,21 @@ class RequestRecord:
     completion_tokens: int = 0
     prompt_tokens: int | None = None         # from the usage chunk
     cached_tokens: int | None = None         # usage.prompt_tokens_details.cached_tokens, if sent
-    inter_token_s: list[float] = field(default_factory=list)
+    inter_token_s: list[float] = field(default_factory=list)   # gaps between chunks with tokens ...
+    chunk_tokens: list[int] = field(default_factory=list)      # ... and the tokens each gap brought
+    kind: str | None = None                  # --workload mixed: "long" or "short"
+
+
+@dataclass(frozen=True)
+class MixedShape:
+    """--workload mixed's two classes of request: (lowest, highest) token counts, inclusive."""
+    long_prompt: tuple[int, int] = (2048, 4096)
+    long_output: tuple[int, int] = (16, 32)
+    short_prompt: tuple[int, int] = (64, 256)
+    short_output: int = 512
+
+
+MIXED = MixedShape()
 
 
 class ClientError(Exception):
@@ -238,6 +265,17 @@ class SSEDecoder:
 # only stand unescaped in JSON outside strings, so these patterns never match inside a text.
 _TEXT = re.compile(rb'"text": ?"(.)', re.S)
 _SLOW = re.compile(rb'"error"|"usage": ?\{')
+# vLLM's return_token_ids: the chunk's new tokens ("prompt_token_ids" has no quote before "token")
+_TOKEN_IDS = re.compile(rb'"token_ids": ?\[([^\]]*)\]')
+
+
+def chunk_token_count(payload: bytes) -> int | None:
+    """The number of tokens a chunk brings, from its token_ids; None when it has none."""
+    m = _TOKEN_IDS.search(payload)
+    if m is None:
+        return None
+    ids = m.group(1).strip()
+    return ids.count(b",") + 1 if ids else 0
 
 
 def classify_event(payload: bytes):
@@ -396,12 +434,16 @@ class _StreamRecorder:
         if error is not None:
             record.error, self.finished = error, True
             return
-        if has_text:
+        tokens = chunk_token_count(payload)
+        if tokens is None:                       # a server that does not say: a text chunk is a token
+            tokens = 1 if has_text else 0
+        if tokens:
             now = time.perf_counter()
             if record.ttft_s is None:
                 record.ttft_s = now - self.start
             else:
                 record.inter_token_s.append(now - self.last)
+                record.chunk_tokens.append(tokens)
             self.last = now
         if completion_tokens is not None:        # the usage chunk (once per stream): the rest of it
             record.completion_tokens = completion_tokens
@@ -420,11 +462,13 @@ def make_prompts(args, first: int, count: int) -> list[str | list[int]]:
             for i in range(first, first + count)]
 
 
-async def one_request(client: Client, model: str, prompt: str | list[int], args) -> RequestRecord:
-    record = RequestRecord()
-    body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens,
+async def one_request(client: Client, model: str, prompt: str | list[int], args,
+                      max_tokens: int | None = None, kind: str | None = None) -> RequestRecord:
+    """One streamed completion of max_tokens (default --max-tokens) tokens."""
+    record = RequestRecord(kind=kind)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens or args.max_tokens,
             "temperature": args.temperature, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "return_token_ids": True}
     request = client.build("POST", "/v1/completions", json.dumps(body).encode())
     start = time.perf_counter()
     recorder = _StreamRecorder(record, start)
@@ -505,7 +549,63 @@ async def first_model(client: Client) -> str:
     return json.loads(body)["data"][0]["id"]
 
 
+def mixed_request(shape: MixedShape, kind: str, key) -> tuple[list[int], int]:
+    """(prompt token ids, max_tokens) of one --workload mixed request of `kind` ("long" or
+    "short"), the same for the same key on every run; ids in [1000, 10000) as above."""
+    rng = random.Random(f"{kind}-{key}")
+    lo, hi = shape.long_prompt if kind == "long" else shape.short_prompt
+    prompt = rng.choices(range(1000, 10000), k=rng.randint(lo, hi))
+    return prompt, rng.randint(*shape.long_output) if kind == "long" else shape.short_output
+
+
+async def _measured_mixed(args, model: str, first: int, count: int, concurrency: int):
+    """--workload mixed: `count` short-prompt streams through concurrency - concurrency // 2
+    slots, beside concurrency // 2 long-prompt streams that each send their next request as soon
+    as one ends, until every short one has finished (then their last ones run out)."""
+    shape = getattr(args, "mixed_shape", MIXED)
+    client = Client(args.url, args.api_key)
+    gate = asyncio.Semaphore(concurrency - concurrency // 2)
+    shorts = [mixed_request(shape, "short", i) for i in range(first, first + count)]
+    shorts_done = asyncio.Event()
+    long_records: list[RequestRecord] = []
+
+    async def short(i: int) -> RequestRecord:
+        prompt, max_tokens = shorts[i]
+        async with gate:
+            return await one_request(client, model, prompt, args, max_tokens, "short")
+
+    async def long_stream(j: int) -> None:
+        for k in itertools.count():
+            if shorts_done.is_set():
+                return
+            prompt, max_tokens = mixed_request(shape, "long", f"{first}-{j}-{k}")   # ~1 ms for 4k ids
+            long_records.append(await one_request(client, model, prompt, args, max_tokens, "long"))
+
+    try:
+        short_tasks = [asyncio.ensure_future(short(i)) for i in range(count)]
+        long_tasks = [asyncio.ensure_future(long_stream(j)) for j in range(concurrency // 2)]
+        cpu, start = time.process_time(), time.perf_counter()
+        done, pending = await asyncio.wait(short_tasks, timeout=args.timeout)
+        shorts_done.set()
+        left = max(args.timeout - (time.perf_counter() - start), 0.001)
+        long_pending = (await asyncio.wait(long_tasks, timeout=left))[1] if long_tasks else set()
+        end = time.perf_counter()
+        cpu = time.process_time() - cpu
+        for t in (*pending, *long_pending):
+            t.cancel()
+        await asyncio.gather(*pending, *long_pending, return_exceptions=True)
+    finally:
+        client.close()
+    timed_out = f"timed out after {args.timeout:.0f}s"
+    records = [t.result() for t in short_tasks if t in done]
+    records += [RequestRecord(error=timed_out, kind="short") for _ in pending]
+    records += long_records + [RequestRecord(error=timed_out, kind="long") for _ in long_pending]
+    return records, start, end, cpu
+
+
 async def _measured(args, model: str, first: int, count: int, concurrency: int):
+    if getattr(args, "workload", "uniform") == "mixed":
+        return await _measured_mixed(args, model, first, count, concurrency)
     client = Client(args.url, args.api_key)
     gate = asyncio.Semaphore(concurrency)
     prompts = make_prompts(args, first, count)
@@ -536,7 +636,7 @@ async def _warm_up(args):
     try:
         model = args.model or await first_model(client)
         for i in range(args.warmup):         # not measured: first calls may compile / allocate
-            await one_request(client, model, PROMPTS[i % len(PROMPTS)], args)
+            await one_request(client, model, PROMPTS[i % len(PROMPTS)], args, args.max_tokens or 16)
         counters = await scrape_prefix_cache(client)
     finally:
         client.close()
@@ -589,26 +689,56 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def summarize(records: list[RequestRecord], elapsed: float, args, prefix_cache: dict | None = None) -> dict:
+def token_gaps(record: RequestRecord) -> list[float]:
+    """One stream's inter-token latencies, per token: a chunk that brought k tokens after a gap
+    of g seconds counts as k tokens g/k apart (a record without chunk counts: 1 each)."""
+    counts = itertools.chain(record.chunk_tokens, itertools.repeat(1))
+    return [gap / k for gap, k in zip(record.inter_token_s, counts) for _ in range(k)]
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 2)
+
+
+def spread(values: list[float]) -> dict:
+    """p50 / p99 / max in ms (None each for no data)."""
+    return {"p50": _ms(percentile(values, 50)), "p99": _ms(percentile(values, 99)),
+            "max": _ms(max(values) if values else None)}
+
+
+def stream_stats(records: list[RequestRecord]) -> dict:
+    """The latency figures of a set of requests (all of them, or one class of the mixed load)."""
     ok = [r for r in records if r.ok]
-    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
-    itl = [x for r in ok for x in r.inter_token_s]
+    gaps = [g for r in ok for g in r.inter_token_s]
     latency = [r.latency_s for r in ok]
-    tokens = sum(r.completion_tokens for r in ok)
+    return {"succeeded": len(ok), "failed": len(records) - len(ok),
+            "output_tokens": sum(r.completion_tokens for r in ok),
+            "ttft_ms": spread([r.ttft_s for r in ok if r.ttft_s is not None]),
+            "itl_ms": spread([x for r in ok for x in token_gaps(r)]),
+            "longest_gap_ms": _ms(max(gaps) if gaps else None),
+            "latency_ms": {"p50": _ms(percentile(latency, 50)), "p99": _ms(percentile(latency, 99))}}
+
+
+def summarize(records: list[RequestRecord], elapsed: float, args, prefix_cache: dict | None = None) -> dict:
+    overall = stream_stats(records)
+    ok = [r for r in records if r.ok]
     errors = sorted({r.error for r in records if r.error})
     reported = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
     prompt_tokens = sum(r.prompt_tokens for r in reported)
-    ms = lambda v: None if v is None else round(v * 1000, 2)  # noqa: E731
+    tokens = overall["output_tokens"]
+    mixed = getattr(args, "workload", "uniform") == "mixed"
     return {
-        "url": args.url, "num_requests": len(records), "concurrency": args.concurrency,
-        "max_tokens": args.max_tokens, "succeeded": len(ok), "failed": len(records) - len(ok),
-        "duration_s": round(elapsed, 3),
+        "url": args.url, "workload": getattr(args, "workload", "uniform"), "num_requests": len(records),
+        "concurrency": args.concurrency, "max_tokens": args.max_tokens, "succeeded": overall["succeeded"],
+        "failed": overall["failed"], "duration_s": round(elapsed, 3),
         "requests_per_s": round(len(ok) / elapsed, 3) if elapsed else None,
         "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / elapsed, 1) if elapsed else None,
-        "ttft_ms": {"p50": ms(percentile(ttft, 50)), "p99": ms(percentile(ttft, 99))},
-        "itl_ms": {"p50": ms(percentile(itl, 50)), "p99": ms(percentile(itl, 99))},
-        "latency_ms": {"p50": ms(percentile(latency, 50)), "p99": ms(percentile(latency, 99))},
+        **{k: overall[k] for k in ("ttft_ms", "itl_ms", "longest_gap_ms", "latency_ms")},
+        # --workload mixed: the same figures for each class, and the classes' shape
+        "classes": {kind: stream_stats([r for r in records if r.kind == kind]) for kind in ("long", "short")}
+        if mixed else None,
+        "mixed_shape": asdict(getattr(args, "mixed_shape", MIXED)) if mixed else None,
         "shared_prefix_tokens": getattr(args, "shared_prefix_tokens", 0),
         # over the requests whose usage reported cached tokens (None: the server reported none)
         "prefix_cache_hit_rate": (round(sum(r.cached_tokens for r in reported) / prompt_tokens, 4)
@@ -619,6 +749,10 @@ def summarize(records: list[RequestRecord], elapsed: float, args, prefix_cache: 
     }
 
 
+def _three(d: dict) -> str:
+    return f"{d['p50']} / {d['p99']} / {d['max']}"
+
+
 def print_table(s: dict) -> None:
     rows = [
         ("requests ok / sent", f"{s['succeeded']} / {s['num_requests']}"),
@@ -626,10 +760,21 @@ def print_table(s: dict) -> None:
         ("duration (s)", s["duration_s"]),
         ("requests/s", s["requests_per_s"]),
         ("output tokens/s", s["output_tokens_per_s"]),
-        ("TTFT p50 / p99 (ms)", f"{s['ttft_ms']['p50']} / {s['ttft_ms']['p99']}"),
-        ("ITL p50 / p99 (ms)", f"{s['itl_ms']['p50']} / {s['itl_ms']['p99']}"),
+        ("TTFT p50 / p99 / max (ms)", _three(s["ttft_ms"])),
+        ("ITL p50 / p99 / max (ms)", _three(s["itl_ms"])),
+        ("longest gap in a stream (ms)", s["longest_gap_ms"]),
         ("latency p50 / p99 (ms)", f"{s['latency_ms']['p50']} / {s['latency_ms']['p99']}"),
     ]
+    if s.get("classes"):
+        shape = s["mixed_shape"]
+        labels = {"long": "long prompts ({}-{} tokens, {}-{} out)".format(*shape["long_prompt"], *shape["long_output"]),
+                  "short": "short prompts ({}-{} tokens, {} out)".format(*shape["short_prompt"], shape["short_output"])}
+        for kind, c in s["classes"].items():
+            rows += [(labels[kind], f"{c['succeeded']} ok / {c['succeeded'] + c['failed']}, "
+                                    f"{c['output_tokens']:,} output tokens"),
+                     ("  TTFT p50 / p99 / max (ms)", _three(c["ttft_ms"])),
+                     ("  ITL p50 / p99 / max (ms)", _three(c["itl_ms"])),
+                     ("  longest gap in a stream (ms)", c["longest_gap_ms"])]
     if s["shared_prefix_tokens"]:
         rate = s["prefix_cache_hit_rate"]
         rows.append(("prompt tokens from cache", "not in the server's usage" if rate is None else f"{rate:.1%}"))
@@ -651,7 +796,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 64)")
+    p.add_argument("--workload", choices=["uniform", "mixed"], default="uniform",
+                   help="uniform: every request alike; mixed: long prompts with short outputs beside "
+                        "short prompts with 512-token outputs (see the top of this file)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests sent first")
     p.add_argument("--timeout", type=float, default=600.0, help="overall limit in seconds")
@@ -663,7 +811,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unique-tokens", type=int, default=64,
                    help="with --shared-prefix-tokens: each request's own tokens after it")
     args = p.parse_args(argv)
-    if min(args.num_requests, args.concurrency, args.max_tokens, args.client_procs, args.unique_tokens) < 1:
+    if args.workload == "mixed":
+        for bad, why in ((args.max_tokens is not None, "sets its own output lengths: drop --max-tokens"),
+                         (args.shared_prefix_tokens, "has prompts of its own: drop --shared-prefix-tokens"),
+                         (args.client_procs > 1, "runs in one client process: drop --client-procs"),
+                         (args.concurrency < 2, "needs --concurrency >= 2 (half long, half short streams)")):
+            if bad:
+                p.error(f"--workload mixed {why}")
+    elif args.max_tokens is None:
+        args.max_tokens = 64
+    if min(args.num_requests, args.concurrency, args.max_tokens or 1, args.client_procs, args.unique_tokens) < 1:
         p.error("--num-requests, --concurrency, --max-tokens, --client-procs and --unique-tokens "
                 "must be >= 1")
     if args.shared_prefix_tokens < 0:

@@ -148,9 +148,11 @@ def run_against(responses, **kw):
         server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         args = types.SimpleNamespace(url=f"http://127.0.0.1:{port}", api_key="k", model=None,
-                                     num_requests=kw.get("n", 6), concurrency=2, max_tokens=4,
-                                     temperature=0.0, warmup=1, timeout=20.0, client_procs=1,
-                                     shared_prefix_tokens=kw.get("shared", 0), unique_tokens=5)
+                                     num_requests=kw.get("n", 6), concurrency=kw.get("concurrency", 2),
+                                     max_tokens=kw.get("max_tokens", 4), temperature=0.0, warmup=1,
+                                     timeout=20.0, client_procs=1, shared_prefix_tokens=kw.get("shared", 0),
+                                     unique_tokens=5, workload=kw.get("workload", "uniform"),
+                                     mixed_shape=kw.get("shape", L.MIXED))
         try:
             records, elapsed, _, prefix_cache = await L._run_one_process(args)
         finally:
@@ -166,7 +168,9 @@ def test_run_against_a_loopback_server_reuses_connections():
             return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(data), data)
         if head.startswith(b"GET /metrics"):
             return b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
-        assert b"Authorization: Bearer k" in head and json.loads(body)["model"] == "tiny"
+        request = json.loads(body)
+        assert b"Authorization: Bearer k" in head and request["model"] == "tiny"
+        assert request["return_token_ids"] is True and request["ignore_eos"] is True
         return stream_response(4)
     fake, records, s = run_against(respond)
     assert all(r.ok and r.completion_tokens == 4 and len(r.inter_token_s) == 3 for r in records)
@@ -260,3 +264,94 @@ def test_parse_prefix_cache_counters():
     assert L.prefix_cache_over_run((10.0, 5.0), (30.0, 20.0)) == {"queries": 20, "hits": 15, "hit_rate": 0.75}
     assert L.prefix_cache_over_run((10.0, 5.0), (10.0, 5.0))["hit_rate"] is None
     assert L.prefix_cache_over_run(None, (10.0, 5.0)) is None
+
+
+def test_chunk_token_count_reads_token_ids_not_prompt_token_ids():
+    assert L.chunk_token_count(b'{"choices":[{"text":"abc","token_ids":[5,6,7]}]}') == 3
+    assert L.chunk_token_count(b'{"choices": [{"text": "a", "token_ids": [5]}]}') == 1
+    assert L.chunk_token_count(b'{"choices":[{"text":"","token_ids":[]}]}') == 0
+    assert L.chunk_token_count(b'{"choices":[{"text":"a","prompt_token_ids":[1,2,3]}]}') is None
+    assert L.chunk_token_count(b'{"choices":[{"text":"a","prompt_token_ids":[1,2],"token_ids":[9,8]}]}') == 2
+    assert L.chunk_token_count(b'{"choices":[{"text":"a","token_ids":null}]}') is None
+    assert L.chunk_token_count(b'{"choices":[{"text":"a"}]}') is None
+
+
+def test_inter_token_latency_counts_each_chunks_tokens(monkeypatch):
+    """A chunk that brings k tokens after a gap g is k tokens g/k apart; the gap itself is the
+    longest wait; chunks with no tokens do not count; a chunk without token_ids is one token."""
+    clock = iter([0.1, 0.4, 0.5, 0.6])
+    monkeypatch.setattr(L, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    record = L.RequestRecord()
+    recorder = L._StreamRecorder(record, start=0.0)
+    for payload in [b'{"choices":[{"text":"a","prompt_token_ids":[1,2,3,4],"token_ids":[5]}]}',   # at 0.1
+                    b'{"choices":[{"text":"bcd","token_ids":[6,7,8]}]}',                            # at 0.4
+                    b'{"choices":[{"text":"","token_ids":[]}]}',
+                    b'{"choices":[{"text":"e"}]}',                                                   # at 0.5
+                    b'{"choices":[{"text":""}]}',
+                    b'{"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":5,"total_tokens":9}}',
+                    b"[DONE]"]:                                                                      # at 0.6
+        recorder(payload)
+    assert record.ttft_s == 0.1 and recorder.done_at == 0.6 and record.completion_tokens == 5
+    assert record.inter_token_s == pytest.approx([0.3, 0.1]) and record.chunk_tokens == [3, 1]
+    assert L.token_gaps(record) == pytest.approx([0.1] * 4)
+    record.ok, record.latency_s = True, 0.6
+    stats = L.stream_stats([record, L.RequestRecord(error="boom")])
+    assert stats["succeeded"] == 1 and stats["failed"] == 1 and stats["output_tokens"] == 5
+    assert stats["itl_ms"] == {"p50": 100.0, "p99": 100.0, "max": 100.0} and stats["longest_gap_ms"] == 300.0
+    assert stats["ttft_ms"] == {"p50": 100.0, "p99": 100.0, "max": 100.0}
+
+
+def test_latency_spread_over_streams():
+    """p50 / p99 / max over the per-token gaps of every stream, against a direct computation."""
+    a = L.RequestRecord(ok=True, ttft_s=0.05, latency_s=1.0, inter_token_s=[0.01] * 98 + [0.5],
+                        chunk_tokens=[1] * 98 + [5])
+    b = L.RequestRecord(ok=True, ttft_s=0.2, latency_s=2.0, inter_token_s=[0.02] * 50, chunk_tokens=[1] * 50)
+    stats = L.stream_stats([a, b])
+    per_token = sorted([0.01] * 98 + [0.1] * 5 + [0.02] * 50)
+    assert len(L.token_gaps(a)) == 103
+    pos = 0.99 * (len(per_token) - 1)                      # linear interpolation between neighbours
+    p99 = per_token[int(pos)] + (per_token[int(pos) + 1] - per_token[int(pos)]) * (pos % 1)
+    assert stats["itl_ms"]["p50"] == round(per_token[len(per_token) // 2] * 1000, 2)
+    assert stats["itl_ms"]["p99"] == pytest.approx(round(p99 * 1000, 2))
+    assert stats["itl_ms"]["max"] == 100.0 and stats["longest_gap_ms"] == 500.0
+    assert stats["ttft_ms"]["max"] == 200.0 and stats["latency_ms"]["p50"] == 1500.0
+
+
+def test_mixed_workload_runs_long_prompts_beside_short_streams():
+    """--workload mixed: the short streams are --num-requests token-id prompts with the long
+    output; half the concurrency sends long prompts with short outputs back to back until the
+    short streams are done; each class has its own figures."""
+    shape = L.MixedShape(long_prompt=(30, 40), long_output=(2, 3), short_prompt=(5, 8), short_output=6)
+
+    def respond(head, body):
+        if head.startswith(b"GET"):
+            return b"HTTP/1.1 200 OK\r\ncontent-length: 26\r\n\r\n" + b'{"data": [{"id": "tiny"}]}'
+        return stream_response(json.loads(body)["max_tokens"])
+    fake, records, s = run_against(respond, n=4, concurrency=4, workload="mixed", shape=shape, max_tokens=None)
+    bodies = [json.loads(body) for path, body in fake.requests if path == "/v1/completions"]
+    warm, measured = bodies[0], bodies[1:]
+    assert isinstance(warm["prompt"], str) and warm["max_tokens"] == 16
+    short = [b for b in measured if b["max_tokens"] == 6]
+    long = [b for b in measured if b["max_tokens"] != 6]
+    assert len(short) == 4 and all(5 <= len(b["prompt"]) <= 8 for b in short)
+    assert len(long) >= 2 and all(30 <= len(b["prompt"]) <= 40 and 2 <= b["max_tokens"] <= 3 for b in long)
+    assert len({tuple(b["prompt"]) for b in long}) == len(long)              # no two alike: no cache hits
+    assert sorted(r.kind for r in records) == ["long"] * len(long) + ["short"] * 4
+    assert all(r.ok for r in records) and s["succeeded"] == len(records) == s["num_requests"]
+    assert s["classes"]["short"]["succeeded"] == 4 and s["classes"]["short"]["output_tokens"] == 24
+    assert s["classes"]["long"]["output_tokens"] == sum(b["max_tokens"] for b in long)
+    assert s["output_tokens"] == 24 + s["classes"]["long"]["output_tokens"]
+    assert s["workload"] == "mixed" and s["mixed_shape"]["short_output"] == 6
+    assert s["classes"]["short"]["itl_ms"]["max"] is not None
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-tokens", "5"], "sets its own output lengths"),
+    (["--shared-prefix-tokens", "8"], "has prompts of its own"),
+    (["--client-procs", "2"], "runs in one client process"),
+    (["--concurrency", "1"], "needs --concurrency >= 2"),
+])
+def test_mixed_workload_argument_errors(capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        L.main(["--workload", "mixed", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
