@@ -99,28 +99,29 @@ def result_from_timings(spec: WorkloadSpec, requests: list[BenchRequest], timing
 def run_child(command: list[str], env: dict, max_seconds: float, out=None) -> tuple[int | None, str]:
     """Run the child in a session of its own, its output passed on to `out` (stderr) as it comes.
     -> (exit status, None when it was stopped at max_seconds; its last line of output). Whatever
-    the child started (vLLM's engine process) is stopped with it."""
+    the child started (vLLM's engine process) is stopped with it, so that it neither keeps the
+    GPU nor holds the output pipe open."""
     out = out or sys.stderr
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             errors="replace", start_new_session=True)
-    stopped = threading.Event()
-
-    def stop():
-        stopped.set()
-        kill_session(proc.pid)
-    timer = threading.Timer(max_seconds, stop)
-    timer.start()
     tail = collections.deque(maxlen=1)
-    try:
+
+    def pass_on():
         for line in proc.stdout:
             out.write(line)
             if line.strip():
                 tail.append(line.strip())
-        status = proc.wait()
+    reader = threading.Thread(target=pass_on, daemon=True)
+    reader.start()
+    try:
+        status = proc.wait(timeout=max_seconds)
+    except subprocess.TimeoutExpired:
+        status = None
     finally:
-        timer.cancel()
         kill_session(proc.pid)
-    return (None if stopped.is_set() else status), (tail[0] if tail else "")
+        proc.wait()
+    reader.join(timeout=10)
+    return status, (tail[0] if tail else "")
 
 
 def kill_session(pid: int) -> None:
