@@ -12,7 +12,8 @@ still holds its CUDA context) and max_model_len 4096 or the longest context the 
 It reports raw wall times, turned into results here:
   latency     TTFT = the wall time of the request with max_tokens=1; decode tok/s =
               (n - 1) / (t_n - t_1), medians over the repeats (the way bench/hf.py measures HF).
-  the others  output tok/s = generated tokens / the generate call's wall time.
+  the others  output tok/s = generated tokens / the generate call's wall time (prefix: one run,
+              with vLLM's prefix caching as it defaults, on).
 A child that fails or overruns --vllm-max-seconds leaves what it finished; the workloads it did not
 finish are reported with a note instead of numbers.
 """
@@ -62,6 +63,8 @@ def check_available(site: str | None) -> None:
 
 
 def child_command() -> list[str]:
+    """As a module, not a file path: a script's own folder would come first on sys.path, and this
+    module's name would shadow vLLM's there."""
     return [sys.executable, "-m", CHILD_MODULE]
 
 
