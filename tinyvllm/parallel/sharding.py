@@ -132,11 +132,12 @@ def rank_weights(config: ModelConfig, weights: dict[str, np.ndarray], shard: Ran
     """One rank's checkpoint tensors, by the same names, each the rank's slice (a view: nothing
     is copied here). Quantized weights are refused above one rank: their blocks and scales do not
     split along the axes above as plain arrays do."""
-    if shard.size > 1:
-        quantized = sorted(n for n, w in weights.items() if is_quantized(w))
-        if quantized:
-            raise ConfigError(f"tensor_parallel_size={shard.size} needs unquantized weights; {quantized[0]} "
-                              f"is quantized ({len(quantized)} tensors are)")
+    if shard.size == 1:
+        return dict(weights)                  # one rank holds everything, of any kind
+    quantized = sorted(n for n, w in weights.items() if is_quantized(w))
+    if quantized:
+        raise ConfigError(f"tensor_parallel_size={shard.size} needs unquantized weights; {quantized[0]} "
+                          f"is quantized ({len(quantized)} tensors are)")
     out = {}
     for name, w in weights.items():
         split = split_of(name)
