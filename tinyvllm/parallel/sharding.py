@@ -56,7 +56,8 @@ SPLITS: dict[str, tuple[int, str]] = {
     names.EMBED: (0, "vocab"), names.LM_HEAD: (0, "vocab"),
 }
 # where the partial sums are all-reduced (a sum over ranks, in rank order) in every forward
-ALL_REDUCES = ("embedding output", "o_proj output", "down_proj output")
+ALL_REDUCES = ("the embedding's output (once per step)", "each layer's o_proj output",
+               "each layer's down_proj output")
 
 
 @dataclass(frozen=True)
@@ -179,8 +180,7 @@ def visible_gpu_count() -> int:
 def rank_memory_lines(config: ModelConfig, size: int, weight_itemsize: int = 2, kv_itemsize: int = 2) -> list[str]:
     """Each rank's share: its heads and rows, its weight bytes and its KV bytes per token."""
     from tinyvllm.checkpoint.weight_names import expected_shapes
-    lines = [f"  tensor_parallel_size {size}: all-reduces after the {', the '.join(ALL_REDUCES)} of every "
-             "layer (the embedding's once per step)"]
+    lines = [f"  tensor_parallel_size {size}; all-reduced: {', '.join(ALL_REDUCES)}"]
     for shard in rank_shards(config, size):
         local = rank_config(config, shard)
         weight_bytes = sum(int(np.prod(s)) for s in expected_shapes(local).values()) * weight_itemsize
