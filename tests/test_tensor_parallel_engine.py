@@ -9,6 +9,7 @@ import pytest
 
 from tinyvllm.cli import build_parser, engine_options_from_args, main
 from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.engine.batch import SamplingBatch
 from tinyvllm.engine.llm import LLM
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.engine.sampling_params import SamplingParams
@@ -91,7 +92,10 @@ def test_cuda_refuses_more_ranks_than_gpus_and_says_what_is_not_built():
         check_engine_split(config, EngineConfig(tensor_parallel_size=2), visible_gpus=lambda: 1)
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 on cuda is not built yet"):
         check_engine_split(config, EngineConfig(tensor_parallel_size=2), visible_gpus=lambda: 2)
-    check_engine_split(config, EngineConfig(tensor_parallel_size=1), visible_gpus=lambda: 0)   # the default path
+    with pytest.raises(ConfigError, match="tensor_parallel_size=1 but 0 GPUs are visible"):
+        check_engine_split(config, EngineConfig(tensor_parallel_size=1), visible_gpus=lambda: 0)
+    check_engine_split(config, EngineConfig(tensor_parallel_size=1), visible_gpus=lambda: 1)  # one rank process
+    check_engine_split(config, EngineConfig(), visible_gpus=lambda: 0)          # None: the in-process runner
 
 
 @pytest.mark.parametrize("command", [["generate", "--model", "m", "x"], ["serve", "--model", "m"], ["bench"]])
@@ -124,3 +128,57 @@ def test_inspect_shows_each_ranks_share(tiny_model_dir, capsys):
     assert "rank 2" not in out
     main(["inspect", "--model", str(tiny_model_dir)])
     assert "tensor parallel" not in capsys.readouterr().out
+
+
+def rank_processes(tiny_model_dir, **options):
+    """One rank process holding the numpy backend: the rank-process plumbing on the CPU (on cuda
+    the same class holds a CudaRunner and a one-rank NCCL communicator)."""
+    from tinyvllm.parallel.workers import RankProcesses
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    engine_config = EngineConfig(tensor_parallel_size=1, **dict(CPU, **options))
+    return RankProcesses(config, engine_config, tiny_model_dir, None)
+
+
+def test_a_rank_process_gives_the_in_process_runners_tokens_and_logprobs(tiny_model_dir):
+    """Steps sent down a pipe, launched ahead (async scheduling: fed ids resolved in the rank
+    process), sampled with logprobs: the very bits of the numpy runner in this process."""
+    prompts = ["The capital of France is", "1 2 3 4 5", "a"]
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, seed=3, max_tokens=5, logprobs=3, ignore_eos=True)
+    for options in ({}, {"async_scheduling": True}):
+        here = LLMEngine(tiny_model_dir, **dict(CPU, **options))
+        there = LLMEngine(tiny_model_dir, runner=rank_processes(tiny_model_dir), **dict(CPU, **options))
+        try:
+            assert run(there, prompts, plain) == run(here, prompts, plain)
+            assert run(there, prompts[:1], sampled) == run(here, prompts[:1], sampled)
+            assert there.runner.last_logprobs is not None
+            np.testing.assert_array_equal(there.runner.last_logprobs.top_ids, here.runner.last_logprobs.top_ids)
+            assert there.runner.num_kv_blocks == here.runner.num_kv_blocks
+            np.testing.assert_array_equal(there.runner.prompt_logits([1, 2, 3]), here.runner.prompt_logits([1, 2, 3]))
+        finally:
+            here.close()
+            there.close()
+        assert not there.runner.processes
+
+
+def test_a_rank_process_that_cannot_start_raises_its_error_here(tmp_path):
+    from tinyvllm.errors import ModelLoadError
+    from tinyvllm.parallel.workers import RankProcesses
+    config = ModelConfig.from_dict(dict(model_type="llama", hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                        rms_norm_eps=1e-5, max_position_embeddings=64, vocab_size=100))
+    with pytest.raises(ModelLoadError, match="no model.safetensors"):
+        RankProcesses(config, EngineConfig(tensor_parallel_size=1, **CPU), tmp_path, None)
+
+
+def test_a_rank_that_fails_in_a_step_makes_the_step_raise(tiny_model_dir):
+    from tinyvllm.engine.batch import ForwardBatch
+    runner = rank_processes(tiny_model_dir)
+    try:
+        batch = ForwardBatch.build_decode([0], [3], np.zeros((1, 1), np.int32), 4)
+        batch.fed_rows = np.zeros(1, np.int32)         # fed ids, but no step launched before it
+        greedy = SamplingBatch.build([0], [0], [1], [0], [0])
+        with pytest.raises(RuntimeError, match="rank 0: ValueError: a step with fed tokens needs a step"):
+            runner.launch(batch, greedy).wait()
+    finally:
+        runner.close()

@@ -118,7 +118,7 @@ def loaded_weight_lines(weights: dict, config: ModelConfig) -> list[str]:
 
 def tensor_parallel_lines(config: ModelConfig, engine: EngineConfig) -> list[str]:
     """Each rank's share of the weights and KV cache (bf16) when the engine splits the model."""
-    if engine.tensor_parallel_size == 1:
+    if (engine.tensor_parallel_size or 1) == 1:
         return []
     from tinyvllm.parallel.sharding import rank_memory_lines
     return ["tensor parallel (tinyvllm/parallel/sharding.py; bf16 as on the GPU):",

@@ -24,6 +24,7 @@ from tinyvllm.engine.limits import fit_context_to_cache
 from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.errors import ConfigError, GPUUnavailableError, ModelLoadError, TinyVLLMError
 from tinyvllm.parallel.sharding import check_engine_split
+from tinyvllm.parallel.workers import RankProcesses, uses_rank_processes
 from tinyvllm.quant.weight_kinds import quantization_summary
 
 
@@ -44,7 +45,7 @@ def make_engine_config(engine_config: EngineConfig | None, options: dict) -> Eng
 def runner_class(engine_config: EngineConfig) -> type[ModelRunner]:
     """The runner class of engine_config's device; a backend that cannot be loaded is a one-line
     error (asked before the default model's first conversion, which takes seconds)."""
-    if engine_config.device == "cpu" and engine_config.tensor_parallel_size > 1:
+    if engine_config.device == "cpu" and (engine_config.tensor_parallel_size or 1) > 1:
         from tinyvllm.parallel.numpy_ranks import ShardedNumpyRunner
         return ShardedNumpyRunner
     if engine_config.device == "cpu":
@@ -118,8 +119,11 @@ def load_model(model: str | Path | None, engine_config: EngineConfig, runner: Mo
         check_engine_split(model_config, engine_config)       # before the weights load
         if engine_config.device == "cuda":
             check_cuda_support(model_config)       # before the weights load
-        runner = make_runner(model_config, read_weights(model_dir, gguf_file, model_config, engine_config),
-                             engine_config)
+        if uses_rank_processes(engine_config):     # each rank process reads its own shards
+            runner = RankProcesses(model_config, engine_config, model_dir, gguf_file)
+        else:
+            runner = make_runner(model_config, read_weights(model_dir, gguf_file, model_config, engine_config),
+                                 engine_config)
     try:
         engine_config = fit_context_to_cache(engine_config, model_config, runner.num_kv_blocks)
     except TinyVLLMError:

@@ -155,7 +155,7 @@ def check_engine_split(config: ModelConfig, engine_config: EngineConfig, visible
     """Before the weights load: the model splits over engine_config.tensor_parallel_size ranks,
     and the device has them. visible_gpus: a function counting the CUDA devices (tests)."""
     size = engine_config.tensor_parallel_size
-    if size == 1:
+    if size is None:
         return
     check_split(config, size)
     if engine_config.device == "cuda":
@@ -163,8 +163,10 @@ def check_engine_split(config: ModelConfig, engine_config: EngineConfig, visible
         if size > count:
             raise ConfigError(f"tensor_parallel_size={size} but {count} GPU{'s are' if count != 1 else ' is'} "
                               "visible (CUDA_VISIBLE_DEVICES)")
-        raise ConfigError(f"tensor_parallel_size={size} on cuda is not built yet (one worker process "
-                          "per GPU over NCCL); --device cpu runs the sharded numpy forward")
+    if engine_config.device == "cuda" and size > 1:
+        raise ConfigError(f"tensor_parallel_size={size} on cuda is not built yet: the GPU model has no "
+                          "all-reduce between shards (1 runs one rank process over NCCL; --device cpu "
+                          "runs the sharded numpy forward)")
 
 
 def visible_gpu_count() -> int:
