@@ -95,6 +95,8 @@ def test_cuda_refuses_more_ranks_than_gpus_and_says_what_is_not_built():
     with pytest.raises(ConfigError, match="tensor_parallel_size=1 but 0 GPUs are visible"):
         check_engine_split(config, EngineConfig(tensor_parallel_size=1), visible_gpus=lambda: 0)
     check_engine_split(config, EngineConfig(tensor_parallel_size=1), visible_gpus=lambda: 1)  # one rank process
+    with pytest.raises(ConfigError, match="trace without --tensor-parallel-size"):
+        check_engine_split(config, EngineConfig(tensor_parallel_size=1, trace_steps=2), visible_gpus=lambda: 1)
     check_engine_split(config, EngineConfig(), visible_gpus=lambda: 0)          # None: the in-process runner
 
 

@@ -188,6 +188,13 @@ def _start_rank(rank, config, engine_config, model_dir, gguf_file, unique_id):
         from tinyvllm.gpu.nccl import NcclCommunicator
         with runner.device.active():
             communicator = NcclCommunicator(unique_id, size, rank)
+        # the residual stream summed over the ranks on the step's stream (gpu/model.py's
+        # sum_hidden_over_ranks), so the decode graphs are captured again with the all-reduces
+        # in them; one rank only (check_engine_split refuses more on cuda)
+        stream = runner.stream.handle
+        runner.model.all_reduce = lambda ptr, count: communicator.all_reduce(ptr, ptr, count, "bfloat16", stream)
+        if not engine_config.enforce_eager:
+            runner.recapture_decode_graphs()
     return runner, communicator
 
 
