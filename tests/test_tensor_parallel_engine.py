@@ -38,13 +38,15 @@ def test_greedy_generation_over_two_ranks_equals_one_rank(tiny_model_dir):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     one = LLMEngine(tiny_model_dir, **CPU)
     two = LLMEngine(tiny_model_dir, tensor_parallel_size=2, **CPU)
+    ahead = LLMEngine(tiny_model_dir, tensor_parallel_size=2, async_scheduling=True, **CPU)   # fed ids
     assert isinstance(two.runner, ShardedNumpyRunner) and not isinstance(one.runner, ShardedNumpyRunner)
     assert two.runner.num_kv_blocks == one.runner.num_kv_blocks
     want = run(one, prompts, params)
     assert run(two, prompts, params) == want
+    assert run(ahead, prompts, params) == want
     assert all(len(t) == 12 for t in want) and len({tuple(t) for t in want}) > 1
-    one.close()
-    two.close()
+    for engine in (one, two, ahead):
+        engine.close()
 
 
 def test_sampling_steps_gather_the_logits_and_give_logprobs(tiny_model_dir):
@@ -97,6 +99,9 @@ def test_cuda_refuses_more_ranks_than_gpus_and_says_what_is_not_built():
     check_engine_split(config, EngineConfig(tensor_parallel_size=1), visible_gpus=lambda: 1)  # one rank process
     with pytest.raises(ConfigError, match="trace without --tensor-parallel-size"):
         check_engine_split(config, EngineConfig(tensor_parallel_size=1, trace_steps=2), visible_gpus=lambda: 1)
+    with pytest.raises(ConfigError, match="trace without --tensor-parallel-size"):
+        check_engine_split(config, EngineConfig(tensor_parallel_size=2, trace_steps=2, device="cpu"))
+    check_engine_split(config, EngineConfig(tensor_parallel_size=1, trace_steps=2, device="cpu"))
     check_engine_split(config, EngineConfig(), visible_gpus=lambda: 0)          # None: the in-process runner
 
 

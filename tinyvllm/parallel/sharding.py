@@ -163,9 +163,9 @@ def check_engine_split(config: ModelConfig, engine_config: EngineConfig, visible
         if size > count:
             raise ConfigError(f"tensor_parallel_size={size} but {count} GPU{'s are' if count != 1 else ' is'} "
                               "visible (CUDA_VISIBLE_DEVICES)")
-    if engine_config.device == "cuda" and engine_config.trace_steps:
-        raise ConfigError("the trace shows the engine process's launches; with tensor_parallel_size they run "
-                          "in the rank processes: trace without --tensor-parallel-size")
+    if engine_config.trace_steps and (size > 1 or engine_config.device == "cuda"):
+        raise ConfigError("the trace follows one runner in the engine process; tensor_parallel_size splits "
+                          "the work over ranks: trace without --tensor-parallel-size")
     if engine_config.device == "cuda" and size > 1:
         raise ConfigError(f"tensor_parallel_size={size} on cuda is not built yet: the GPU model has no "
                           "all-reduce between shards (1 runs one rank process over NCCL; --device cpu "
