@@ -111,16 +111,21 @@ def test_all_reduce_is_captured_into_a_cuda_graph(one_rank, rng, dtype):
         one_rank.all_reduce(int(send), int(recv), n, dtype, stream.handle)
     stream.synchronize()
     assert np.isnan(_download(recv, n, np_dtype).astype(np.float32)).all()     # capture ran nothing
+    with CudaGraph.capture(stream) as in_place:                              # as the model sums `hidden`
+        one_rank.all_reduce(int(send), int(send), n, dtype, stream.handle)
     try:
         for _ in range(2):
             x = rng.standard_normal(n).astype(np_dtype)
             drv.memcpy_htod(send, x)
             drv.memcpy_htod(recv, poison)
             graph.launch(stream)
+            in_place.launch(stream)
             stream.synchronize()
             np.testing.assert_array_equal(_bits(_download(recv, n, np_dtype)), _bits(x))
+            np.testing.assert_array_equal(_bits(_download(send, n, np_dtype)), _bits(x))
     finally:
         graph.close()
+        in_place.close()
 
 
 @pytest.mark.gpu

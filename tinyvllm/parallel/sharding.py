@@ -184,11 +184,10 @@ def visible_gpu_count() -> int:
 
 def rank_memory_lines(config: ModelConfig, size: int, weight_itemsize: int = 2, kv_itemsize: int = 2) -> list[str]:
     """Each rank's share: its heads and rows, its weight bytes and its KV bytes per token."""
-    from tinyvllm.checkpoint.weight_names import expected_shapes
     lines = [f"  tensor_parallel_size {size}; all-reduced: {', '.join(ALL_REDUCES)}"]
     for shard in rank_shards(config, size):
         local = rank_config(config, shard)
-        weight_bytes = sum(int(np.prod(s)) for s in expected_shapes(local).values()) * weight_itemsize
+        weight_bytes = sum(int(np.prod(s)) for s in names.expected_shapes(local).values()) * weight_itemsize
         kv = local.num_hidden_layers * 2 * local.kv_size * kv_itemsize
         lines.append(f"  rank {shard.rank}: q heads {_span(shard.q_heads)}, kv heads {_span(shard.kv_heads)}, "
                      f"intermediate {_span(shard.intermediate)}, vocab {_span(shard.vocab)}; weights "
