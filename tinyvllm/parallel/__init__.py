@@ -6,4 +6,6 @@
                       logits, and the gather the full sampler needs
     numpy_ranks.py    the numpy twin: N ranks in one process, each a reference model over its
                       shards, partial sums all-reduced as a sum in rank order
+    workers.py        cuda: one process per rank, each with its GPU, shards, runner and NCCL
+                      communicator (gpu/nccl.py); the engine process sends every rank each step
 """
