@@ -220,6 +220,8 @@ class EngineConfig:
                                          # start while the one before ends); False: one after the other
     quantization: str | None = None      # "fp8": a bf16 checkpoint's layer linears quantized at load
                                          # (e4m3, a scale per output row); None: as the checkpoint is
+    tensor_parallel_size: int | None = None   # ranks each layer is split over (tinyvllm/parallel/); cuda:
+                                         # one process per rank over NCCL, 1 included; None: in-process
 
     def __post_init__(self):
         _check_int("max_num_seqs", self.max_num_seqs, 1, INT32_MAX)
@@ -246,6 +248,8 @@ class EngineConfig:
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         _check_int("seed", self.seed, 0, 2**64 - 1)
+        if self.tensor_parallel_size is not None:
+            _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1 << 16)
         _check_int("trace_steps", self.trace_steps, 0, INT32_MAX)
         if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
             raise ValueError(f"async_scheduling must be true, false or None, got {self.async_scheduling!r}")

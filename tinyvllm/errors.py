@@ -10,6 +10,10 @@ class ModelLoadError(TinyVLLMError):
     """The model directory, config.json, tokenizer or weight files are missing or invalid."""
 
 
+class ConfigError(TinyVLLMError):
+    """An engine option that cannot be honoured (for this model, or on this machine)."""
+
+
 class InvalidRequestError(TinyVLLMError, ValueError):
     """A request that can never be served: bad sampling values, empty or too-long prompt."""
 

@@ -116,6 +116,15 @@ def loaded_weight_lines(weights: dict, config: ModelConfig) -> list[str]:
     return lines
 
 
+def tensor_parallel_lines(config: ModelConfig, engine: EngineConfig) -> list[str]:
+    """Each rank's share of the weights and KV cache (bf16) when the engine splits the model."""
+    if (engine.tensor_parallel_size or 1) == 1:
+        return []
+    from tinyvllm.parallel.sharding import rank_memory_lines
+    return ["tensor parallel (tinyvllm/parallel/sharding.py; bf16 as on the GPU):",
+            *rank_memory_lines(config, engine.tensor_parallel_size), ""]
+
+
 def inspect_report(model: str | Path, engine: EngineConfig) -> str:
     from tinyvllm.checkpoint.loading import cuda_refuses, read_weights, resolve_checkpoint
     from tinyvllm.quant.weight_kinds import quantization_summary
@@ -138,6 +147,7 @@ def inspect_report(model: str | Path, engine: EngineConfig) -> str:
         "KV cache:", *kv_cache_lines(config, engine), "",
         f"arena for max_num_seqs={engine.max_num_seqs}, max_num_batched_tokens={engine.max_num_batched_tokens}, "
         f"context limit {engine.context_limit(config):,}:", layout.memory_map(), "",
+        *tensor_parallel_lines(config, engine),
         f"GPU memory: weights {_gib(weights)} + arena {_gib(layout.total_bytes)} + KV for "
         f"{engine.max_num_seqs} full contexts {_gib(kv_full)} = {_gib(weights + layout.total_bytes + kv_full)} "
         f"(the engine sizes the KV cache from free memory instead: gpu/kv_cache.py::num_blocks_to_allocate)",

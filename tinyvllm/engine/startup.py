@@ -3,7 +3,8 @@ backend for EngineConfig.device, the model directory loaded into it, and the eng
 fitted to the KV cache it got.
 
 This is the one module that names the backends: reference/numpy_runner.py's NumpyRunner for
-device="cpu", gpu/cuda_runner.py's CudaRunner for "cuda". Their base class
+device="cpu" (parallel/numpy_ranks.py's ShardedNumpyRunner with tensor_parallel_size > 1),
+gpu/cuda_runner.py's CudaRunner for "cuda". Their base class
 (engine/model_runner.py) imports neither, so each imports it with no cycle. A backend that cannot
 start (no PyCUDA, no GPU, a failed CUDA start-up) is one GPUUnavailableError line naming
 --device cpu, never a traceback.
@@ -21,7 +22,9 @@ from tinyvllm.checkpoint.tokenizer import Tokenizer
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.limits import fit_context_to_cache
 from tinyvllm.engine.model_runner import ModelRunner
-from tinyvllm.errors import GPUUnavailableError, ModelLoadError, TinyVLLMError
+from tinyvllm.errors import ConfigError, GPUUnavailableError, ModelLoadError, TinyVLLMError
+from tinyvllm.parallel.sharding import check_engine_split
+from tinyvllm.parallel.workers import RankProcesses, uses_rank_processes
 from tinyvllm.quant.weight_kinds import quantization_summary
 
 
@@ -36,12 +39,15 @@ def make_engine_config(engine_config: EngineConfig | None, options: dict) -> Eng
         known = ", ".join(f.name for f in dataclasses.fields(EngineConfig))
         raise TinyVLLMError(f"unknown engine option ({e}); known options: {known}") from None
     except ValueError as e:          # EngineConfig's own range checks
-        raise TinyVLLMError(f"invalid engine option: {e}") from None
+        raise ConfigError(f"invalid engine option: {e}") from None
 
 
 def runner_class(engine_config: EngineConfig) -> type[ModelRunner]:
     """The runner class of engine_config's device; a backend that cannot be loaded is a one-line
     error (asked before the default model's first conversion, which takes seconds)."""
+    if engine_config.device == "cpu" and (engine_config.tensor_parallel_size or 1) > 1:
+        from tinyvllm.parallel.numpy_ranks import ShardedNumpyRunner
+        return ShardedNumpyRunner
     if engine_config.device == "cpu":
         from tinyvllm.reference.numpy_runner import NumpyRunner
         return NumpyRunner
@@ -110,10 +116,14 @@ def load_model(model: str | Path | None, engine_config: EngineConfig, runner: Mo
             f"{model_dir}: tokenizer.json has {tokenizer.vocab_size} tokens but config.json's "
             f"vocab_size is {model_config.vocab_size}: the model has no embedding for the rest")
     if runner is None:
+        check_engine_split(model_config, engine_config)       # before the weights load
         if engine_config.device == "cuda":
             check_cuda_support(model_config)       # before the weights load
-        runner = make_runner(model_config, read_weights(model_dir, gguf_file, model_config, engine_config),
-                             engine_config)
+        if uses_rank_processes(engine_config):     # each rank process reads its own shards
+            runner = RankProcesses(model_config, engine_config, model_dir, gguf_file)
+        else:
+            runner = make_runner(model_config, read_weights(model_dir, gguf_file, model_config, engine_config),
+                                 engine_config)
     try:
         engine_config = fit_context_to_cache(engine_config, model_config, runner.num_kv_blocks)
     except TinyVLLMError:

@@ -141,6 +141,10 @@ class LlamaModel:
         self.sampled_ids = v("sampled_ids")   # async scheduling's fed ids
         self.norm_row_ss = v("norm_row_ss")   # the handed-over norm's sums of squares
         self.head_argmax = v("head_argmax")   # the decode LM head's greedy argmax keys
+        # tensor parallelism: all_reduce(ptr, count) sums `count` bf16 values at ptr over the
+        # ranks, in place, on the step's stream (parallel/workers.py sets it; a one-rank group
+        # only so far: see sum_hidden_over_ranks)
+        self.all_reduce = None
 
     def head_argmax_for(self, step: StepShape) -> int:
         """The device pointer of the greedy argmax keys this step's LM head keeps beside the
@@ -173,6 +177,7 @@ class LlamaModel:
                       norm=(w.layers[0].input_norm, self.normed, self.norm_row_ss) if fused else None,
                       head_argmax=self.head_argmax if fused else 0, scale=self.embed_scale,
                       norm_offset=c.norm_weight_offset)
+        self.sum_hidden_over_ranks(T)
         for layer, lw in enumerate(w.layers):
             if fused:
                 self._decode_layer_fused(step, layer, lw, kw)
@@ -209,9 +214,21 @@ class LlamaModel:
         c, H = self.cfg, self.cfg.hidden_size
         if not c.sandwich_norms:
             self.ops.linear(self.hidden, x, w, T, H, k, accumulate=True, k_warps=k_warps)
-            return
-        self.ops.linear(self.proj_out, x, w, T, H, k, k_warps=k_warps)
-        self.ops.rms_norm_residual_add(self.hidden, self.proj_out, out_norm, T, H, c.rms_norm_eps, c.norm_weight_offset)
+        else:
+            self.ops.linear(self.proj_out, x, w, T, H, k, k_warps=k_warps)
+            self.ops.rms_norm_residual_add(self.hidden, self.proj_out, out_norm, T, H, c.rms_norm_eps,
+                                           c.norm_weight_offset)
+        self.sum_hidden_over_ranks(T)
+
+    def sum_hidden_over_ranks(self, T: int) -> None:
+        """The all-reduce of `hidden` after the embedding and after each o / down projection's
+        residual add (tinyvllm/parallel/sharding.py's ALL_REDUCES); nothing without a group.
+        With one rank it changes nothing. Over several ranks the rows summed must be partial sums
+        whose total is the new residual: ranks but one would store x @ W^T without the residual,
+        the sandwich norms would take proj_out summed first, and the fused layer's handed-over
+        norm would be made after the sum (not built: EngineConfig refuses more than one rank)."""
+        if self.all_reduce is not None:
+            self.all_reduce(int(self.hidden), T * self.cfg.hidden_size)
 
     def _decode_layer_fused(self, step: StepShape, layer: int, lw, kw: dict[str, int]) -> None:
         """One layer in five launches, every norm handed over (module docstring): `normed` and
@@ -244,10 +261,11 @@ class LlamaModel:
         c, H, hand_over = self.cfg, self.cfg.hidden_size, (next_norm, self.normed, self.norm_row_ss)
         if not c.sandwich_norms:
             self.ops.gemv_residual_norm(self.hidden, x, w, T, H, k, *hand_over, k_warps=k_warps)
-            return
-        self.ops.gemv(self.proj_out, x, w, T, H, k, k_warps=k_warps)
-        self.ops.rms_norm_residual_add(self.hidden, self.proj_out, out_norm, T, H, c.rms_norm_eps, c.norm_weight_offset,
-                                       hand_over=hand_over)
+        else:
+            self.ops.gemv(self.proj_out, x, w, T, H, k, k_warps=k_warps)
+            self.ops.rms_norm_residual_add(self.hidden, self.proj_out, out_norm, T, H, c.rms_norm_eps,
+                                           c.norm_weight_offset, hand_over=hand_over)
+        self.sum_hidden_over_ranks(T)
 
     def _rope_write_kv(self, step: StepShape, layer: int, lw) -> None:
         """RoPE on the qkv rows (the layer type's frequencies) and the K/V cache write, with the

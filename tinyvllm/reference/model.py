@@ -60,6 +60,11 @@ class ReferenceModel:
         # linear(x, w, bias=None): every projection's twin; a study of another engine's rounding
         # swaps it (tinyvllm/quant/llama_cpp_rounding.py)
         self.linear = linear
+        # tensor parallelism (tinyvllm/parallel/numpy_ranks.py): a rank's model holds shards of
+        # the split weights; all_reduce sums its partial results with the other ranks' (the
+        # identity on one rank), and vocab_start is the first token id of its embedding rows
+        self.all_reduce = lambda x: x
+        self.vocab_start = 0
 
     def _twin(self, name: str, fn, *args):
         out = fn(*args)
@@ -107,7 +112,8 @@ class ReferenceModel:
         def norm(x, weight):
             return r(op("rms_norm", rms_norm, x, weight, eps, offset))
 
-        hidden = r(op("embedding", embedding, token_ids, self.embed))        # the residual stream
+        hidden = r(self.all_reduce(op("embedding", embedding, np.asarray(token_ids) - self.vocab_start,
+                                      self.embed)))                          # the residual stream
         if self.embed_scale is not None:          # Gemma3TextScaledWordEmbedding.forward
             hidden = r(hidden * self.embed_scale)
         for i, w in enumerate(self.layers):
@@ -125,7 +131,7 @@ class ReferenceModel:
             attn = r(attend(i, q, k, v.reshape(t, hkv, d)))
             # the projections' outputs go into the residual unrounded (the GPU adds them in the
             # GEMM's epilogue) except where a norm reads them first
-            out = op("linear", self.linear, attn.reshape(t, c.q_size), w["o"])
+            out = self.all_reduce(op("linear", self.linear, attn.reshape(t, c.q_size), w["o"]))
             if c.sandwich_norms:     # Gemma3DecoderLayer: post_attention_layernorm on the attention output,
                 hidden = r(hidden + norm(r(out), w["post_norm"]))       # pre_feedforward_layernorm
                 x = norm(hidden, w["pre_mlp_norm"])                     # before the MLP
@@ -133,7 +139,7 @@ class ReferenceModel:
                 hidden = r(hidden + out)
                 x = norm(hidden, w["post_norm"])
             gate, up = np.split(r(op("linear", self.linear, x, w["gate_up"])), 2, axis=1)
-            out = op("linear", self.linear, r(op(*self.gate_act, gate, up)), w["down"])
+            out = self.all_reduce(op("linear", self.linear, r(op(*self.gate_act, gate, up)), w["down"]))
             if c.sandwich_norms:     # Gemma3DecoderLayer: post_feedforward_layernorm on the MLP output
                 out = norm(r(out), w["post_mlp_norm"])
             hidden = r(hidden + out)

@@ -1,0 +1,53 @@
+"""tensor_parallel_size=1 on one GPU (marker gpu): the engine's steps go to one rank process
+(tinyvllm/parallel/workers.py) holding the CUDA runner and a one-rank NCCL communicator, and give
+the default in-process path's tokens — greedy, and sampled with logprobs."""
+from __future__ import annotations
+
+import pytest
+
+from tinyvllm.engine.llm_engine import LLMEngine
+from tinyvllm.engine.sampling_params import SamplingParams
+from tinyvllm.errors import GPUUnavailableError
+
+OPTIONS = dict(kv_cache_gb=0.5, max_model_len=1024)
+PROMPTS = ["The capital of France is", "1 2 3 4 5 6 7 8", "Once upon a time, in a land far", "a"]
+
+
+def run(engine: LLMEngine, prompts, params: SamplingParams):
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[str(i)].outputs[0] for i in range(len(prompts))]
+
+
+@pytest.mark.gpu
+def test_one_rank_process_over_nccl_equals_the_default_path(tiny_model_dir):
+    from tinyvllm.gpu.nccl import load_libnccl
+    from tinyvllm.parallel.workers import RankProcesses
+    try:
+        load_libnccl()
+    except GPUUnavailableError as e:
+        pytest.skip(str(e))
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=12, logprobs=2, ignore_eos=True)
+    default = LLMEngine(tiny_model_dir, **OPTIONS)
+    try:
+        want = [run(default, PROMPTS, greedy), run(default, PROMPTS[:2], sampled)]
+    finally:
+        default.close()
+    ranked = LLMEngine(tiny_model_dir, tensor_parallel_size=1, **OPTIONS)
+    try:
+        assert isinstance(ranked.runner, RankProcesses) and ranked.runner.overlaps_steps
+        assert ranked.async_scheduling
+        got = [run(ranked, PROMPTS, greedy), run(ranked, PROMPTS[:2], sampled)]
+        assert ranked.runner.memory_report().startswith("rank 0:\n")
+    finally:
+        ranked.close()
+    for g, w in zip(got, want):
+        assert [o.token_ids for o in g] == [o.token_ids for o in w]
+    for g, w in zip(got[1], want[1]):
+        assert [list(d) for d in g.logprobs] == [list(d) for d in w.logprobs]
