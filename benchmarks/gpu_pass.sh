@@ -159,14 +159,16 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
       fi
       for cfg in ${AB:-default default}; do MODEL=$model latency "$cfg"; done ;;
     vllm-site)
-      # vLLM 0.26.0 and what it needs, from the bundle's two parts (copied to /root/vllm/ by two
-      # commands, docs/device-runs.md), unpacked once into /tmp/vsite
+      # vLLM 0.26.0 and what it needs, from the bundle's parts (copied to /root/vllm/ by one
+      # command each, docs/device-runs.md), unpacked once into /tmp/vsite
       if [ -d $VSITE/vllm ]; then
         log "vllm-site: $VSITE has vLLM already"
-      elif [ "$(ls /root/vllm/part.* 2>/dev/null | wc -l)" -ne 2 ]; then
-        log "vllm-site: /root/vllm/ holds $(ls /root/vllm/part.* 2>/dev/null | wc -l) of the bundle's 2 parts; copy both first"
+      elif [ ! -f .vllm/md5 ]; then
+        log "vllm-site: .vllm/md5 (the bundle's checksum, docs/device-runs.md) did not travel with the checkout"
+      elif [ "$(cat /root/vllm/part.* 2>/dev/null | md5sum | cut -d' ' -f1)" != "$(cat .vllm/md5)" ]; then
+        log "vllm-site: the $(ls /root/vllm/part.* 2>/dev/null | wc -l) parts in /root/vllm/ do not join into the bundle (md5 differs); copy every part first"
       else
-        cat /root/vllm/part.* > /root/vllm.tar.xz && md5sum /root/vllm.tar.xz | tee -a "$OUT/summary.log"
+        cat /root/vllm/part.* > /root/vllm.tar.xz
         mkdir -p $VSITE && tar -xJf /root/vllm.tar.xz -C $VSITE
         log "vllm-site rc=$?: $(VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$VSITE python3 -c 'import vllm; print("vllm", vllm.__version__)' 2>&1 | tail -1)"
       fi ;;
