@@ -141,6 +141,10 @@ class LlamaModel:
         self.sampled_ids = v("sampled_ids")   # async scheduling's fed ids
         self.norm_row_ss = v("norm_row_ss")   # the handed-over norm's sums of squares
         self.head_argmax = v("head_argmax")   # the decode LM head's greedy argmax keys
+        # quantized weights (QuantMatrix): linear() reads them on the quantized GEMV; the fused
+        # layer's kernels read bf16 only, so such a model runs the nine-launch layer
+        self.quantized = weights.quantized
+        ops.use_dequant_scratch(weights.dequant_scratch, weights.dequant_scratch_elems)
 
     def head_argmax_for(self, step: StepShape) -> int:
         """The device pointer of the greedy argmax keys this step's LM head keeps beside the
@@ -150,7 +154,7 @@ class LlamaModel:
 
     def fused(self, step: StepShape) -> bool:
         """Whether this step runs the fused decode layer (module docstring; ops.fuses_decode)."""
-        return not step.is_prefill and self.ops.fuses_decode(step.num_tokens, self.decode_gemv_shapes,
+        return not step.is_prefill and not self.quantized and self.ops.fuses_decode(step.num_tokens, self.decode_gemv_shapes,
                                                              self.cfg.head_dim)
 
     def forward(self, step: StepShape) -> None:

@@ -18,6 +18,7 @@ import math
 
 from tinyvllm.gpu.kernels import kernel_constants
 from tinyvllm.gpu.ops.launch import OpsBase
+from tinyvllm.gpu.quant_weights import QuantMatrix
 
 GEMV = kernel_constants("gemv.cu")
 GEMV_MAX_ROWS = 8            # the GEMV's m limit (x rows held in one m16n8k16 tile's n = 8)
@@ -60,14 +61,19 @@ class GemvOps(OpsBase):
         """Y[m, n] (+)= X[m, k] @ W[n, k]^T, row-major, W as HF stores it [out, in]; accumulate
         adds to Y (beta = 1: the fused residual add). The GEMV for small decode batches, else cuBLAS.
         last: the step's last projection (the LM head), launched by gemv_k_warps' rule for it;
-        k_warps: the GEMV's k-split (None: that rule)."""
+        k_warps: the GEMV's k-split (None: that rule). A quantized W (a QuantMatrix) goes to
+        quant_linear() (gpu/ops/quant_gemv.py), whose GEMV picks its own k-split."""
         on_gemv = self.on_gemv(m, n, k)
-        if on_gemv:
+        if isinstance(w, QuantMatrix):
+            run = lambda: self.quant_linear(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
+            name = f"{'gemv' if m <= GEMV_MAX_ROWS else 'dequant+cublas'} {w.kind} {n}x{k}"
+        elif on_gemv:
             run = lambda: self.gemv(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype, last=last,  # noqa: E731
                                     k_warps=k_warps)
+            name = f"gemv {n}x{k}"
         else:
             run = lambda: self.blas.matmul(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
-        name = f"{'gemv' if on_gemv else 'cublas'} {n}x{k}"
+            name = f"cublas {n}x{k}"
         if self.skip_ops and name in self.skip_ops:
             return
         if self.observer is not None:
