@@ -23,7 +23,6 @@ from tinyvllm.quant import block_format, fp8
 from tinyvllm.quant.block_format import QuantizedWeight
 from tinyvllm.quant.fp8 import Fp8Weight
 
-
 # the quantized kinds (kind_name) the CUDA kernels read: cuda/gemv_quant.cu
 GPU_KINDS = ("FP8", "Q8_0", "Q4_0", "Q4_1")
 
