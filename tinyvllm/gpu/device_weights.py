@@ -56,6 +56,9 @@ class DeviceWeights:
     sliding_rope_inv_freq: int = 0   # the sliding layers' own table (Gemma 3); 0: rope_inv_freq
     dequant_scratch: int = 0         # bf16 [dequant_scratch_elems]: prefill's dequantized weight
     dequant_scratch_elems: int = 0
+    # the bytes a decode step streams: every tensor but a quantized embedding's bf16 gather table
+    # (a step reads T rows of it) and the scratch: the bench's bandwidth floor divides by it
+    streamed_bytes: int = 0
 
     @property
     def quantized(self) -> bool:
@@ -71,14 +74,16 @@ class DeviceWeights:
         self.allocation.free()
 
     @classmethod
-    def at(cls, config: ModelConfig, ptrs: dict, nbytes: int, allocation, scratch_elems: int = 0) -> DeviceWeights:
+    def at(cls, config: ModelConfig, ptrs: dict, nbytes: int, allocation, scratch_elems: int = 0,
+           streamed_bytes: int | None = None) -> DeviceWeights:
         """The pointers of an upload (device_tensor_shapes' keys) as DeviceWeights."""
         layers = tuple(LayerWeights(**{part: ptrs[f"{n}.{part}"] for part in names.layer_parts(config)})
                        for n in range(config.num_hidden_layers))
         return cls(embed=ptrs["embed"], final_norm=ptrs["final_norm"], lm_head=ptrs.get("lm_head", ptrs["embed"]),
                    rope_inv_freq=ptrs["rope_inv_freq"], layers=layers, nbytes=nbytes, allocation=allocation,
                    sliding_rope_inv_freq=ptrs.get("sliding_rope_inv_freq", 0),
-                   dequant_scratch=ptrs.get("dequant_scratch", 0), dequant_scratch_elems=scratch_elems)
+                   dequant_scratch=ptrs.get("dequant_scratch", 0), dequant_scratch_elems=scratch_elems,
+                   streamed_bytes=nbytes if streamed_bytes is None else streamed_bytes)
 
 
 def device_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -188,4 +193,11 @@ def upload_weights(config: ModelConfig, weights: dict) -> DeviceWeights:
             assert tensor.arrays[0].shape == shapes[key], (key, tensor.arrays[0].shape, shapes[key])
             ptrs[key] = starts[0]
     scratch = tensors["dequant_scratch"].reserve // 2 if "dequant_scratch" in tensors else 0
-    return DeviceWeights.at(config, ptrs, total, allocation, scratch_elems=scratch)
+    return DeviceWeights.at(config, ptrs, total, allocation, scratch_elems=scratch,
+                            streamed_bytes=streamed_weight_bytes(tensors, weights))
+
+
+def streamed_weight_bytes(tensors: dict[str, HostTensor], weights: dict) -> int:
+    """DeviceWeights.streamed_bytes of an upload plan (device_host_tensors)."""
+    gather_only = "embed" if not isinstance(weights[names.EMBED], np.ndarray) else None
+    return sum(t.nbytes for key, t in tensors.items() if key not in (gather_only, "dequant_scratch"))
