@@ -297,18 +297,49 @@ __device__ __forceinline__ void dequant_body(bf16* __restrict__ out, const uint8
 
 }  // namespace
 
-#define GEMV_QUANT_KERNEL(NAME, FMT) \
-    extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)                                          \
-    gemv_quant_##NAME(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq,          \
-                const void* __restrict__ wscale, int m, int n, int k, int out_f32, int accumulate) {        \
-        gemv_quant_body<FMT>(y, x, wq, wscale, m, n, k, out_f32, accumulate);                               \
-    }                                                                                                       \
-    extern "C" __global__ void dequant_##NAME(bf16* __restrict__ out, const uint8_t* __restrict__ wq,       \
-                                              const void* __restrict__ wscale, int row0, int rows, int k) { \
-        dequant_body<FMT>(out, wq, wscale, row0, rows, k);                                                  \
-    }
+// Y (+)= X @ W^T (the module header): y [m, n] bf16 (out_f32 = 0) or fp32; x [m, k]; wq, wscale:
+// the weight's planes. One entry point per kind, and prefill's dequantization of rows
+// [row0, row0 + rows) into out [rows, k] bf16.
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_fp8(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq,
+                const void* __restrict__ wscale, int m, int n, int k, int out_f32, int accumulate) {
+    gemv_quant_body<Fmt::fp8>(y, x, wq, wscale, m, n, k, out_f32, accumulate);
+}
 
-GEMV_QUANT_KERNEL(fp8, Fmt::fp8)
-GEMV_QUANT_KERNEL(q8_0, Fmt::q8_0)
-GEMV_QUANT_KERNEL(q4_0, Fmt::q4_0)
-GEMV_QUANT_KERNEL(q4_1, Fmt::q4_1)
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_q8_0(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq,
+                const void* __restrict__ wscale, int m, int n, int k, int out_f32, int accumulate) {
+    gemv_quant_body<Fmt::q8_0>(y, x, wq, wscale, m, n, k, out_f32, accumulate);
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_q4_0(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq,
+                const void* __restrict__ wscale, int m, int n, int k, int out_f32, int accumulate) {
+    gemv_quant_body<Fmt::q4_0>(y, x, wq, wscale, m, n, k, out_f32, accumulate);
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_q4_1(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq,
+                const void* __restrict__ wscale, int m, int n, int k, int out_f32, int accumulate) {
+    gemv_quant_body<Fmt::q4_1>(y, x, wq, wscale, m, n, k, out_f32, accumulate);
+}
+
+extern "C" __global__ void dequant_fp8(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
+                                     const void* __restrict__ wscale, int row0, int rows, int k) {
+    dequant_body<Fmt::fp8>(out, wq, wscale, row0, rows, k);
+}
+
+extern "C" __global__ void dequant_q8_0(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
+                                     const void* __restrict__ wscale, int row0, int rows, int k) {
+    dequant_body<Fmt::q8_0>(out, wq, wscale, row0, rows, k);
+}
+
+extern "C" __global__ void dequant_q4_0(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
+                                     const void* __restrict__ wscale, int row0, int rows, int k) {
+    dequant_body<Fmt::q4_0>(out, wq, wscale, row0, rows, k);
+}
+
+extern "C" __global__ void dequant_q4_1(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
+                                     const void* __restrict__ wscale, int row0, int rows, int k) {
+    dequant_body<Fmt::q4_1>(out, wq, wscale, row0, rows, k);
+}

@@ -28,6 +28,9 @@ def test_signatures_match_the_c_parameter_lists():
                                             "gemv_prenormed_silu_mul_bf16": "PPPPiiif",
                                             "gemv_prenormed_gelu_mul_bf16": "PPPPiiif"}
     assert kernel_signatures("token_mask.cu") == {"apply_token_mask": "PiPPii"}
+    quant = kernel_signatures("gemv_quant.cu")      # y, x, the weight's two planes, m n k, out_f32, accumulate
+    assert {quant[f"gemv_quant_{kind}"] for kind in ("fp8", "q8_0", "q4_0", "q4_1")} == {"PPPPiiiii"}
+    assert {quant[f"dequant_{kind}"] for kind in ("fp8", "q8_0", "q4_0", "q4_1")} == {"PPPiii"}
     (full, sig), (window, window_sig) = kernel_signatures("attention_decode.cu").items()   # macro-made families
     assert re.match(full, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiif"
     assert re.match(window, "attention_decode_window_d256_g4") and window_sig == sig + "i"    # + the window

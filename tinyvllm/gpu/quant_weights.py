@@ -27,7 +27,6 @@ from tinyvllm.quant.block_format import BF16, QuantizedWeight, bf16_as_f32
 from tinyvllm.quant.fp8 import E4M3, Fp8Weight
 from tinyvllm.quant.weight_kinds import GPU_KINDS, RowStack, kind_name
 
-KERNEL_SUFFIX = {"FP8": "fp8", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 FP8_COL_MULTIPLE, BLOCK = 16, 32                  # a lane's 16 codes; a GGUF block
 
 
@@ -41,10 +40,6 @@ class QuantMatrix:
     rows: int
     cols: int
     nbytes: int
-
-    @property
-    def kernel_suffix(self) -> str:
-        return KERNEL_SUFFIX[self.kind]
 
 
 def _scale_words(rows: int, nb: int, fields: np.ndarray) -> np.ndarray:

@@ -48,6 +48,10 @@ def quant_gemv_shape(kind: str, n: int, k_warps: int) -> tuple:
 
 
 class QuantGemvOps(OpsBase):
+    # each kind's kernels (cuda/gemv_quant.cu)
+    GEMV_KERNELS = {"FP8": "gemv_quant_fp8", "Q8_0": "gemv_quant_q8_0", "Q4_0": "gemv_quant_q4_0",
+                    "Q4_1": "gemv_quant_q4_1"}
+    DEQUANT_KERNELS = {"FP8": "dequant_fp8", "Q8_0": "dequant_q8_0", "Q4_0": "dequant_q4_0", "Q4_1": "dequant_q4_1"}
     dequant_scratch: int = 0          # bf16 scratch for prefill (DeviceWeights'), set by use_dequant_scratch
     dequant_scratch_elems: int = 0
 
@@ -96,7 +100,7 @@ class QuantGemvOps(OpsBase):
             raise ValueError(f"gemv_quant: x and the weight planes must be 16-byte aligned "
                              f"({int(x):#x}, {w.data:#x}, {w.scales:#x})")
         grid, block, shared = quant_gemv_shape(w.kind, n, k_warps or self.quant_k_warps(w))
-        self._launch(f"gemv_quant_{w.kernel_suffix}", grid, block, int(y), int(x), w.data, w.scales, m, n, k,
+        self._launch(self.GEMV_KERNELS[w.kind], grid, block, int(y), int(x), w.data, w.scales, m, n, k,
                      OUT_DTYPES[out_dtype], int(accumulate), shared_bytes=shared)
 
     def dequantize(self, out, w: QuantMatrix, row0: int, rows: int) -> None:
@@ -108,5 +112,5 @@ class QuantGemvOps(OpsBase):
             raise ValueError(f"dequantize: out must be 16-byte aligned and k a multiple of {K_MULTIPLE[w.kind]}")
         groups = rows * (w.cols // 8)
         blocks = min(math.ceil(groups / DEQUANT_THREADS), 32 * self.num_sms)
-        self._launch(f"dequant_{w.kernel_suffix}", blocks, DEQUANT_THREADS, int(out), w.data, w.scales, row0, rows,
+        self._launch(self.DEQUANT_KERNELS[w.kind], blocks, DEQUANT_THREADS, int(out), w.data, w.scales, row0, rows,
                      w.cols)
