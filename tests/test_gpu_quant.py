@@ -236,7 +236,7 @@ def test_tiny_gguf_q4_1_matches_reference(tmp_path, monkeypatch):
     monkeypatch.setenv("TINYVLLM_HOME", str(tmp_path / "home"))
     tokens, _, _ = tiny_vocab()
     hf = tiny_hf_config(len(tokens), hidden_size=128, intermediate_size=256, num_attention_heads=2,
-                        num_key_value_heads=1, head_dim=64)
+                        num_key_value_heads=1, head_dim=64, max_position_embeddings=2048)
     path = write_gguf(tmp_path / "tiny-q4_1.gguf", hf, tiny_hf_weights(hf), qtype="Q4_1")
     cfg = ModelConfig.from_pretrained(gguf_model_dir(path))
     weights = load_gguf_blocks(path, cfg)
@@ -251,7 +251,7 @@ def test_engine_serves_fp8_on_cuda(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), device="cuda", quantization="fp8", kv_cache_gb=0.25, max_model_len=256)
     try:
         assert llm.engine.runner.weights.quantized
-        out = llm.generate("Hi", SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0].outputs[0]
+        out = llm.generate("Hi", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)[0].outputs[0]
         assert len(out.token_ids) == 4
     finally:
         llm.engine.close()

@@ -31,11 +31,11 @@ from tinyvllm.hf_config import FULL, SLIDING
 @dataclass(frozen=True)
 class LayerWeights:
     input_norm: int      # [hidden]
-    qkv: int             # [q + 2 kv, hidden]
-    o: int               # [hidden, q]
+    qkv: int | QuantMatrix       # [q + 2 kv, hidden]; a QuantMatrix when quantized
+    o: int | QuantMatrix         # [hidden, q]
     post_norm: int       # [hidden]
-    gate_up: int         # [2 inter, hidden]
-    down: int            # [hidden, inter]
+    gate_up: int | QuantMatrix   # [2 inter, hidden]
+    down: int | QuantMatrix      # [hidden, inter]
     # a family's own parts (0: the model has none)
     qkv_bias: int = 0    # [q + 2 kv] (Qwen2)
     q_norm: int = 0      # [head_dim] (Qwen3, Gemma 3)
@@ -48,7 +48,7 @@ class LayerWeights:
 class DeviceWeights:
     embed: int           # [vocab, hidden]
     final_norm: int      # [hidden]
-    lm_head: int         # [vocab, hidden]; == embed when tied
+    lm_head: int | QuantMatrix   # [vocab, hidden]; == embed when tied (a quantized table: its planes)
     rope_inv_freq: int   # float32 [head_dim / 2]
     layers: tuple[LayerWeights, ...]
     nbytes: int

@@ -3,7 +3,8 @@ kernels (gemv.cu).
 
 linear(): Y[m, n] (+)= X[m, k] @ W[n, k]^T, on our GEMV for decode batches of at most
 GEMV_MAX_ROWS rows (cuBLAS reads small matrices at 1.7-2.5 TB/s at M <= 8; the GEMV streams
-them at 3.5+), else on cuBLAS (gpu/cublas.py has the row-major/column-major derivation).
+them at 3.5+), else on cuBLAS (gpu/cublas.py has the row-major/column-major derivation). A
+quantized W (gpu/quant_weights.py's QuantMatrix) goes to quant_linear() (gpu/ops/quant_gemv.py).
 
 The fused decode layer's GEMVs (gpu/model.py) are launches of their own kernels:
 gemv_residual_norm() (o and down, adding into the residual stream and handing the next RMSNorm
