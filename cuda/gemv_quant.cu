@@ -36,11 +36,15 @@
 //
 // Launch shape (tinyvllm/gpu/ops/quant_gemv.py): grid.x = ceil(n / 16), block.x = 32 * kw (kw <=
 // MAX_K_WARPS warps split K as in gemv.cu), shared = kw * (PARTIAL_BYTES + RING_STEPS * slot bytes
-// of the format). Slots are larger than gemv.cu's (a step carries 32-64 bytes of X per lane), so
-// the ring holds 3 steps and a CTA at most 16 warps. Bounds: rows >= n, k >= K and X rows >= m
-// are never read (zero-filled copies), k % LANE_K == 0 (FP8) or k % 32 == 0 (blocks); x, w 16-byte
-// aligned. No fused epilogues: the decode layer of a quantized model runs the nine-launch layer
-// (gpu/model.py), this kernel in linear() (store, or add into Y: the residual add; bf16 or fp32 Y).
+// of the format), plus the producer's row sums for a prenormed kernel (m * k / 16 * 4 bytes). Slots
+// are larger than gemv.cu's (a step carries 32-64 bytes of X per lane), so the ring holds 3 steps
+// and a CTA at most 16 warps. Bounds: rows >= n, k >= K and X rows >= m are never read (zero-filled
+// copies), k % LANE_K == 0 (FP8) or k % 32 == 0 (blocks); x, w 16-byte aligned.
+// The entry points are gemv.cu's seven for each kind — plain (linear()), the residual GEMV that
+// hands the next norm over, and the prenormed qkv + RoPE + KV write, LM head, gate_up + SwiGLU /
+// GeGLU — so a quantized model runs the fused decode layer as a bf16 one does: the epilogues are
+// gemv.cu's own (gemv_common.cuh), fed the same fp32 sums; FP8's row scale multiplies each sum
+// first (before the handed-over norm's inv_rms).
 // PDL: W (and scales) of the first RING_STEPS steps are copied before griddepcontrol.wait.
 #include <cuda_fp8.h>
 #include "common.cuh"
@@ -55,6 +59,8 @@ constexpr int SLOT_BYTES_Q8_0 = 32 * 16 * 4 + 32 * 8;
 constexpr int SLOT_BYTES_Q4 = 32 * 16 * 6 + 32 * 8;
 constexpr int LANE_K_BYTE = 16;              // weights per lane-step: one-byte formats
 constexpr int LANE_K_NIBBLE = 32;            // nibble formats (one whole block)
+
+#include "gemv_common.cuh"   // mma_pair, the X load modes and the epilogues (shared with gemv.cu)
 
 namespace {
 
@@ -133,31 +139,28 @@ __device__ __forceinline__ uint4 dequant_group(int j, const uint4& w, const Bloc
     }
 }
 
-// gemv.cu's mma pair: 16 W rows x 16 k of one quad each.
-__device__ __forceinline__ void mma_pair(float acc[4], const uint4& p, const uint4& q, const uint4& v) {
-    mma_bf16(acc, p.x, q.x, p.y, q.y, v.x, v.y);
-    mma_bf16(acc, p.z, q.z, p.w, q.w, v.z, v.w);
-}
-
-// y: [m, n] bf16 or fp32 (out_f32); x: [m, k] bf16; wq: the codes / quants plane; wscale: FP8's
-// fp32 [n] or the blocks' scales plane (module header). accumulate: y += (fp32 sum of the old
-// value and the product, rounded once).
-template <Fmt F>
+// y, x, and the epilogue's arguments as gemv.cu's gemv_body takes them (MODE, EPI, QKV_BIAS the
+// same); wq: the codes / quants plane; wscale: FP8's fp32 [n] (applied to each output's sum in the
+// epilogue, before the handed-over norm's inv_rms) or the blocks' scales plane (module header).
+template <Fmt F, XLoad MODE, Epilogue EPI, bool QKV_BIAS = false>
 __device__ __forceinline__ void gemv_quant_body(void* __restrict__ y, const bf16* __restrict__ x,
-                                                const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
-                                                int m, int n, int k, int out_f32, int accumulate) {
+                                                const NormArgs& norm, const uint8_t* __restrict__ wq,
+                                                const void* __restrict__ wscale, int m, int n, int k,
+                                                int out_f32, int accumulate, const RopeArgs& rope,
+                                                const NormOut& norm_out, unsigned long long* head_argmax = nullptr) {
     using Q = Format<F>;
-    extern __shared__ float partial[];   // [warps][8][16] partial tiles, then the warps' rings
+    extern __shared__ float partial[];   // [warps][8][16] partial tiles, then the warps' rings, then
+                                         // (prenormed) the producer's sums of squares [m][ss_count]
     allow_consumer();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * ROWS_PER_CTA;
+    const Tile w_tile = cta_tile<EPI>(blockIdx.x, n, rope.head_dim);   // the CTA's 16 W rows (gemv.cu)
     const int steps = (k + Q::STEP_K - 1) / Q::STEP_K;
     const int s_begin = warp * steps / warps, s_end = (warp + 1) * steps / warps;
     const int my_steps = s_end - s_begin;
 
-    const bool w_ok0 = n0 + g < n, w_ok1 = n0 + 8 + g < n, x_ok = g < m;
-    const int row0 = w_ok0 ? n0 + g : 0, row1 = w_ok1 ? n0 + 8 + g : 0;
+    const bool w_ok0 = w_tile.row_a + g < n, w_ok1 = w_tile.row_b + g < n, x_ok = g < m;
+    const int row0 = w_ok0 ? w_tile.row_a + g : 0, row1 = w_ok1 ? w_tile.row_b + g : 0;
     const size_t row_bytes = Q::NIBBLES ? (size_t)k / 2 : (size_t)k;
     const uint8_t* w0 = wq + row0 * row_bytes;
     const uint8_t* w1 = wq + row1 * row_bytes;
@@ -170,6 +173,17 @@ __device__ __forceinline__ void gemv_quant_body(void* __restrict__ y, const bf16
 
     uint4* const slots = reinterpret_cast<uint4*>(partial + warps * (PARTIAL_BYTES / 4)) +
                          warp * (RING_STEPS * Q::SLOT_BYTES / 16);
+    // prenormed: the producer's m x ss_count row sums after every warp's ring, copied as gemv.cu
+    // copies them (whole 16-byte chunks: k % 64 == 0, checked in Python)
+    const int ss_count = (k + ROWS_PER_CTA - 1) / ROWS_PER_CTA;
+    float* const producer_ss = partial + warps * (PARTIAL_BYTES / 4) + warps * (RING_STEPS * Q::SLOT_BYTES / 4);
+    auto copy_producer_ss = [&]() {
+        if constexpr (MODE == XLoad::prenormed) {
+            for (int c = threadIdx.x; c < m * ss_count / 4; c += blockDim.x)
+                cp_async16(smem_addr(producer_ss + 4 * c), norm.row_ss + 4 * c, 16);
+            cp_async_commit();
+        }
+    };
     auto slot_of = [&](int i) { return slots + (i % RING_STEPS) * (Q::SLOT_BYTES / 16); };
     auto lane_k = [&](int i) { return (s_begin + i) * Q::STEP_K + Q::LANE_K * t; };
     auto block_of = [&](int kc) { return kc / 32; };
@@ -203,6 +217,7 @@ __device__ __forceinline__ void gemv_quant_body(void* __restrict__ y, const bf16
         cp_async_commit();
     }
     wait_for_producer();
+    copy_producer_ss();    // its own group, committed before X's: done by X's wait below
 #pragma unroll
     for (int i = 0; i < RING_STEPS; ++i)
         if (i < my_steps) copy_x(i);
@@ -231,29 +246,18 @@ __device__ __forceinline__ void gemv_quant_body(void* __restrict__ y, const bf16
         cp_async_commit();
     }
 
-    // gemv.cu's partial tiles and their sum: lane (g, t) holds columns g, 8 + g of x rows 2t, 2t+1.
+    if constexpr (MODE == XLoad::prenormed) cp_async_wait<0>();   // visible to all after __syncthreads
+
+    // gemv.cu's partial tiles: lane (g, t) holds tile columns g and 8 + g of x rows 2t and 2t+1.
     float* mine = partial + warp * (PARTIAL_BYTES / 4) + 2 * t * ROWS_PER_CTA + g;
     mine[0] = acc[0];
     mine[ROWS_PER_CTA] = acc[1];
     mine[8] = acc[2];
     mine[ROWS_PER_CTA + 8] = acc[3];
     __syncthreads();
-    const int rows = m < 8 ? m : 8;
-    for (int i = threadIdx.x; i < rows * ROWS_PER_CTA; i += blockDim.x) {
-        const int row = i / ROWS_PER_CTA, out = n0 + i % ROWS_PER_CTA;
-        if (out >= n) continue;
-        float sum = 0.f;
-        for (int v = 0; v < warps; ++v) sum += partial[v * (PARTIAL_BYTES / 4) + i];
-        if constexpr (F == Fmt::fp8) sum *= static_cast<const float*>(wscale)[out];
-        const size_t at = (size_t)row * n + out;
-        if (out_f32) {
-            float* yf = static_cast<float*>(y);
-            yf[at] = accumulate ? yf[at] + sum : sum;
-        } else {
-            bf16* yb = static_cast<bf16*>(y);
-            yb[at] = __float2bfloat16(accumulate ? __bfloat162float(yb[at]) + sum : sum);
-        }
-    }
+    gemv_epilogue<MODE, EPI, QKV_BIAS, F == Fmt::fp8>(partial, warps, y, m, n, k, out_f32, accumulate, norm.eps,
+                                                      producer_ss, ss_count, rope, norm_out, head_argmax,
+                                                      static_cast<const float*>(wscale));
 }
 
 // Prefill's dequantization (gpu/ops/quant_gemv.py): rows [row0, row0 + rows) of W as bf16 into
@@ -297,31 +301,67 @@ __device__ __forceinline__ void dequant_body(bf16* __restrict__ out, const uint8
 
 }  // namespace
 
-// Y (+)= X @ W^T (the module header): y [m, n] bf16 (out_f32 = 0) or fp32; x [m, k]; wq, wscale:
-// the weight's planes. One entry point per kind, and prefill's dequantization of rows
-// [row0, row0 + rows) into out [rows, k] bf16.
+// The entry points: gemv.cu's seven, one set per kind, with W as its two planes (wq, wscale) in
+// the bf16 kernel's w place; each means what its gemv.cu namesake means (there: the argument lists).
+// Then prefill's dequantization of rows [row0, row0 + rows) into out [rows, k] bf16.
+
+// ---- fp8 ----
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_fp8(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq,
-                const void* __restrict__ wscale, int m, int n, int k, int out_f32, int accumulate) {
-    gemv_quant_body<Fmt::fp8>(y, x, wq, wscale, m, n, k, out_f32, accumulate);
+gemv_quant_fp8(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
+          int accumulate) {
+    gemv_quant_body<Fmt::fp8, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
+                                                        RopeArgs{}, NormOut{});
 }
 
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_q8_0(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq,
-                const void* __restrict__ wscale, int m, int n, int k, int out_f32, int accumulate) {
-    gemv_quant_body<Fmt::q8_0>(y, x, wq, wscale, m, n, k, out_f32, accumulate);
+gemv_quant_residual_norm_fp8(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
+                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
+    gemv_quant_body<Fmt::fp8, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
+                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
 }
 
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_q4_0(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq,
-                const void* __restrict__ wscale, int m, int n, int k, int out_f32, int accumulate) {
-    gemv_quant_body<Fmt::q4_0>(y, x, wq, wscale, m, n, k, out_f32, accumulate);
+gemv_quant_prenormed_rope_kv_fp8(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
+                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
+    gemv_quant_body<Fmt::fp8, XLoad::prenormed, Epilogue::rope_kv>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
+        NormOut{});
 }
 
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_q4_1(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq,
-                const void* __restrict__ wscale, int m, int n, int k, int out_f32, int accumulate) {
-    gemv_quant_body<Fmt::q4_1>(y, x, wq, wscale, m, n, k, out_f32, accumulate);
+gemv_quant_prenormed_rope_kv_bias_fp8(bf16* __restrict__ qkv, const bf16* __restrict__ x,
+                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
+                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
+    gemv_quant_body<Fmt::fp8, XLoad::prenormed, Epilogue::rope_kv, true>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_fp8(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
+                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
+    gemv_quant_body<Fmt::fp8, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_silu_mul_fp8(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::fp8, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_gelu_mul_fp8(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::fp8, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
 }
 
 extern "C" __global__ void dequant_fp8(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
@@ -329,14 +369,191 @@ extern "C" __global__ void dequant_fp8(bf16* __restrict__ out, const uint8_t* __
     dequant_body<Fmt::fp8>(out, wq, wscale, row0, rows, k);
 }
 
+// ---- q8_0 ----
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_q8_0(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
+          int accumulate) {
+    gemv_quant_body<Fmt::q8_0, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
+                                                        RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_residual_norm_q8_0(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
+                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
+    gemv_quant_body<Fmt::q8_0, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
+                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_q8_0(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
+                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
+    gemv_quant_body<Fmt::q8_0, XLoad::prenormed, Epilogue::rope_kv>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_bias_q8_0(bf16* __restrict__ qkv, const bf16* __restrict__ x,
+                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
+                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
+    gemv_quant_body<Fmt::q8_0, XLoad::prenormed, Epilogue::rope_kv, true>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_q8_0(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
+                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
+    gemv_quant_body<Fmt::q8_0, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_silu_mul_q8_0(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q8_0, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_gelu_mul_q8_0(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q8_0, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
 extern "C" __global__ void dequant_q8_0(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
                                      const void* __restrict__ wscale, int row0, int rows, int k) {
     dequant_body<Fmt::q8_0>(out, wq, wscale, row0, rows, k);
 }
 
+// ---- q4_0 ----
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_q4_0(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
+          int accumulate) {
+    gemv_quant_body<Fmt::q4_0, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
+                                                        RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_residual_norm_q4_0(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
+                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
+    gemv_quant_body<Fmt::q4_0, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
+                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_q4_0(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
+                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
+    gemv_quant_body<Fmt::q4_0, XLoad::prenormed, Epilogue::rope_kv>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_bias_q4_0(bf16* __restrict__ qkv, const bf16* __restrict__ x,
+                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
+                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
+    gemv_quant_body<Fmt::q4_0, XLoad::prenormed, Epilogue::rope_kv, true>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_q4_0(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
+                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
+    gemv_quant_body<Fmt::q4_0, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_silu_mul_q4_0(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q4_0, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_gelu_mul_q4_0(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q4_0, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
 extern "C" __global__ void dequant_q4_0(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
                                      const void* __restrict__ wscale, int row0, int rows, int k) {
     dequant_body<Fmt::q4_0>(out, wq, wscale, row0, rows, k);
+}
+
+// ---- q4_1 ----
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_q4_1(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
+          int accumulate) {
+    gemv_quant_body<Fmt::q4_1, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
+                                                        RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_residual_norm_q4_1(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
+                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
+    gemv_quant_body<Fmt::q4_1, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
+                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_q4_1(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
+                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
+    gemv_quant_body<Fmt::q4_1, XLoad::prenormed, Epilogue::rope_kv>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_bias_q4_1(bf16* __restrict__ qkv, const bf16* __restrict__ x,
+                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
+                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
+    gemv_quant_body<Fmt::q4_1, XLoad::prenormed, Epilogue::rope_kv, true>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_q4_1(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
+                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
+    gemv_quant_body<Fmt::q4_1, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_silu_mul_q4_1(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q4_1, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_gelu_mul_q4_1(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q4_1, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
 }
 
 extern "C" __global__ void dequant_q4_1(bf16* __restrict__ out, const uint8_t* __restrict__ wq,

@@ -104,8 +104,8 @@ def test_gemv_quant(gpu_ops, rng, kind, n, k):
                 x, d_x = _x(rng, m, k)
                 y0 = rng.standard_normal((m, n)).astype(np.float32) if accumulate else None
                 buf, d_y, dtype = _guarded_y(m, n, out_dtype, y0)
-                gpu_ops.gemv_quant(d_y.ptr + n * dtype.itemsize, d_x, matrix, m, accumulate=accumulate,
-                                   out_dtype=out_dtype)
+                gpu_ops.gemv(d_y.ptr + n * dtype.itemsize, d_x, matrix, m, n, k, accumulate=accumulate,
+                             out_dtype=out_dtype)
                 want = _twin(w, x.astype(np.float32))
                 if accumulate:
                     want = want + buf[1:m + 1].astype(np.float32)
@@ -119,8 +119,8 @@ def test_gemv_quant_split_k(gpu_ops, rng, kind, k_warps):
     w, d_q, d_s = _weight(kind, 130, 1536, rng)
     x, d_x = _x(rng, 5, 1536)
     buf, d_y, _ = _guarded_y(5, 130, "float32", None)
-    gpu_ops.gemv_quant(d_y.ptr + 130 * 4, d_x, _matrix(kind, 130, 1536, d_q, d_s), 5, out_dtype="float32",
-                       k_warps=k_warps)
+    gpu_ops.gemv(d_y.ptr + 130 * 4, d_x, _matrix(kind, 130, 1536, d_q, d_s), 5, 130, 1536, out_dtype="float32",
+                 k_warps=k_warps)
     _check(d_y, buf, 5, _twin(w, x.astype(np.float32)), "float32")
 
 
@@ -183,6 +183,133 @@ def test_launch_shapes_fit(gpu_ops):
             assert grid[0] * 16 >= n and block[0] == 32 * kw and shared <= 227 << 10
 
 
+# ---- the fused decode layer's kernels on quantized weights ---------------------------------------
+# Each is gemv.cu's epilogue (gemv_common.cuh) fed this kernel's sums, so each is held to the same
+# checks as its bf16 namesake (tests/test_gpu_fused.py, tests/test_gpu_families.py): the norm's
+# producer and the head against the twins, the RoPE and SwiGLU epilogues bit for bit against their
+# chains of already tested kernels (the same sums, then the same arithmetic on the stored product).
+
+FUSED_SHAPES = [(576, 9, 3, 64, 1536), (1024, 8, 2, 128, 2816)]     # k = hidden, q/kv heads, head_dim, inter
+EPS = 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k,inner", [(576, 1536), (1024, 2816)])
+def test_quant_residual_norm(gpu_ops, rng, kind, k, inner):
+    """gemv_residual_norm() on a quantized W (o / down into the residual stream): hidden equals
+    gemv() with accumulate bit for bit (the same sums, the same add) and the twin within the bf16
+    bound; normed = bf16(hidden * norm_w) bit for bit; each CTA's sum of its 16 columns' squares
+    within 4 u of float64 (a 16-term fp32 sum of exact squares)."""
+    import pycuda.driver as drv
+    from gpu_helpers import DeviceArray, rel_err, to_bf16
+    from test_gpu_fused import _bits, _norm_weight
+    for m in (1, 5, 8):
+        w, d_q, d_s = _weight(kind, k, inner, rng)
+        matrix = _matrix(kind, k, inner, d_q, d_s)
+        x, d_x = _x(rng, m, inner)
+        h0 = to_bf16(rng.standard_normal((m, k)) * rng.uniform(0.1, 30))
+        hidden, reference = DeviceArray(h0), DeviceArray(h0)
+        norm_w, d_nw = _norm_weight(rng, k)
+        normed = DeviceArray.poisoned((m + 1, k), BF16)
+        row_ss = DeviceArray.poisoned((m + 1, k // 16), np.float32)
+        gpu_ops.gemv_residual_norm(hidden, d_x, matrix, m, k, inner, d_nw, normed, row_ss)
+        gpu_ops.gemv(reference, d_x, matrix, m, k, inner, accumulate=True)
+        drv.Context.synchronize()
+        got = hidden.get()
+        np.testing.assert_array_equal(_bits(got), _bits(reference.get()), err_msg="hidden != gemv(accumulate)")
+        assert rel_err(got.astype(np.float32), _twin(w, x.astype(np.float32)) + h0.astype(np.float32)) < BF16_TOL
+        got32 = got.astype(np.float32)
+        np.testing.assert_array_equal(_bits(normed.get()[:m]), _bits((got32 * norm_w.astype(np.float32)).astype(BF16)))
+        squares = (got32.astype(np.float64) ** 2).reshape(m, k // 16, 16).sum(axis=2)
+        np.testing.assert_allclose(row_ss.get()[:m], squares, rtol=4 * 2.0**-24, atol=0)
+        assert np.all(_bits(normed.get()[m]) == 0x7FC0) and np.all(np.isnan(row_ss.get()[m])), "wrote past row m"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quant_prenormed_head(gpu_ops, rng, kind):
+    """The LM head on the handed-over final norm with a quantized W (a tied quantized table):
+    Y = inv_rms * twin(normed), fp32 (with the greedy argmax keys of exactly the logits stored) and
+    bf16; inv_rms from the producer's fp32 row sums with fast rsqrt and division (a few ulp, inside
+    FP32_TOL)."""
+    import pycuda.driver as drv
+    from gpu_helpers import DeviceArray, rel_err
+    from test_gpu_fused import _handed_over
+
+    from tinyvllm.reference import kernels as ref
+    from tinyvllm.reference.sampling import head_argmax_keys
+    n, k = 3000, 576
+    w, d_q, d_s = _weight(kind, n, k, rng)
+    matrix = _matrix(kind, n, k, d_q, d_s)
+    for m in (1, 4, 8):
+        stored, norm_w, normed, row_ss = _handed_over(gpu_ops, rng, m, k, None)
+        x64 = stored.astype(np.float64)
+        inv_rms = 1 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + EPS)
+        want = inv_rms * _twin(w, ref.rms_norm_operand(stored, norm_w).astype(np.float32))
+        for out_dtype, dtype in (("float32", np.float32), ("bfloat16", BF16)):
+            y = DeviceArray.poisoned((m + 1, n), dtype)
+            keys = DeviceArray(np.zeros(m + 1, np.uint64))
+            fp32 = out_dtype == "float32"
+            gpu_ops.gemv(y, normed, matrix, m, n, k, out_dtype=out_dtype, last=True, prenormed=(row_ss, EPS),
+                         head_argmax=keys if fp32 else 0)
+            drv.Context.synchronize()
+            got = y.get().astype(np.float32)
+            assert np.all(np.isnan(got[m])), "wrote past row m"
+            assert rel_err(got[:m], want) < (FP32_TOL if fp32 else BF16_TOL)
+            if fp32:
+                np.testing.assert_array_equal(keys.get()[:m], head_argmax_keys(got[:m]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k,hq,hkv,d,inter", FUSED_SHAPES)
+def test_quant_fused_epilogues_equal_their_chains(gpu_ops, rng, kind, k, hq, hkv, d, inter):
+    """gemv_rope_kv() (with and without Qwen2's biases) and gemv_silu_mul() (SwiGLU and GeGLU) on a
+    quantized W equal, bit for bit, the prenormed GEMV on that W (its product stored in bf16)
+    followed by rope_write_kv() / silu_mul(): the epilogue reads the same sums rounded the same way."""
+    import pycuda.driver as drv
+    from gpu_helpers import DeviceArray, to_bf16
+    from test_gpu_families import _freqs
+    from test_gpu_fused import _bits, _handed_over
+    m = 5
+    _, _, normed, row_ss = _handed_over(gpu_ops, rng, m, k, None)
+    n = (hq + 2 * hkv) * d
+    _, d_q, d_s = _weight(kind, n, k, rng)
+    qkv_w = _matrix(kind, n, k, d_q, d_s)
+    positions = rng.integers(0, 131072, m).astype(np.int32)
+    slots = rng.permutation(64)[:m].astype(np.int32)
+    slots[1] = -1
+    rope_in = [DeviceArray(a) for a in (positions, slots, _freqs(d))]
+    bias = DeviceArray(to_bf16(rng.standard_normal(n)))
+    for with_bias in (False, True):
+        out = {}
+        for path in ("fused", "chain"):
+            qkv = DeviceArray.poisoned((m + 1, n), BF16)
+            caches = [DeviceArray.poisoned((64, hkv, d), BF16) for _ in range(2)]
+            if path == "fused":
+                gpu_ops.gemv_rope_kv(qkv, normed, qkv_w, m, n, k, *caches, *rope_in, num_q_heads=hq, num_kv_heads=hkv,
+                                     head_dim=d, prenormed=(row_ss, EPS), bias=bias if with_bias else 0)
+            else:
+                gpu_ops.gemv(qkv, normed, qkv_w, m, n, k, prenormed=(row_ss, EPS))
+                gpu_ops.rope_write_kv(qkv, *caches, *rope_in, m, hq, hkv, d, bias=bias if with_bias else 0)
+            drv.Context.synchronize()
+            out[path] = [qkv.get(), *(c.get() for c in caches)]
+        (f_qkv, *f_caches), (c_qkv, *c_caches) = out["fused"], out["chain"]
+        np.testing.assert_array_equal(_bits(f_qkv[:, :hq * d]), _bits(c_qkv[:, :hq * d]), err_msg="q")
+        for name, a, b in zip(("k cache", "v cache"), f_caches, c_caches):
+            np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=name)
+        assert np.all(_bits(f_qkv[m]) == 0x7FC0), "wrote past row m"
+    _, d_q, d_s = _weight(kind, 2 * inter, k, rng)
+    gate_up_w = _matrix(kind, 2 * inter, k, d_q, d_s)
+    for gelu_tanh in (False, True):
+        act, gate_up, chain = (DeviceArray.poisoned((m + 1, width), BF16) for width in (inter, 2 * inter, inter))
+        gpu_ops.gemv_silu_mul(act, normed, gate_up_w, m, 2 * inter, k, prenormed=(row_ss, EPS), gelu_tanh=gelu_tanh)
+        gpu_ops.gemv(gate_up, normed, gate_up_w, m, 2 * inter, k, prenormed=(row_ss, EPS))
+        gpu_ops.silu_mul(chain, gate_up, m, inter, gelu_tanh=gelu_tanh)
+        drv.Context.synchronize()
+        got = act.get()
+        np.testing.assert_array_equal(_bits(got), _bits(chain.get()), err_msg="SwiGLU / GeGLU epilogue != its chain")
+        assert np.all(_bits(got[m]) == 0x7FC0) and not np.any(_bits(got[:m]) == 0x7FC0)
+
+
 # ---- whole model -----------------------------------------------------------------------------
 
 BF16_NOISE_RATIO, FP32_GAP_TOL, BLOCK = 1.5, 6e-2, 16   # test_gpu_model.py's bounds
@@ -196,21 +323,20 @@ def _runner(cfg, weights):
 
 
 def _matches_reference(cfg, weights):
-    from gpu_helpers import logits_match_reference
+    """The runner on `weights` against the numpy reference on the same weights, its decode steps on
+    the fused layer (the default, quantized kernels included) and on the nine-launch one."""
+    from gpu_helpers import decode_layer, logits_match_reference
 
     from tinyvllm.reference.model import ReferenceModel
     runner = _runner(cfg, weights)
     try:
-        assert runner.weights.quantized and not runner.model.fused(_decode_step())
-        logits_match_reference(cfg, runner, ReferenceModel(cfg, weights, round_bf16=True),
-                               ReferenceModel(cfg, weights), BLOCK, BF16_NOISE_RATIO, FP32_GAP_TOL)
+        assert runner.weights.quantized
+        for fused in (True, False):
+            with decode_layer(runner, fused):
+                logits_match_reference(cfg, runner, ReferenceModel(cfg, weights, round_bf16=True),
+                                       ReferenceModel(cfg, weights), BLOCK, BF16_NOISE_RATIO, FP32_GAP_TOL)
     finally:
         runner.close()
-
-
-def _decode_step():
-    from tinyvllm.gpu.model import StepShape
-    return StepShape(3, 3, is_prefill=False)
 
 
 def test_tiny_model_fp8_matches_reference(tiny_model_dir):

@@ -62,7 +62,7 @@ class DeviceWeights:
 
     @property
     def quantized(self) -> bool:
-        """Whether any projection is a QuantMatrix (the model then runs the nine-launch layer)."""
+        """Whether any projection is a QuantMatrix (read by the quantized GEMVs, gpu/ops/quant_gemv.py)."""
         return any(isinstance(p, QuantMatrix) for lw in self.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)) \
             or isinstance(self.lm_head, QuantMatrix)
 

@@ -141,8 +141,8 @@ class LlamaModel:
         self.sampled_ids = v("sampled_ids")   # async scheduling's fed ids
         self.norm_row_ss = v("norm_row_ss")   # the handed-over norm's sums of squares
         self.head_argmax = v("head_argmax")   # the decode LM head's greedy argmax keys
-        # quantized weights (QuantMatrix): linear() reads them on the quantized GEMV; the fused
-        # layer's kernels read bf16 only, so such a model runs the nine-launch layer
+        # quantized weights (QuantMatrix): every GEMV launcher reads them with its kind's kernel
+        # (gpu/ops/quant_gemv.py), which picks its own k-split
         self.quantized = weights.quantized
         ops.use_dequant_scratch(weights.dequant_scratch, weights.dequant_scratch_elems)
 
@@ -154,7 +154,7 @@ class LlamaModel:
 
     def fused(self, step: StepShape) -> bool:
         """Whether this step runs the fused decode layer (module docstring; ops.fuses_decode)."""
-        return not step.is_prefill and not self.quantized and self.ops.fuses_decode(step.num_tokens, self.decode_gemv_shapes,
+        return not step.is_prefill and self.ops.fuses_decode(step.num_tokens, self.decode_gemv_shapes,
                                                              self.cfg.head_dim)
 
     def forward(self, step: StepShape) -> None:
@@ -165,7 +165,8 @@ class LlamaModel:
         T, H, eps = step.num_tokens, c.hidden_size, c.rms_norm_eps
         fused = self.fused(step)
         # each projection's GEMV k-split (ignored where linear() goes to cuBLAS, as at prefill)
-        kw = {name: ops.decode_k_warps(name, n, k) for name, (n, k) in self.projection_shapes.items()}
+        kw = {name: None if self.quantized else ops.decode_k_warps(name, n, k)
+              for name, (n, k) in self.projection_shapes.items()}
         if fused and T != step.num_seqs:
             raise TinyVLLMError(f"a decode step has one token per sequence, got {T} tokens for {step.num_seqs}")
         inputs = self.inputs[step.bank]

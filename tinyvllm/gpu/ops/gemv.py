@@ -133,18 +133,21 @@ class GemvOps(OpsBase):
 
     def _gemv_args(self, what: str, x, w, m: int, n: int, k: int, out_dtype: str, k_warps, *more,
                    last: bool = False):
-        """Checks shared by the GEMV launchers -> (grid, block, shared bytes, x, w)."""
+        """Checks shared by the GEMV launchers -> (grid, block, shared bytes, x, the weight's kernel
+        arguments: w, or a QuantMatrix's two planes for the quantized kernel, gpu/ops/quant_gemv.py)."""
         if not self.gemv_supports(m, n, k):
             raise ValueError(f"{what}: unsupported shape m={m}, n={n}, k={k} (needs 1 <= m <= {GEMV_MAX_ROWS}, "
                              f"n >= 1, k % 8 == 0, 8 <= k < {GEMV_MAX_K}); use cuBLAS")
         if out_dtype not in OUT_DTYPES:
             raise ValueError(f"{what}: out_dtype must be one of {sorted(OUT_DTYPES)}, got {out_dtype!r}")
-        x_ptr, w_ptr = int(x), int(w)
-        if (x_ptr | w_ptr) & 15 or any(int(p) & 15 for p in more):
-            names = ", ".join(f"{p:#x}" for p in (x_ptr, w_ptr, *map(int, more)))
+        quantized = isinstance(w, QuantMatrix)
+        x_ptr, w_args = int(x), self.quant_weight_args(what, w, n, k) if quantized else (int(w),)
+        if (x_ptr | w_args[0]) & 15 or any(int(p) & 15 for p in (*w_args[1:], *more)):
+            names = ", ".join(f"{p:#x}" for p in (x_ptr, *w_args, *map(int, more)))
             raise ValueError(f"{what}: x, w (and the norm weight or its row sums) must be 16-byte aligned ({names})")
-        grid, block, shared = self.gemv_launch_shape(n, k, k_warps, last)
-        return grid, block, shared, x_ptr, w_ptr
+        grid, block, shared = (self.quant_launch_shape(w, k_warps) if quantized else
+                               self.gemv_launch_shape(n, k, k_warps, last))
+        return grid, block, shared, x_ptr, w_args
 
     def gemv(self, y, x, w, m: int, n: int, k: int, *, accumulate: bool = False,
              out_dtype: str = "bfloat16", k_warps: int | None = None, last: bool = False,
@@ -160,17 +163,18 @@ class GemvOps(OpsBase):
         if head_argmax and (prenormed is None or out_dtype != "float32"):
             raise ValueError("gemv: head_argmax is kept by the prenormed GEMV with fp32 output (the decode LM head)")
         if prenormed is None:
-            grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps, last=last)
-            self._launch("gemv_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, OUT_DTYPES[out_dtype],
+            grid, block, shared, x_ptr, w_args = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps, last=last)
+            self._launch(self.weight_kernel("gemv_bf16", w), grid, block, int(y), x_ptr, *w_args, m, n, k, OUT_DTYPES[out_dtype],
                          int(accumulate), shared_bytes=shared)
             return
         if accumulate:
             raise ValueError("gemv: a prenormed GEMV stores its product; accumulate is not built")
         row_ss, eps = prenormed
-        grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv_prenormed_bf16", x, w, m, n, k, out_dtype,
+        grid, block, shared, x_ptr, w_args = self._gemv_args("gemv_prenormed_bf16", x, w, m, n, k, out_dtype,
                                                             k_warps, row_ss, last=last)
         shared += self._producer_ss_bytes("gemv_prenormed_bf16", m, k)
-        self._launch("gemv_prenormed_bf16", grid, block, int(y), x_ptr, int(row_ss), w_ptr, m, n, k, float(eps),
+        self._launch(self.weight_kernel("gemv_prenormed_bf16", w), grid, block, int(y), x_ptr, int(row_ss), *w_args,
+                     m, n, k, float(eps),
                      OUT_DTYPES[out_dtype], head_argmax, shared_bytes=shared)
 
     @staticmethod
@@ -188,9 +192,10 @@ class GemvOps(OpsBase):
         the RMSNorm after it normed [m, n] = bf16(y * norm_weight) and row_ss (fp32 [m,
         ceil(n / 16)]) = each CTA's sum of its 16 new y values' squares per row: what
         gemv_rope_kv / gemv_silu_mul take as prenormed=(row_ss, eps)."""
-        grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv_residual_norm", x, w, m, n, k, "bfloat16",
+        grid, block, shared, x_ptr, w_args = self._gemv_args("gemv_residual_norm", x, w, m, n, k, "bfloat16",
                                                             k_warps, norm_weight, normed)
-        self._launch("gemv_residual_norm_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, int(norm_weight),
+        self._launch(self.weight_kernel("gemv_residual_norm_bf16", w), grid, block, int(y), x_ptr, *w_args, m, n, k,
+                     int(norm_weight),
                      int(normed), int(row_ss), shared_bytes=shared)
 
     def gemv_rope_kv(self, qkv, x, w, m: int, n: int, k: int, k_cache, v_cache, positions, slot_mapping,
@@ -208,8 +213,9 @@ class GemvOps(OpsBase):
                              f"head_dim {head_dim})")
         kernel = "gemv_prenormed_rope_kv_bias_bf16" if bias else "gemv_prenormed_rope_kv_bf16"
         row_ss, eps = prenormed
-        grid, block, shared, x_ptr, w_ptr = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps, row_ss)
-        self._launch(kernel, grid, block, int(qkv), x_ptr, int(row_ss), w_ptr, m, n, k, float(eps), k_cache,
+        grid, block, shared, x_ptr, w_args = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps, row_ss)
+        self._launch(self.weight_kernel(kernel, w), grid, block, int(qkv), x_ptr, int(row_ss), *w_args, m, n, k, float(eps),
+                     k_cache,
                      v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim,
                      *((bias,) if bias else ()), shared_bytes=shared + self._producer_ss_bytes(kernel, m, k))
 
@@ -223,6 +229,6 @@ class GemvOps(OpsBase):
             raise ValueError(f"gemv_silu_mul: n = 2 * intermediate = {n} must be a multiple of 16")
         kernel = "gemv_prenormed_gelu_mul_bf16" if gelu_tanh else "gemv_prenormed_silu_mul_bf16"
         row_ss, eps = prenormed
-        grid, block, shared, x_ptr, w_ptr = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps, row_ss)
-        self._launch(kernel, grid, block, int(act), x_ptr, int(row_ss), w_ptr, m, n, k, float(eps),
+        grid, block, shared, x_ptr, w_args = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps, row_ss)
+        self._launch(self.weight_kernel(kernel, w), grid, block, int(act), x_ptr, int(row_ss), *w_args, m, n, k, float(eps),
                      shared_bytes=shared + self._producer_ss_bytes(kernel, m, k))

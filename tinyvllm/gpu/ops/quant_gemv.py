@@ -1,9 +1,10 @@
-"""Projections on quantized weights (gpu/quant_weights.py's QuantMatrix): the launchers of
-cuda/gemv_quant.cu's kernels and quant_linear(), which linear() hands a QuantMatrix to.
+"""Projections on quantized weights (gpu/quant_weights.py's QuantMatrix): what cuda/gemv_quant.cu's
+kernels need from the GEMV launchers of gpu/ops/gemv.py (which launch them, QuantGemvOps' docstring
+says how), prefill's dequantization, and quant_linear(), which linear() hands a QuantMatrix to.
 
 quant_linear(): Y[m, n] (+)= X[m, k] @ W[n, k]^T with W quantized:
-  * m <= GEMV_MAX_ROWS (decode): gemv_quant_<kind>, the weight bytes read once, dequantized in
-    registers (FP8: one byte a weight, its row scale on the fp32 sum; Q4_0 / Q4_1: half a byte).
+  * m <= GEMV_MAX_ROWS (decode): gemv() on gemv_quant_<kind>, the weight bytes read once, dequantized
+    in registers (FP8: one byte a weight, its row scale on the fp32 sum; Q4_0 / Q4_1: half a byte).
   * larger m (prefill, big batches) with the matrix within the dequantization scratch: dequant_<kind>
     writes W as bf16 into the scratch, then the bf16 cuBLAS GEMM. The simplest correct path: it
     keeps the GEMM on cuBLAS's tuned tensor-core kernels at the cost of writing and reading W in
@@ -28,7 +29,6 @@ QGEMV_MAX_ROWS = 8
 QGEMV_WARPS_PER_SM = 32          # the doubling rule's one-wave budget, as gemv.py's
 QGEMV_MIN_STEPS_PER_WARP = 2
 DEQUANT_THREADS = 256
-OUT_DTYPES = {"bfloat16": 0, "float32": 1}
 # per kind: weights a lane holds per step (its 16 bytes), the ring slot's bytes, what k must divide into
 LANE_K = {"FP8": QGEMV["LANE_K_BYTE"], "Q8_0": QGEMV["LANE_K_BYTE"], "Q4_0": QGEMV["LANE_K_NIBBLE"],
           "Q4_1": QGEMV["LANE_K_NIBBLE"]}
@@ -48,16 +48,62 @@ def quant_gemv_shape(kind: str, n: int, k_warps: int) -> tuple:
 
 
 class QuantGemvOps(OpsBase):
-    # each kind's kernels (cuda/gemv_quant.cu)
-    GEMV_KERNELS = {"FP8": "gemv_quant_fp8", "Q8_0": "gemv_quant_q8_0", "Q4_0": "gemv_quant_q4_0",
-                    "Q4_1": "gemv_quant_q4_1"}
-    DEQUANT_KERNELS = {"FP8": "dequant_fp8", "Q8_0": "dequant_q8_0", "Q4_0": "dequant_q4_0", "Q4_1": "dequant_q4_1"}
+    """The quantized kinds' side of the GEMV launchers. gpu/ops/gemv.py's launchers (gemv(),
+    gemv_residual_norm(), gemv_rope_kv(), gemv_silu_mul()) take a QuantMatrix where they take a bf16
+    W and launch its kind's namesake of their kernel (weight_kernel) with the two planes in W's
+    place (quant_weight_args) and this kernel's launch shape (quant_launch_shape); so the fused
+    decode layer runs on quantized weights as on bf16 ones."""
+    # each kind's kernels (cuda/gemv_quant.cu), by the gemv.cu kernel they stand in for
+    KERNELS = {
+        "FP8": {"gemv_bf16": "gemv_quant_fp8", "gemv_residual_norm_bf16": "gemv_quant_residual_norm_fp8",
+                "gemv_prenormed_rope_kv_bf16": "gemv_quant_prenormed_rope_kv_fp8",
+                "gemv_prenormed_rope_kv_bias_bf16": "gemv_quant_prenormed_rope_kv_bias_fp8",
+                "gemv_prenormed_bf16": "gemv_quant_prenormed_fp8",
+                "gemv_prenormed_silu_mul_bf16": "gemv_quant_prenormed_silu_mul_fp8",
+                "gemv_prenormed_gelu_mul_bf16": "gemv_quant_prenormed_gelu_mul_fp8", "dequant": "dequant_fp8"},
+        "Q8_0": {"gemv_bf16": "gemv_quant_q8_0", "gemv_residual_norm_bf16": "gemv_quant_residual_norm_q8_0",
+                "gemv_prenormed_rope_kv_bf16": "gemv_quant_prenormed_rope_kv_q8_0",
+                "gemv_prenormed_rope_kv_bias_bf16": "gemv_quant_prenormed_rope_kv_bias_q8_0",
+                "gemv_prenormed_bf16": "gemv_quant_prenormed_q8_0",
+                "gemv_prenormed_silu_mul_bf16": "gemv_quant_prenormed_silu_mul_q8_0",
+                "gemv_prenormed_gelu_mul_bf16": "gemv_quant_prenormed_gelu_mul_q8_0", "dequant": "dequant_q8_0"},
+        "Q4_0": {"gemv_bf16": "gemv_quant_q4_0", "gemv_residual_norm_bf16": "gemv_quant_residual_norm_q4_0",
+                "gemv_prenormed_rope_kv_bf16": "gemv_quant_prenormed_rope_kv_q4_0",
+                "gemv_prenormed_rope_kv_bias_bf16": "gemv_quant_prenormed_rope_kv_bias_q4_0",
+                "gemv_prenormed_bf16": "gemv_quant_prenormed_q4_0",
+                "gemv_prenormed_silu_mul_bf16": "gemv_quant_prenormed_silu_mul_q4_0",
+                "gemv_prenormed_gelu_mul_bf16": "gemv_quant_prenormed_gelu_mul_q4_0", "dequant": "dequant_q4_0"},
+        "Q4_1": {"gemv_bf16": "gemv_quant_q4_1", "gemv_residual_norm_bf16": "gemv_quant_residual_norm_q4_1",
+                "gemv_prenormed_rope_kv_bf16": "gemv_quant_prenormed_rope_kv_q4_1",
+                "gemv_prenormed_rope_kv_bias_bf16": "gemv_quant_prenormed_rope_kv_bias_q4_1",
+                "gemv_prenormed_bf16": "gemv_quant_prenormed_q4_1",
+                "gemv_prenormed_silu_mul_bf16": "gemv_quant_prenormed_silu_mul_q4_1",
+                "gemv_prenormed_gelu_mul_bf16": "gemv_quant_prenormed_gelu_mul_q4_1", "dequant": "dequant_q4_1"},
+    }
     dequant_scratch: int = 0          # bf16 scratch for prefill (DeviceWeights'), set by use_dequant_scratch
     dequant_scratch_elems: int = 0
 
     def use_dequant_scratch(self, ptr: int, elems: int) -> None:
         """Where prefill dequantizes a quantized matrix (DeviceWeights.dequant_scratch)."""
         self.dequant_scratch, self.dequant_scratch_elems = int(ptr), int(elems)
+
+    def weight_kernel(self, kernel: str, w) -> str:
+        """The kernel to launch for gemv.cu's `kernel` on weight w: itself for a bf16 pointer, its
+        kind's namesake for a QuantMatrix."""
+        return self.KERNELS[w.kind][kernel] if isinstance(w, QuantMatrix) else kernel
+
+    def quant_weight_args(self, what: str, w: QuantMatrix, n: int, k: int) -> tuple[int, int]:
+        """(quants plane, scales plane): a QuantMatrix's kernel arguments, checked against the [n, k]
+        the launch asks for and the kind's k multiple."""
+        if (n, k) != (w.rows, w.cols):
+            raise ValueError(f"{what}: a {w.rows}x{w.cols} {w.kind} matrix used as {n}x{k}")
+        if k % K_MULTIPLE[w.kind]:
+            raise ValueError(f"{what}: a {w.kind} GEMV needs k % {K_MULTIPLE[w.kind]} == 0, got k = {k}")
+        return w.data, w.scales
+
+    def quant_launch_shape(self, w: QuantMatrix, k_warps: int | None = None) -> tuple:
+        """(grid, block, shared_bytes) of a quantized GEMV (prenormed kernels add the row sums)."""
+        return quant_gemv_shape(w.kind, w.rows, k_warps or self.quant_k_warps(w))
 
     def quant_k_warps(self, w: QuantMatrix) -> int:
         """gemv.py's doubling rule on this kernel's steps: double the k-split while the grid stays
@@ -75,33 +121,15 @@ class QuantGemvOps(OpsBase):
         if (n, k) != (w.rows, w.cols):
             raise ValueError(f"quant_linear: a {w.rows}x{w.cols} {w.kind} matrix used as {n}x{k}")
         if m <= QGEMV_MAX_ROWS:
-            self.gemv_quant(y, x, w, m, accumulate=accumulate, out_dtype=out_dtype)
+            self.gemv(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)
         elif n * k <= self.dequant_scratch_elems:
             self.dequantize(self.dequant_scratch, w, 0, n)
             self.blas.matmul(y, x, self.dequant_scratch, m, n, k, accumulate=accumulate, out_dtype=out_dtype)
         else:
             item = 4 if out_dtype == "float32" else 2
             for r in range(0, m, QGEMV_MAX_ROWS):
-                self.gemv_quant(int(y) + r * n * item, int(x) + r * k * 2, w, min(QGEMV_MAX_ROWS, m - r),
-                                accumulate=accumulate, out_dtype=out_dtype)
-
-    def gemv_quant(self, y, x, w: QuantMatrix, m: int, *, accumulate: bool = False, out_dtype: str = "bfloat16",
-                   k_warps: int | None = None) -> None:
-        """Y[m, n] (+)= X[m, k] @ W^T for 1 <= m <= 8 with W a QuantMatrix [n, k]: gemv_quant_<kind>
-        (fp32 accumulation; Y bf16 or fp32; accumulate adds the product to Y, rounding once).
-        x, w's planes 16-byte aligned; k a multiple of K_MULTIPLE[kind]."""
-        n, k = w.rows, w.cols
-        if not 1 <= m <= QGEMV_MAX_ROWS or k % K_MULTIPLE[w.kind] or k >= 1 << 26:
-            raise ValueError(f"gemv_quant: unsupported shape m={m}, k={k} for {w.kind} (needs 1 <= m <= "
-                             f"{QGEMV_MAX_ROWS}, k % {K_MULTIPLE[w.kind]} == 0, k < 2^26)")
-        if out_dtype not in OUT_DTYPES:
-            raise ValueError(f"gemv_quant: out_dtype must be one of {sorted(OUT_DTYPES)}, got {out_dtype!r}")
-        if (int(x) | w.data | w.scales) & 15:
-            raise ValueError(f"gemv_quant: x and the weight planes must be 16-byte aligned "
-                             f"({int(x):#x}, {w.data:#x}, {w.scales:#x})")
-        grid, block, shared = quant_gemv_shape(w.kind, n, k_warps or self.quant_k_warps(w))
-        self._launch(self.GEMV_KERNELS[w.kind], grid, block, int(y), int(x), w.data, w.scales, m, n, k,
-                     OUT_DTYPES[out_dtype], int(accumulate), shared_bytes=shared)
+                self.gemv(int(y) + r * n * item, int(x) + r * k * 2, w, min(QGEMV_MAX_ROWS, m - r), n, k,
+                          accumulate=accumulate, out_dtype=out_dtype)
 
     def dequantize(self, out, w: QuantMatrix, row0: int, rows: int) -> None:
         """out [rows, k] bf16 = rows row0 .. row0 + rows of W as bf16 (dequant_<kind>: the GGUF kinds
@@ -112,5 +140,5 @@ class QuantGemvOps(OpsBase):
             raise ValueError(f"dequantize: out must be 16-byte aligned and k a multiple of {K_MULTIPLE[w.kind]}")
         groups = rows * (w.cols // 8)
         blocks = min(math.ceil(groups / DEQUANT_THREADS), 32 * self.num_sms)
-        self._launch(self.DEQUANT_KERNELS[w.kind], blocks, DEQUANT_THREADS, int(out), w.data, w.scales, row0, rows,
-                     w.cols)
+        self._launch(self.KERNELS[w.kind]["dequant"], blocks, DEQUANT_THREADS, int(out), w.data, w.scales, row0,
+                     rows, w.cols)
