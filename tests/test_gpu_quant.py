@@ -15,8 +15,12 @@ blocks with random quants and finite fp16 scales and mins: normal, subnormal, ze
     the twin makes the same way; rows past the requested range stay poisoned.
   * quant_linear() at m > 8: the dequantize-then-cuBLAS path (the scratch) and the GEMV over X's rows
     8 at a time (no scratch), against the same twins.
+  * the fused decode layer's kernels on quantized weights (gemv.cu's epilogues, gemv_common.cuh):
+    the residual GEMV handing the norm over and the LM head on it against the twins, the RoPE +
+    KV-write and SwiGLU / GeGLU epilogues bit for bit against their chains.
 Whole model: the tiny preset with --quantization fp8 and a tiny GGUF Q4_1 file on the CUDA runner
-against the numpy reference on the same weights (tests/gpu_helpers.py's logits_match_reference).
+against the numpy reference on the same weights (tests/gpu_helpers.py's logits_match_reference), on
+the fused decode layer and on the nine-launch one.
 """
 from __future__ import annotations
 
