@@ -7,7 +7,8 @@
 // trick, the per-warp cp.async ring, the k-split inside the CTA, the partial tiles summed once)
 // with the weight bytes turned into bf16 in registers between the ring and the mma:
 //
-//   lane (g = lane/4, t = lane%4) copies 16 weight bytes of W rows n0 + g and n0 + 8 + g per step,
+//   lane (g = lane/4, t = lane%4) copies 16 weight bytes of the CTA's W rows row_a + g and
+//   row_b + g (cta_tile, gemv_common.cuh: n0 + g and n0 + 8 + g but in the fused modes) per step,
 //   LANE_K weights each (16 for one-byte formats, 32 for nibbles), at k = kk + LANE_K * t, and
 //   the X values of row g at the same k (LANE_K / 8 quads); STEP_K = 4 * LANE_K.
 //   Each group of 8 weights becomes one bf16 quad (8 values) and meets its X quad in gemv.cu's
