@@ -9,9 +9,9 @@ layers have a RoPE of their own (Gemma 3).
 
 Quantized weights (FP8, GGUF Q8_0 / Q4_0 / Q4_1: gpu/quant_weights.py) are uploaded as their two
 planes and held as QuantMatrix handles where a bf16 pointer would be; the GEMV launchers read them
-with their kind's kernels (gpu/ops/quant_gemv.py). A quantized embedding table is uploaded twice: dequantized to bf16 for the gather
-(which reads T rows a step, so its bytes cost memory, not time) and, when tied, as its blocks for
-the LM head (which reads the whole table every step). Prefill's quantized projections dequantize
+with their kind's kernels (gpu/ops/quant_gemv.py). A quantized embedding table is uploaded twice:
+dequantized to bf16 for the gather (which reads T rows a step, so its bytes cost memory, not time)
+and, when tied, as its blocks for the LM head (which reads the whole table every step). Prefill's quantized projections dequantize
 into `dequant_scratch` (bf16, the largest quantized layer matrix) for cuBLAS.
 """
 from __future__ import annotations
