@@ -164,8 +164,8 @@ class GemvOps(OpsBase):
             raise ValueError("gemv: head_argmax is kept by the prenormed GEMV with fp32 output (the decode LM head)")
         if prenormed is None:
             grid, block, shared, x_ptr, w_args = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps, last=last)
-            self._launch(self.weight_kernel("gemv_bf16", w), grid, block, int(y), x_ptr, *w_args, m, n, k, OUT_DTYPES[out_dtype],
-                         int(accumulate), shared_bytes=shared)
+            self._launch(self.weight_kernel("gemv_bf16", w), grid, block, int(y), x_ptr, *w_args, m, n, k,
+                         OUT_DTYPES[out_dtype], int(accumulate), shared_bytes=shared)
             return
         if accumulate:
             raise ValueError("gemv: a prenormed GEMV stores its product; accumulate is not built")
@@ -174,8 +174,7 @@ class GemvOps(OpsBase):
                                                             k_warps, row_ss, last=last)
         shared += self._producer_ss_bytes("gemv_prenormed_bf16", m, k)
         self._launch(self.weight_kernel("gemv_prenormed_bf16", w), grid, block, int(y), x_ptr, int(row_ss), *w_args,
-                     m, n, k, float(eps),
-                     OUT_DTYPES[out_dtype], head_argmax, shared_bytes=shared)
+                     m, n, k, float(eps), OUT_DTYPES[out_dtype], head_argmax, shared_bytes=shared)
 
     @staticmethod
     def _producer_ss_bytes(kernel: str, m: int, k: int) -> int:
@@ -195,8 +194,7 @@ class GemvOps(OpsBase):
         grid, block, shared, x_ptr, w_args = self._gemv_args("gemv_residual_norm", x, w, m, n, k, "bfloat16",
                                                             k_warps, norm_weight, normed)
         self._launch(self.weight_kernel("gemv_residual_norm_bf16", w), grid, block, int(y), x_ptr, *w_args, m, n, k,
-                     int(norm_weight),
-                     int(normed), int(row_ss), shared_bytes=shared)
+                     int(norm_weight), int(normed), int(row_ss), shared_bytes=shared)
 
     def gemv_rope_kv(self, qkv, x, w, m: int, n: int, k: int, k_cache, v_cache, positions, slot_mapping,
                      inv_freq, *, num_q_heads: int, num_kv_heads: int, head_dim: int, prenormed,
@@ -214,9 +212,8 @@ class GemvOps(OpsBase):
         kernel = "gemv_prenormed_rope_kv_bias_bf16" if bias else "gemv_prenormed_rope_kv_bf16"
         row_ss, eps = prenormed
         grid, block, shared, x_ptr, w_args = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps, row_ss)
-        self._launch(self.weight_kernel(kernel, w), grid, block, int(qkv), x_ptr, int(row_ss), *w_args, m, n, k, float(eps),
-                     k_cache,
-                     v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim,
+        self._launch(self.weight_kernel(kernel, w), grid, block, int(qkv), x_ptr, int(row_ss), *w_args, m, n, k,
+                     float(eps), k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim,
                      *((bias,) if bias else ()), shared_bytes=shared + self._producer_ss_bytes(kernel, m, k))
 
     def gemv_silu_mul(self, act, x, w, m: int, n: int, k: int, *, prenormed, k_warps: int | None = None,
@@ -230,5 +227,5 @@ class GemvOps(OpsBase):
         kernel = "gemv_prenormed_gelu_mul_bf16" if gelu_tanh else "gemv_prenormed_silu_mul_bf16"
         row_ss, eps = prenormed
         grid, block, shared, x_ptr, w_args = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps, row_ss)
-        self._launch(self.weight_kernel(kernel, w), grid, block, int(act), x_ptr, int(row_ss), *w_args, m, n, k, float(eps),
-                     shared_bytes=shared + self._producer_ss_bytes(kernel, m, k))
+        self._launch(self.weight_kernel(kernel, w), grid, block, int(act), x_ptr, int(row_ss), *w_args, m, n, k,
+                     float(eps), shared_bytes=shared + self._producer_ss_bytes(kernel, m, k))
