@@ -4,6 +4,8 @@ every weight kind (quant/weight_kinds.py), the engine on the numpy backend with 
 weights, inspect's bytes, and the CUDA backend's one-line refusal."""
 from __future__ import annotations
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -192,22 +194,27 @@ def test_the_engine_runs_online_fp8(tiny_model_dir):
     assert list(out.outputs[0].token_ids) == ReferenceModel(config, weights).greedy_generate(out.prompt_token_ids, 8)
 
 
-def test_cuda_refuses_quantized_weights_in_one_line(tmp_path, tiny, tiny_model_dir, home):
-    """Before any CUDA start: the quantization named, --device cpu offered."""
+def test_cuda_refuses_only_the_kinds_it_has_no_kernels_for(tmp_path, tiny, tiny_model_dir, home):
+    """FP8 and GGUF Q8_0 / Q4_0 / Q4_1 run on the CUDA backend (cuda/gemv_quant.cu); a K-quant or a
+    fused group of mixed formats is refused in one line before any CUDA start, --device cpu offered."""
     from tinyvllm.engine.startup import make_runner
+    from tinyvllm.quant.gguf_kquants import Q4_K
+    from tinyvllm.quant.weight_kinds import cuda_unsupported
     config = ModelConfig.from_pretrained(tiny_model_dir)
     weights = load_weights(tiny_model_dir, config, "fp8")
-    with pytest.raises(ModelLoadError, match=r"no kernels for quantized weights \(FP8 e4m3\) yet: serve the "
-                                             r"model with --device cpu"):
-        make_runner(config, weights, EngineConfig(device="cuda"))
-    from tinyvllm import LLM
-    with pytest.raises(ModelLoadError, match=r"quantized weights \(--quantization fp8\)"):
-        LLM(str(tiny_model_dir), device="cuda", quantization="fp8")
+    assert cuda_unsupported(weights) is None
     cfg, w = tiny
+    for qtype in KEPT:
+        path = write_gguf(tmp_path / f"m-{qtype}.gguf", cfg, w, qtype=qtype)
+        assert cuda_unsupported(load_gguf_blocks(path, ModelConfig.from_pretrained(gguf_model_dir(path)))) is None
+    q4_k = QuantizedWeight.from_raw(Q4_K, (2, 256), random_raw(Q4_K, 2, 256, 0), "k")
+    with pytest.raises(ModelLoadError, match=r"no kernels for Q4_K weights \(it reads bf16, FP8, and GGUF "
+                                             r"Q8_0, Q4_0 and Q4_1 blocks\): serve the model with --device cpu"):
+        make_runner(config, {**weights, "extra": q4_k}, EngineConfig(device="cuda"))
+    mixed = RowStack((weights[next(n for n, v in weights.items() if isinstance(v, Fp8Weight))], q4_k))
+    assert cuda_unsupported({"m": mixed}) == "FP8+Q4_K (a fused group of mixed formats)"
+    from tinyvllm import LLM
     path = write_gguf(tmp_path / "m.gguf", cfg, w, qtype="Q4_1")
-    gconfig = ModelConfig.from_pretrained(gguf_model_dir(path))
-    with pytest.raises(ModelLoadError, match=r"quantized weights \(GGUF Q4_1 blocks\)"):
-        make_runner(gconfig, load_gguf_blocks(path, gconfig), EngineConfig(device="cuda"))
     with pytest.raises(ModelLoadError, match="a GGUF file runs at its own precision"):
         LLM(str(path), device="cpu", quantization="fp8")
 
@@ -227,7 +234,11 @@ def test_inspect_counts_quantized_bytes(tmp_path, tiny, tiny_model_dir, home):
     blocks = load_gguf_blocks(path, ModelConfig.from_pretrained(gguf_model_dir(path)))
     q4 = sum(w.nbytes for w in blocks.values() if isinstance(w, QuantizedWeight))
     assert "weights as loaded (GGUF Q4_0 blocks):" in report and f"{'Q4_0':<12}{len(blocks) - 5:>8}{q4:>16,}" in report
-    assert "GGUF tensors (the file's tensor table):" in report and "no kernels for quantized weights" in report
+    assert "GGUF tensors (the file's tensor table):" in report
+    from tinyvllm.gpu.device_weights import device_weight_bytes
+    device = device_weight_bytes(ModelConfig.from_pretrained(gguf_model_dir(path)), blocks)
+    assert f"weights allocation: {device:,} bytes" in report       # the planes' bytes, not bf16's
+    assert re.search(r"layers\[0\]\.qkv\s+Q4_0\s", report) and "no kernels for" not in report
     report = inspect_report(tiny_model_dir, EngineConfig(max_model_len=256, quantization="fp8"))
     config = ModelConfig.from_pretrained(tiny_model_dir)
     fp8 = [w for w in load_weights(tiny_model_dir, config, "fp8").values() if isinstance(w, Fp8Weight)]

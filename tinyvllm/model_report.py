@@ -58,6 +58,19 @@ def device_weight_lines(config: ModelConfig) -> list[str]:
     return lines
 
 
+def quantized_device_weight_lines(config: ModelConfig, loaded: dict) -> list[str]:
+    """device_weight_lines for a quantized model: each tensor's kind and device bytes (quantized
+    matrices as their planes, gpu/quant_weights.py)."""
+    from tinyvllm.gpu.device_weights import device_host_tensors
+    tensors = device_host_tensors(config, loaded)
+    lines = [f"  {'device tensor':<24}{'kind':<10}{'bytes':>14}"]
+    for key, t in tensors.items():
+        kind = t.kind or ("reserved" if t.reserve else str(t.arrays[0].dtype))
+        lines.append(f"  {weight_label(key) if key != 'dequant_scratch' else key:<24}{kind:<10}{t.nbytes:>14,}")
+    lines.append(f"  weights allocation: {_gib(sum(t.nbytes for t in tensors.values()))}")
+    return lines
+
+
 def weight_label(key: str) -> str:
     """device_tensor_shapes key -> the name DeviceWeights gives it ("3.qkv" -> "layers[3].qkv")."""
     layer, dot, part = key.partition(".")
@@ -127,23 +140,25 @@ def tensor_parallel_lines(config: ModelConfig, engine: EngineConfig) -> list[str
 
 def inspect_report(model: str | Path, engine: EngineConfig) -> str:
     from tinyvllm.checkpoint.loading import cuda_refuses, read_weights, resolve_checkpoint
-    from tinyvllm.quant.weight_kinds import quantization_summary
+    from tinyvllm.quant.weight_kinds import cuda_unsupported, quantization_summary
     model_dir, gguf_file = resolve_checkpoint(model, engine)
     config = ModelConfig.from_pretrained(model_dir)
     loaded = read_weights(model_dir, gguf_file, config, engine)
     quantized = quantization_summary(loaded)
     layout = arena_layout(config, engine)
-    weights = device_weight_bytes(config)
+    weights = device_weight_bytes(config, loaded if quantized and not cuda_unsupported(loaded) else None)
     kv_full = config.kv_bytes_per_token * engine.context_limit(config) * engine.max_num_seqs
     tensors = (["GGUF tensors (the file's tensor table):", *gguf_tensor_lines(gguf_file)] if gguf_file else
                ["checkpoint tensors (safetensors headers):", *checkpoint_tensor_lines(model_dir)])
-    device = ([f"  {cuda_refuses(quantized)}; in bf16 the upload would be:"] if quantized else [])
+    unsupported = cuda_unsupported(loaded)
+    device = ([f"  {cuda_refuses(unsupported)}; in bf16 the upload would be:", *device_weight_lines(config)]
+              if unsupported else quantized_device_weight_lines(config, loaded) if quantized
+              else device_weight_lines(config))
     return "\n".join([
         f"model {model}", "config:", *config_lines(config),
         f"parameters: {config.num_parameters:,}", "", *tensors, "",
         f"weights as loaded{f' ({quantized})' if quantized else ''}:", *loaded_weight_lines(loaded, config), "",
-        "device weights (q/k/v and gate/up fused, as uploaded to the GPU):", *device,
-        *device_weight_lines(config), "",
+        "device weights (q/k/v and gate/up fused, as uploaded to the GPU):", *device, "",
         "KV cache:", *kv_cache_lines(config, engine), "",
         f"arena for max_num_seqs={engine.max_num_seqs}, max_num_batched_tokens={engine.max_num_batched_tokens}, "
         f"context limit {engine.context_limit(config):,}:", layout.memory_map(), "",

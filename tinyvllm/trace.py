@@ -158,7 +158,7 @@ class TracingRunner(ModelRunner):
                       *(line for line, _ in args))
             return
         m, n, k, d = details["m"], details["n"], details["k"], details
-        self.names.recent = {int(d[key]): self.names.pointer(d[key]) for key in ("y", "x", "w")}
+        self.names.recent = {int(getattr(d[key], "data", d[key])): self.names.pointer(d[key]) for key in ("y", "x", "w")}
         w = self.names.pointer(d["w"])
         self._layer_header([w[1]])
         plus = "+" if d["accumulate"] else ""

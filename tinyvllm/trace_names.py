@@ -79,6 +79,10 @@ class PointerNames:
             ptrs.update({f"{n}.{f}": getattr(lw, f) for f in layer_parts(config)})
         base = int(w.allocation)
         for key, ptr in ptrs.items():
+            if hasattr(ptr, "kind"):          # a quantized matrix (gpu/quant_weights.py): its planes
+                regions.append((ptr.data, ptr.nbytes, weight_label(key), (ptr.rows, ptr.cols), ptr.kind,
+                                f"weights+{ptr.data - base:,}"))
+                continue
             size = device_tensor_itemsize(key)
             label = "embed (= lm_head)" if key == "embed" and config.tie_word_embeddings else weight_label(key)
             regions.append((ptr, int(np.prod(shapes[key])) * size, label, shapes[key],
@@ -97,7 +101,7 @@ class PointerNames:
         if hasattr(value, "shape") and hasattr(value, "ptr"):        # an arena DeviceView
             return (f"{value.name} {value.dtype} {value.shape} @arena+{value.ptr - self.arena_base:,}",
                     value.name)
-        p = int(value)
+        p = value.data if hasattr(value, "kind") else int(value)    # a QuantMatrix: its quants plane
         if p == 0:
             return "NULL", None
         i = bisect.bisect_right(self.starts, p) - 1

@@ -151,12 +151,13 @@ def run_bench(opts: BenchOptions, out=None):
     model_dir = resolve_model(opts.model, opts.preset, Path(opts.model_cache))
     model_config = ModelConfig.from_pretrained(model_dir)
     ours, engine_config = run_tinyvllm_workloads(model_dir, options, specs, opts)
+    report_device = ours.pop("_device")
     report = BenchReport(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        git_commit=git_commit(), device=ours.pop("_device"),
+        git_commit=git_commit(), device=report_device,
         model={"path": str(model_dir), "preset": None if opts.model else opts.preset,
                "num_parameters": model_config.num_parameters,
-               "weight_bytes": model_config.num_parameters * 2},
+               "weight_bytes": report_device.pop("weight_bytes", None) or model_config.num_parameters * 2},
         engine_config=engine_config)
     bandwidth = report.device.get("copy_bandwidth_GBps")
     report.device["floor_tok_s"] = bandwidth * 1e9 / report.model["weight_bytes"] if bandwidth else None
@@ -183,6 +184,9 @@ def run_tinyvllm_workloads(model_dir: Path, options: dict, specs: list[WorkloadS
     outputs = {}
     try:
         results = {"_device": device_info(llm.engine.engine_config.device)}
+        # quantized weights: the floor counts the bytes a decode step streams (DeviceWeights)
+        weights = getattr(llm.engine.runner, "weights", None)
+        results["_device"]["weight_bytes"] = weights.streamed_bytes if getattr(weights, "quantized", False) else None
         engine_config = dataclasses.asdict(llm.engine.engine_config)
         engine_config["num_kv_blocks"] = llm.engine.block_manager.num_blocks
         caching = llm.engine.engine_config.enable_prefix_caching

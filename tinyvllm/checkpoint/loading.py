@@ -13,10 +13,10 @@ from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.errors import ModelLoadError
 
 
-def cuda_refuses(quantization: str) -> str:
-    """The one line that refuses quantized weights on the CUDA backend (no kernels for them yet)."""
-    return (f"the CUDA backend has no kernels for quantized weights ({quantization}) yet: serve the "
-            "model with --device cpu, or in bf16 (a bf16 checkpoint, or convert-gguf for a GGUF file)")
+def cuda_refuses(kinds: str) -> str:
+    """The one line that refuses weights the CUDA kernels do not read (weight_kinds.cuda_unsupported)."""
+    return (f"the CUDA backend has no kernels for {kinds} weights (it reads bf16, FP8, and GGUF Q8_0, "
+            f"Q4_0 and Q4_1 blocks): serve the model with --device cpu, or in bf16 (convert-gguf for a GGUF file)")
 
 
 def resolve_checkpoint(model: str | Path | None, engine_config: EngineConfig) -> tuple[Path, Path | None]:

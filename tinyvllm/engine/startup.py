@@ -25,7 +25,7 @@ from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.errors import ConfigError, GPUUnavailableError, ModelLoadError, TinyVLLMError
 from tinyvllm.parallel.sharding import check_engine_split
 from tinyvllm.parallel.workers import RankProcesses, uses_rank_processes
-from tinyvllm.quant.weight_kinds import quantization_summary
+from tinyvllm.quant.weight_kinds import cuda_unsupported
 
 
 def make_engine_config(engine_config: EngineConfig | None, options: dict) -> EngineConfig:
@@ -74,9 +74,9 @@ def check_cuda_support(config: ModelConfig) -> None:
 def make_runner(config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig) -> ModelRunner:
     """A started runner of engine_config's device holding `weights`."""
     if engine_config.device == "cuda":
-        quantized = quantization_summary(weights)
-        if quantized:
-            raise ModelLoadError(cuda_refuses(quantized))
+        unsupported = cuda_unsupported(weights)
+        if unsupported:
+            raise ModelLoadError(cuda_refuses(unsupported))
         check_cuda_support(config)
     try:
         return runner_class(engine_config)(config, weights, engine_config)
@@ -106,8 +106,6 @@ def load_model(model: str | Path | None, engine_config: EngineConfig, runner: Mo
     way). With trace_steps the runner is wrapped in tinyvllm/trace.py's TracingRunner."""
     if runner is None and model is None:
         runner_class(engine_config)        # a backend that cannot load is said before the default model's conversion
-    if runner is None and engine_config.device == "cuda" and engine_config.quantization:
-        raise ModelLoadError(cuda_refuses(f"--quantization {engine_config.quantization}"))  # before quantizing
     model_dir, gguf_file = resolve_checkpoint(model, engine_config)
     model_config = ModelConfig.from_pretrained(model_dir)
     tokenizer = Tokenizer.from_pretrained(model_dir, model_config, chat_template)

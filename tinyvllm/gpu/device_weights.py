@@ -6,6 +6,13 @@ concatenated: two projections per layer where HF runs five), and the parts a fam
 norms around the MLP). Tied checkpoints point the LM head at the embedding table instead of
 uploading it twice. RoPE's frequencies are one float32 table, two for a model whose sliding
 layers have a RoPE of their own (Gemma 3).
+
+Quantized weights (FP8, GGUF Q8_0 / Q4_0 / Q4_1: gpu/quant_weights.py) are uploaded as their two
+planes and held as QuantMatrix handles where a bf16 pointer would be; the GEMV launchers read them
+with their kind's kernels (gpu/ops/quant_gemv.py). A quantized embedding table is uploaded twice:
+dequantized to bf16 for the gather (which reads T rows a step, so its bytes cost memory, not time)
+and, when tied, as its blocks for the LM head (which reads the whole table every step). Prefill's quantized projections dequantize
+into `dequant_scratch` (bf16, the largest quantized layer matrix) for cuBLAS.
 """
 from __future__ import annotations
 
@@ -17,17 +24,18 @@ import numpy as np
 from tinyvllm.checkpoint import weight_names as names
 from tinyvllm.config import ModelConfig, rope_inv_freq
 from tinyvllm.gpu.arena import round_up
+from tinyvllm.gpu.quant_weights import QuantMatrix, dequantized_table, pack_planes
 from tinyvllm.hf_config import FULL, SLIDING
 
 
 @dataclass(frozen=True)
 class LayerWeights:
     input_norm: int      # [hidden]
-    qkv: int             # [q + 2 kv, hidden]
-    o: int               # [hidden, q]
+    qkv: int | QuantMatrix       # [q + 2 kv, hidden]; a QuantMatrix when quantized
+    o: int | QuantMatrix         # [hidden, q]
     post_norm: int       # [hidden]
-    gate_up: int         # [2 inter, hidden]
-    down: int            # [hidden, inter]
+    gate_up: int | QuantMatrix   # [2 inter, hidden]
+    down: int | QuantMatrix      # [hidden, inter]
     # a family's own parts (0: the model has none)
     qkv_bias: int = 0    # [q + 2 kv] (Qwen2)
     q_norm: int = 0      # [head_dim] (Qwen3, Gemma 3)
@@ -40,12 +48,23 @@ class LayerWeights:
 class DeviceWeights:
     embed: int           # [vocab, hidden]
     final_norm: int      # [hidden]
-    lm_head: int         # [vocab, hidden]; == embed when tied
+    lm_head: int | QuantMatrix   # [vocab, hidden]; == embed when tied (a quantized table: its planes)
     rope_inv_freq: int   # float32 [head_dim / 2]
     layers: tuple[LayerWeights, ...]
     nbytes: int
     allocation: object = field(repr=False, compare=False)   # the one device allocation behind them
     sliding_rope_inv_freq: int = 0   # the sliding layers' own table (Gemma 3); 0: rope_inv_freq
+    dequant_scratch: int = 0         # bf16 [dequant_scratch_elems]: prefill's dequantized weight
+    dequant_scratch_elems: int = 0
+    # the bytes a decode step streams: every tensor but a quantized embedding's bf16 gather table
+    # (a step reads T rows of it) and the scratch: the bench's bandwidth floor divides by it
+    streamed_bytes: int = 0
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any projection is a QuantMatrix (read by the quantized GEMVs, gpu/ops/quant_gemv.py)."""
+        return any(isinstance(p, QuantMatrix) for lw in self.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)) \
+            or isinstance(self.lm_head, QuantMatrix)
 
     def inv_freq(self, layer_type: str) -> int:
         """The RoPE frequency table of the layers of `layer_type` (ModelConfig.layer_type)."""
@@ -55,13 +74,16 @@ class DeviceWeights:
         self.allocation.free()
 
     @classmethod
-    def at(cls, config: ModelConfig, ptrs: dict[str, int], nbytes: int, allocation) -> DeviceWeights:
+    def at(cls, config: ModelConfig, ptrs: dict, nbytes: int, allocation, scratch_elems: int = 0,
+           streamed_bytes: int | None = None) -> DeviceWeights:
         """The pointers of an upload (device_tensor_shapes' keys) as DeviceWeights."""
         layers = tuple(LayerWeights(**{part: ptrs[f"{n}.{part}"] for part in names.layer_parts(config)})
                        for n in range(config.num_hidden_layers))
         return cls(embed=ptrs["embed"], final_norm=ptrs["final_norm"], lm_head=ptrs.get("lm_head", ptrs["embed"]),
                    rope_inv_freq=ptrs["rope_inv_freq"], layers=layers, nbytes=nbytes, allocation=allocation,
-                   sliding_rope_inv_freq=ptrs.get("sliding_rope_inv_freq", 0))
+                   sliding_rope_inv_freq=ptrs.get("sliding_rope_inv_freq", 0),
+                   dequant_scratch=ptrs.get("dequant_scratch", 0), dequant_scratch_elems=scratch_elems,
+                   streamed_bytes=nbytes if streamed_bytes is None else streamed_bytes)
 
 
 def device_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -86,13 +108,16 @@ def device_tensor_itemsize(key: str) -> int:
     return 4 if key.endswith("rope_inv_freq") else 2    # float32 frequencies, bf16 everything else
 
 
-def device_weight_bytes(config: ModelConfig) -> int:
-    """The size of the one weights allocation: every tensor, each start ALIGN-aligned."""
+def device_weight_bytes(config: ModelConfig, weights: dict | None = None) -> int:
+    """The size of the one weights allocation: every tensor (with `weights`, quantized ones as
+    their planes, and the dequantization scratch), each start ALIGN-aligned."""
+    if weights is not None:
+        return sum(t.nbytes for t in device_host_tensors(config, weights).values())
     return sum(round_up(int(np.prod(s)) * device_tensor_itemsize(k)) for k, s in device_tensor_shapes(config).items())
 
 
-def _host_tensor(key: str, config: ModelConfig, w: dict[str, np.ndarray]) -> np.ndarray:
-    """The host array for one device tensor (a device_tensor_shapes key)."""
+def _host_tensor(key: str, config: ModelConfig, w: dict):
+    """The host weight for one device tensor (a device_tensor_shapes key): an array or a quantized kind."""
     if key.endswith("rope_inv_freq"):           # float32: angles need the precision
         return rope_inv_freq(config, SLIDING if key == "sliding_rope_inv_freq" else FULL)
     if key in ("embed", "final_norm"):
@@ -103,21 +128,76 @@ def _host_tensor(key: str, config: ModelConfig, w: dict[str, np.ndarray]) -> np.
     return names.fused_layer(w, int(layer), part)
 
 
-def upload_weights(config: ModelConfig, weights: dict[str, np.ndarray]) -> DeviceWeights:
-    """Copy the model to the GPU in one allocation; DeviceWeights holds the pointers and owns
-    the allocation (free() releases it)."""
+@dataclass(frozen=True, eq=False)
+class HostTensor:
+    """What one device tensor uploads: `arrays` (one float array, or a quantized matrix's
+    (quants, scales) planes), its quantized `kind` and `shape` (None for a float tensor), or
+    `reserve` bytes of scratch uploaded from nothing."""
+    arrays: tuple[np.ndarray, ...]
+    kind: str | None = None
+    shape: tuple[int, int] | None = None
+    reserve: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes, each part's start ALIGN-aligned."""
+        return sum(round_up(a.nbytes) for a in self.arrays) + round_up(self.reserve)
+
+
+def device_host_tensors(config: ModelConfig, weights: dict) -> dict[str, HostTensor]:
+    """key -> what is uploaded for it, in upload order: float tensors as bf16 (float32 frequencies),
+    quantized matrices as their planes, a quantized embedding as its bf16 table (plus "lm_head" as
+    its planes when tied), and "dequant_scratch" when any layer matrix is quantized."""
+    out, scratch = {}, 0
+    keys = list(device_tensor_shapes(config))
+    if not isinstance(weights[names.EMBED], np.ndarray) and config.tie_word_embeddings:
+        keys.insert(keys.index("final_norm") + 1, "lm_head")     # the tied head reads the blocks
+    for key in keys:
+        host = _host_tensor(key, config, weights)
+        if isinstance(host, np.ndarray):
+            dtype = np.float32 if device_tensor_itemsize(key) == 4 else ml_dtypes.bfloat16
+            out[key] = HostTensor((np.ascontiguousarray(host, dtype=dtype),))
+        elif key == "embed":
+            out[key] = HostTensor((dequantized_table(host),))
+        else:
+            kind, quants, scales = pack_planes(host)
+            out[key] = HostTensor((quants, scales), kind, tuple(host.shape))
+            if key != "lm_head":
+                scratch = max(scratch, host.shape[0] * host.shape[1])
+    if scratch:
+        out["dequant_scratch"] = HostTensor((), reserve=2 * scratch)
+    return out
+
+
+def upload_weights(config: ModelConfig, weights: dict) -> DeviceWeights:
+    """Copy the model to the GPU in one allocation; DeviceWeights holds the pointers (QuantMatrix
+    handles for quantized matrices) and owns the allocation (free() releases it)."""
     import pycuda.driver as drv
 
-    shapes = device_tensor_shapes(config)
-    total = device_weight_bytes(config)
+    tensors, shapes = device_host_tensors(config, weights), device_tensor_shapes(config)
+    total = sum(t.nbytes for t in tensors.values())
     allocation = drv.mem_alloc(total)
     ptrs, offset = {}, int(allocation)
-    for key, shape in shapes.items():
-        arr = _host_tensor(key, config, weights)
-        dtype = np.float32 if device_tensor_itemsize(key) == 4 else ml_dtypes.bfloat16
-        arr = np.ascontiguousarray(arr, dtype=dtype)
-        assert arr.shape == shape, (key, arr.shape, shape)
-        drv.memcpy_htod(offset, arr)
-        ptrs[key] = offset
-        offset += round_up(arr.nbytes)
-    return DeviceWeights.at(config, ptrs, total, allocation)
+    for key, tensor in tensors.items():
+        starts = []
+        for arr in tensor.arrays:
+            drv.memcpy_htod(offset, arr)
+            starts.append(offset)
+            offset += round_up(arr.nbytes)
+        if tensor.kind is not None:
+            ptrs[key] = QuantMatrix(tensor.kind, *starts, *tensor.shape, nbytes=tensor.nbytes)
+        elif tensor.reserve:
+            ptrs[key] = offset
+            offset += round_up(tensor.reserve)
+        else:
+            assert tensor.arrays[0].shape == shapes[key], (key, tensor.arrays[0].shape, shapes[key])
+            ptrs[key] = starts[0]
+    scratch = tensors["dequant_scratch"].reserve // 2 if "dequant_scratch" in tensors else 0
+    return DeviceWeights.at(config, ptrs, total, allocation, scratch_elems=scratch,
+                            streamed_bytes=streamed_weight_bytes(tensors, weights))
+
+
+def streamed_weight_bytes(tensors: dict[str, HostTensor], weights: dict) -> int:
+    """DeviceWeights.streamed_bytes of an upload plan (device_host_tensors)."""
+    gather_only = "embed" if not isinstance(weights[names.EMBED], np.ndarray) else None
+    return sum(t.nbytes for key, t in tensors.items() if key not in (gather_only, "dequant_scratch"))

@@ -145,6 +145,10 @@ class LlamaModel:
         # ranks, in place, on the step's stream (parallel/workers.py sets it; a one-rank group
         # only so far: see sum_hidden_over_ranks)
         self.all_reduce = None
+        # quantized weights (QuantMatrix): every GEMV launcher reads them with its kind's kernel
+        # (gpu/ops/quant_gemv.py), which picks its own k-split
+        self.quantized = weights.quantized
+        ops.use_dequant_scratch(weights.dequant_scratch, weights.dequant_scratch_elems)
 
     def head_argmax_for(self, step: StepShape) -> int:
         """The device pointer of the greedy argmax keys this step's LM head keeps beside the
@@ -165,7 +169,8 @@ class LlamaModel:
         T, H, eps = step.num_tokens, c.hidden_size, c.rms_norm_eps
         fused = self.fused(step)
         # each projection's GEMV k-split (ignored where linear() goes to cuBLAS, as at prefill)
-        kw = {name: ops.decode_k_warps(name, n, k) for name, (n, k) in self.projection_shapes.items()}
+        kw = {name: None if self.quantized else ops.decode_k_warps(name, n, k)
+              for name, (n, k) in self.projection_shapes.items()}
         if fused and T != step.num_seqs:
             raise TinyVLLMError(f"a decode step has one token per sequence, got {T} tokens for {step.num_seqs}")
         inputs = self.inputs[step.bank]

@@ -23,6 +23,9 @@ from tinyvllm.quant import block_format, fp8
 from tinyvllm.quant.block_format import QuantizedWeight
 from tinyvllm.quant.fp8 import Fp8Weight
 
+# the quantized kinds (kind_name) the CUDA kernels read: cuda/gemv_quant.cu
+GPU_KINDS = ("FP8", "Q8_0", "Q4_0", "Q4_1")
+
 
 @dataclass(frozen=True, eq=False)          # arrays inside: compared by identity
 class RowStack:
@@ -121,3 +124,15 @@ def quantization_summary(weights: dict) -> str | None:
     fp8_part = ["FP8 e4m3"] if "FP8" in kinds else []
     blocks = [k for k in kinds if k != "FP8"]
     return " + ".join(fp8_part + ([f"GGUF {' + '.join(blocks)} blocks"] if blocks else []))
+
+
+def cuda_unsupported(weights: dict) -> str | None:
+    """The quantized kinds of a loaded model the CUDA kernels do not read ("Q4_K, Q6_K"; a fused
+    group of mixed formats), None when there is none."""
+    kinds = set()
+    for weight in weights.values():
+        if isinstance(weight, RowStack):
+            kinds.add(f"{kind_name(weight)} (a fused group of mixed formats)")
+        elif is_quantized(weight) and kind_name(weight) not in GPU_KINDS:
+            kinds.add(kind_name(weight))
+    return ", ".join(sorted(kinds)) or None

@@ -47,6 +47,19 @@ call. The launchers live by kernel family, beside the .cu files they launch:
     sampling.cu   apply_logit_edits        sampling apply_logit_edits()    sampling.apply_edits            test_gpu_logit_processing
     sampling.cu   step_logprobs            sampling step_logprobs()        sampling.step_logprobs          test_gpu_logit_processing
     token_mask.cu apply_token_mask         sampling apply_token_mask()     sampling.apply_token_mask       test_gpu_token_mask
+    gemv_quant.cu gemv_quant_{fp8,q8_0,q4_0,q4_1}
+                                           gemv     gemv(w=QuantMatrix), via linear()  quant.fp8.linear, quant.block_format.linear
+                                                                                                           test_gpu_quant::test_gemv_quant
+    gemv_quant.cu gemv_quant_residual_norm_<kind>, gemv_quant_prenormed_<kind>, ..._rope_kv[_bias]_<kind>,
+                  ..._silu_mul_<kind>, ..._gelu_mul_<kind> (gemv.cu's namesakes, quant_gemv.QuantGemvOps.KERNELS)
+                                           gemv     their gemv.cu namesakes' launchers on a QuantMatrix
+                                                    the twins above, rms_norm_linear's formula, their chains
+                                                                                                           test_gpu_quant::test_quant_residual_norm,
+                                                                                                           test_quant_prenormed_head,
+                                                                                                           test_quant_fused_epilogues_equal_their_chains
+    gemv_quant.cu dequant_{fp8,q8_0,q4_0,q4_1}
+                                           quant_gemv dequantize(), via linear() at m > 8  gpu.quant_weights.planes_dequantize_bf16 / fp8_scaled_bf16
+                                                                                                           test_gpu_quant::test_dequantize
     (cuBLAS)      cublasGemmEx             gemv     linear()               kernels.linear                  test_gpu_kernels::test_linear
 
 Each launcher owns its kernel's launch geometry, computed from the constants its .cu file
@@ -67,14 +80,15 @@ from tinyvllm.gpu.ops.attention import (
     attention_kernels_missing,
 )
 from tinyvllm.gpu.ops.gemv import GEMV, GEMV_MAX_ROWS, GemvOps
+from tinyvllm.gpu.ops.quant_gemv import QGEMV, QuantGemvOps
 from tinyvllm.gpu.ops.rowwise import EMBEDDING, RMS_NORM, ROPE, SILU, RowwiseOps
 from tinyvllm.gpu.ops.sampling import MAX_ARGMAX_SLICES, SAMPLING, SamplingOps
 
-__all__ = ["GpuOps", "EMBEDDING", "RMS_NORM", "ROPE", "SILU", "PREFILL", "DECODE", "GEMV", "SAMPLING",
+__all__ = ["GpuOps", "EMBEDDING", "RMS_NORM", "ROPE", "SILU", "PREFILL", "DECODE", "GEMV", "SAMPLING", "QGEMV",
            "DECODE_SHAPES", "PREFILL_HEAD_DIMS", "MAX_DECODE_SPLITS", "MAX_ARGMAX_SLICES", "GEMV_MAX_ROWS",
            "attention_kernels_missing"]
 
 
-class GpuOps(RowwiseOps, AttentionOps, GemvOps, SamplingOps):
+class GpuOps(RowwiseOps, AttentionOps, GemvOps, QuantGemvOps, SamplingOps):
     """Every launcher, bound to one kernel library, stream, cuBLAS handle and SM count
     (OpsBase's arguments, with EngineConfig's fused_decode and pdl)."""

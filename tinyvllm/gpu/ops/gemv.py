@@ -3,7 +3,8 @@ kernels (gemv.cu).
 
 linear(): Y[m, n] (+)= X[m, k] @ W[n, k]^T, on our GEMV for decode batches of at most
 GEMV_MAX_ROWS rows (cuBLAS reads small matrices at 1.7-2.5 TB/s at M <= 8; the GEMV streams
-them at 3.5+), else on cuBLAS (gpu/cublas.py has the row-major/column-major derivation).
+them at 3.5+), else on cuBLAS (gpu/cublas.py has the row-major/column-major derivation). A
+quantized W (gpu/quant_weights.py's QuantMatrix) goes to quant_linear() (gpu/ops/quant_gemv.py).
 
 The fused decode layer's GEMVs (gpu/model.py) are launches of their own kernels:
 gemv_residual_norm() (o and down, adding into the residual stream and handing the next RMSNorm
@@ -18,6 +19,7 @@ import math
 
 from tinyvllm.gpu.kernels import kernel_constants
 from tinyvllm.gpu.ops.launch import OpsBase
+from tinyvllm.gpu.quant_weights import QuantMatrix
 
 GEMV = kernel_constants("gemv.cu")
 GEMV_MAX_ROWS = 8            # the GEMV's m limit (x rows held in one m16n8k16 tile's n = 8)
@@ -60,14 +62,19 @@ class GemvOps(OpsBase):
         """Y[m, n] (+)= X[m, k] @ W[n, k]^T, row-major, W as HF stores it [out, in]; accumulate
         adds to Y (beta = 1: the fused residual add). The GEMV for small decode batches, else cuBLAS.
         last: the step's last projection (the LM head), launched by gemv_k_warps' rule for it;
-        k_warps: the GEMV's k-split (None: that rule)."""
+        k_warps: the GEMV's k-split (None: that rule). A quantized W (a QuantMatrix) goes to
+        quant_linear() (gpu/ops/quant_gemv.py), whose GEMV picks its own k-split."""
         on_gemv = self.on_gemv(m, n, k)
-        if on_gemv:
+        if isinstance(w, QuantMatrix):
+            run = lambda: self.quant_linear(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
+            name = f"{'gemv' if m <= GEMV_MAX_ROWS else 'dequant+cublas'} {w.kind} {n}x{k}"
+        elif on_gemv:
             run = lambda: self.gemv(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype, last=last,  # noqa: E731
                                     k_warps=k_warps)
+            name = f"gemv {n}x{k}"
         else:
             run = lambda: self.blas.matmul(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
-        name = f"{'gemv' if on_gemv else 'cublas'} {n}x{k}"
+            name = f"cublas {n}x{k}"
         if self.skip_ops and name in self.skip_ops:
             return
         if self.observer is not None:
@@ -126,18 +133,21 @@ class GemvOps(OpsBase):
 
     def _gemv_args(self, what: str, x, w, m: int, n: int, k: int, out_dtype: str, k_warps, *more,
                    last: bool = False):
-        """Checks shared by the GEMV launchers -> (grid, block, shared bytes, x, w)."""
+        """Checks shared by the GEMV launchers -> (grid, block, shared bytes, x, the weight's kernel
+        arguments: w, or a QuantMatrix's two planes for the quantized kernel, gpu/ops/quant_gemv.py)."""
         if not self.gemv_supports(m, n, k):
             raise ValueError(f"{what}: unsupported shape m={m}, n={n}, k={k} (needs 1 <= m <= {GEMV_MAX_ROWS}, "
                              f"n >= 1, k % 8 == 0, 8 <= k < {GEMV_MAX_K}); use cuBLAS")
         if out_dtype not in OUT_DTYPES:
             raise ValueError(f"{what}: out_dtype must be one of {sorted(OUT_DTYPES)}, got {out_dtype!r}")
-        x_ptr, w_ptr = int(x), int(w)
-        if (x_ptr | w_ptr) & 15 or any(int(p) & 15 for p in more):
-            names = ", ".join(f"{p:#x}" for p in (x_ptr, w_ptr, *map(int, more)))
+        quantized = isinstance(w, QuantMatrix)
+        x_ptr, w_args = int(x), self.quant_weight_args(what, w, n, k) if quantized else (int(w),)
+        if (x_ptr | w_args[0]) & 15 or any(int(p) & 15 for p in (*w_args[1:], *more)):
+            names = ", ".join(f"{p:#x}" for p in (x_ptr, *w_args, *map(int, more)))
             raise ValueError(f"{what}: x, w (and the norm weight or its row sums) must be 16-byte aligned ({names})")
-        grid, block, shared = self.gemv_launch_shape(n, k, k_warps, last)
-        return grid, block, shared, x_ptr, w_ptr
+        grid, block, shared = (self.quant_launch_shape(w, k_warps) if quantized else
+                               self.gemv_launch_shape(n, k, k_warps, last))
+        return grid, block, shared, x_ptr, w_args
 
     def gemv(self, y, x, w, m: int, n: int, k: int, *, accumulate: bool = False,
              out_dtype: str = "bfloat16", k_warps: int | None = None, last: bool = False,
@@ -153,18 +163,18 @@ class GemvOps(OpsBase):
         if head_argmax and (prenormed is None or out_dtype != "float32"):
             raise ValueError("gemv: head_argmax is kept by the prenormed GEMV with fp32 output (the decode LM head)")
         if prenormed is None:
-            grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps, last=last)
-            self._launch("gemv_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, OUT_DTYPES[out_dtype],
-                         int(accumulate), shared_bytes=shared)
+            grid, block, shared, x_ptr, w_args = self._gemv_args("gemv", x, w, m, n, k, out_dtype, k_warps, last=last)
+            self._launch(self.weight_kernel("gemv_bf16", w), grid, block, int(y), x_ptr, *w_args, m, n, k,
+                         OUT_DTYPES[out_dtype], int(accumulate), shared_bytes=shared)
             return
         if accumulate:
             raise ValueError("gemv: a prenormed GEMV stores its product; accumulate is not built")
         row_ss, eps = prenormed
-        grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv_prenormed_bf16", x, w, m, n, k, out_dtype,
+        grid, block, shared, x_ptr, w_args = self._gemv_args("gemv_prenormed_bf16", x, w, m, n, k, out_dtype,
                                                             k_warps, row_ss, last=last)
         shared += self._producer_ss_bytes("gemv_prenormed_bf16", m, k)
-        self._launch("gemv_prenormed_bf16", grid, block, int(y), x_ptr, int(row_ss), w_ptr, m, n, k, float(eps),
-                     OUT_DTYPES[out_dtype], head_argmax, shared_bytes=shared)
+        self._launch(self.weight_kernel("gemv_prenormed_bf16", w), grid, block, int(y), x_ptr, int(row_ss), *w_args,
+                     m, n, k, float(eps), OUT_DTYPES[out_dtype], head_argmax, shared_bytes=shared)
 
     @staticmethod
     def _producer_ss_bytes(kernel: str, m: int, k: int) -> int:
@@ -181,10 +191,10 @@ class GemvOps(OpsBase):
         the RMSNorm after it normed [m, n] = bf16(y * norm_weight) and row_ss (fp32 [m,
         ceil(n / 16)]) = each CTA's sum of its 16 new y values' squares per row: what
         gemv_rope_kv / gemv_silu_mul take as prenormed=(row_ss, eps)."""
-        grid, block, shared, x_ptr, w_ptr = self._gemv_args("gemv_residual_norm", x, w, m, n, k, "bfloat16",
+        grid, block, shared, x_ptr, w_args = self._gemv_args("gemv_residual_norm", x, w, m, n, k, "bfloat16",
                                                             k_warps, norm_weight, normed)
-        self._launch("gemv_residual_norm_bf16", grid, block, int(y), x_ptr, w_ptr, m, n, k, int(norm_weight),
-                     int(normed), int(row_ss), shared_bytes=shared)
+        self._launch(self.weight_kernel("gemv_residual_norm_bf16", w), grid, block, int(y), x_ptr, *w_args, m, n, k,
+                     int(norm_weight), int(normed), int(row_ss), shared_bytes=shared)
 
     def gemv_rope_kv(self, qkv, x, w, m: int, n: int, k: int, k_cache, v_cache, positions, slot_mapping,
                      inv_freq, *, num_q_heads: int, num_kv_heads: int, head_dim: int, prenormed,
@@ -201,9 +211,9 @@ class GemvOps(OpsBase):
                              f"head_dim {head_dim})")
         kernel = "gemv_prenormed_rope_kv_bias_bf16" if bias else "gemv_prenormed_rope_kv_bf16"
         row_ss, eps = prenormed
-        grid, block, shared, x_ptr, w_ptr = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps, row_ss)
-        self._launch(kernel, grid, block, int(qkv), x_ptr, int(row_ss), w_ptr, m, n, k, float(eps), k_cache,
-                     v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim,
+        grid, block, shared, x_ptr, w_args = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps, row_ss)
+        self._launch(self.weight_kernel(kernel, w), grid, block, int(qkv), x_ptr, int(row_ss), *w_args, m, n, k,
+                     float(eps), k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim,
                      *((bias,) if bias else ()), shared_bytes=shared + self._producer_ss_bytes(kernel, m, k))
 
     def gemv_silu_mul(self, act, x, w, m: int, n: int, k: int, *, prenormed, k_warps: int | None = None,
@@ -216,6 +226,6 @@ class GemvOps(OpsBase):
             raise ValueError(f"gemv_silu_mul: n = 2 * intermediate = {n} must be a multiple of 16")
         kernel = "gemv_prenormed_gelu_mul_bf16" if gelu_tanh else "gemv_prenormed_silu_mul_bf16"
         row_ss, eps = prenormed
-        grid, block, shared, x_ptr, w_ptr = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps, row_ss)
-        self._launch(kernel, grid, block, int(act), x_ptr, int(row_ss), w_ptr, m, n, k, float(eps),
-                     shared_bytes=shared + self._producer_ss_bytes(kernel, m, k))
+        grid, block, shared, x_ptr, w_args = self._gemv_args(kernel, x, w, m, n, k, "bfloat16", k_warps, row_ss)
+        self._launch(self.weight_kernel(kernel, w), grid, block, int(act), x_ptr, int(row_ss), *w_args, m, n, k,
+                     float(eps), shared_bytes=shared + self._producer_ss_bytes(kernel, m, k))

@@ -1,0 +1,563 @@
+// Small-batch GEMV on quantized weights:  Y[m, n] (+)= X[m, k] @ W[n, k]^T,  1 <= m <= 8, W stored
+// as FP8 (e4m3 codes + one fp32 scale per output row) or as GGUF blocks of 32 (Q8_0, Q4_0, Q4_1).
+//
+// Decode at batch <= 8 reads every weight once per step, so its time is the weight bytes: one byte
+// per weight for FP8 and Q8_0 (plus 2-4 bytes of scale per 32), half a byte for Q4_0 / Q4_1, against
+// bf16's two. This kernel is gemv.cu's weight stream (read its header first: the m16n8k16 fragment
+// trick, the per-warp cp.async ring, the k-split inside the CTA, the partial tiles summed once)
+// with the weight bytes turned into bf16 in registers between the ring and the mma:
+//
+//   lane (g = lane/4, t = lane%4) copies 16 weight bytes of the CTA's W rows row_a + g and
+//   row_b + g (cta_tile, gemv_common.cuh: n0 + g and n0 + 8 + g but in the fused modes) per step,
+//   LANE_K weights each (16 for one-byte formats, 32 for nibbles), at k = kk + LANE_K * t, and
+//   the X values of row g at the same k (LANE_K / 8 quads); STEP_K = 4 * LANE_K.
+//   Each group of 8 weights becomes one bf16 quad (8 values) and meets its X quad in gemv.cu's
+//   mma pair: within one pair every lane with the same t holds matching physical k in A and B, so
+//   the pair sums matching products only, whichever 8 k of its chunk the group covers.
+//
+// The dequantization in registers (every value exact up to the one bf16 rounding the numpy twins
+// state: quant/fp8.py, quant/block_format.py):
+//   FP8    e4m3 -> f16 (cvt, exact) -> f32 -> bf16 (exact: 3 mantissa bits, exponents 2^-9 .. 2^8).
+//          The row's scale multiplies the fp32 sum once, after the dot product.
+//   Q8_0   bf16(d * q)              d: the block's fp16 scale, q: int8 (the product exact in f32)
+//   Q4_0   bf16(d * (c - 8))        c: the 4-bit code; byte j of a block holds c[j] (low nibble)
+//                                   and c[j + 16] (high nibble)
+//   Q4_1   bf16(fmaf(d, c, m))      m: the block's fp16 min; d * c exact, the sum rounded once
+// A nibble block is one lane's 16 bytes; its groups are: low nibbles of bytes 0..7 (k 0..7), of
+// bytes 8..15 (k 8..15), high nibbles of bytes 0..7 (k 16..23), of bytes 8..15 (k 24..31).
+//
+// Device layout (gpu/quant_weights.py uploads it): a GGUF matrix is split into its quants plane
+// [n][k * bits / 8] bytes (16-byte aligned rows: whole 16- or 32-byte runs per block) and its
+// scales plane, the same bytes as the file's blocks in another order:
+//   Q8_0, Q4_0   fp16 d [n][SB], SB = nb rounded up to even (nb = k / 32): a lane reads the
+//                4-byte word holding its block's d (cp.async moves 4, 8 or 16 bytes)
+//   Q4_1         (d, m) fp16 pairs [n][nb]: one word per block
+//   FP8          the codes [n][k] and fp32 scale [n] (read in the epilogue)
+// Lane t's block in a step: Q8_0 kk / 32 + t / 2 (a lane holds half a block), Q4 kk / 32 + t.
+//
+// Launch shape (tinyvllm/gpu/ops/quant_gemv.py): grid.x = ceil(n / 16), block.x = 32 * kw (kw <=
+// MAX_K_WARPS warps split K as in gemv.cu), shared = kw * (PARTIAL_BYTES + RING_STEPS * slot bytes
+// of the format), plus the producer's row sums for a prenormed kernel (m * k / 16 * 4 bytes). Slots
+// are larger than gemv.cu's (a step carries 32-64 bytes of X per lane), so the ring holds 3 steps
+// and a CTA at most 16 warps. Bounds: rows >= n, k >= K and X rows >= m are never read (zero-filled
+// copies), k % LANE_K == 0 (FP8) or k % 32 == 0 (blocks); x, w 16-byte aligned.
+// The entry points are gemv.cu's seven for each kind — plain (linear()), the residual GEMV that
+// hands the next norm over, and the prenormed qkv + RoPE + KV write, LM head, gate_up + SwiGLU /
+// GeGLU — so a quantized model runs the fused decode layer as a bf16 one does: the epilogues are
+// gemv.cu's own (gemv_common.cuh), fed the same fp32 sums; FP8's row scale multiplies each sum
+// first (before the handed-over norm's inv_rms).
+// PDL: W (and scales) of the first RING_STEPS steps are copied before griddepcontrol.wait.
+#include <cuda_fp8.h>
+#include "common.cuh"
+
+constexpr int ROWS_PER_CTA = 16;
+constexpr int MAX_K_WARPS = 16;
+constexpr int RING_STEPS = 3;
+constexpr int PARTIAL_BYTES = 512;           // a warp's 8 x 16 fp32 partial tile
+// per-format ring slot of one warp: 2 W quads + X quads per lane (+ 2 scale words per lane)
+constexpr int SLOT_BYTES_FP8 = 32 * 16 * 4;
+constexpr int SLOT_BYTES_Q8_0 = 32 * 16 * 4 + 32 * 8;
+constexpr int SLOT_BYTES_Q4 = 32 * 16 * 6 + 32 * 8;
+constexpr int LANE_K_BYTE = 16;              // weights per lane-step: one-byte formats
+constexpr int LANE_K_NIBBLE = 32;            // nibble formats (one whole block)
+
+#include "gemv_common.cuh"   // mma_pair, the X load modes and the epilogues (shared with gemv.cu)
+
+namespace {
+
+enum class Fmt { fp8, q8_0, q4_0, q4_1 };
+
+template <Fmt F>
+struct Format {
+    static constexpr bool NIBBLES = F == Fmt::q4_0 || F == Fmt::q4_1;
+    static constexpr int LANE_K = NIBBLES ? LANE_K_NIBBLE : LANE_K_BYTE;
+    static constexpr int STEP_K = 4 * LANE_K;
+    static constexpr int X_QUADS = LANE_K / 8;
+    static constexpr bool BLOCKS = F != Fmt::fp8;
+    static constexpr int SLOT_BYTES = F == Fmt::fp8 ? SLOT_BYTES_FP8 : F == Fmt::q8_0 ? SLOT_BYTES_Q8_0 : SLOT_BYTES_Q4;
+};
+
+// 4-byte cp.async (.ca: the only kind below 16 bytes); src_bytes = 0 writes zeros.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// Two e4m3 codes (the low 16 bits of `pair`, first code in the low byte) -> a bf16 pair, exactly.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t pair) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xFFFFu), __NV_E4M3);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    return pack_bf16x2(f.x, f.y);
+}
+
+// The block's d (and Q4_1's m) from the lane's scale word.
+struct BlockScale {
+    float d, m;
+};
+
+template <Fmt F>
+__device__ __forceinline__ BlockScale block_scale(uint32_t word, int block) {
+    if constexpr (F == Fmt::q4_1) {
+        const __half2 dm = *reinterpret_cast<const __half2*>(&word);
+        return {__low2float(dm), __high2float(dm)};
+    } else {
+        const unsigned short bits = (block & 1) ? (word >> 16) : (word & 0xFFFFu);
+        return {__half2float(__ushort_as_half(bits)), 0.f};
+    }
+}
+
+// One 4-bit code -> its dequantized value, rounded once to f32 (the twins' formula).
+template <Fmt F>
+__device__ __forceinline__ float nibble_value(uint32_t code, const BlockScale& s) {
+    if constexpr (F == Fmt::q4_1) return __fmaf_rn(s.d, (float)code, s.m);
+    else return __fmul_rn(s.d, (float)((int)code - 8));
+}
+
+// Group `j` (8 weights) of the lane's 16 weight bytes `w` as a bf16 quad (module header).
+template <Fmt F>
+__device__ __forceinline__ uint4 dequant_group(int j, const uint4& w, const BlockScale& s) {
+    if constexpr (F == Fmt::fp8) {
+        const uint32_t lo = j == 0 ? w.x : w.z, hi = j == 0 ? w.y : w.w;
+        return {e4m3x2_to_bf16x2(lo), e4m3x2_to_bf16x2(lo >> 16), e4m3x2_to_bf16x2(hi), e4m3x2_to_bf16x2(hi >> 16)};
+    } else if constexpr (F == Fmt::q8_0) {
+        const uint32_t lo = j == 0 ? w.x : w.z, hi = j == 0 ? w.y : w.w;
+        float v[8];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            v[b] = __fmul_rn(s.d, (float)(int8_t)(lo >> (8 * b)));
+            v[4 + b] = __fmul_rn(s.d, (float)(int8_t)(hi >> (8 * b)));
+        }
+        return {pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7])};
+    } else {
+        const uint32_t lo = (j & 1) ? w.z : w.x, hi = (j & 1) ? w.w : w.y;
+        const int shift = (j & 2) ? 4 : 0;   // groups 2, 3: the high nibbles
+        float v[8];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            v[b] = nibble_value<F>((lo >> (8 * b + shift)) & 0xFu, s);
+            v[4 + b] = nibble_value<F>((hi >> (8 * b + shift)) & 0xFu, s);
+        }
+        return {pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7])};
+    }
+}
+
+// y, x, and the epilogue's arguments as gemv.cu's gemv_body takes them (MODE, EPI, QKV_BIAS the
+// same); wq: the codes / quants plane; wscale: FP8's fp32 [n] (applied to each output's sum in the
+// epilogue, before the handed-over norm's inv_rms) or the blocks' scales plane (module header).
+template <Fmt F, XLoad MODE, Epilogue EPI, bool QKV_BIAS = false>
+__device__ __forceinline__ void gemv_quant_body(void* __restrict__ y, const bf16* __restrict__ x,
+                                                const NormArgs& norm, const uint8_t* __restrict__ wq,
+                                                const void* __restrict__ wscale, int m, int n, int k,
+                                                int out_f32, int accumulate, const RopeArgs& rope,
+                                                const NormOut& norm_out, unsigned long long* head_argmax = nullptr) {
+    using Q = Format<F>;
+    extern __shared__ float partial[];   // [warps][8][16] partial tiles, then the warps' rings, then
+                                         // (prenormed) the producer's sums of squares [m][ss_count]
+    allow_consumer();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const Tile w_tile = cta_tile<EPI>(blockIdx.x, n, rope.head_dim);   // the CTA's 16 W rows (gemv.cu)
+    const int steps = (k + Q::STEP_K - 1) / Q::STEP_K;
+    const int s_begin = warp * steps / warps, s_end = (warp + 1) * steps / warps;
+    const int my_steps = s_end - s_begin;
+
+    const bool w_ok0 = w_tile.row_a + g < n, w_ok1 = w_tile.row_b + g < n, x_ok = g < m;
+    const int row0 = w_ok0 ? w_tile.row_a + g : 0, row1 = w_ok1 ? w_tile.row_b + g : 0;
+    const size_t row_bytes = Q::NIBBLES ? (size_t)k / 2 : (size_t)k;
+    const uint8_t* w0 = wq + row0 * row_bytes;
+    const uint8_t* w1 = wq + row1 * row_bytes;
+    const bf16* xr = x + (x_ok ? g : 0) * (size_t)k;
+    // scale words per row: Q4_1 one per block; Q8_0 / Q4_0 one per two blocks (SB / 2)
+    const int nb = k / 32;
+    const int words_per_row = F == Fmt::q4_1 ? nb : (nb + 1) / 2;
+    const uint32_t* s0 = static_cast<const uint32_t*>(wscale) + (size_t)row0 * words_per_row;
+    const uint32_t* s1 = static_cast<const uint32_t*>(wscale) + (size_t)row1 * words_per_row;
+
+    uint4* const slots = reinterpret_cast<uint4*>(partial + warps * (PARTIAL_BYTES / 4)) +
+                         warp * (RING_STEPS * Q::SLOT_BYTES / 16);
+    // prenormed: the producer's m x ss_count row sums after every warp's ring, copied as gemv.cu
+    // copies them (whole 16-byte chunks: k % 64 == 0, checked in Python)
+    const int ss_count = (k + ROWS_PER_CTA - 1) / ROWS_PER_CTA;
+    float* const producer_ss = partial + warps * (PARTIAL_BYTES / 4) + warps * (RING_STEPS * Q::SLOT_BYTES / 4);
+    auto copy_producer_ss = [&]() {
+        if constexpr (MODE == XLoad::prenormed) {
+            for (int c = threadIdx.x; c < m * ss_count / 4; c += blockDim.x)
+                cp_async16(smem_addr(producer_ss + 4 * c), norm.row_ss + 4 * c, 16);
+            cp_async_commit();
+        }
+    };
+    auto slot_of = [&](int i) { return slots + (i % RING_STEPS) * (Q::SLOT_BYTES / 16); };
+    auto lane_k = [&](int i) { return (s_begin + i) * Q::STEP_K + Q::LANE_K * t; };
+    auto block_of = [&](int kc) { return kc / 32; };
+    auto copy_w = [&](int i) {   // weights and their scales: written by no kernel
+        uint4* slot = slot_of(i);
+        const int kc = lane_k(i);
+        const bool in = kc < k;
+        const size_t at = Q::NIBBLES ? (size_t)kc / 2 : (size_t)kc;
+        ring_copy(slot + lane, w0 + (in && w_ok0 ? at : 0), in && w_ok0 ? 16 : 0);
+        ring_copy(slot + 32 + lane, w1 + (in && w_ok1 ? at : 0), in && w_ok1 ? 16 : 0);
+        if constexpr (Q::BLOCKS) {
+            uint32_t* words = reinterpret_cast<uint32_t*>(slot + (2 + Q::X_QUADS) * 32);   // after the quads
+            const int word = F == Fmt::q4_1 ? block_of(kc) : block_of(kc) / 2;
+            cp_async4(smem_addr(words + lane), s0 + (in && w_ok0 ? word : 0), in && w_ok0 ? 4 : 0);
+            cp_async4(smem_addr(words + 32 + lane), s1 + (in && w_ok1 ? word : 0), in && w_ok1 ? 4 : 0);
+        }
+    };
+    auto copy_x = [&](int i) {
+        uint4* slot = slot_of(i);
+        const int kc = lane_k(i);
+        const bool in = x_ok && kc < k;
+#pragma unroll
+        for (int j = 0; j < Q::X_QUADS; ++j)
+            cp_async16(smem_addr(slot + (2 + j) * 32 + lane), in ? xr + kc + 8 * j : xr, in ? 16 : 0);
+    };
+    // gemv.cu's ring schedule: W of the first RING_STEPS steps before the wait, one group each,
+    // X after it; then one group per step, so step i >= RING_STEPS has RING_STEPS - 1 after it.
+#pragma unroll
+    for (int i = 0; i < RING_STEPS; ++i) {
+        if (i < my_steps) copy_w(i);
+        cp_async_commit();
+    }
+    wait_for_producer();
+    copy_producer_ss();    // its own group, committed before X's: done by X's wait below
+#pragma unroll
+    for (int i = 0; i < RING_STEPS; ++i)
+        if (i < my_steps) copy_x(i);
+    cp_async_commit();
+    cp_async_wait<0>();
+
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int i = 0; i < my_steps; ++i) {
+        if (i >= RING_STEPS) cp_async_wait<RING_STEPS - 1>();
+        const uint4* slot = slot_of(i);
+        const uint4 p = slot[lane], q = slot[32 + lane];
+        BlockScale sp{}, sq{};
+        if constexpr (Q::BLOCKS) {
+            const uint32_t* words = reinterpret_cast<const uint32_t*>(slot + (2 + Q::X_QUADS) * 32);
+            const int block = block_of(lane_k(i));
+            sp = block_scale<F>(words[lane], block);
+            sq = block_scale<F>(words[32 + lane], block);
+        }
+#pragma unroll
+        for (int j = 0; j < Q::X_QUADS; ++j)
+            mma_pair(acc, dequant_group<F>(j, p, sp), dequant_group<F>(j, q, sq), slot[(2 + j) * 32 + lane]);
+        if (i + RING_STEPS < my_steps) {
+            copy_w(i + RING_STEPS);
+            copy_x(i + RING_STEPS);
+        }
+        cp_async_commit();
+    }
+
+    if constexpr (MODE == XLoad::prenormed) cp_async_wait<0>();   // visible to all after __syncthreads
+
+    // gemv.cu's partial tiles: lane (g, t) holds tile columns g and 8 + g of x rows 2t and 2t+1.
+    float* mine = partial + warp * (PARTIAL_BYTES / 4) + 2 * t * ROWS_PER_CTA + g;
+    mine[0] = acc[0];
+    mine[ROWS_PER_CTA] = acc[1];
+    mine[8] = acc[2];
+    mine[ROWS_PER_CTA + 8] = acc[3];
+    __syncthreads();
+    gemv_epilogue<MODE, EPI, QKV_BIAS, F == Fmt::fp8>(partial, warps, y, m, n, k, out_f32, accumulate, norm.eps,
+                                                      producer_ss, ss_count, rope, norm_out, head_argmax,
+                                                      static_cast<const float*>(wscale));
+}
+
+// Prefill's dequantization (gpu/ops/quant_gemv.py): rows [row0, row0 + rows) of W as bf16 into
+// out [rows, k], each value as the GEMV's registers hold it — the GGUF formats exactly so; FP8 as
+// bf16(code * scale), one rounding the GEMV avoids by scaling its sum (the cuBLAS GEMM after it
+// takes no per-row scale). One thread per 8 weights (one group), grid-stride.
+template <Fmt F>
+__device__ __forceinline__ void dequant_body(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
+                                             const void* __restrict__ wscale, int row0, int rows, int k) {
+    using Q = Format<F>;
+    allow_consumer();
+    wait_for_producer();   // out may still be read by the GEMM of the projection before
+    const int groups_per_row = k / 8;
+    const size_t total = (size_t)rows * groups_per_row;
+    const size_t row_bytes = Q::NIBBLES ? (size_t)k / 2 : (size_t)k;
+    const int nb = k / 32, words_per_row = F == Fmt::q4_1 ? nb : (nb + 1) / 2;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        const int r = (int)(i / groups_per_row), kg = (int)(i % groups_per_row) * 8;   // the group's first k
+        const size_t row = (size_t)row0 + r;
+        // the lane chunk (16 bytes) holding this group, and the group's index inside it
+        const int chunk_k = kg / Q::LANE_K * Q::LANE_K;
+        const uint4 w = *reinterpret_cast<const uint4*>(wq + row * row_bytes + (Q::NIBBLES ? chunk_k / 2 : chunk_k));
+        const int j = (kg - chunk_k) / 8;
+        uint4 values;
+        if constexpr (F == Fmt::fp8) {
+            const float scale = static_cast<const float*>(wscale)[row];
+            float v[8];
+            unpack_bf16x8(dequant_group<F>(j, w, BlockScale{}), v);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(v[e], scale);
+            values = {pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7])};
+        } else {
+            const int block = kg / 32;
+            const uint32_t word = static_cast<const uint32_t*>(wscale)[row * words_per_row +
+                                                                      (F == Fmt::q4_1 ? block : block / 2)];
+            values = dequant_group<F>(j, w, block_scale<F>(word, block));
+        }
+        *reinterpret_cast<uint4*>(out + (size_t)r * k + kg) = values;
+    }
+}
+
+}  // namespace
+
+// The entry points: gemv.cu's seven, one set per kind, with W as its two planes (wq, wscale) in
+// the bf16 kernel's w place; each means what its gemv.cu namesake means (there: the argument lists).
+// Then prefill's dequantization of rows [row0, row0 + rows) into out [rows, k] bf16.
+
+// ---- fp8 ----
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_fp8(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
+          int accumulate) {
+    gemv_quant_body<Fmt::fp8, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
+                                                        RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_residual_norm_fp8(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
+                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
+    gemv_quant_body<Fmt::fp8, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
+                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_fp8(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
+                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
+    gemv_quant_body<Fmt::fp8, XLoad::prenormed, Epilogue::rope_kv>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_bias_fp8(bf16* __restrict__ qkv, const bf16* __restrict__ x,
+                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
+                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
+    gemv_quant_body<Fmt::fp8, XLoad::prenormed, Epilogue::rope_kv, true>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_fp8(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
+                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
+    gemv_quant_body<Fmt::fp8, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_silu_mul_fp8(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::fp8, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_gelu_mul_fp8(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::fp8, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void dequant_fp8(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
+                                     const void* __restrict__ wscale, int row0, int rows, int k) {
+    dequant_body<Fmt::fp8>(out, wq, wscale, row0, rows, k);
+}
+
+// ---- q8_0 ----
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_q8_0(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
+          int accumulate) {
+    gemv_quant_body<Fmt::q8_0, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
+                                                        RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_residual_norm_q8_0(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
+                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
+    gemv_quant_body<Fmt::q8_0, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
+                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_q8_0(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
+                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
+    gemv_quant_body<Fmt::q8_0, XLoad::prenormed, Epilogue::rope_kv>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_bias_q8_0(bf16* __restrict__ qkv, const bf16* __restrict__ x,
+                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
+                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
+    gemv_quant_body<Fmt::q8_0, XLoad::prenormed, Epilogue::rope_kv, true>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_q8_0(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
+                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
+    gemv_quant_body<Fmt::q8_0, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_silu_mul_q8_0(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q8_0, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_gelu_mul_q8_0(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q8_0, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void dequant_q8_0(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
+                                     const void* __restrict__ wscale, int row0, int rows, int k) {
+    dequant_body<Fmt::q8_0>(out, wq, wscale, row0, rows, k);
+}
+
+// ---- q4_0 ----
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_q4_0(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
+          int accumulate) {
+    gemv_quant_body<Fmt::q4_0, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
+                                                        RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_residual_norm_q4_0(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
+                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
+    gemv_quant_body<Fmt::q4_0, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
+                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_q4_0(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
+                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
+    gemv_quant_body<Fmt::q4_0, XLoad::prenormed, Epilogue::rope_kv>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_bias_q4_0(bf16* __restrict__ qkv, const bf16* __restrict__ x,
+                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
+                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
+    gemv_quant_body<Fmt::q4_0, XLoad::prenormed, Epilogue::rope_kv, true>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_q4_0(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
+                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
+    gemv_quant_body<Fmt::q4_0, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_silu_mul_q4_0(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q4_0, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_gelu_mul_q4_0(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q4_0, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void dequant_q4_0(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
+                                     const void* __restrict__ wscale, int row0, int rows, int k) {
+    dequant_body<Fmt::q4_0>(out, wq, wscale, row0, rows, k);
+}
+
+// ---- q4_1 ----
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_q4_1(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
+          int accumulate) {
+    gemv_quant_body<Fmt::q4_1, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
+                                                        RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_residual_norm_q4_1(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
+                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
+    gemv_quant_body<Fmt::q4_1, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
+                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_q4_1(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
+                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
+    gemv_quant_body<Fmt::q4_1, XLoad::prenormed, Epilogue::rope_kv>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_bias_q4_1(bf16* __restrict__ qkv, const bf16* __restrict__ x,
+                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
+                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
+    gemv_quant_body<Fmt::q4_1, XLoad::prenormed, Epilogue::rope_kv, true>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_q4_1(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
+                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
+    gemv_quant_body<Fmt::q4_1, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_silu_mul_q4_1(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q4_1, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_gelu_mul_q4_1(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q4_1, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void dequant_q4_1(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
+                                     const void* __restrict__ wscale, int row0, int rows, int k) {
+    dequant_body<Fmt::q4_1>(out, wq, wscale, row0, rows, k);
+}
