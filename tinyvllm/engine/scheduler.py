@@ -48,7 +48,8 @@ class ScheduledBatch:
     block_manager: BlockManager          # holds the block tables as rows of one matrix
 
     def forward_batch(self, block_size: int) -> ForwardBatch:
-        """The model's input: each sequence's scheduled tokens, after its cached ones."""
+        """The model's input: each sequence's scheduled tokens, after its cached ones (a decode
+        row's one token in a prefill-kind batch too: its num_cached_tokens is all but its last)."""
         seqs = self.seqs
         if not self.is_prefill:          # the hot path: every step of a long generation
             context_lens = [len(s.token_ids) for s in seqs]
@@ -113,20 +114,20 @@ class Scheduler:
         preemptions = self.num_preemptions
         decode = self._schedule_decode()
         budget = self.config.max_num_batched_tokens - len(decode)
-        prefill = self._admit(budget, chunk_alone=False) if self.num_preemptions == preemptions else []
+        prefill = self._schedule_prefill(budget, chunk_alone=False) if self.num_preemptions == preemptions else []
         if not prefill:
             return ScheduledBatch(decode, False, self.block_manager) if decode else None
         return ScheduledBatch(decode + prefill, True, self.block_manager)
 
     def _schedule_static(self) -> ScheduledBatch | None:
         if not self.running:
-            prefill = self._admit(self.config.max_num_batched_tokens, chunk_alone=True)
+            prefill = self._schedule_prefill(self.config.max_num_batched_tokens, chunk_alone=True)
             if prefill:
                 return ScheduledBatch(prefill, True, self.block_manager)
         decode = self._schedule_decode()
         return ScheduledBatch(decode, False, self.block_manager) if decode else None
 
-    def _admit(self, budget: int, chunk_alone: bool) -> list[Sequence]:
+    def _schedule_prefill(self, budget: int, chunk_alone: bool) -> list[Sequence]:
         """Prompt work for up to `budget` tokens from the head of the waiting queue -> its
         sequences, num_scheduled_tokens set; those that end their prompt move to running.
         chunk_alone: a prompt longer than the budget left is chunked only as the step's one row."""
