@@ -23,15 +23,20 @@ def llm(tiny_model_dir):
 
 
 def count_prefill_tokens(engine):
-    """Wrap the runner's launch (every step the engine runs goes through it): -> a list whose
-    sum is the prompt tokens run through the model."""
-    counted, launch = [], engine.runner.launch
+    """Wrap the scheduler's schedule() (every step with prompt work is scheduled; a step
+    launched ahead is a decode step): -> per step with prompt work, the tokens of its rows that
+    were not running before it, i.e. without the decode rows beside them; their sum is the
+    prompt tokens run through the model."""
+    scheduler = engine.scheduler
+    counted, schedule = [], scheduler.schedule
 
-    def counting(batch, sampling):
-        if batch.is_prefill:
-            counted.append(batch.num_tokens)
-        return launch(batch, sampling)
-    engine.runner.launch = counting
+    def counting():
+        running = set(scheduler.running)
+        batch = schedule()
+        if batch is not None and batch.is_prefill:
+            counted.append(sum(s.num_scheduled_tokens for s in batch.seqs if s not in running))
+        return batch
+    scheduler.schedule = counting
     return counted
 
 
