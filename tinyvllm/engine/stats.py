@@ -72,12 +72,13 @@ class StatsCollector:
     """Builds the StepStats of each step. Engine thread only.
 
     No Python loop over a decode batch: every running sequence got its previous token at the
-    end of the previous decode step, or of the prefill step since then that admitted it (or
-    recomputed it after a preemption), and gets exactly one token now. So the gaps of a decode
-    step are one count per such step: the admitted cohorts are counted (they are short lists),
-    the rest of the batch came from the previous decode step. The sequences of a batch are
-    walked only when some of them finished or were preempted, and a prefill step's (a short
-    list) always: first tokens, and recomputations, whose gap includes their wait."""
+    end of the previous decode step, or of the prefill-kind step since then that admitted it (or
+    recomputed it after a preemption, or decoded it beside prompts), and gets exactly one token
+    now. So the gaps of a decode step are one count per such step: the admitted cohorts are
+    counted, the rest of the batch came from the previous decode step. The sequences of a batch
+    are walked only when some of them finished or were preempted, and a prefill-kind step's
+    always: first tokens, recomputations, whose gap includes their wait, and decode rows, each
+    moved from the group of its previous token into the step's cohort (_regroup)."""
 
     def __init__(self, scheduler, block_manager):
         self._scheduler, self._blocks = scheduler, block_manager
