@@ -471,8 +471,11 @@ def parse_args(argv=None):
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="the server's and the offline engine's (default: the engine's own default)")
     args = p.parse_args(argv)
-    quick = dict(device="cpu", num_requests=96, concurrency=16, min_tokens=2, max_tokens=8,
-                 num_kv_blocks=24, max_model_len=256, pool=16)
+    # quick: 16 blocks and up to 16 tokens, so that running rows grow into new blocks while
+    # admissions have taken the rest (decode rows get their blocks before prompts do: a smaller
+    # cache or shorter outputs preempt only now and then)
+    quick = dict(device="cpu", num_requests=96, concurrency=16, min_tokens=2, max_tokens=16,
+                 num_kv_blocks=16, max_model_len=256, pool=16)
     full = dict(device="cuda", num_requests=1000, concurrency=64, min_tokens=8, max_tokens=64,
                 num_kv_blocks=160, max_model_len=1024, pool=64)
     for k, v in (quick if args.quick else full).items():

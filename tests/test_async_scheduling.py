@@ -145,8 +145,16 @@ def test_async_outputs_are_the_sync_outputs_with_arrivals_samples_and_preemption
     _, sync_finals, sync_engine = run(tiny_model_dir, script, async_scheduling=False, **small)
     _, async_finals, engine = run(tiny_model_dir, script, async_scheduling=True, **small)
     assert sync_engine.num_preemptions > 0 and engine.num_preemptions > 0, "the cache was meant to preempt"
+    # c is aborted by step() call number, not by its token count: a request that arrives while a
+    # step is launched ahead is admitted one step later (that step is on its way), and the rows
+    # already running decode in both. So c's tokens at the abort are one stream cut one token
+    # apart at most; everything else is equal.
+    (sync_c, async_c) = (finals.pop("c")[2][0] for finals in (sync_finals, async_finals))
+    shorter = min(len(sync_c[1]), len(async_c[1]))
+    assert sync_c[1][:shorter] == async_c[1][:shorter] and abs(len(sync_c[1]) - len(async_c[1])) <= 1
+    assert sync_c[4] == async_c[4] == "abort"
     assert_same_outputs(async_finals, sync_finals)
-    assert async_finals["c"][2][0][4] == "abort" and async_finals["lp"][3]
+    assert async_finals["lp"][3]
     assert engine.step_ahead.num_launched > 0
 
 

@@ -19,6 +19,7 @@ NUMPY_EXAMPLES of up to NUMPY_STEPS rules on the numpy model."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 
 import numpy as np
@@ -126,7 +127,7 @@ class EngineMachine(RuleBasedStateMachine):
                   "poisoned": SamplingParams(temperature=0.7, seed=POISONED_SEED, max_tokens=max_tokens),
                   "bad_row": SamplingParams(**greedy)}[kind]
         if kind == "sampled" and seed == POISONED_SEED:
-            params.seed += 1
+            params = dataclasses.replace(params, seed=seed + 1)     # SamplingParams is frozen
         self.engine.add_request(request_id, prompt, params)
         if kind == "bad_row":          # a value past admission that no int32 array holds
             object.__setattr__(self.engine._requests[request_id].params, "top_k", 2**31)

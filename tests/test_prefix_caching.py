@@ -167,8 +167,16 @@ def live_seqs(sched):
     return [*sched.running, *sched.waiting]
 
 
+def prompt_tokens(batch) -> int:
+    """The prompt positions a step computes (a decode row beside them computes none)."""
+    return sum(max(0, min(s.num_cached_tokens + s.num_scheduled_tokens, s.num_prompt_tokens) - s.num_cached_tokens)
+               for s in batch.seqs)
+
+
 def step(sched, runner):
     batch = sched.schedule()
+    if batch:
+        runner.prompt_tokens = getattr(runner, "prompt_tokens", 0) + prompt_tokens(batch)
     tokens = runner.execute(batch.forward_batch(sched.block_manager.block_size), None) if batch else None
     return sched.postprocess(batch, tokens)
 
@@ -197,7 +205,7 @@ def test_scheduler_outputs_are_exact_and_prefill_computes_less(num_blocks):
         for seq, prompt in zip(seqs, prompts):
             assert seq.output_token_ids == alone(prompt, seq.params.max_tokens), seq.request_id
         assert bm.num_free_blocks == num_blocks
-        prefilled = sum(t for is_prefill, _, t in runner.batches if is_prefill)
+        prefilled = runner.prompt_tokens
         results[caching] = (prefilled, bm.prefix_cache_stats, sched.num_preemptions)
     (off, off_stats, off_preempted), (on, on_stats, on_preempted) = results[False], results[True]
     assert off_stats.queries == 0 and on_stats.hits > 0
@@ -221,7 +229,7 @@ def test_a_burst_sharing_a_prefix_computes_it_once():
     while sched.has_unfinished():
         step(sched, runner)
     prefills = [(n, t) for is_prefill, n, t in runner.batches if is_prefill]
-    assert prefills == [(1, 22), (5, 4 * 2 + 5)]
+    assert prefills == [(1, 22), (1 + 5, 1 + 4 * 2 + 5)]     # beside sequence 0's decode row
     assert [s.num_prefix_cached_tokens for s in seqs] == [0, 20, 20, 20, 20]
     for seq in [*seqs, unrelated]:
         assert seq.output_token_ids == alone(seq.prompt_token_ids, 3)

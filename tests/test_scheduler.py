@@ -101,18 +101,20 @@ def test_preemption_keeps_every_request_exact_and_leaks_nothing(scheduling):
     assert bm.num_free_blocks == 24 and not sched.running and not sched.waiting
 
 
-def test_steps_are_prefill_xor_decode_within_budgets():
-    sched, _, runner = setup(num_blocks=200, max_num_seqs=3, max_num_batched_tokens=10)
+@pytest.mark.parametrize("scheduling", ["continuous", "static"])
+def test_steps_stay_within_budgets(scheduling):
+    sched, _, runner = setup(num_blocks=200, max_num_seqs=3, max_num_batched_tokens=10, scheduling=scheduling)
     for i in range(7):
         add(sched, i, [5] * 4, 3)
     run(sched, runner)
     for is_prefill, num_seqs, num_tokens in runner.batches:
-        assert num_seqs <= 3
-        if is_prefill:
-            assert num_tokens <= 10
-        else:
+        assert num_seqs <= 3 and num_tokens <= 10
+        if not is_prefill:
             assert num_tokens == num_seqs
-    assert runner.batches[0] == (True, 2, 8)          # a third 4-token prompt would exceed 10
+    if scheduling == "static":
+        assert runner.batches[0] == (True, 2, 8)      # a third 4-token prompt would exceed 10: not chunked
+    else:
+        assert runner.batches[0] == (True, 3, 10)     # ... chunked: its first 2 tokens
 
 
 def test_fifo_admission_and_finish_order():
@@ -149,8 +151,8 @@ def test_static_scheduling_admits_only_when_nothing_runs():
     assert prefills == [0, 5, 10]
 
 
-def test_long_prompt_is_prefilled_in_chunks_alone():
-    sched, bm, runner = setup(max_num_batched_tokens=8)
+def test_static_scheduling_prefills_a_long_prompt_in_chunks_alone():
+    sched, bm, runner = setup(max_num_batched_tokens=8, scheduling="static")
     long_seq = add(sched, "long", list(range(1, 26)), 3)
     short = add(sched, "short", [9, 9], 3)
     run(sched, runner)

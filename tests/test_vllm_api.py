@@ -23,15 +23,20 @@ def llm(tiny_model_dir):
 
 
 def count_prefill_tokens(engine):
-    """Wrap the runner's launch (every step the engine runs goes through it): -> a list whose
-    sum is the prompt tokens run through the model."""
-    counted, launch = [], engine.runner.launch
+    """Wrap the scheduler's schedule() (every step with prompt work is scheduled; a step
+    launched ahead is a decode step): -> per step with prompt work, the tokens of its rows that
+    were not running before it, i.e. without the decode rows beside them; their sum is the
+    prompt tokens run through the model."""
+    scheduler = engine.scheduler
+    counted, schedule = [], scheduler.schedule
 
-    def counting(batch, sampling):
-        if batch.is_prefill:
-            counted.append(batch.num_tokens)
-        return launch(batch, sampling)
-    engine.runner.launch = counting
+    def counting():
+        running = set(scheduler.running)
+        batch = schedule()
+        if batch is not None and batch.is_prefill:
+            counted.append(sum(s.num_scheduled_tokens for s in batch.seqs if s not in running))
+        return batch
+    scheduler.schedule = counting
     return counted
 
 
@@ -320,12 +325,13 @@ def test_unsupported_features_are_refused_at_add_request(llm):
 # -- on the GPU (run by the lead on the H200) ---------------------------------------------------
 @pytest.mark.gpu
 def test_cuda_n_samples_share_one_prefill_and_greedy_equals_single(tiny_model_dir):
-    """Greedy samples of one request read the same shared KV blocks and each recomputes the same
-    partial block in one batch (same kernels, same tokens, same shapes), so their ids must be
-    exactly equal. Against the n = 1 request the partial block is prefilled in another batch
-    shape (11 new tokens after a cached block, instead of 27 from scratch): bf16 summation order
-    differs, so that comparison allows a near-tie at the first difference, as
-    test_gpu_engine.assert_same_greedy (its NEAR_TIE bound) does."""
+    """Greedy samples 1..3 of one request read the same shared KV blocks and each recomputes the
+    same partial block in one batch (same kernels, same tokens, same shapes), so their ids must
+    be exactly equal. Sample 0 and the n = 1 request prefill the whole prompt in another batch
+    shape (27 tokens from scratch, not 11 after a cached block), and sample 0's second token
+    comes from the step that prefills the others (its decode row in that prefill-kind forward):
+    bf16 summation order differs, so those comparisons allow a near-tie at the first difference,
+    as test_gpu_engine.assert_same_greedy (its NEAR_TIE bound) does."""
     from test_gpu_engine import assert_same_greedy
 
     from tinyvllm.checkpoint.weights import load_weights
@@ -340,11 +346,12 @@ def test_cuda_n_samples_share_one_prefill_and_greedy_equals_single(tiny_model_di
         many = llm.generate({"prompt_token_ids": ids}, SamplingParams(n=4, max_tokens=12, **GREEDY),
                             use_tqdm=False)[0]
         assert sum(counted) == 27 + 3 * 11, "samples 1..3 recompute only the partial block"
-        samples = {tuple(o.token_ids) for o in many.outputs}
-        assert len(samples) == 1
+        first, *others = [list(o.token_ids) for o in many.outputs]
+        assert len({tuple(t) for t in others}) == 1
+        assert_same_greedy(refm, ids, first, others[0], "sample 0 vs samples 1..3")
         one = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=12, **GREEDY),
                            use_tqdm=False)[0].outputs[0]
-        assert_same_greedy(refm, ids, list(samples.pop()), one.token_ids, "n=4 vs n=1")
+        assert_same_greedy(refm, ids, others[0], one.token_ids, "n=4 vs n=1")
         assert llm.engine.num_free_blocks == llm.engine.block_manager.num_blocks
         with pytest.raises(InvalidRequestError, match="prompt_logprobs=1: not supported on cuda"):
             llm.generate("Hi", SamplingParams(prompt_logprobs=1))

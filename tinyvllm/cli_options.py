@@ -12,9 +12,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine options")
     g.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="cuda (default) or cpu (the numpy reference backend)")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per decode batch")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="prompt tokens per prefill step")
+                   help="tokens per step: one per decoding sequence, then prompt chunks")
     g.add_argument("--max-model-len", type=_int_or_auto, default=None, metavar="N|auto",
                    help="context limit (default: the model's max_position_embeddings; auto: that, "
                         "lowered with a warning to what the KV cache holds)")

@@ -195,8 +195,8 @@ AUTO = "auto"                       # max_model_len="auto": the model's, lowered
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine knobs. Budgets are per scheduler step."""
-    max_num_seqs: int = 256              # sequences in one decode batch
-    max_num_batched_tokens: int = 8192   # prompt tokens in one prefill batch
+    max_num_seqs: int = 256              # sequences in one step
+    max_num_batched_tokens: int = 8192   # tokens in one step: a decode row's 1 + prompt chunks (scheduler.py)
     max_model_len: int | str | None = None   # context limit; None = the model's max_position_embeddings;
                                          # "auto" = that, lowered (with a warning) to what the KV cache holds
     block_size: int = 16                 # tokens per KV-cache block

@@ -4,8 +4,10 @@ per-sequence parameters (its sparse logit processing is engine/logit_edits.py's)
 
 A batch holds S sequences, flattened into T new tokens. Sequence i contributes the tokens
 [query_start[i], query_start[i+1]) of the flat arrays; they sit at the *end* of its context, so
-its first new token has position context_lens[i] - q_len_i. A prefill batch has q_len = prompt
-length (or the uncached part of it); a decode batch has q_len = 1 for every sequence.
+its first new token has position context_lens[i] - q_len_i. A prefill-kind batch (is_prefill)
+has q_len = the step's part of a prompt (its uncached part, or a chunk of it), and in a mixed
+step (engine/scheduler.py) also decode rows, q_len = 1 at the end of their context; logits are
+kept for each sequence's last new token only. A decode batch has q_len = 1 for every sequence.
 
 The paged KV cache (per layer, K and V each):  [num_blocks, block_size, kv_heads, head_dim]
 

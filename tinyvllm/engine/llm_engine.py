@@ -187,7 +187,7 @@ class LLMEngine:
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduler step: a prefill batch or a decode step. -> one RequestOutput per
+        """One scheduler step (decode rows, prompt chunks, or both: engine/scheduler.py). -> one RequestOutput per
         request that got a new token or finished. Raises EngineDeadError (see the module
         docstring) when the step failed for no one request's fault."""
         if self.dead:

@@ -1,21 +1,31 @@
 """Scheduler: which sequences run in the next step (what their new tokens do to them — text,
 stop conditions, logprobs — is engine/output_processor.py's).
 
-Every step is either ONE prefill batch or ONE decode step (never mixed), prefill first:
-  prefill   admit waiting sequences in arrival order while they fit the token budget
-            (max_num_batched_tokens), the sequence budget (max_num_seqs) and the free KV blocks.
-            A sequence whose prompt starts with cached blocks computes only the rest; one whose
-            next blocks an earlier sequence of the batch is computing waits for the next step,
-            when they are cached (a prefix shared by a burst of requests is computed once).
-            A prompt longer than the whole token budget is prefilled in chunks, alone.
-  decode    one new token for every running sequence, oldest first. When a sequence needs a
-            block and none is free, the most recently admitted running sequence is preempted:
-            its blocks are freed and it goes back to the FRONT of the waiting queue, to be
-            recomputed (prompt + generated tokens) by a later prefill, from its blocks that
-            the prefix cache still holds (block_manager.py). Sampling is counter based
-            (see sampling.py), so a preempted request still produces exactly the same tokens.
+Each step fills a token budget (max_num_batched_tokens) and a sequence budget (max_num_seqs),
+as vLLM V1 does:
+  decode rows  first, one token for every running sequence, oldest first. When a sequence needs
+            a block and none is free, a sequence is preempted: a partly prefilled one first
+            (the most recently admitted), else the most recently admitted running one. Its
+            blocks are freed and it goes back to the FRONT of the waiting queue, to be
+            recomputed (prompt + generated tokens) from its blocks that the prefix cache still
+            holds (block_manager.py). Sampling is counter based (see sampling.py), so a
+            preempted request still produces exactly the same tokens. A step that preempted
+            admits nothing: the blocks it freed are for the running sequences.
+  prefill   then the budget left goes to the waiting sequences in arrival order (one that is
+            partly prefilled first, being at the head), while the free KV blocks and
+            max_num_seqs allow. A sequence whose prompt starts with cached blocks computes only
+            the rest; one whose next blocks an earlier sequence of the step is computing waits
+            for the next step, when they are cached (a prefix shared by a burst of requests is
+            computed once). A prompt longer than what is left of the budget is prefilled in
+            chunks, one per step, the rest of the step's rows beside it; a chunk that does not
+            end its prompt samples nothing.
+A step of decode rows only is a decode batch (the CUDA decode graphs run it); one with prefill
+rows is a prefill-kind batch (is_prefill), its decode rows being queries of one token that read
+their context through the block table like any cached prefix. When the decode rows alone fill
+the budget (max_num_batched_tokens < max_num_seqs), the step is decode only.
 Static scheduling (the comparison mode) admits a batch only when nothing is running, so each
-batch runs to completion before the next starts.
+batch runs to completion before the next starts; its steps are prefill or decode, never both,
+and a prompt longer than the budget is chunked alone.
 """
 from __future__ import annotations
 
@@ -38,7 +48,8 @@ class ScheduledBatch:
     block_manager: BlockManager          # holds the block tables as rows of one matrix
 
     def forward_batch(self, block_size: int) -> ForwardBatch:
-        """The model's input: each sequence's scheduled tokens, after its cached ones."""
+        """The model's input: each sequence's scheduled tokens, after its cached ones (a decode
+        row's one token in a prefill-kind batch too: its num_cached_tokens is all but its last)."""
         seqs = self.seqs
         if not self.is_prefill:          # the hot path: every step of a long generation
             context_lens = [len(s.token_ids) for s in seqs]
@@ -98,22 +109,38 @@ class Scheduler:
 
     # -- scheduling ----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        return self._schedule_prefill() or self._schedule_decode()
+        if self.config.scheduling == "static":
+            return self._schedule_static()
+        preemptions = self.num_preemptions
+        decode = self._schedule_decode()
+        budget = self.config.max_num_batched_tokens - len(decode)
+        prefill = self._schedule_prefill(budget, chunk_alone=False) if self.num_preemptions == preemptions else []
+        if not prefill:
+            return ScheduledBatch(decode, False, self.block_manager) if decode else None
+        return ScheduledBatch(decode + prefill, True, self.block_manager)
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        if self.config.scheduling == "static" and self.running:
-            return None
+    def _schedule_static(self) -> ScheduledBatch | None:
+        if not self.running:
+            prefill = self._schedule_prefill(self.config.max_num_batched_tokens, chunk_alone=True)
+            if prefill:
+                return ScheduledBatch(prefill, True, self.block_manager)
+        decode = self._schedule_decode()
+        return ScheduledBatch(decode, False, self.block_manager) if decode else None
+
+    def _schedule_prefill(self, budget: int, chunk_alone: bool) -> list[Sequence]:
+        """Prompt work for up to `budget` tokens from the head of the waiting queue -> its
+        sequences, num_scheduled_tokens set; those that end their prompt move to running.
+        chunk_alone: a prompt longer than the budget left is chunked only as the step's one row."""
         seqs: list[Sequence] = []
-        budget = self.config.max_num_batched_tokens
-        in_flight: set[bytes] = set()        # hashes of the full blocks this batch computes
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        in_flight: set[bytes] = set()        # hashes of the full blocks this step computes
+        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             cached = self.block_manager.cached_prefix(seq)          # its prefix-cache hit, if new
             uncached = self.block_manager.uncached_block_hashes(seq, cached)
             if uncached and uncached[0] in in_flight:
                 break       # an earlier sequence computes its next blocks now: cached next step
             remaining = seq.num_tokens - seq.num_cached_tokens - len(cached) * self.block_manager.block_size
-            if (remaining > budget and seqs) or not self.block_manager.can_allocate(seq, cached):
+            if (chunk_alone and remaining > budget and seqs) or not self.block_manager.can_allocate(seq, cached):
                 break
             self.block_manager.allocate(seq, cached)               # starts it after the cached tokens
             in_flight.update(uncached)
@@ -125,14 +152,19 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        return ScheduledBatch(seqs, True, self.block_manager) if seqs else None
+        return seqs
 
-    def _schedule_decode(self) -> ScheduledBatch | None:
+    def _schedule_decode(self) -> list[Sequence]:
+        """A token for every running sequence, oldest first, preempting where blocks run out
+        (module docstring) -> the sequences that decode (self.running)."""
         candidates, self.running = deque(self.running), []
         while candidates:
             seq = candidates.popleft()
             while not self.block_manager.try_append_slot(seq):
-                if candidates:
+                partial = self._partly_prefilled()
+                if partial is not None:
+                    self._preempt(partial)                   # admitted after every running one
+                elif candidates:
                     self._preempt(candidates.pop())          # the most recently admitted
                 elif self.running:
                     self._preempt(seq)
@@ -143,7 +175,13 @@ class Scheduler:
             else:
                 seq.num_scheduled_tokens = 1
                 self.running.append(seq)
-        return ScheduledBatch(list(self.running), False, self.block_manager) if self.running else None
+        return list(self.running)
+
+    def _partly_prefilled(self) -> Sequence | None:
+        """The waiting sequence that holds blocks (a prompt being chunked), if any."""
+        if self.waiting and self.waiting[0].block_table:      # where a chunked prompt stays
+            return self.waiting[0]
+        return next((s for s in self.waiting if s.block_table), None)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)          # also resets num_cached_tokens: recompute all
@@ -151,6 +189,8 @@ class Scheduler:
         seq.num_scheduled_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        if seq in self.waiting:               # a prompt being chunked: it keeps its place
+            return
         self.waiting.appendleft(seq)
 
     # -- after the model ran ---------------------------------------------------------------

@@ -72,12 +72,13 @@ class StatsCollector:
     """Builds the StepStats of each step. Engine thread only.
 
     No Python loop over a decode batch: every running sequence got its previous token at the
-    end of the previous decode step, or of the prefill step since then that admitted it (or
-    recomputed it after a preemption), and gets exactly one token now. So the gaps of a decode
-    step are one count per such step: the admitted cohorts are counted (they are short lists),
-    the rest of the batch came from the previous decode step. The sequences of a batch are
-    walked only when some of them finished or were preempted, and a prefill step's (a short
-    list) always: first tokens, and recomputations, whose gap includes their wait."""
+    end of the previous decode step, or of the prefill-kind step since then that admitted it (or
+    recomputed it after a preemption, or decoded it beside prompts), and gets exactly one token
+    now. So the gaps of a decode step are one count per such step: the admitted cohorts are
+    counted, the rest of the batch came from the previous decode step. The sequences of a batch
+    are walked only when some of them finished or were preempted, and a prefill-kind step's
+    always: first tokens, recomputations, whose gap includes their wait, and decode rows, each
+    moved from the group of its previous token into the step's cohort (_regroup)."""
 
     def __init__(self, scheduler, block_manager):
         self._scheduler, self._blocks = scheduler, block_manager
@@ -131,7 +132,7 @@ class StatsCollector:
             self._decoded, self._decoded_at, self._admitted = batch.seqs, now, []
             something_finished = len(reported) > generated or len(self._scheduler.running) < generated
         elif batch is not None:
-            in_batch, admitted = set(batch.seqs), []
+            in_batch, admitted, decoded = set(batch.seqs), [], []
             for seq in reported:
                 if seq not in in_batch:          # (a prompt chunk is reported once it is done)
                     continue
@@ -142,8 +143,12 @@ class StatsCollector:
                 elif seq.num_tokens - seq.num_prompt_tokens == 1:     # its first token
                     ttfts.append(seq.first_token_time - seq.arrival_time)
                     prompt_tokens += seq.num_prompt_tokens
+                else:                            # a decode row beside the prompts (a mixed step)
+                    decoded.append(seq)
                 if not seq.status.is_finished:
                     admitted.append(seq)
+            if decoded:
+                gaps += self._regroup(decoded, now)
             if admitted:
                 self._admitted.append((now, admitted))
             something_finished = True
@@ -163,6 +168,23 @@ class StatsCollector:
         self._prefix_queries, self._prefix_hits = prefix.queries, prefix.hits
         self._batch, self._cohorts = None, []
         return stats
+
+    def _regroup(self, decoded: list, now: float) -> list[tuple[float, int]]:
+        """The gaps of a mixed step's decode rows, each since its latest token (the latest group
+        holding it: the previous decode batch or a later cohort), and those rows out of their
+        groups, so that each running sequence stays in one (they join this step's cohort)."""
+        rows, latest = set(decoded), {}
+        for t, seqs in [(self._decoded_at, self._decoded), *self._admitted]:
+            for seq in seqs:
+                if seq in rows:
+                    latest[seq] = t
+        counts: dict[float, int] = {}
+        for t in latest.values():
+            if t is not None:
+                counts[t] = counts.get(t, 0) + 1
+        self._decoded = [s for s in self._decoded if s not in rows]
+        self._admitted = [(t, [s for s in seqs if s not in rows]) for t, seqs in self._admitted]
+        return [(now - t, k) for t, k in counts.items()]
 
     def _finished(self, seq, now: float) -> FinishedRequestStats:
         self._preempted.pop(seq, None)

@@ -11,10 +11,18 @@ LLMEngine.step() still returns one step's outputs per call, the same as without 
     step() call k+1: [launch N+2 ahead]  [wait for N+1 ...]          (N+1 is ready or nearly)
 
 A step goes ahead only where nothing about it depends on N's tokens beyond the ids: after a
-decode step, or a prefill of every running sequence that ends each prompt in it (its sampled ids
-are then one per row too, so the first decode step runs while the host reads the first token
-back), a batch whose rows all sample plainly (no penalties, logit_bias, min_tokens ban, min_p or
-logprobs), nobody waiting to be admitted, and a free block for every row that needs one. A row
+decode step, or a prefill-kind step (prompts, or prompts beside decode rows) of every running
+sequence that ends each prompt in it (its sampled ids are then one per row too, so the first
+decode step runs while the host reads the first token back), a batch whose rows all sample
+plainly (no penalties, logit_bias, min_tokens ban, min_p or logprobs; a structured-output row's
+next mask needs its token, so it never goes ahead), nobody waiting to be admitted, and a free
+block for every row that needs one.
+
+Only decode steps go ahead; a step with prompt work (a mixed step: the scheduler's decode rows
+beside prompt chunks) is scheduled once N is applied. Its prompt rows are admission decisions —
+the free blocks, preemption, which rows N finishes — that need N's tokens applied first, and a
+step with prompt tokens is long enough that the host's work it would hide is a small part of it.
+So a scheduled step's token ids are all on the host, and only decode steps carry fed rows. A row
 that N ends by length (max_tokens, the context limit) is left out of N+1; a row that N ends by a
 stop token or string, or that is aborted meanwhile, is computed and its token thrown away (its
 K/V write lands in its own last block, which nothing else reads before it is handed out again —
@@ -54,7 +62,9 @@ class StepAhead:
 
     def _launch(self, batch: ScheduledBatch, rows: np.ndarray | None) -> tuple[ScheduledBatch, PendingStep] | None:
         if self.scheduler.waiting:
-            return None                  # admitting them comes first (a prompt chunk stays waiting too)
+            # admitting them comes first, in a step scheduled after this one is applied (a mixed
+            # step; a prompt chunk stays waiting too): module docstring
+            return None
         if batch.is_prefill and (len(batch.seqs) != len(self.scheduler.running) or any(
                 (r := self.requests.get(s.request_id)) is not None and r.held for s in batch.seqs)):
             return None      # rows that sat this prefill out, or samples it releases: the next step is theirs

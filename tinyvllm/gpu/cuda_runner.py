@@ -13,6 +13,13 @@ ids back. The runner's parts live beside it:
 launch() returns once a plain step is enqueued (overlaps_steps: the engine's async scheduling
 prepares the next step meanwhile). A step launched ahead gets its fed token ids from
 `sampled_ids` on the device, where the step before left them (embedding.cu).
+
+A prefill-kind batch (is_prefill) runs eagerly, whatever its rows: prompts, prompt chunks, and in
+a mixed step (engine/scheduler.py) decode rows beside them, each a one-token query at the end of
+its context (gpu/model.py). The LM head and the sampler take one row per sequence (its last
+token); a chunk that does not end its prompt samples a token nobody reads (postprocess skips it;
+the host neither builds its token mask, step_token_mask, nor keeps its logprobs,
+append_step_logprobs): one row of a step at most. Decode-only batches keep the captured graphs.
 """
 from __future__ import annotations
 

@@ -14,8 +14,12 @@ Per layer (T new tokens; residual stream `hidden` in bf16), nine launches:
     act      = silu(gate) * up                          kernel
     hidden  += act @ Wdown^T                            linear, beta = 1
 then the final norm of each sequence's last token and the LM head (fp32 logits, S rows only).
-Prefill runs this layer; so does decode with EngineConfig(fused_decode=False), the layer the
-guide follows chapter by chapter.
+Prefill-kind steps run this layer; so does decode with EngineConfig(fused_decode=False), the
+layer the guide follows chapter by chapter. A prefill-kind step's rows need not start a prompt:
+a row is any sequence's new tokens at the end of its context (ForwardBatch), so a cached
+prefix, a prompt chunk and a mixed step's decode row (one token, its whole context in the cache)
+are the same to every launch: rope_write_kv writes each token's K/V at its slot, and
+attention_prefill reads positions 0..p of each row through its block table.
 
 The fused decode layer (_decode_layer_fused, the default for decode steps of at most 8
 sequences, where every projection runs on our GEMV). A batch-1 decode step moves little data per
