@@ -71,6 +71,7 @@ from tinyvllm.gpu.arena import INPUT_BANKS, TOKEN_INPUTS, Arena
 from tinyvllm.gpu.device_weights import DeviceWeights
 from tinyvllm.gpu.kv_cache import DeviceKVCache
 from tinyvllm.gpu.ops import GpuOps, attention_kernels_missing
+from tinyvllm.gpu.tp_layer import TensorParallelLayers
 from tinyvllm.reference.kernels import bf16_round
 
 
@@ -114,7 +115,7 @@ class BankInputs:
                    v("block_table_width"))
 
 
-class LlamaModel:
+class LlamaModel(TensorParallelLayers):
     def __init__(self, config: ModelConfig, weights: DeviceWeights, arena: Arena,
                  kv_cache: DeviceKVCache, ops: GpuOps):
         missing = attention_kernels_missing(config.head_dim, config.num_attention_heads, config.num_key_value_heads)
@@ -142,9 +143,10 @@ class LlamaModel:
         self.norm_row_ss = v("norm_row_ss")   # the handed-over norm's sums of squares
         self.head_argmax = v("head_argmax")   # the decode LM head's greedy argmax keys
         # tensor parallelism: all_reduce(ptr, count) sums `count` bf16 values at ptr over the
-        # ranks, in place, on the step's stream (parallel/workers.py sets it; a one-rank group
-        # only so far: see sum_hidden_over_ranks)
+        # ranks, in place, on the step's stream (parallel/workers.py sets it for one rank); over
+        # more ranks tp (gpu/tp_layer.py's TensorParallelRank) runs the forward of tp_layer.py
         self.all_reduce = None
+        self.tp = None
 
     def head_argmax_for(self, step: StepShape) -> int:
         """The device pointer of the greedy argmax keys this step's LM head keeps beside the
@@ -170,6 +172,8 @@ class LlamaModel:
             raise TinyVLLMError(f"a decode step has one token per sequence, got {T} tokens for {step.num_seqs}")
         inputs = self.inputs[step.bank]
         tok = inputs.tokens[step.is_prefill]
+        if self.tp is not None:
+            return self._tp_forward(step, fused, kw)
         # fused: the embedding hands the first layer's input norm over and clears the LM head's
         # greedy argmax keys (module docstring)
         ops.embedding(self.hidden, w.embed, tok.token_ids, T, H, c.vocab_size, fed_rows=tok.fed_rows,
@@ -212,6 +216,8 @@ class LlamaModel:
         """hidden += x @ W^T (linear()'s beta = 1); with Gemma 3's sandwich norms hidden +=
         norm(x @ W^T), the product stored in proj_out and added by rms_norm_residual_add."""
         c, H = self.cfg, self.cfg.hidden_size
+        if self.tp is not None:
+            return self._tp_residual(x, w, k, out_norm, T, k_warps)
         if not c.sandwich_norms:
             self.ops.linear(self.hidden, x, w, T, H, k, accumulate=True, k_warps=k_warps)
         else:
@@ -223,10 +229,7 @@ class LlamaModel:
     def sum_hidden_over_ranks(self, T: int) -> None:
         """The all-reduce of `hidden` after the embedding and after each o / down projection's
         residual add (tinyvllm/parallel/sharding.py's ALL_REDUCES); nothing without a group.
-        With one rank it changes nothing. Over several ranks the rows summed must be partial sums
-        whose total is the new residual: ranks but one would store x @ W^T without the residual,
-        the sandwich norms would take proj_out summed first, and the fused layer's handed-over
-        norm would be made after the sum (not built: EngineConfig refuses more than one rank)."""
+        With one rank it changes nothing; over more, tp_layer.py sums the products instead."""
         if self.all_reduce is not None:
             self.all_reduce(int(self.hidden), T * self.cfg.hidden_size)
 
@@ -259,6 +262,8 @@ class LlamaModel:
         gemv_residual_norm; with sandwich norms the GEMV's product, then rms_norm_residual_add,
         which hands it over in the GEMV's stead (the output's norm needs the whole row first)."""
         c, H, hand_over = self.cfg, self.cfg.hidden_size, (next_norm, self.normed, self.norm_row_ss)
+        if self.tp is not None:
+            return self._tp_residual(x, w, k, out_norm, T, k_warps, hand_over)
         if not c.sandwich_norms:
             self.ops.gemv_residual_norm(self.hidden, x, w, T, H, k, *hand_over, k_warps=k_warps)
         else:

@@ -166,10 +166,9 @@ def check_engine_split(config: ModelConfig, engine_config: EngineConfig, visible
     if engine_config.trace_steps and (size > 1 or engine_config.device == "cuda"):
         raise ConfigError("the trace follows one runner in the engine process; tensor_parallel_size splits "
                           "the work over ranks: trace without --tensor-parallel-size")
-    if engine_config.device == "cuda" and size > 1:
-        raise ConfigError(f"tensor_parallel_size={size} on cuda is not built yet: the GPU model has no "
-                          "all-reduce between shards (1 runs one rank process over NCCL; --device cpu "
-                          "runs the sharded numpy forward)")
+    if engine_config.device == "cuda" and size > 1 and config.hidden_size % 16:
+        raise ConfigError(f"tensor_parallel_size={size} on cuda needs hidden_size % 16 == 0 (the residual add "
+                          f"after each all-reduce works in 16-column chunks), got {config.hidden_size}")
 
 
 def visible_gpu_count() -> int:
