@@ -76,14 +76,19 @@ class TensorParallelRank:
     def gather_logits(self, logits, rows: int) -> None:
         """logits (fp32 [rows, full vocab]) = every rank's slice side by side, in rank order:
         each slice broadcast from its rank (one grouped operation), then copied into its columns."""
-        import pycuda.driver as drv
         self.communicator.broadcast_each([(p, rows * len(v)) for p, v in zip(self.parts, self.vocab_slices)],
                                          "float32", self.stream.handle)
+        self.copy_slices(int(logits), rows)
+
+    def copy_slices(self, logits: int, rows: int) -> None:
+        """Each received slice [rows, its size] into its columns of logits [rows, full vocab]
+        (strided copies on the stream, captured into graphs as memcpy nodes)."""
+        import pycuda.driver as drv
         for part, v in zip(self.parts, self.vocab_slices):
             copy = drv.Memcpy2D()
             copy.set_src_device(part)
             copy.src_pitch = copy.width_in_bytes = len(v) * 4
-            copy.set_dst_device(int(logits) + v.start * 4)
+            copy.set_dst_device(logits + v.start * 4)
             copy.dst_pitch = self.full_vocab * 4
             copy.height = rows
             copy(self.stream)
