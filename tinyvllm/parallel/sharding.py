@@ -166,9 +166,14 @@ def check_engine_split(config: ModelConfig, engine_config: EngineConfig, visible
     if engine_config.trace_steps and (size > 1 or engine_config.device == "cuda"):
         raise ConfigError("the trace follows one runner in the engine process; tensor_parallel_size splits "
                           "the work over ranks: trace without --tensor-parallel-size")
-    if engine_config.device == "cuda" and size > 1 and config.hidden_size % 16:
-        raise ConfigError(f"tensor_parallel_size={size} on cuda needs hidden_size % 16 == 0 (the residual add "
-                          f"after each all-reduce works in 16-column chunks), got {config.hidden_size}")
+    if engine_config.device == "cuda" and size > 1:
+        if config.hidden_size % 16:
+            raise ConfigError(f"tensor_parallel_size={size} on cuda needs hidden_size % 16 == 0 (the residual add "
+                              f"after each all-reduce works in 16-column chunks), got {config.hidden_size}")
+        if config.intermediate_size % size:     # the kernels each rank picks follow its shapes
+            raise ConfigError(f"tensor_parallel_size={size} on cuda needs it to divide intermediate_size="
+                              f"{config.intermediate_size}: every rank's layer must have one shape, so that "
+                              "every rank launches the same kernels and collectives")
 
 
 def visible_gpu_count() -> int:
