@@ -23,11 +23,16 @@
 //                            full-vocabulary ids (2^32 - 1 - id in the low word never borrows), so an
 //                            all-reduce with max over the ranks names the full row's argmax
 //                            (parallel/vocab_parallel.py's shard_argmax_keys is the twin).
+//   place_vocab_slice        logits[r, vocab_start + j] = part[r, j] for j < slice: one rank's
+//                            logits [rows, slice], as the broadcast delivered them, put into its
+//                            columns of the [rows, full vocab] logits the sampler reads (a strided
+//                            copy; parallel/vocab_parallel.py's gather_vocab is the twin).
 #include "common.cuh"
 
 constexpr int EMBED_THREADS = 128;    // block size of embedding_gather_shard (one block per token)
 constexpr int ADD_THREADS = 256;      // block size of residual_add (one block per row)
 constexpr int KEY_THREADS = 128;      // block size of shift_argmax_keys
+constexpr int PLACE_THREADS = 256;    // block size of place_vocab_slice (grid: column blocks x rows)
 
 extern "C" __global__ void __launch_bounds__(EMBED_THREADS) embedding_gather_shard(
     bf16* __restrict__ out, const bf16* __restrict__ table, const int* __restrict__ token_ids,
@@ -94,4 +99,16 @@ extern "C" __global__ void __launch_bounds__(KEY_THREADS) shift_argmax_keys(
     wait_for_producer();
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r < num_rows) keys[r] -= (unsigned long long)vocab_start;
+}
+
+// part is the broadcast's output (NCCL's kernel before this one): plain loads after wait_for_producer.
+extern "C" __global__ void __launch_bounds__(PLACE_THREADS) place_vocab_slice(
+    float* logits, const float* part, int rows, int slice, int vocab_start, int full_vocab) {
+    allow_consumer();
+    wait_for_producer();
+    const int r = blockIdx.y;
+    if (r >= rows) return;
+    const float* src = part + (size_t)r * slice;
+    float* dst = logits + (size_t)r * full_vocab + vocab_start;
+    for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < slice; j += gridDim.x * blockDim.x) dst[j] = src[j];
 }

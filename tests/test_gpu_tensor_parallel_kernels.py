@@ -2,15 +2,15 @@
 gpu/ops/tensor_parallel.py) against their numpy twins, on one GPU (marker gpu), on fresh random
 inputs with the outputs poisoned first: the embedding gather of one vocabulary slice (a copy, and
 Gemma 3's scaled copy: exact), the residual add after an all-reduce with and without the next
-norm handed over (one rounding: exact), and the LM head's argmax keys shifted to full-vocabulary
-ids (exact)."""
+norm handed over (one rounding: exact), the LM head's argmax keys shifted to full-vocabulary
+ids (exact), and every rank's logits placed into their columns of the full ones (a copy: exact)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from tinyvllm.parallel.sharding import balanced
-from tinyvllm.parallel.vocab_parallel import shard_argmax_keys
+from tinyvllm.parallel.vocab_parallel import gather_vocab, shard_argmax_keys
 from tinyvllm.reference import kernels as ref
 from tinyvllm.reference.sampling import head_argmax_keys
 
@@ -132,3 +132,24 @@ def test_shift_argmax_keys(gpu, rng, rows):
     got = keys.get()
     np.testing.assert_array_equal(got[:rows], shard_argmax_keys(logits, start))
     assert got[rows] == KEY_GUARD
+
+
+@pytest.mark.parametrize("vocab,size,rows", [(128256, 2, 1), (1001, 4, 5), (49152, 3, 16)])
+def test_place_vocab_slice(gpu, rng, vocab, size, rows):
+    """Every rank's slice [rows, its size] (as the broadcast leaves it, in parts of max_seqs rows)
+    placed into [rows, vocab]: vocab_parallel.gather_vocab of the slices, bit for bit, with NaN
+    and inf values copied as they are; a guard row past the rows keeps its poison."""
+    from gpu_helpers import DeviceArray
+    slices = [balanced(vocab, size, r) for r in range(size)]
+    parts = [rng.standard_normal((rows, len(v))).astype(np.float32) for v in slices]
+    parts[0][0, 0], parts[-1][-1, -1] = np.nan, np.inf
+    keep = [DeviceArray(p) for p in parts]
+    logits = DeviceArray.poisoned((rows + 1, vocab), np.float32)
+    for part, v in zip(keep, slices):
+        gpu.place_vocab_slice(logits, part, rows, len(v), v.start, vocab)
+    _sync()
+    got = logits.get()
+    np.testing.assert_array_equal(got[:rows].view(np.uint32), gather_vocab(parts).view(np.uint32))
+    assert np.all(np.isnan(got[rows]))
+    with pytest.raises(ValueError, match="is not inside a vocabulary of"):
+        gpu.place_vocab_slice(logits, keep[0], rows, len(slices[-1]), slices[-1].start + 1, vocab)

@@ -5,7 +5,7 @@ block size and shared memory) and a communicator that records the collectives. E
 enqueue the same collectives with the same counts in the same order (NCCL matches them by
 order), the products must be summed before the residual add (no single-GPU residual GEMV, no
 gather that hands a norm over from partial rows), and the step must end with the LM head's keys
-maxed (fused decode) and the logits gathered."""
+maxed (fused decode) and the logits gathered (every slice broadcast, then placed)."""
 from __future__ import annotations
 
 import pytest
@@ -34,11 +34,6 @@ class _Recorder:
         self.launched.append(f"nccl broadcast_each {[count for _, count in parts]} x {dtype}")
 
 
-class _RecordingRank(TensorParallelRank):
-    def copy_slices(self, logits: int, rows: int) -> None:
-        self.communicator.launched.append(f"copy {rows} rows of {len(self.vocab_slices)} slices")
-
-
 def _ranks(family: str, size: int, fused_decode: bool):
     config = _configs()[family]
     try:
@@ -48,7 +43,7 @@ def _ranks(family: str, size: int, fused_decode: bool):
     fakes = []
     for shard in shards:
         fake = _fake(rank_config(config, shard), fused_decode)
-        fake.model.tp = _RecordingRank(_Recorder(fake.ops.library.launched), shard.rank, [s.vocab for s in shards],
+        fake.model.tp = TensorParallelRank(_Recorder(fake.ops.library.launched), shard.rank, [s.vocab for s in shards],
                                        config.vocab_size, stream=type("Stream", (), {"handle": 0})(),
                                        parts=[0x7C0000000000 + (1 << 30) * r for r in range(size)])
         fakes.append(fake)
@@ -73,14 +68,14 @@ def test_every_rank_enqueues_the_same_collectives(family, size, fused_decode):
                                       fused_decode) for s in (1, 3)]
     for batch, rows, fused in steps:
         launched = [_step(fake, batch) for fake in fakes]
-        collectives = [[op for op in ops if op.startswith(("nccl", "copy"))] for ops in launched]
+        collectives = [[op for op in ops if op.startswith("nccl")] for ops in launched]
         assert all(c == collectives[0] for c in collectives[1:]), collectives
         H, S = config.hidden_size, batch.num_seqs
         sums = [f"nccl all_reduce sum {rows * H} x bfloat16"] * (1 + 2 * L)
-        tail = ([f"nccl all_reduce max {S} x uint64"] if fused else []) + [
-            f"nccl broadcast_each {[S * len(s) for s in fakes[0].model.tp.vocab_slices]} x float32",
-            f"copy {S} rows of {size} slices"]
-        assert collectives[0] == sums + tail
+        keys = [f"nccl all_reduce max {S} x uint64"] if fused else []
+        tail = keys + [f"nccl broadcast_each {[S * len(s) for s in fakes[0].model.tp.vocab_slices]} x float32",
+                       *["place_vocab_slice"] * size]
+        assert collectives[0] == sums + tail[:len(tail) - size]
         for rank, ops in enumerate(launched):
             assert not set(ops) & set(SINGLE_GPU_ONLY), ops
             assert ops[0] == "embedding_gather_shard" and ops[1] == "nccl all_reduce sum " + f"{rows * H} x bfloat16"

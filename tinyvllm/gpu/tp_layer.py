@@ -25,7 +25,8 @@ The LM head: each rank computes its slice's logits into `shard_logits`; on the f
 greedy argmax keys too (shifted to full-vocabulary ids, then all-reduced with max over uint64:
 the row's argmax, lowest id among ties, as parallel/vocab_parallel.py's ids_from_keys has it).
 Then every rank broadcasts its slice to the others (one grouped NCCL operation; slices may differ
-by a row) and copies each slice into its columns of the arena's [rows, full vocab] `logits`, so
+by a row) and puts each slice into its columns of the arena's [rows, full vocab] `logits`
+(place_vocab_slice: a kernel, so the step stays a chain of kernels under PDL), so
 the sampler runs as on one GPU — temperature, top-k/p, logit edits, token masks and logprobs —
 on every rank, with the same inputs and seeds giving the same ids; the engine reads rank 0's.
 The gather is in every step (a captured decode graph serves greedy and sampled rows alike).
@@ -40,12 +41,13 @@ class TensorParallelRank:
     """This rank's part in the group: its communicator, its vocabulary slice and every rank's
     (in rank order), and the LM head's buffers: shard_logits (fp32 [max seqs, own slice]) and the
     other ranks' slices received (parts[r]: fp32 [max seqs, rank r's slice]; parts[rank] is
-    shard_logits). new() allocates them in one allocation, which close() frees."""
+    shard_logits). new() allocates them in one allocation, which close() frees. stream: the
+    runner's (a pycuda Stream), the step's, on which every collective is enqueued."""
     communicator: object
     rank: int
     vocab_slices: list[range]
     full_vocab: int
-    stream: object                      # the runner's pycuda Stream: the step's
+    stream: object
     parts: list[int] = field(default_factory=list)
     allocation: object = None
 
@@ -73,25 +75,11 @@ class TensorParallelRank:
         """The uint64 argmax keys [rows] at keys, the max over the ranks, in place."""
         self.communicator.all_reduce(int(keys), int(keys), rows, "uint64", self.stream.handle, op="max")
 
-    def gather_logits(self, logits, rows: int) -> None:
-        """logits (fp32 [rows, full vocab]) = every rank's slice side by side, in rank order:
-        each slice broadcast from its rank (one grouped operation), then copied into its columns."""
+    def broadcast_slices(self, rows: int) -> None:
+        """Every rank's logits slice [rows, its size] into parts[r] on every rank: one broadcast
+        rooted at each rank, as one grouped operation."""
         self.communicator.broadcast_each([(p, rows * len(v)) for p, v in zip(self.parts, self.vocab_slices)],
                                          "float32", self.stream.handle)
-        self.copy_slices(int(logits), rows)
-
-    def copy_slices(self, logits: int, rows: int) -> None:
-        """Each received slice [rows, its size] into its columns of logits [rows, full vocab]
-        (strided copies on the stream, captured into graphs as memcpy nodes)."""
-        import pycuda.driver as drv
-        for part, v in zip(self.parts, self.vocab_slices):
-            copy = drv.Memcpy2D()
-            copy.set_src_device(part)
-            copy.src_pitch = copy.width_in_bytes = len(v) * 4
-            copy.set_dst_device(logits + v.start * 4)
-            copy.dst_pitch = self.full_vocab * 4
-            copy.height = rows
-            copy(self.stream)
 
     def close(self) -> None:
         if self.allocation is not None:
@@ -129,7 +117,9 @@ class TensorParallelLayers:
                          rows=self.inputs[step.bank].last_token_idx, weight_offset=c.norm_weight_offset)
             ops.linear(tp.shard_logits, self.final_normed, w.lm_head, S, c.vocab_size, H, out_dtype="float32",
                        last=True)
-        tp.gather_logits(self.logits, S)
+        tp.broadcast_slices(S)      # every slice to every rank, then each into its columns of [S, V]
+        for part, v in zip(tp.parts, tp.vocab_slices):
+            ops.place_vocab_slice(self.logits, part, S, len(v), v.start, tp.full_vocab)
 
     def _tp_residual(self, x, w: int, k: int, out_norm: int, T: int, k_warps: int, hand_over=None) -> None:
         """hidden += sum over ranks of x @ W^T (Gemma 3: + norm of that sum), every rank's product

@@ -26,7 +26,8 @@ either). Query heads must divide evenly (num_attention_heads % N == 0), and each
 heads must read its kv heads in one regular pattern: either N divides the kv heads (each rank
 holds num_key_value_heads / N of them) or the kv heads divide N (each kv head is replicated on
 N / num_key_value_heads ranks, whose query heads all read it). Anything else is a ConfigError
-saying which rule it breaks.
+saying which rule it breaks. On cuda N must also divide the intermediate size: every GPU rank's
+layer then has one shape and takes the same kernels and collectives (check_engine_split).
 
 A rank's model is the model itself at its own sizes: rank_config() is the ModelConfig with the
 rank's head, intermediate and vocabulary counts, so the reference forward, expected_shapes() and

@@ -53,6 +53,8 @@ call. The launchers live by kernel family, beside the .cu files they launch:
                                                                                                            test_gpu_tensor_parallel_kernels
     tensor_parallel.cu  shift_argmax_keys  tensor_parallel  shift_argmax_keys()  vocab_parallel.shard_argmax_keys
                                                                                                            test_gpu_tensor_parallel_kernels
+    tensor_parallel.cu  place_vocab_slice  tensor_parallel  place_vocab_slice()  vocab_parallel.gather_vocab
+                                                                                                           test_gpu_tensor_parallel_kernels
     (cuBLAS)      cublasGemmEx             gemv     linear()               kernels.linear                  test_gpu_kernels::test_linear
 
 Each launcher owns its kernel's launch geometry, computed from the constants its .cu file

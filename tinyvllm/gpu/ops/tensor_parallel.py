@@ -1,6 +1,7 @@
 """The launchers of the kernels a tensor-parallel rank adds (tensor_parallel.cu): the embedding
 gather of one vocabulary slice, the residual add after an all-reduce (handing the next norm over),
-and the LM head's argmax keys shifted to full-vocabulary ids. gpu/tp_layer.py launches them."""
+the LM head's argmax keys shifted to full-vocabulary ids, and a rank's logits put into their
+columns of the full ones. gpu/tp_layer.py launches them."""
 from __future__ import annotations
 
 from tinyvllm.gpu.kernels import kernel_constants
@@ -41,3 +42,14 @@ class TensorParallelOps(OpsBase):
         full-vocabulary ids (parallel/vocab_parallel.py's shard_argmax_keys)."""
         threads = TENSOR_PARALLEL["KEY_THREADS"]
         self._launch("shift_argmax_keys", -(-num_rows // threads), threads, keys, num_rows, int(vocab_start))
+
+    def place_vocab_slice(self, logits, part, rows: int, slice_size: int, vocab_start: int, full_vocab: int) -> None:
+        """logits[r, vocab_start:vocab_start + slice_size] = part[r] (fp32 [rows, slice_size]) for
+        r < rows, logits fp32 [rows, full_vocab]: one rank's slice into the gathered logits."""
+        if not (0 <= vocab_start and vocab_start + slice_size <= full_vocab and slice_size >= 1):
+            raise ValueError(f"place_vocab_slice: slice [{vocab_start}, {vocab_start + slice_size}) is not inside "
+                             f"a vocabulary of {full_vocab}")
+        threads = TENSOR_PARALLEL["PLACE_THREADS"]
+        columns = min(-(-slice_size // threads), 2 * self.num_sms)
+        self._launch("place_vocab_slice", (columns, rows), threads, logits, part, rows, slice_size, int(vocab_start),
+                     full_vocab)
