@@ -103,6 +103,8 @@ def test_cuda_refuses_more_ranks_than_gpus_and_shapes_it_cannot_split():
     with pytest.raises(ConfigError, match="tensor_parallel_size=4 on cuda needs it to divide intermediate_size=130"):
         check_engine_split(uneven, EngineConfig(tensor_parallel_size=4), visible_gpus=lambda: 4)
     check_engine_split(uneven, EngineConfig(tensor_parallel_size=4, device="cpu"))    # balanced shards there
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 needs unquantized weights; --quantization fp8"):
+        check_engine_split(config, EngineConfig(tensor_parallel_size=2, quantization="fp8"), visible_gpus=lambda: 2)
     with pytest.raises(ConfigError, match="tensor_parallel_size=1 but 0 GPUs are visible"):
         check_engine_split(config, EngineConfig(tensor_parallel_size=1), visible_gpus=lambda: 0)
     check_engine_split(config, EngineConfig(tensor_parallel_size=1), visible_gpus=lambda: 1)  # one rank process

@@ -159,6 +159,9 @@ def check_engine_split(config: ModelConfig, engine_config: EngineConfig, visible
     if size is None:
         return
     check_split(config, size)
+    if size > 1 and engine_config.quantization:
+        raise ConfigError(f"tensor_parallel_size={size} needs unquantized weights; --quantization "
+                          f"{engine_config.quantization} quantizes them at load")
     if engine_config.device == "cuda":
         count = (visible_gpus or visible_gpu_count)()
         if size > count:
