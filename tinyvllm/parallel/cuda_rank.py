@@ -38,8 +38,11 @@ def start_cuda_rank(config: ModelConfig, weights: dict[str, np.ndarray], engine_
 
 
 def close_cuda_rank(runner) -> None:
-    """Free the rank's gathered-logits buffers (before the runner frees the rest)."""
+    """Before the communicator is destroyed: the graphs that hold its collectives, and the
+    rank's gathered-logits buffers (the runner frees the rest after)."""
     tp = getattr(getattr(runner, "model", None), "tp", None)
     if tp is not None:
         with runner.device.active():
+            runner.stream.synchronize()
+            runner._close_graphs()
             tp.close()
