@@ -1,6 +1,8 @@
 """NCCL over ctypes (tinyvllm/gpu/nccl.py): where the library is looked for, NVLS kept off, the
 unique id's bytes; on a GPU (marker gpu) a one-rank communicator's all-reduce in fp32 and bf16
-into poisoned outputs, eager and captured into a CUDA graph, and NCCL's own error message."""
+into poisoned outputs, eager and captured into a CUDA graph; the max over uint64 keys, the
+all-gather and the grouped broadcasts tensor parallelism's LM head uses; and NCCL's own error
+message. (Over several GPUs: tests/test_tensor_parallel_multi_gpu.py.)"""
 from __future__ import annotations
 
 import os
@@ -132,6 +134,48 @@ def test_all_reduce_is_captured_into_a_cuda_graph(one_rank, rng, dtype):
 def test_nccl_errors_carry_nccls_message(one_rank):
     with pytest.raises(NcclError, match=r"ncclCommInitRank\(rank 1 of 1\) failed: .+ \(ncclResult \d+\)"):
         NcclCommunicator(new_unique_id(), 1, 1)
-    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16"):
+    with pytest.raises(ValueError, match="dtype must be one of uint64, float32, bfloat16"):
         one_rank.all_reduce(0, 0, 1, "float16", 0)
+    with pytest.raises(ValueError, match="op must be one of sum, max"):
+        one_rank.all_reduce(0, 0, 1, "float32", 0, op="min")
+    with pytest.raises(ValueError, match="one part per rank"):
+        one_rank.broadcast_each([(0, 1), (0, 1)], "float32", 0)
     assert nccl.nccl_version() >= 21800          # bf16 all-reduces need NCCL 2.10; the cu13 wheel is 2.27+
+
+
+@pytest.mark.gpu
+def test_one_rank_max_gather_and_broadcasts_into_poisoned_outputs(one_rank, rng):
+    """On one rank: the uint64 max all-reduce (the greedy argmax keys) and the all-gather are
+    copies into poisoned outputs; broadcast_each leaves its one part as it is; all three captured
+    into a CUDA graph replay the same."""
+    import pycuda.driver as drv
+
+    from tinyvllm.gpu.graphs import CudaGraph
+    n = 777
+    keys = rng.integers(0, 2**63, n, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    logits = rng.standard_normal(n).astype(np.float32)
+    send_keys, recv_keys = _upload(keys), _upload(np.zeros(n, np.uint64))
+    send, gathered, part = _upload(logits), _upload(np.full(n, np.nan, np.float32)), _upload(logits)
+    stream = drv.Stream()
+
+    def collectives():
+        one_rank.all_reduce(int(send_keys), int(recv_keys), n, "uint64", stream.handle, op="max")
+        one_rank.all_gather(int(send), int(gathered), n, "float32", stream.handle)
+        one_rank.broadcast_each([(int(part), n)], "float32", stream.handle)
+
+    collectives()
+    stream.synchronize()
+    np.testing.assert_array_equal(_download(recv_keys, n, np.uint64), keys)
+    np.testing.assert_array_equal(_bits(_download(gathered, n, np.float32)), _bits(logits))
+    np.testing.assert_array_equal(_bits(_download(part, n, np.float32)), _bits(logits))
+    drv.memcpy_htod(recv_keys, np.zeros(n, np.uint64))
+    drv.memcpy_htod(gathered, np.full(n, np.nan, np.float32))
+    with CudaGraph.capture(stream) as graph:
+        collectives()
+    try:
+        graph.launch(stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(_download(recv_keys, n, np.uint64), keys)
+        np.testing.assert_array_equal(_bits(_download(gathered, n, np.float32)), _bits(logits))
+    finally:
+        graph.close()

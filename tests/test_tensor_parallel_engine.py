@@ -4,6 +4,8 @@ over two ranks equal to one rank token for token, each rank's share in memory_re
 `inspect`, and every bad N one ConfigError line."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -84,7 +86,7 @@ def test_bad_sizes_are_one_config_error_line(tiny_model_dir, size, says):
     assert "\n" not in str(e.value)
 
 
-def test_cuda_refuses_more_ranks_than_gpus_and_says_what_is_not_built():
+def test_cuda_refuses_more_ranks_than_gpus_and_shapes_it_cannot_split():
     config = ModelConfig.from_dict(dict(model_type="llama", hidden_size=64, intermediate_size=128,
                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                         rms_norm_eps=1e-5, max_position_embeddings=64, vocab_size=100))
@@ -92,8 +94,17 @@ def test_cuda_refuses_more_ranks_than_gpus_and_says_what_is_not_built():
         check_engine_split(config, EngineConfig(tensor_parallel_size=4), visible_gpus=lambda: 2)
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 but 1 GPU is visible"):
         check_engine_split(config, EngineConfig(tensor_parallel_size=2), visible_gpus=lambda: 1)
-    with pytest.raises(ConfigError, match="tensor_parallel_size=2 on cuda is not built yet"):
-        check_engine_split(config, EngineConfig(tensor_parallel_size=2), visible_gpus=lambda: 2)
+    check_engine_split(config, EngineConfig(tensor_parallel_size=2), visible_gpus=lambda: 2)    # gpu/tp_layer.py
+    odd = dataclasses.replace(config, hidden_size=72, head_dim=18)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 on cuda needs hidden_size % 16 == 0"):
+        check_engine_split(odd, EngineConfig(tensor_parallel_size=2), visible_gpus=lambda: 2)
+    check_engine_split(odd, EngineConfig(tensor_parallel_size=2, device="cpu"))       # the numpy ranks can
+    uneven = dataclasses.replace(config, intermediate_size=130)
+    with pytest.raises(ConfigError, match="tensor_parallel_size=4 on cuda needs it to divide intermediate_size=130"):
+        check_engine_split(uneven, EngineConfig(tensor_parallel_size=4), visible_gpus=lambda: 4)
+    check_engine_split(uneven, EngineConfig(tensor_parallel_size=4, device="cpu"))    # balanced shards there
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 needs unquantized weights; --quantization fp8"):
+        check_engine_split(config, EngineConfig(tensor_parallel_size=2, quantization="fp8"), visible_gpus=lambda: 2)
     with pytest.raises(ConfigError, match="tensor_parallel_size=1 but 0 GPUs are visible"):
         check_engine_split(config, EngineConfig(tensor_parallel_size=1), visible_gpus=lambda: 0)
     check_engine_split(config, EngineConfig(tensor_parallel_size=1), visible_gpus=lambda: 1)  # one rank process

@@ -23,6 +23,7 @@ append_step_logprobs): one row of a step at most. Decode-only batches keep the c
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -55,14 +56,18 @@ class CudaRunner(InputBanks, DecodeGraphs, StepSampling, ModelRunner):
     supports_prompt_logprobs = False
     overlaps_steps = True
 
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig):
-        self.cfg, self.engine_cfg = config, engine_config
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig,
+                 sampled_vocab: int | None = None):
+        # sampled_vocab: the vocabulary the sampler sees and the arena's logits hold, the full one
+        # where a tensor-parallel rank's LM head holds a slice (gpu/tp_layer.py); the model keeps config
+        self.cfg = dataclasses.replace(config, vocab_size=sampled_vocab) if sampled_vocab else config
+        self.engine_cfg = engine_config
         self.device = CudaDevice()
         self.device_name = self.device.name
         with self.device.active():
             self.stream = drv.Stream()
             self.kernels = KernelLibrary()
-            self.dims = ArenaDims.from_configs(config, engine_config)
+            self.dims = ArenaDims.from_configs(self.cfg, engine_config)
             self.arena = Arena(ArenaLayout.plan(self.dims))
             self.weights = upload_weights(config, weights)
             self.blas = Cublas(self.stream.handle, int(self.arena.view("cublas_workspace")),

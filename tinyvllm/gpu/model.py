@@ -40,13 +40,10 @@ the bits of rms_norm then linear). The embedding gather hands the first layer's 
 (it holds the new rows too), and the last down hands the final norm to the LM head
 (gemv_prenormed: a decode step's rows are its sequences' last tokens), which also keeps each
 row's greedy argmax key as it stores the logits (cleared by the embedding), so the sampler reads
-one word per row instead of the row (head_argmax_for). Handing the norms over measured 975 ->
-1,004 decode tok/s on Llama-1B and 2,236 -> 2,276 on SmolLM2-135M against the best layer before
-it (H100, 2026-12-05, 316b548).
+one word per row instead of the row (head_argmax_for); docs/perf-notes.md has what it gave.
 
-The o GEMV follows the attention, whose few blocks (num_kv_heads at batch 1) hold some SMs; its
-k-split stays at most half an SM per CTA (ops.gemv_k_warps' beside_attention), so all its CTAs
-are resident under PDL while the attention runs and hold their weights when it ends.
+The o GEMV's k-split stays at most half an SM per CTA (ops.gemv_k_warps' beside_attention): its
+CTAs are then resident under PDL beside the attention's few blocks, weights in hand when it ends.
 
 The model families (tinyvllm/model_family.py) change a few of these launches, each where the
 family's config asks (ModelConfig's fields), the Llama launches unchanged:
@@ -75,6 +72,7 @@ from tinyvllm.gpu.arena import INPUT_BANKS, TOKEN_INPUTS, Arena
 from tinyvllm.gpu.device_weights import DeviceWeights
 from tinyvllm.gpu.kv_cache import DeviceKVCache
 from tinyvllm.gpu.ops import GpuOps, attention_kernels_missing
+from tinyvllm.gpu.tp_layer import TensorParallelLayers
 from tinyvllm.reference.kernels import bf16_round
 
 
@@ -118,7 +116,7 @@ class BankInputs:
                    v("block_table_width"))
 
 
-class LlamaModel:
+class LlamaModel(TensorParallelLayers):
     def __init__(self, config: ModelConfig, weights: DeviceWeights, arena: Arena,
                  kv_cache: DeviceKVCache, ops: GpuOps):
         missing = attention_kernels_missing(config.head_dim, config.num_attention_heads, config.num_key_value_heads)
@@ -145,14 +143,14 @@ class LlamaModel:
         self.sampled_ids = v("sampled_ids")   # async scheduling's fed ids
         self.norm_row_ss = v("norm_row_ss")   # the handed-over norm's sums of squares
         self.head_argmax = v("head_argmax")   # the decode LM head's greedy argmax keys
-        # tensor parallelism: all_reduce(ptr, count) sums `count` bf16 values at ptr over the
-        # ranks, in place, on the step's stream (parallel/workers.py sets it; a one-rank group
-        # only so far: see sum_hidden_over_ranks)
+        # tensor parallelism: all_reduce(ptr, count) sums bf16s in place over one rank (set by
+        # parallel/workers.py); over more ranks tp (tp_layer.TensorParallelRank) runs the forward
         self.all_reduce = None
         # quantized weights (QuantMatrix): every GEMV launcher reads them with its kind's kernel
         # (gpu/ops/quant_gemv.py), which picks its own k-split
         self.quantized = weights.quantized
         ops.use_dequant_scratch(weights.dequant_scratch, weights.dequant_scratch_elems)
+        self.tp = None
 
     def head_argmax_for(self, step: StepShape) -> int:
         """The device pointer of the greedy argmax keys this step's LM head keeps beside the
@@ -179,6 +177,8 @@ class LlamaModel:
             raise TinyVLLMError(f"a decode step has one token per sequence, got {T} tokens for {step.num_seqs}")
         inputs = self.inputs[step.bank]
         tok = inputs.tokens[step.is_prefill]
+        if self.tp is not None:
+            return self._tp_forward(step, fused, kw)
         # fused: the embedding hands the first layer's input norm over and clears the LM head's
         # greedy argmax keys (module docstring)
         ops.embedding(self.hidden, w.embed, tok.token_ids, T, H, c.vocab_size, fed_rows=tok.fed_rows,
@@ -221,6 +221,8 @@ class LlamaModel:
         """hidden += x @ W^T (linear()'s beta = 1); with Gemma 3's sandwich norms hidden +=
         norm(x @ W^T), the product stored in proj_out and added by rms_norm_residual_add."""
         c, H = self.cfg, self.cfg.hidden_size
+        if self.tp is not None:
+            return self._tp_residual(x, w, k, out_norm, T, k_warps)
         if not c.sandwich_norms:
             self.ops.linear(self.hidden, x, w, T, H, k, accumulate=True, k_warps=k_warps)
         else:
@@ -232,10 +234,7 @@ class LlamaModel:
     def sum_hidden_over_ranks(self, T: int) -> None:
         """The all-reduce of `hidden` after the embedding and after each o / down projection's
         residual add (tinyvllm/parallel/sharding.py's ALL_REDUCES); nothing without a group.
-        With one rank it changes nothing. Over several ranks the rows summed must be partial sums
-        whose total is the new residual: ranks but one would store x @ W^T without the residual,
-        the sandwich norms would take proj_out summed first, and the fused layer's handed-over
-        norm would be made after the sum (not built: EngineConfig refuses more than one rank)."""
+        With one rank it changes nothing; over more, tp_layer.py sums the products instead."""
         if self.all_reduce is not None:
             self.all_reduce(int(self.hidden), T * self.cfg.hidden_size)
 
@@ -268,6 +267,8 @@ class LlamaModel:
         gemv_residual_norm; with sandwich norms the GEMV's product, then rms_norm_residual_add,
         which hands it over in the GEMV's stead (the output's norm needs the whole row first)."""
         c, H, hand_over = self.cfg, self.cfg.hidden_size, (next_norm, self.normed, self.norm_row_ss)
+        if self.tp is not None:
+            return self._tp_residual(x, w, k, out_norm, T, k_warps, hand_over)
         if not c.sandwich_norms:
             self.ops.gemv_residual_norm(self.hidden, x, w, T, H, k, *hand_over, k_warps=k_warps)
         else:

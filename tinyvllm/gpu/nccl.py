@@ -1,10 +1,12 @@
-"""NCCL through ctypes: a communicator over the ranks of one tensor-parallel group and the one
-collective tensor parallelism needs, the sum all-reduce, in bf16 and fp32, enqueued on a stream.
+"""NCCL through ctypes: a communicator over the ranks of one tensor-parallel group and the
+collectives tensor parallelism needs, enqueued on a stream: the all-reduce (sum in bf16 and fp32;
+max over uint64 for the greedy argmax keys), the all-gather, and the broadcast, grouped so that a
+rank's N broadcasts of its vocabulary slice run as one operation (gpu/tp_layer.py).
 
 The library is PyPI's nvidia-nccl-cu13 wheel (setup.cfg's `tp` extra; torch installs it too):
 libnccl.so.2 is looked for in the `nvidia.nccl` package's lib/ folder first, then by the system
-loader. Bound: ncclGetUniqueId, ncclCommInitRank, ncclAllReduce, ncclCommDestroy,
-ncclGetErrorString, ncclGetVersion; a failing call is one NcclError carrying NCCL's own message.
+loader. Bound: ncclGetUniqueId, ncclCommInitRank, ncclAllReduce, ncclAllGather, ncclBroadcast,
+ncclGroupStart, ncclGroupEnd, ncclCommDestroy, ncclGetErrorString, ncclGetVersion; a failing call is one NcclError carrying NCCL's own message.
 
 NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 is put into the process's environment
 before the library is loaded, so NCCL reads it when it initialises, in this process and in every
@@ -27,9 +29,10 @@ NVLS_ENV = "NCCL_NVLS_ENABLE"
 UNIQUE_ID_BYTES = 128                    # NCCL_UNIQUE_ID_BYTES (nccl.h)
 NCCL_SUCCESS = 0
 # ncclDataType_t and ncclRedOp_t (nccl.h)
-DTYPE_CODES = {"float32": 7, "bfloat16": 9}
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-NCCL_SUM = 0
+DTYPE_CODES = {"uint64": 5, "float32": 7, "bfloat16": 9}
+DTYPE_BYTES = {"uint64": 8, "float32": 4, "bfloat16": 2}
+OP_CODES = {"sum": 0, "max": 2}
+NCCL_SUM = OP_CODES["sum"]
 
 
 class NcclError(RuntimeError):
@@ -90,6 +93,9 @@ def load_libnccl() -> ctypes.CDLL:
     lib.ncclCommInitRank.argtypes = [ctypes.POINTER(vp), i32, NcclUniqueId, i32]
     lib.ncclCommDestroy.argtypes = [vp]
     lib.ncclAllReduce.argtypes = [vp, vp, ctypes.c_size_t, i32, i32, vp, vp]
+    lib.ncclAllGather.argtypes = [vp, vp, ctypes.c_size_t, i32, vp, vp]
+    lib.ncclBroadcast.argtypes = [vp, vp, ctypes.c_size_t, i32, i32, vp, vp]
+    lib.ncclGroupStart.argtypes = lib.ncclGroupEnd.argtypes = []
     _lib = lib
     return lib
 
@@ -128,17 +134,50 @@ class NcclCommunicator:
         _check(self.lib, self.lib.ncclCommInitRank(ctypes.byref(self.comm), world_size, uid, rank),
                f"ncclCommInitRank(rank {rank} of {world_size})")
 
-    def all_reduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, stream_handle: int) -> None:
-        """recv[i] = the sum over ranks of send[i], for `count` elements of `dtype` ("bfloat16" or
-        "float32"), enqueued on the stream (captured when the stream is capturing). send_ptr ==
-        recv_ptr reduces in place."""
-        if dtype not in DTYPE_CODES:
-            raise ValueError(f"all_reduce dtype must be one of {', '.join(DTYPE_CODES)}, got {dtype!r}")
-        if self.comm is None:
-            raise NcclError("all_reduce on a destroyed communicator")
+    def all_reduce(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, stream_handle: int,
+                   op: str = "sum") -> None:
+        """recv[i] = op over ranks of send[i] ("sum", or "max"), for `count` elements of `dtype`
+        ("bfloat16", "float32" or "uint64"), enqueued on the stream (captured when the stream is
+        capturing). send_ptr == recv_ptr reduces in place."""
+        if op not in OP_CODES:
+            raise ValueError(f"all_reduce op must be one of {', '.join(OP_CODES)}, got {op!r}")
+        self._check_ready(dtype)
         _check(self.lib, self.lib.ncclAllReduce(ctypes.c_void_p(send_ptr), ctypes.c_void_p(recv_ptr), count,
-                                                DTYPE_CODES[dtype], NCCL_SUM, self.comm, ctypes.c_void_p(stream_handle)),
-               f"ncclAllReduce({count} x {dtype})")
+                                                DTYPE_CODES[dtype], OP_CODES[op], self.comm,
+                                                ctypes.c_void_p(stream_handle)),
+               f"ncclAllReduce({count} x {dtype}, {op})")
+
+    def all_gather(self, send_ptr: int, recv_ptr: int, count: int, dtype: str, stream_handle: int) -> None:
+        """recv[r * count : (r + 1) * count] = rank r's send[0 : count], for every rank (the same
+        count on every rank), enqueued on the stream."""
+        self._check_ready(dtype)
+        _check(self.lib, self.lib.ncclAllGather(ctypes.c_void_p(send_ptr), ctypes.c_void_p(recv_ptr), count,
+                                                DTYPE_CODES[dtype], self.comm, ctypes.c_void_p(stream_handle)),
+               f"ncclAllGather({count} x {dtype})")
+
+    def broadcast_each(self, parts: list[tuple[int, int]], dtype: str, stream_handle: int) -> None:
+        """One broadcast rooted at every rank, as one grouped operation: parts[r] = (ptr, count),
+        rank r's `count` elements, sent from ptr on rank r and received at ptr on the others (so
+        counts may differ by rank, as an uneven vocabulary split's do). Every rank passes the
+        same counts in rank order, each its own pointers."""
+        self._check_ready(dtype)
+        if len(parts) != self.world_size:
+            raise ValueError(f"broadcast_each needs one part per rank ({self.world_size}), got {len(parts)}")
+        _check(self.lib, self.lib.ncclGroupStart(), "ncclGroupStart")
+        try:
+            for root, (ptr, count) in enumerate(parts):
+                _check(self.lib, self.lib.ncclBroadcast(ctypes.c_void_p(ptr), ctypes.c_void_p(ptr), count,
+                                                        DTYPE_CODES[dtype], root, self.comm,
+                                                        ctypes.c_void_p(stream_handle)),
+                       f"ncclBroadcast({count} x {dtype} from rank {root})")
+        finally:
+            _check(self.lib, self.lib.ncclGroupEnd(), "ncclGroupEnd")
+
+    def _check_ready(self, dtype: str) -> None:
+        if dtype not in DTYPE_CODES:
+            raise ValueError(f"NCCL dtype must be one of {', '.join(DTYPE_CODES)}, got {dtype!r}")
+        if self.comm is None:
+            raise NcclError("a collective on a destroyed communicator")
 
     def close(self) -> None:
         if self.comm is not None:

@@ -6,6 +6,11 @@ very same forward (reference/model.py) side by side, one thread each, as the GPU
 process each; at every all-reduce (sharding.py's ALL_REDUCES) a rank waits for the others and
 takes the sum of every rank's partial result, added in rank order (rank 0 + rank 1 + ...), so
 every rank holds the same bits afterwards and the result does not depend on thread timing.
+The GPU ranks (gpu/tp_layer.py) keep the reference forward's order: each o / down product summed
+over the ranks first, then added into the residual, then the next norm (on the GPU the norm is
+handed over after the sum, never from a partial product); the embedding's rows summed (one
+non-zero term each, so scaling before or after the sum is the same); the LM head's slices
+reduced to greedy keys, or gathered for the sampler.
 
 ShardedNumpyRunner is the engine's CPU backend with EngineConfig.tensor_parallel_size > 1: greedy
 steps reduce the vocabulary-parallel LM head to ids without gathering the logits; other steps

@@ -26,7 +26,8 @@ either). Query heads must divide evenly (num_attention_heads % N == 0), and each
 heads must read its kv heads in one regular pattern: either N divides the kv heads (each rank
 holds num_key_value_heads / N of them) or the kv heads divide N (each kv head is replicated on
 N / num_key_value_heads ranks, whose query heads all read it). Anything else is a ConfigError
-saying which rule it breaks.
+saying which rule it breaks. On cuda N must also divide the intermediate size: every GPU rank's
+layer then has one shape and takes the same kernels and collectives (check_engine_split).
 
 A rank's model is the model itself at its own sizes: rank_config() is the ModelConfig with the
 rank's head, intermediate and vocabulary counts, so the reference forward, expected_shapes() and
@@ -158,6 +159,9 @@ def check_engine_split(config: ModelConfig, engine_config: EngineConfig, visible
     if size is None:
         return
     check_split(config, size)
+    if size > 1 and engine_config.quantization:
+        raise ConfigError(f"tensor_parallel_size={size} needs unquantized weights; --quantization "
+                          f"{engine_config.quantization} quantizes them at load")
     if engine_config.device == "cuda":
         count = (visible_gpus or visible_gpu_count)()
         if size > count:
@@ -167,9 +171,13 @@ def check_engine_split(config: ModelConfig, engine_config: EngineConfig, visible
         raise ConfigError("the trace follows one runner in the engine process; tensor_parallel_size splits "
                           "the work over ranks: trace without --tensor-parallel-size")
     if engine_config.device == "cuda" and size > 1:
-        raise ConfigError(f"tensor_parallel_size={size} on cuda is not built yet: the GPU model has no "
-                          "all-reduce between shards (1 runs one rank process over NCCL; --device cpu "
-                          "runs the sharded numpy forward)")
+        if config.hidden_size % 16:
+            raise ConfigError(f"tensor_parallel_size={size} on cuda needs hidden_size % 16 == 0 (the residual add "
+                              f"after each all-reduce works in 16-column chunks), got {config.hidden_size}")
+        if config.intermediate_size % size:     # the kernels each rank picks follow its shapes
+            raise ConfigError(f"tensor_parallel_size={size} on cuda needs it to divide intermediate_size="
+                              f"{config.intermediate_size}: every rank's layer must have one shape, so that "
+                              "every rank launches the same kernels and collectives")
 
 
 def visible_gpu_count() -> int:

@@ -169,6 +169,8 @@ def rank_main(pipe, rank: int, device: str, config: ModelConfig, engine_config: 
             pass
     finally:
         if communicator is not None:
+            from tinyvllm.parallel.cuda_rank import close_cuda_rank
+            close_cuda_rank(runner)
             communicator.close()
         runner.close()
 
@@ -178,8 +180,12 @@ def _start_rank(rank, config, engine_config, model_dir, gguf_file, unique_id):
     from tinyvllm.engine.startup import make_runner
     from tinyvllm.parallel.sharding import rank_config, rank_shards, rank_weights
     size = engine_config.tensor_parallel_size
-    shard = rank_shards(config, size)[rank]
-    weights = rank_weights(config, read_weights(model_dir, gguf_file, config, engine_config), shard)
+    shards = rank_shards(config, size)
+    weights = rank_weights(config, read_weights(model_dir, gguf_file, config, engine_config), shards[rank])
+    if unique_id is not None and size > 1:      # cuda over several GPUs: gpu/tp_layer.py's forward
+        from tinyvllm.parallel.cuda_rank import start_cuda_rank
+        return start_cuda_rank(config, weights, engine_config, shards, rank, unique_id)
+    shard = shards[rank]
     # the rank's own runner: the single-device backend at the rank's sizes
     runner = make_runner(rank_config(config, shard), weights,
                          dataclasses.replace(engine_config, tensor_parallel_size=None))
@@ -190,7 +196,7 @@ def _start_rank(rank, config, engine_config, model_dir, gguf_file, unique_id):
             communicator = NcclCommunicator(unique_id, size, rank)
         # the residual stream summed over the ranks on the step's stream (gpu/model.py's
         # sum_hidden_over_ranks), so the decode graphs are captured again with the all-reduces
-        # in them; one rank only (check_engine_split refuses more on cuda)
+        # in them (one rank: more start in parallel/cuda_rank.py)
         stream = runner.stream.handle
         runner.model.all_reduce = lambda ptr, count: communicator.all_reduce(ptr, ptr, count, "bfloat16", stream)
         if not engine_config.enforce_eager:

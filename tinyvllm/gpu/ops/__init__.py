@@ -60,6 +60,14 @@ call. The launchers live by kernel family, beside the .cu files they launch:
     gemv_quant.cu dequant_{fp8,q8_0,q4_0,q4_1}
                                            quant_gemv dequantize(), via linear() at m > 8  gpu.quant_weights.planes_dequantize_bf16 / fp8_scaled_bf16
                                                                                                            test_gpu_quant::test_dequantize
+    tensor_parallel.cu  embedding_gather_shard  tensor_parallel  embedding_shard()  kernels.embedding(ids - vocab_start) * scale
+                                                                                                           test_gpu_tensor_parallel_kernels
+    tensor_parallel.cu  residual_add       tensor_parallel  residual_add()  kernels.bf16_round(hidden + x), rms_norm_operand
+                                                                                                           test_gpu_tensor_parallel_kernels
+    tensor_parallel.cu  shift_argmax_keys  tensor_parallel  shift_argmax_keys()  vocab_parallel.shard_argmax_keys
+                                                                                                           test_gpu_tensor_parallel_kernels
+    tensor_parallel.cu  place_vocab_slice  tensor_parallel  place_vocab_slice()  vocab_parallel.gather_vocab
+                                                                                                           test_gpu_tensor_parallel_kernels
     (cuBLAS)      cublasGemmEx             gemv     linear()               kernels.linear                  test_gpu_kernels::test_linear
 
 Each launcher owns its kernel's launch geometry, computed from the constants its .cu file
@@ -83,12 +91,13 @@ from tinyvllm.gpu.ops.gemv import GEMV, GEMV_MAX_ROWS, GemvOps
 from tinyvllm.gpu.ops.quant_gemv import QGEMV, QuantGemvOps
 from tinyvllm.gpu.ops.rowwise import EMBEDDING, RMS_NORM, ROPE, SILU, RowwiseOps
 from tinyvllm.gpu.ops.sampling import MAX_ARGMAX_SLICES, SAMPLING, SamplingOps
+from tinyvllm.gpu.ops.tensor_parallel import TENSOR_PARALLEL, TensorParallelOps
 
 __all__ = ["GpuOps", "EMBEDDING", "RMS_NORM", "ROPE", "SILU", "PREFILL", "DECODE", "GEMV", "SAMPLING", "QGEMV",
-           "DECODE_SHAPES", "PREFILL_HEAD_DIMS", "MAX_DECODE_SPLITS", "MAX_ARGMAX_SLICES", "GEMV_MAX_ROWS",
+           "TENSOR_PARALLEL", "DECODE_SHAPES", "PREFILL_HEAD_DIMS", "MAX_DECODE_SPLITS", "MAX_ARGMAX_SLICES", "GEMV_MAX_ROWS",
            "attention_kernels_missing"]
 
 
-class GpuOps(RowwiseOps, AttentionOps, GemvOps, QuantGemvOps, SamplingOps):
+class GpuOps(RowwiseOps, AttentionOps, GemvOps, QuantGemvOps, SamplingOps, TensorParallelOps):
     """Every launcher, bound to one kernel library, stream, cuBLAS handle and SM count
     (OpsBase's arguments, with EngineConfig's fused_decode and pdl)."""
