@@ -1,26 +1,25 @@
 """A tensor-parallel group as the engine's ModelRunner: rank 0 runs in the engine process, ranks
 1..N-1 run one process each.
 
-Rank 0's runner (its shards, its KV cache, its NCCL communicator) lives here, beside the
-scheduler and the tokenizer, so its sampled ids are the step's result with no pipe between the
-engine and the ids: a step through one rank process cost the Llama-1B preset's batch-1 decode
-+9.7 % a token over the in-process runner (bench --workload latency: 1.043 ms against 0.951 ms;
-H100, 2026-12-07, c1137ac), the step's round trip down a pipe and back. With N = 1 there is no
-process at all: the in-process runner with a one-rank communicator, whose all-reduces the decode
-graphs capture. Each other rank process (multiprocessing spawn: a fresh interpreter, so a CUDA
-context of its own) sees only its own GPU (CUDA_VISIBLE_DEVICES), reads the checkpoint itself,
-keeps its shards (parallel/sharding.py) and runs its own runner (parallel/cuda_rank.py).
+Rank 0's runner (its shards, KV cache and NCCL communicator) lives here, beside the scheduler and
+the tokenizer, so its sampled ids are the step's result with no pipe in between: with rank 0 in a
+process of its own, each step's round trip down a pipe and back cost the Llama-1B preset's batch-1
+decode +9.7 % a token (bench --workload latency: 1.043 ms against the in-process 0.951 ms; H100,
+2026-12-07, c1137ac). With N = 1 there is no process at all: the in-process runner with a
+one-rank communicator, whose all-reduces the decode graphs capture. Each other rank's process
+(multiprocessing spawn: a fresh interpreter, so a CUDA context of its own) sees only its own GPU
+(CUDA_VISIBLE_DEVICES), reads the checkpoint itself, keeps its shards (parallel/sharding.py) and
+runs its own runner (parallel/cuda_rank.py).
 
-Start-up: rank 0 makes NCCL's unique id and sends it to every rank; every rank loads first and
-says so; then all start NCCL together (ncclCommInitRank blocks until every rank has), rank 0 on a
-thread while the engine watches the other processes, so a rank that fails or dies is its error
-here (a TinyVLLMError raised again as itself), never a wait for ever; then every rank captures its
-decode graphs. Each step goes down every other rank's pipe first, then rank 0 launches it here;
-the collectives inside the forward keep the ranks in step. The other ranks answer nothing: a rank
-that fails in a step sends its error and exits, and the engine raises it at its next step, call
-or close (on the CPU twin at once: its collectives run over pipes, parallel/numpy_rank.py).
-On cuda a rank that dies inside a collective leaves the others waiting in NCCL, as in any NCCL
-group; the engine raises the error once rank 0's step returns.
+Start-up: rank 0 makes NCCL's unique id and hands it to every rank; every rank loads, then all
+start NCCL together (ncclCommInitRank blocks until every rank has), rank 0 on a thread while the
+engine watches the other processes, so a rank that fails or dies is its error here (a
+TinyVLLMError raised again as itself), never a wait for ever; then every rank captures its decode
+graphs. Each step goes down every other rank's pipe first, then rank 0 launches it here; the
+collectives inside the forward keep the ranks in step. The other ranks answer nothing but calls:
+one that fails sends its error and exits, and the engine raises it at its next step, call or
+close (the CPU twin's collectives run over pipes, parallel/numpy_rank.py, so there at once). On
+cuda a rank that dies inside a collective leaves the others waiting in NCCL, as in any NCCL group.
 """
 from __future__ import annotations
 
@@ -37,6 +36,7 @@ from tinyvllm import errors
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 from tinyvllm.engine.model_runner import ModelRunner, PendingStep
+from tinyvllm.parallel.sharding import rank_shards, rank_weights
 
 START_TIMEOUT_S = 1800.0         # a rank reading, quantizing and uploading a large checkpoint
 WATCH_INTERVAL_S = 0.2           # how often start-up looks at the other ranks while NCCL starts
@@ -76,9 +76,8 @@ class RankProcesses(ModelRunner):
                                           args=(theirs, their_link, rank, devices[rank], config, engine_config,
                                                 model_dir, gguf_file, unique_id))
                 process.start()
-                for end in (theirs, their_link):
-                    if end is not None:
-                        end.close()
+                for end in filter(None, (theirs, their_link)):
+                    end.close()
                 self.pipes.append(ours)
                 self.processes.append(process)
                 if link is not None:
@@ -91,7 +90,6 @@ class RankProcesses(ModelRunner):
             if cuda:
                 self.communicator = self._connect(unique_id, size)
                 from tinyvllm.parallel.cuda_rank import join_cuda_group
-                from tinyvllm.parallel.sharding import rank_shards
                 join_cuda_group(self.local, self.communicator, engine_config, rank_shards(config, size), 0)
             ready = [self._receive(rank, START_TIMEOUT_S) for rank in range(1, size)]
         except BaseException:
@@ -223,7 +221,6 @@ def build_rank(rank, config, engine_config, model_dir, gguf_file, links, lost) -
     or on the CPU the in-process numpy runner (one rank) or a NumpyRank over pipe `links`."""
     from tinyvllm.checkpoint.loading import read_weights
     from tinyvllm.engine.startup import make_runner
-    from tinyvllm.parallel.sharding import rank_shards, rank_weights
     size = engine_config.tensor_parallel_size
     shards = rank_shards(config, size)
     weights = read_weights(model_dir, gguf_file, config, engine_config)
@@ -260,7 +257,6 @@ def rank_main(pipe, link, rank: int, device: str | None, config: ModelConfig, en
             return
         if unique_id is not None:
             from tinyvllm.parallel.cuda_rank import connect, join_cuda_group
-            from tinyvllm.parallel.sharding import rank_shards
             size = engine_config.tensor_parallel_size
             communicator = connect(runner, unique_id, size, rank)
             join_cuda_group(runner, communicator, engine_config, rank_shards(config, size), rank)
