@@ -23,6 +23,7 @@ cuda a rank that dies inside a collective leaves the others waiting in NCCL, as 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -154,8 +155,7 @@ class RankProcesses(ModelRunner):
         return payload
 
     def _send(self, message) -> None:
-        """To every other rank, after raising any error one of them left (they answer nothing
-        else between calls)."""
+        """To every other rank, first raising the error any left (they send nothing else unasked)."""
         for rank, pipe in enumerate(self.pipes, 1):
             if pipe.poll():
                 self._raise_rank_error(rank)
@@ -175,7 +175,11 @@ class RankProcesses(ModelRunner):
     def _call(self, name: str, *args) -> list:
         """runner.name(*args) on every rank -> the results in rank order."""
         self._send(("call", (name, args)))
-        return [getattr(self.local, name)(*args)] + [self._receive(rank) for rank in range(1, len(self.pipes) + 1)]
+        try:
+            here = getattr(self.local, name)(*args)
+        finally:        # every other rank's answer read, so none is left for the next step to find
+            there = [self._receive(rank) for rank in range(1, len(self.pipes) + 1)]
+        return [here] + there
 
     def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
         return self._call("prompt_logits", token_ids)[0]
@@ -187,11 +191,8 @@ class RankProcesses(ModelRunner):
         """Rank 0's runner and communicator, then every other rank's process (whose collectives
         over pipes end as rank 0's links close)."""
         for pipe, process in zip(self.pipes, self.processes):
-            try:
-                if process.is_alive():
-                    pipe.send(("close", None))
-            except (BrokenPipeError, OSError):
-                pass
+            with contextlib.suppress(BrokenPipeError, OSError):
+                pipe.send(("close", None))
         for link in self.links:
             link.close()
         if self.local is not None:
@@ -263,10 +264,8 @@ def rank_main(pipe, link, rank: int, device: str | None, config: ModelConfig, en
         pipe.send(("ready", runner.num_kv_blocks))
         _serve_steps(pipe, runner)
     except BaseException as e:  # noqa: BLE001 — sent to the engine process, which raises it
-        try:
+        with contextlib.suppress(BrokenPipeError, OSError):
             pipe.send(("error", (type(e).__name__, str(e))))
-        except (BrokenPipeError, OSError):
-            pass
     finally:
         if runner is not None:
             close_rank(runner, communicator)
