@@ -131,3 +131,44 @@ def test_a_rank_that_dies_mid_run_kills_the_engine(tiny_model_dir):
         while engine.has_unfinished_requests():
             engine.step()
     engine.close()
+
+
+class FakeCudaRank:
+    """A rank's runner where no GPU is: the start-up's order is what is tested."""
+    num_kv_blocks, overlaps_steps, supports_logprobs, supports_prompt_logprobs = 7, True, True, False
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def rank_main_that_fails_joining_nccl(*args):
+    from tinyvllm.parallel import cuda_rank
+
+    def fail(*_):
+        raise RuntimeError("ncclCommInitRank(rank 1 of 2) failed: unhandled system error")
+    workers.build_rank = lambda *_: FakeCudaRank()
+    cuda_rank.connect = fail
+    workers.rank_main(*args)
+
+
+def test_a_rank_that_fails_while_nccl_starts_is_its_error_not_a_wait(tiny_model_dir, monkeypatch):
+    """cuda's start-up over two ranks, the GPU work faked: rank 0 waits in NCCL's start (as
+    ncclCommInitRank waits for every rank) on its thread, rank 1 fails in its own; the engine
+    raises rank 1's error instead of waiting, and gives rank 0's runner back."""
+    import threading
+
+    from tinyvllm.gpu import nccl
+    from tinyvllm.parallel import cuda_rank
+    here, released = FakeCudaRank(), threading.Event()
+    monkeypatch.setattr(nccl, "new_unique_id", lambda: bytes(nccl.UNIQUE_ID_BYTES))
+    monkeypatch.setattr(workers, "build_rank", lambda *_: here)
+    monkeypatch.setattr(cuda_rank, "connect", lambda *_: released.wait(60))
+    monkeypatch.setattr(workers, "rank_main", rank_main_that_fails_joining_nccl)
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    try:
+        with pytest.raises(RuntimeError, match="^rank 1: RuntimeError: ncclCommInitRank\\(rank 1 of 2\\) failed"):
+            workers.RankProcesses(config, EngineConfig(device="cuda", tensor_parallel_size=2), tiny_model_dir, None)
+        assert here.closed
+    finally:
+        released.set()
