@@ -107,7 +107,7 @@ def test_cuda_refuses_more_ranks_than_gpus_and_shapes_it_cannot_split():
         check_engine_split(config, EngineConfig(tensor_parallel_size=2, quantization="fp8"), visible_gpus=lambda: 2)
     with pytest.raises(ConfigError, match="tensor_parallel_size=1 but 0 GPUs are visible"):
         check_engine_split(config, EngineConfig(tensor_parallel_size=1), visible_gpus=lambda: 0)
-    check_engine_split(config, EngineConfig(tensor_parallel_size=1), visible_gpus=lambda: 1)  # one rank process
+    check_engine_split(config, EngineConfig(tensor_parallel_size=1), visible_gpus=lambda: 1)  # one rank, in process
     with pytest.raises(ConfigError, match="trace without --tensor-parallel-size"):
         check_engine_split(config, EngineConfig(tensor_parallel_size=1, trace_steps=2), visible_gpus=lambda: 1)
     with pytest.raises(ConfigError, match="trace without --tensor-parallel-size"):
@@ -149,7 +149,7 @@ def test_inspect_shows_each_ranks_share(tiny_model_dir, capsys):
 
 
 def rank_processes(tiny_model_dir, **options):
-    """One rank process holding the numpy backend: the rank-process plumbing on the CPU (on cuda
+    """A one-rank group on the numpy backend: rank 0 in this process, no rank process (on cuda
     the same class holds a CudaRunner and a one-rank NCCL communicator)."""
     from tinyvllm.parallel.workers import RankProcesses
     config = ModelConfig.from_pretrained(tiny_model_dir)
@@ -157,9 +157,9 @@ def rank_processes(tiny_model_dir, **options):
     return RankProcesses(config, engine_config, tiny_model_dir, None)
 
 
-def test_a_rank_process_gives_the_in_process_runners_tokens_and_logprobs(tiny_model_dir):
-    """Steps sent down a pipe, launched ahead (async scheduling: fed ids resolved in the rank
-    process), sampled with logprobs: the very bits of the numpy runner in this process."""
+def test_a_one_rank_group_gives_the_in_process_runners_tokens_and_logprobs(tiny_model_dir):
+    """Steps launched ahead (async scheduling: fed ids) and sampled with logprobs through the
+    group's runner: the very bits of the numpy runner on its own."""
     prompts = ["The capital of France is", "1 2 3 4 5", "a"]
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     sampled = SamplingParams(temperature=0.9, seed=3, max_tokens=5, logprobs=3, ignore_eos=True)
@@ -189,14 +189,17 @@ def test_a_rank_process_that_cannot_start_raises_its_error_here(tmp_path):
         RankProcesses(config, EngineConfig(tensor_parallel_size=1, **CPU), tmp_path, None)
 
 
-def test_a_rank_that_fails_in_a_step_makes_the_step_raise(tiny_model_dir):
+def test_rank_zero_runs_in_the_engine_process_and_raises_its_own_errors(tiny_model_dir):
+    """One rank: no process at all, the in-process runner itself; its errors are its own."""
     from tinyvllm.engine.batch import ForwardBatch
+    from tinyvllm.reference.numpy_runner import NumpyRunner
     runner = rank_processes(tiny_model_dir)
     try:
+        assert not runner.processes and isinstance(runner.local, NumpyRunner)
         batch = ForwardBatch.build_decode([0], [3], np.zeros((1, 1), np.int32), 4)
         batch.fed_rows = np.zeros(1, np.int32)         # fed ids, but no step launched before it
         greedy = SamplingBatch.build([0], [0], [1], [0], [0])
-        with pytest.raises(RuntimeError, match="rank 0: ValueError: a step with fed tokens needs a step"):
+        with pytest.raises(ValueError, match="a step with fed tokens needs a step"):
             runner.launch(batch, greedy).wait()
     finally:
         runner.close()

@@ -1,6 +1,7 @@
-"""tensor_parallel_size=1 on one GPU (marker gpu): the engine's steps go to one rank process
-(tinyvllm/parallel/workers.py) holding the CUDA runner and a one-rank NCCL communicator, and give
-the default in-process path's tokens — greedy, and sampled with logprobs."""
+"""tensor_parallel_size=1 on one GPU (marker gpu): rank 0 in the engine process
+(tinyvllm/parallel/workers.py; no rank process at all), the CUDA runner with a one-rank NCCL
+communicator whose all-reduces its decode graphs capture, gives the default in-process path's
+tokens — greedy, and sampled with logprobs."""
 from __future__ import annotations
 
 import pytest
@@ -42,9 +43,11 @@ def test_one_rank_process_over_nccl_equals_the_default_path(tiny_model_dir):
     ranked = LLMEngine(tiny_model_dir, tensor_parallel_size=1, **OPTIONS)
     try:
         assert isinstance(ranked.runner, RankProcesses) and ranked.runner.overlaps_steps
+        assert not ranked.runner.processes and ranked.runner.communicator.world_size == 1
         assert ranked.async_scheduling
         got = [run(ranked, PROMPTS, greedy), run(ranked, PROMPTS[:2], sampled)]
-        assert ranked.runner.memory_report().startswith("rank 0:\n")
+        report = ranked.runner.memory_report()
+        assert report.startswith("rank 0:\n") and "decode graphs captured for batch sizes [" in report
     finally:
         ranked.close()
     for g, w in zip(got, want):

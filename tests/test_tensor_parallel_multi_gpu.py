@@ -1,6 +1,7 @@
 """Tensor parallelism over several GPUs (marker gpu; each test skips, saying why, where fewer GPUs
 than it splits over are visible or NCCL is missing): `tensor_parallel_size` 2 (and 4 where 4 GPUs
-are visible) through the rank processes (parallel/workers.py, parallel/cuda_rank.py) and the
+are visible) through the group's ranks (parallel/workers.py: rank 0 in the engine process, the
+others in rank processes; parallel/cuda_rank.py) and the
 sharded forward (gpu/tp_layer.py) against one GPU's default in-process path.
 
 Sharding changes the order of the o and down sums (each rank's partial product rounded to bf16,

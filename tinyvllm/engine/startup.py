@@ -117,7 +117,7 @@ def load_model(model: str | Path | None, engine_config: EngineConfig, runner: Mo
         check_engine_split(model_config, engine_config)       # before the weights load
         if engine_config.device == "cuda":
             check_cuda_support(model_config)       # before the weights load
-        if uses_rank_processes(engine_config):     # each rank process reads its own shards
+        if uses_rank_processes(engine_config):     # each rank reads its own shards
             runner = RankProcesses(model_config, engine_config, model_dir, gguf_file)
         else:
             runner = make_runner(model_config, read_weights(model_dir, gguf_file, model_config, engine_config),
