@@ -1,5 +1,6 @@
 // Small-batch GEMV on quantized weights:  Y[m, n] (+)= X[m, k] @ W[n, k]^T,  1 <= m <= 8, W stored
-// as FP8 (e4m3 codes + one fp32 scale per output row) or as GGUF blocks of 32 (Q8_0, Q4_0, Q4_1).
+// as FP8 (e4m3 codes + one fp32 scale per output row), as GGUF blocks of 32 (Q8_0, Q4_0, Q4_1), as
+// GGUF super-blocks of 256 (Q4_K, Q6_K) or as a fused group of GGUF blocks in mixed formats (EXPANDED).
 //
 // Decode at batch <= 8 reads every weight once per step, so its time is the weight bytes: one byte
 // per weight for FP8 and Q8_0 (plus 2-4 bytes of scale per 32), half a byte for Q4_0 / Q4_1, against
@@ -23,7 +24,20 @@
 //   Q4_0   bf16(d * (c - 8))        c: the 4-bit code; byte j of a block holds c[j] (low nibble)
 //                                   and c[j + 16] (high nibble)
 //   Q4_1   bf16(fmaf(d, c, m))      m: the block's fp16 min; d * c exact, the sum rounded once
-// A nibble block is one lane's 16 bytes; its groups are: low nibbles of bytes 0..7 (k 0..7), of
+//   Q4_K   bf16(fmaf(a, c, b))      per sub-block of 32: a = d * sc, b = -(dmin * mn), both computed
+//                                   at upload in fp32 (exact: 11 + 6 bits each); c the 4-bit code;
+//                                   a * c exact (21 bits), the sum rounded once: the twin's
+//                                   fl32((d * sc) * c - dmin * mn) (quant/gguf_kquants.py), bit for bit
+//   Q6_K   bf16(a * q)              per sub-block of 16: a = d * sc (fp32, exact: 11 + 7 bits),
+//                                   q = code - 32 as int8; the product exact (at most 23 bits)
+//   EXPANDED bf16(fmaf(a, q, b))    per 16 weights: q int8, (a, b) fp32 pairs, each part's format
+//                                   written in this one form at upload (gpu/quant_weights.py's
+//                                   expanded_fields): Q8_0 (d, q, -0), Q4_0 (d, c - 8, -0), Q4_1
+//                                   (d, c, m), Q4_K (d * sc, c, -(dmin * mn)), Q6_K (d * sc, code - 32,
+//                                   -0); a * q is exact in each, so the fmaf rounds as the part's twin
+//                                   (b = -0 keeps a zero product's sign)
+// A nibble block (Q4_K: a sub-block of 32, repacked at upload into Q4_0's byte order) is one lane's
+// 16 bytes; its groups are: low nibbles of bytes 0..7 (k 0..7), of
 // bytes 8..15 (k 8..15), high nibbles of bytes 0..7 (k 16..23), of bytes 8..15 (k 24..31).
 //
 // Device layout (gpu/quant_weights.py uploads it): a GGUF matrix is split into its quants plane
@@ -33,7 +47,16 @@
 //                4-byte word holding its block's d (cp.async moves 4, 8 or 16 bytes)
 //   Q4_1         (d, m) fp16 pairs [n][nb]: one word per block
 //   FP8          the codes [n][k] and fp32 scale [n] (read in the epilogue)
-// Lane t's block in a step: Q8_0 kk / 32 + t / 2 (a lane holds half a block), Q4 kk / 32 + t.
+//   Q4_K         nibbles [n][k / 2] (sub-block s's 32 codes as a Q4_0 block's 16 bytes) and fp32
+//                (a, b) pairs [n][k / 32]: one 8-byte entry a lane (6 bits a weight: the file's 4.5
+//                plus its 6-bit scales pre-multiplied into fp32 so a lane does one fmaf per weight)
+//   Q6_K         int8 q [n][k] (the 6-bit codes widened: 10 bits a weight against the file's 6.56)
+//                and fp32 a [n][k / 16]: one 4-byte entry a lane
+//   EXPANDED     int8 q [n][k] and fp32 (a, b) pairs [n][k / 16] (12 bits a weight): a q/k/v or
+//                gate/up group whose parts differ in format stays one matrix, so the fused epilogues
+//                (qkv + RoPE + KV write, gate_up + SwiGLU) run on it unchanged
+// Lane t's block in a step: Q8_0 kk / 32 + t / 2 (a lane holds half a block), Q4 kk / 32 + t;
+// the fp32-scaled kinds' entry: Q4_K (kk + 32 t) / 32, Q6_K and EXPANDED (kk + 16 t) / 16.
 //
 // Launch shape (tinyvllm/gpu/ops/quant_gemv.py): grid.x = ceil(n / 16), block.x = 32 * kw (kw <=
 // MAX_K_WARPS warps split K as in gemv.cu), shared = kw * (PARTIAL_BYTES + RING_STEPS * slot bytes

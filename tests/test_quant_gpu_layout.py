@@ -13,8 +13,7 @@ from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError
 from tinyvllm.gpu.device_weights import device_host_tensors, device_weight_bytes
 from tinyvllm.gpu.ops.quant_gemv import LANE_K, QGEMV, QuantGemvOps, quant_gemv_shape
-from tinyvllm.gpu.quant_weights import (EXPANDED, QuantMatrix, fp8_scaled_bf16, pack_planes,
-                                        planes_dequantize_bf16)
+from tinyvllm.gpu.quant_weights import EXPANDED, QuantMatrix, fp8_scaled_bf16, pack_planes, planes_dequantize_bf16
 from tinyvllm.quant import fp8
 from tinyvllm.quant.block_format import BF16, QuantizedWeight
 from tinyvllm.quant.gguf_kquants import Q4_K, Q6_K
@@ -24,7 +23,6 @@ from tinyvllm.quant.weight_kinds import RowStack, cuda_unsupported
 gguf = pytest.importorskip("gguf")
 
 from test_quant_gguf import random_raw  # noqa: E402
-
 
 # device bits a weight over the file's (scales included): the legacy blocks as stored (+ odd-nb
 # padding), the K-quants with their scales in fp32 and Q6_K's codes widened (gpu/quant_weights.py)
