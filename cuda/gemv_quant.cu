@@ -639,75 +639,195 @@ extern "C" __global__ void dequant_q4_1(bf16* __restrict__ out, const uint8_t* _
     dequant_body<Fmt::q4_1>(out, wq, wscale, row0, rows, k);
 }
 
-// ---- q4_k, q6_k, expanded: the same seven entry points and dequantization, one macro per kind ----
-#define QUANT_ENTRY_POINTS(KIND, FMT)                                                                              \
-    extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)                                               \
-    gemv_quant_##KIND(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq,         \
-                      const void* __restrict__ wscale, int m, int n, int k, int out_f32, int accumulate) {       \
-        gemv_quant_body<FMT, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32,      \
-                                                            accumulate, RopeArgs{}, NormOut{});                  \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)                                               \
-    gemv_quant_residual_norm_##KIND(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, \
-                                    const void* __restrict__ wscale, int m, int n, int k,                        \
-                                    const bf16* __restrict__ norm_w, bf16* __restrict__ normed,                 \
-                                    float* __restrict__ row_ss) {                                                \
-        gemv_quant_body<FMT, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1, \
-                                                                    RopeArgs{}, NormOut{norm_w, normed, row_ss}); \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)                                               \
-    gemv_quant_prenormed_rope_kv_##KIND(bf16* __restrict__ qkv, const bf16* __restrict__ x,                      \
-                                        const float* __restrict__ row_ss, const uint8_t* __restrict__ wq,        \
-                                        const void* __restrict__ wscale, int m, int n, int k, float eps,         \
-                                        bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,         \
-                                        const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq, \
-                                        int num_q_heads, int num_kv_heads, int head_dim) {                       \
-        gemv_quant_body<FMT, XLoad::prenormed, Epilogue::rope_kv>(                                               \
-            qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,                                            \
-            RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim,   \
-                     nullptr},                                                                                   \
-            NormOut{});                                                                                          \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)                                               \
-    gemv_quant_prenormed_rope_kv_bias_##KIND(bf16* __restrict__ qkv, const bf16* __restrict__ x,                 \
-                                             const float* __restrict__ row_ss, const uint8_t* __restrict__ wq,   \
-                                             const void* __restrict__ wscale, int m, int n, int k, float eps,    \
-                                             bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,    \
-                                             const int* __restrict__ slot_mapping,                               \
-                                             const float* __restrict__ inv_freq, int num_q_heads,                \
-                                             int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {    \
-        gemv_quant_body<FMT, XLoad::prenormed, Epilogue::rope_kv, true>(                                         \
-            qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,                                            \
-            RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim,   \
-                     bias},                                                                                      \
-            NormOut{});                                                                                          \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)                                               \
-    gemv_quant_prenormed_##KIND(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, \
-                                const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n,   \
-                                int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {   \
-        gemv_quant_body<FMT, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, \
-                                                                out_f32, 0, RopeArgs{}, NormOut{}, head_argmax); \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)                                               \
-    gemv_quant_prenormed_silu_mul_##KIND(bf16* __restrict__ act, const bf16* __restrict__ x,                     \
-                                         const float* __restrict__ row_ss, const uint8_t* __restrict__ wq,       \
-                                         const void* __restrict__ wscale, int m, int n, int k, float eps) {      \
-        gemv_quant_body<FMT, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, \
-                                                                   n, k, 0, 0, RopeArgs{}, NormOut{});           \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)                                               \
-    gemv_quant_prenormed_gelu_mul_##KIND(bf16* __restrict__ act, const bf16* __restrict__ x,                     \
-                                         const float* __restrict__ row_ss, const uint8_t* __restrict__ wq,       \
-                                         const void* __restrict__ wscale, int m, int n, int k, float eps) {      \
-        gemv_quant_body<FMT, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, \
-                                                                   n, k, 0, 0, RopeArgs{}, NormOut{});           \
-    }                                                                                                            \
-    extern "C" __global__ void dequant_##KIND(bf16* __restrict__ out, const uint8_t* __restrict__ wq,            \
-                                              const void* __restrict__ wscale, int row0, int rows, int k) {      \
-        dequant_body<FMT>(out, wq, wscale, row0, rows, k);                                                       \
-    }
 
-QUANT_ENTRY_POINTS(q4_k, Fmt::q4_k)
-QUANT_ENTRY_POINTS(q6_k, Fmt::q6_k)
-QUANT_ENTRY_POINTS(expanded, Fmt::expanded)
+// ---- q4_k ----
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_q4_k(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
+          int accumulate) {
+    gemv_quant_body<Fmt::q4_k, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
+                                                        RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_residual_norm_q4_k(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
+                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
+    gemv_quant_body<Fmt::q4_k, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
+                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_q4_k(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
+                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
+    gemv_quant_body<Fmt::q4_k, XLoad::prenormed, Epilogue::rope_kv>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_bias_q4_k(bf16* __restrict__ qkv, const bf16* __restrict__ x,
+                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
+                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
+    gemv_quant_body<Fmt::q4_k, XLoad::prenormed, Epilogue::rope_kv, true>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_q4_k(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
+                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
+    gemv_quant_body<Fmt::q4_k, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_silu_mul_q4_k(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q4_k, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_gelu_mul_q4_k(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q4_k, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void dequant_q4_k(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
+                                     const void* __restrict__ wscale, int row0, int rows, int k) {
+    dequant_body<Fmt::q4_k>(out, wq, wscale, row0, rows, k);
+}
+
+// ---- q6_k ----
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_q6_k(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
+          int accumulate) {
+    gemv_quant_body<Fmt::q6_k, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
+                                                        RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_residual_norm_q6_k(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
+                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
+    gemv_quant_body<Fmt::q6_k, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
+                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_q6_k(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
+                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
+    gemv_quant_body<Fmt::q6_k, XLoad::prenormed, Epilogue::rope_kv>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_bias_q6_k(bf16* __restrict__ qkv, const bf16* __restrict__ x,
+                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
+                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
+    gemv_quant_body<Fmt::q6_k, XLoad::prenormed, Epilogue::rope_kv, true>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_q6_k(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
+                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
+    gemv_quant_body<Fmt::q6_k, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_silu_mul_q6_k(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q6_k, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_gelu_mul_q6_k(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q6_k, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void dequant_q6_k(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
+                                     const void* __restrict__ wscale, int row0, int rows, int k) {
+    dequant_body<Fmt::q6_k>(out, wq, wscale, row0, rows, k);
+}
+
+// ---- expanded ----
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_expanded(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
+          int accumulate) {
+    gemv_quant_body<Fmt::expanded, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
+                                                        RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_residual_norm_expanded(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
+                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
+    gemv_quant_body<Fmt::expanded, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
+                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_expanded(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
+                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
+    gemv_quant_body<Fmt::expanded, XLoad::prenormed, Epilogue::rope_kv>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_bias_expanded(bf16* __restrict__ qkv, const bf16* __restrict__ x,
+                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
+                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
+    gemv_quant_body<Fmt::expanded, XLoad::prenormed, Epilogue::rope_kv, true>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_expanded(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
+                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
+    gemv_quant_body<Fmt::expanded, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_silu_mul_expanded(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::expanded, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_gelu_mul_expanded(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::expanded, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void dequant_expanded(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
+                                     const void* __restrict__ wscale, int row0, int rows, int k) {
+    dequant_body<Fmt::expanded>(out, wq, wscale, row0, rows, k);
+}

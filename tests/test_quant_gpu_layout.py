@@ -211,6 +211,18 @@ def test_a_q4_k_m_files_upload_plan(tmp_path, monkeypatch):
     np.testing.assert_array_equal(_bits(plan["embed"].arrays[0]), _bits(weights[EMBED].dequantize_bf16()))
 
 
+def test_every_kind_has_each_kernel_with_its_q4_1_namesakes_arguments():
+    """QuantGemvOps.KERNELS names, for every kind, a kernel of cuda/gemv_quant.cu by its exact name
+    (no pattern that another kernel's name could match first) taking what its Q4_1 namesake takes."""
+    from tinyvllm.gpu.kernels import kernel_signatures
+    signatures = kernel_signatures("gemv_quant.cu")
+    assert not [name for name in signatures if name.startswith("^")]
+    for kind, kernels in QuantGemvOps.KERNELS.items():
+        assert set(kernels) == set(QuantGemvOps.KERNELS["Q4_1"]), kind
+        for role, name in kernels.items():
+            assert signatures[name] == signatures[QuantGemvOps.KERNELS["Q4_1"][role]], (kind, role)
+
+
 def test_launch_shapes_fit_shared_memory():
     ops = QuantGemvOps(None, num_sms=132)
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (3072, 2048), (16384, 2048),
