@@ -639,7 +639,6 @@ extern "C" __global__ void dequant_q4_1(bf16* __restrict__ out, const uint8_t* _
     dequant_body<Fmt::q4_1>(out, wq, wscale, row0, rows, k);
 }
 
-
 // ---- q4_k ----
 extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
 gemv_quant_q4_k(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
