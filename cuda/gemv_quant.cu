@@ -1,5 +1,6 @@
 // Small-batch GEMV on quantized weights:  Y[m, n] (+)= X[m, k] @ W[n, k]^T,  1 <= m <= 8, W stored
-// as FP8 (e4m3 codes + one fp32 scale per output row) or as GGUF blocks of 32 (Q8_0, Q4_0, Q4_1).
+// as FP8 (e4m3 codes + one fp32 scale per output row), as GGUF blocks of 32 (Q8_0, Q4_0, Q4_1), as
+// GGUF super-blocks of 256 (Q4_K, Q6_K) or as a fused group of GGUF blocks in mixed formats (EXPANDED).
 //
 // Decode at batch <= 8 reads every weight once per step, so its time is the weight bytes: one byte
 // per weight for FP8 and Q8_0 (plus 2-4 bytes of scale per 32), half a byte for Q4_0 / Q4_1, against
@@ -23,7 +24,20 @@
 //   Q4_0   bf16(d * (c - 8))        c: the 4-bit code; byte j of a block holds c[j] (low nibble)
 //                                   and c[j + 16] (high nibble)
 //   Q4_1   bf16(fmaf(d, c, m))      m: the block's fp16 min; d * c exact, the sum rounded once
-// A nibble block is one lane's 16 bytes; its groups are: low nibbles of bytes 0..7 (k 0..7), of
+//   Q4_K   bf16(fmaf(a, c, b))      per sub-block of 32: a = d * sc, b = -(dmin * mn), both computed
+//                                   at upload in fp32 (exact: 11 + 6 bits each); c the 4-bit code;
+//                                   a * c exact (21 bits), the sum rounded once: the twin's
+//                                   fl32((d * sc) * c - dmin * mn) (quant/gguf_kquants.py), bit for bit
+//   Q6_K   bf16(a * q)              per sub-block of 16: a = d * sc (fp32, exact: 11 + 7 bits),
+//                                   q = code - 32 as int8; the product exact (at most 23 bits)
+//   EXPANDED bf16(fmaf(a, q, b))    per 16 weights: q int8, (a, b) fp32 pairs, each part's format
+//                                   written in this one form at upload (gpu/quant_weights.py's
+//                                   expanded_fields): Q8_0 (d, q, -0), Q4_0 (d, c - 8, -0), Q4_1
+//                                   (d, c, m), Q4_K (d * sc, c, -(dmin * mn)), Q6_K (d * sc, code - 32,
+//                                   -0); a * q is exact in each, so the fmaf rounds as the part's twin
+//                                   (b = -0 keeps a zero product's sign)
+// A nibble block (Q4_K: a sub-block of 32, repacked at upload into Q4_0's byte order) is one lane's
+// 16 bytes; its groups are: low nibbles of bytes 0..7 (k 0..7), of
 // bytes 8..15 (k 8..15), high nibbles of bytes 0..7 (k 16..23), of bytes 8..15 (k 24..31).
 //
 // Device layout (gpu/quant_weights.py uploads it): a GGUF matrix is split into its quants plane
@@ -33,7 +47,16 @@
 //                4-byte word holding its block's d (cp.async moves 4, 8 or 16 bytes)
 //   Q4_1         (d, m) fp16 pairs [n][nb]: one word per block
 //   FP8          the codes [n][k] and fp32 scale [n] (read in the epilogue)
-// Lane t's block in a step: Q8_0 kk / 32 + t / 2 (a lane holds half a block), Q4 kk / 32 + t.
+//   Q4_K         nibbles [n][k / 2] (sub-block s's 32 codes as a Q4_0 block's 16 bytes) and fp32
+//                (a, b) pairs [n][k / 32]: one 8-byte entry a lane (6 bits a weight: the file's 4.5
+//                plus its 6-bit scales pre-multiplied into fp32 so a lane does one fmaf per weight)
+//   Q6_K         int8 q [n][k] (the 6-bit codes widened: 10 bits a weight against the file's 6.56)
+//                and fp32 a [n][k / 16]: one 4-byte entry a lane
+//   EXPANDED     int8 q [n][k] and fp32 (a, b) pairs [n][k / 16] (12 bits a weight): a q/k/v or
+//                gate/up group whose parts differ in format stays one matrix, so the fused epilogues
+//                (qkv + RoPE + KV write, gate_up + SwiGLU) run on it unchanged
+// Lane t's block in a step: Q8_0 kk / 32 + t / 2 (a lane holds half a block), Q4 kk / 32 + t;
+// the fp32-scaled kinds' entry: Q4_K (kk + 32 t) / 32, Q6_K and EXPANDED (kk + 16 t) / 16.
 //
 // Launch shape (tinyvllm/gpu/ops/quant_gemv.py): grid.x = ceil(n / 16), block.x = 32 * kw (kw <=
 // MAX_K_WARPS warps split K as in gemv.cu), shared = kw * (PARTIAL_BYTES + RING_STEPS * slot bytes
@@ -58,6 +81,9 @@ constexpr int PARTIAL_BYTES = 512;           // a warp's 8 x 16 fp32 partial til
 constexpr int SLOT_BYTES_FP8 = 32 * 16 * 4;
 constexpr int SLOT_BYTES_Q8_0 = 32 * 16 * 4 + 32 * 8;
 constexpr int SLOT_BYTES_Q4 = 32 * 16 * 6 + 32 * 8;
+constexpr int SLOT_BYTES_Q4_K = 32 * 16 * 6 + 32 * 16;      // fp32 (a, b) pairs: 8 bytes a lane and row
+constexpr int SLOT_BYTES_Q6_K = SLOT_BYTES_Q8_0;               // one fp32 step a lane and row
+constexpr int SLOT_BYTES_EXPANDED = 32 * 16 * 4 + 32 * 16;
 constexpr int LANE_K_BYTE = 16;              // weights per lane-step: one-byte formats
 constexpr int LANE_K_NIBBLE = 32;            // nibble formats (one whole block)
 
@@ -65,16 +91,23 @@ constexpr int LANE_K_NIBBLE = 32;            // nibble formats (one whole block)
 
 namespace {
 
-enum class Fmt { fp8, q8_0, q4_0, q4_1 };
+enum class Fmt { fp8, q8_0, q4_0, q4_1, q4_k, q6_k, expanded };
 
 template <Fmt F>
 struct Format {
-    static constexpr bool NIBBLES = F == Fmt::q4_0 || F == Fmt::q4_1;
+    static constexpr bool NIBBLES = F == Fmt::q4_0 || F == Fmt::q4_1 || F == Fmt::q4_k;
     static constexpr int LANE_K = NIBBLES ? LANE_K_NIBBLE : LANE_K_BYTE;
     static constexpr int STEP_K = 4 * LANE_K;
     static constexpr int X_QUADS = LANE_K / 8;
     static constexpr bool BLOCKS = F != Fmt::fp8;
-    static constexpr int SLOT_BYTES = F == Fmt::fp8 ? SLOT_BYTES_FP8 : F == Fmt::q8_0 ? SLOT_BYTES_Q8_0 : SLOT_BYTES_Q4;
+    static constexpr int SLOT_BYTES = F == Fmt::fp8 ? SLOT_BYTES_FP8 : F == Fmt::q8_0 ? SLOT_BYTES_Q8_0
+                                    : F == Fmt::q4_k ? SLOT_BYTES_Q4_K : F == Fmt::q6_k ? SLOT_BYTES_Q6_K
+                                    : F == Fmt::expanded ? SLOT_BYTES_EXPANDED : SLOT_BYTES_Q4;
+    // the fp32-scaled kinds (module header): a scale entry per SCALE_K weights, WORDS 4-byte words
+    // each (2: an (a, b) pair), read with one cp.async of 4 * WORDS bytes per lane and row
+    static constexpr bool F32_SCALES = BLOCKS && (F == Fmt::q4_k || F == Fmt::q6_k || F == Fmt::expanded);
+    static constexpr int SCALE_K = F == Fmt::q4_k ? 32 : 16;
+    static constexpr int WORDS = F == Fmt::q6_k ? 1 : 2;
 };
 
 // 4-byte cp.async (.ca: the only kind below 16 bytes); src_bytes = 0 writes zeros.
@@ -87,6 +120,11 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t pair) {
     const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xFFFFu), __NV_E4M3);
     const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
     return pack_bf16x2(f.x, f.y);
+}
+
+// 8-byte cp.async (.ca); src_bytes = 0 writes zeros.
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
 // The block's d (and Q4_1's m) from the lane's scale word.
@@ -105,10 +143,17 @@ __device__ __forceinline__ BlockScale block_scale(uint32_t word, int block) {
     }
 }
 
+// An fp32-scaled kind's (a, b) from its scale entry's words (Q6_K: (step, -0), its value step * q).
+template <Fmt F>
+__device__ __forceinline__ BlockScale f32_scale(const uint32_t* words) {
+    if constexpr (Format<F>::WORDS == 2) return {__uint_as_float(words[0]), __uint_as_float(words[1])};
+    else return {__uint_as_float(words[0]), -0.f};
+}
+
 // One 4-bit code -> its dequantized value, rounded once to f32 (the twins' formula).
 template <Fmt F>
 __device__ __forceinline__ float nibble_value(uint32_t code, const BlockScale& s) {
-    if constexpr (F == Fmt::q4_1) return __fmaf_rn(s.d, (float)code, s.m);
+    if constexpr (F == Fmt::q4_1 || F == Fmt::q4_k) return __fmaf_rn(s.d, (float)code, s.m);
     else return __fmul_rn(s.d, (float)((int)code - 8));
 }
 
@@ -125,6 +170,16 @@ __device__ __forceinline__ uint4 dequant_group(int j, const uint4& w, const Bloc
         for (int b = 0; b < 4; ++b) {
             v[b] = __fmul_rn(s.d, (float)(int8_t)(lo >> (8 * b)));
             v[4 + b] = __fmul_rn(s.d, (float)(int8_t)(hi >> (8 * b)));
+        }
+        return {pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7])};
+    } else if constexpr (F == Fmt::q6_k || F == Fmt::expanded) {   // int8 q: a * q (+ b), rounded once
+        const uint32_t lo = j == 0 ? w.x : w.z, hi = j == 0 ? w.y : w.w;
+        float v[8];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const float q0 = (float)(int8_t)(lo >> (8 * b)), q1 = (float)(int8_t)(hi >> (8 * b));
+            v[b] = F == Fmt::q6_k ? __fmul_rn(s.d, q0) : __fmaf_rn(s.d, q0, s.m);
+            v[4 + b] = F == Fmt::q6_k ? __fmul_rn(s.d, q1) : __fmaf_rn(s.d, q1, s.m);
         }
         return {pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7])};
     } else {
@@ -171,6 +226,9 @@ __device__ __forceinline__ void gemv_quant_body(void* __restrict__ y, const bf16
     const int words_per_row = F == Fmt::q4_1 ? nb : (nb + 1) / 2;
     const uint32_t* s0 = static_cast<const uint32_t*>(wscale) + (size_t)row0 * words_per_row;
     const uint32_t* s1 = static_cast<const uint32_t*>(wscale) + (size_t)row1 * words_per_row;
+    // the fp32-scaled kinds: k / SCALE_K entries of WORDS words a row
+    const uint32_t* f0 = static_cast<const uint32_t*>(wscale) + (size_t)row0 * (k / Q::SCALE_K * Q::WORDS);
+    const uint32_t* f1 = static_cast<const uint32_t*>(wscale) + (size_t)row1 * (k / Q::SCALE_K * Q::WORDS);
 
     uint4* const slots = reinterpret_cast<uint4*>(partial + warps * (PARTIAL_BYTES / 4)) +
                          warp * (RING_STEPS * Q::SLOT_BYTES / 16);
@@ -195,7 +253,18 @@ __device__ __forceinline__ void gemv_quant_body(void* __restrict__ y, const bf16
         const size_t at = Q::NIBBLES ? (size_t)kc / 2 : (size_t)kc;
         ring_copy(slot + lane, w0 + (in && w_ok0 ? at : 0), in && w_ok0 ? 16 : 0);
         ring_copy(slot + 32 + lane, w1 + (in && w_ok1 ? at : 0), in && w_ok1 ? 16 : 0);
-        if constexpr (Q::BLOCKS) {
+        if constexpr (Q::F32_SCALES) {   // after the quads: row 0's entries, then row 1's
+            uint32_t* words = reinterpret_cast<uint32_t*>(slot + (2 + Q::X_QUADS) * 32);
+            const int word = kc / Q::SCALE_K * Q::WORDS;
+            const bool ok0 = in && w_ok0, ok1 = in && w_ok1;
+            if constexpr (Q::WORDS == 2) {
+                cp_async8(smem_addr(words + 2 * lane), f0 + (ok0 ? word : 0), ok0 ? 8 : 0);
+                cp_async8(smem_addr(words + 64 + 2 * lane), f1 + (ok1 ? word : 0), ok1 ? 8 : 0);
+            } else {
+                cp_async4(smem_addr(words + lane), f0 + (ok0 ? word : 0), ok0 ? 4 : 0);
+                cp_async4(smem_addr(words + 32 + lane), f1 + (ok1 ? word : 0), ok1 ? 4 : 0);
+            }
+        } else if constexpr (Q::BLOCKS) {
             uint32_t* words = reinterpret_cast<uint32_t*>(slot + (2 + Q::X_QUADS) * 32);   // after the quads
             const int word = F == Fmt::q4_1 ? block_of(kc) : block_of(kc) / 2;
             cp_async4(smem_addr(words + lane), s0 + (in && w_ok0 ? word : 0), in && w_ok0 ? 4 : 0);
@@ -231,7 +300,11 @@ __device__ __forceinline__ void gemv_quant_body(void* __restrict__ y, const bf16
         const uint4* slot = slot_of(i);
         const uint4 p = slot[lane], q = slot[32 + lane];
         BlockScale sp{}, sq{};
-        if constexpr (Q::BLOCKS) {
+        if constexpr (Q::F32_SCALES) {
+            const uint32_t* words = reinterpret_cast<const uint32_t*>(slot + (2 + Q::X_QUADS) * 32);
+            sp = f32_scale<F>(words + Q::WORDS * lane);
+            sq = f32_scale<F>(words + Q::WORDS * (32 + lane));
+        } else if constexpr (Q::BLOCKS) {
             const uint32_t* words = reinterpret_cast<const uint32_t*>(slot + (2 + Q::X_QUADS) * 32);
             const int block = block_of(lane_k(i));
             sp = block_scale<F>(words[lane], block);
@@ -290,6 +363,10 @@ __device__ __forceinline__ void dequant_body(bf16* __restrict__ out, const uint8
 #pragma unroll
             for (int e = 0; e < 8; ++e) v[e] = __fmul_rn(v[e], scale);
             values = {pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7])};
+        } else if constexpr (Q::F32_SCALES) {
+            const uint32_t* words = static_cast<const uint32_t*>(wscale) + row * (k / Q::SCALE_K * Q::WORDS) +
+                                    kg / Q::SCALE_K * Q::WORDS;
+            values = dequant_group<F>(j, w, f32_scale<F>(words));
         } else {
             const int block = kg / 32;
             const uint32_t word = static_cast<const uint32_t*>(wscale)[row * words_per_row +
@@ -560,4 +637,196 @@ gemv_quant_prenormed_gelu_mul_q4_1(bf16* __restrict__ act, const bf16* __restric
 extern "C" __global__ void dequant_q4_1(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
                                      const void* __restrict__ wscale, int row0, int rows, int k) {
     dequant_body<Fmt::q4_1>(out, wq, wscale, row0, rows, k);
+}
+
+// ---- q4_k ----
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_q4_k(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
+          int accumulate) {
+    gemv_quant_body<Fmt::q4_k, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
+                                                        RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_residual_norm_q4_k(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
+                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
+    gemv_quant_body<Fmt::q4_k, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
+                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_q4_k(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
+                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
+    gemv_quant_body<Fmt::q4_k, XLoad::prenormed, Epilogue::rope_kv>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_bias_q4_k(bf16* __restrict__ qkv, const bf16* __restrict__ x,
+                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
+                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
+    gemv_quant_body<Fmt::q4_k, XLoad::prenormed, Epilogue::rope_kv, true>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_q4_k(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
+                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
+    gemv_quant_body<Fmt::q4_k, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_silu_mul_q4_k(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q4_k, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_gelu_mul_q4_k(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q4_k, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void dequant_q4_k(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
+                                     const void* __restrict__ wscale, int row0, int rows, int k) {
+    dequant_body<Fmt::q4_k>(out, wq, wscale, row0, rows, k);
+}
+
+// ---- q6_k ----
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_q6_k(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
+          int accumulate) {
+    gemv_quant_body<Fmt::q6_k, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
+                                                        RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_residual_norm_q6_k(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
+                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
+    gemv_quant_body<Fmt::q6_k, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
+                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_q6_k(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
+                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
+    gemv_quant_body<Fmt::q6_k, XLoad::prenormed, Epilogue::rope_kv>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_bias_q6_k(bf16* __restrict__ qkv, const bf16* __restrict__ x,
+                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
+                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
+    gemv_quant_body<Fmt::q6_k, XLoad::prenormed, Epilogue::rope_kv, true>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_q6_k(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
+                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
+    gemv_quant_body<Fmt::q6_k, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_silu_mul_q6_k(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q6_k, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_gelu_mul_q6_k(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::q6_k, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void dequant_q6_k(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
+                                     const void* __restrict__ wscale, int row0, int rows, int k) {
+    dequant_body<Fmt::q6_k>(out, wq, wscale, row0, rows, k);
+}
+
+// ---- expanded ----
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_expanded(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
+          int accumulate) {
+    gemv_quant_body<Fmt::expanded, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
+                                                        RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_residual_norm_expanded(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
+                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
+    gemv_quant_body<Fmt::expanded, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
+                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_expanded(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
+                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
+                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
+    gemv_quant_body<Fmt::expanded, XLoad::prenormed, Epilogue::rope_kv>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_rope_kv_bias_expanded(bf16* __restrict__ qkv, const bf16* __restrict__ x,
+                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
+                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
+                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
+                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
+    gemv_quant_body<Fmt::expanded, XLoad::prenormed, Epilogue::rope_kv, true>(
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
+        NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_expanded(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
+                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
+    gemv_quant_body<Fmt::expanded, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_silu_mul_expanded(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::expanded, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
+gemv_quant_prenormed_gelu_mul_expanded(bf16* __restrict__ act, const bf16* __restrict__ x,
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
+    gemv_quant_body<Fmt::expanded, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
+                                                               0, 0, RopeArgs{}, NormOut{});
+}
+
+extern "C" __global__ void dequant_expanded(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
+                                     const void* __restrict__ wscale, int row0, int rows, int k) {
+    dequant_body<Fmt::expanded>(out, wq, wscale, row0, rows, k);
 }

@@ -1,7 +1,8 @@
 """Quantized weights on the GPU (cuda/gemv_quant.cu, gpu/ops/quant_gemv.py) against their numpy twins.
 
-Kernels, on fresh random weights of every kind (FP8 per-channel codes; GGUF Q8_0 / Q4_0 / Q4_1
-blocks with random quants and finite fp16 scales and mins: normal, subnormal, zero, negative):
+Kernels, on fresh random weights of every kind (FP8 per-channel codes; GGUF Q8_0 / Q4_0 / Q4_1 /
+Q4_K / Q6_K blocks with random quants, sub-block scales and mins, and finite fp16 scales and mins:
+normal, subnormal, zero, negative; EXPANDED: a fused group of parts in different GGUF formats):
   * gemv_quant_<kind> vs the kind's twin linear (quant/fp8.py: fl32(bf16(X) . q) * scale;
     quant/block_format.py: bf16(X) @ bf16(dequant(W))^T), both sums of the same exact products
     (bf16 x bf16 is exact in fp32), in different orders. Tolerance, relative (Frobenius):
@@ -18,7 +19,8 @@ blocks with random quants and finite fp16 scales and mins: normal, subnormal, ze
   * the fused decode layer's kernels on quantized weights (gemv.cu's epilogues, gemv_common.cuh):
     the residual GEMV handing the norm over and the LM head on it against the twins, the RoPE +
     KV-write and SwiGLU / GeGLU epilogues bit for bit against their chains.
-Whole model: the tiny preset with --quantization fp8 and a tiny GGUF Q4_1 file on the CUDA runner
+Whole model: the tiny preset with --quantization fp8, a tiny GGUF Q4_1 file and a tiny Q4_K_M-like
+one (Q4_K, Q6_K, layer 0's q/k/v mixed: EXPANDED) on the CUDA runner
 against the numpy reference on the same weights (tests/gpu_helpers.py's logits_match_reference), on
 the fused decode layer and on the nine-launch one.
 """
@@ -29,33 +31,50 @@ import math
 import numpy as np
 import pytest
 
-from tinyvllm.quant import block_format, fp8
+from tinyvllm.quant import fp8, weight_kinds
 from tinyvllm.quant.block_format import BF16, QuantizedWeight
+from tinyvllm.quant.gguf_kquants import Q4_K, Q6_K
 from tinyvllm.quant.gguf_legacy import Q4_0, Q4_1, Q8_0
 
 pytestmark = pytest.mark.gpu
 
 FP32_TOL = 1e-4
 BF16_TOL = 2.0**-8 + FP32_TOL
-KINDS = ["FP8", "Q8_0", "Q4_0", "Q4_1"]
-FORMATS = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1}
+KINDS = ["FP8", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "EXPANDED"]
+FORMATS = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K, "Q6_K": Q6_K}
 # SmolLM2-135M's projections (qkv, o, gate_up, down, tied head) and Llama-1B's down, then tails:
-# n not a multiple of 16, k not a multiple of a step (FP8/Q8_0: 64, Q4: 128) nor of the k-split
+# n not a multiple of 16, k not a multiple of a step (FP8/Q8_0/Q6_K: 64, Q4: 128) nor of the k-split
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (2048, 8192), (37, 96), (130, 160)]
+SUPER_BLOCK = 256
+
+
+def _k(kind: str, k: int) -> int:
+    """k for `kind`: the K-quants' rows are whole super-blocks of 256, so k rounds up to one
+    (576 -> 768, 96 and 160 -> 256: one and two steps of a Q4_K lane set, four of Q6_K's)."""
+    return -(-k // SUPER_BLOCK) * SUPER_BLOCK if kind in ("Q4_K", "Q6_K") else k
 
 
 def _weight(kind: str, n: int, k: int, rng):
     """A fresh random weight of `kind` [n, k] and its device planes (gpu_helpers.DeviceArray each)."""
     from gpu_helpers import DeviceArray
+    from test_quant_gguf import random_raw
 
     from tinyvllm.gpu.quant_weights import pack_planes
+    from tinyvllm.quant.weight_kinds import RowStack
+
+    def blocks(fmt, rows):
+        return QuantizedWeight.from_raw(fmt, (rows, k), random_raw(fmt, rows, k, int(rng.integers(1 << 31))), "w")
+
     if kind == "FP8":
         w = fp8.quantize_per_channel(rng.standard_normal((n, k), dtype=np.float32) / np.float32(math.sqrt(k)))
+    elif kind == "EXPANDED":    # three parts (q, k, v of a Q4_K_M file where k allows: whole super-blocks)
+        formats = (Q4_K, Q4_K, Q6_K) if k % SUPER_BLOCK == 0 else (Q4_1, Q8_0, Q4_0)
+        cuts = [0, n // 2, n // 2 + n // 4, n]
+        w = RowStack(tuple(blocks(f, b - a) for f, a, b in zip(formats, cuts, cuts[1:]) if b > a))
     else:
-        from test_quant_gguf import random_raw
-        fmt = FORMATS[kind]
-        w = QuantizedWeight.from_raw(fmt, (n, k), random_raw(fmt, n, k, int(rng.integers(1 << 31))), "w")
-    _, quants, scales = pack_planes(w)
+        w = blocks(FORMATS[kind], n)
+    got_kind, quants, scales = pack_planes(w)
+    assert got_kind == kind
     return w, DeviceArray(quants), DeviceArray(scales)
 
 
@@ -65,7 +84,8 @@ def _matrix(kind, n, k, d_q, d_s):
 
 
 def _twin(w, x: np.ndarray) -> np.ndarray:
-    return fp8.linear(x, w) if isinstance(w, fp8.Fp8Weight) else block_format.linear(x, w)
+    """The kind's twin linear (a RowStack: its parts' twins side by side)."""
+    return weight_kinds.linear(x, w)
 
 
 def _guarded_y(m: int, n: int, out_dtype: str, y0):
@@ -100,6 +120,7 @@ def _x(rng, m, k):
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_gemv_quant(gpu_ops, rng, kind, n, k):
     """Every m of a decode batch, store and accumulate, bf16 and fp32 Y, on one weight per shape."""
+    k = _k(kind, k)
     w, d_q, d_s = _weight(kind, n, k, rng)
     matrix = _matrix(kind, n, k, d_q, d_s)
     for m in (1, 3, 8):
@@ -134,7 +155,7 @@ def test_dequantize(gpu_ops, rng, kind):
     from gpu_helpers import DeviceArray
 
     from tinyvllm.gpu.quant_weights import fp8_scaled_bf16, planes_dequantize_bf16
-    n, k, row0, rows = 300, 544, 17, 250
+    n, k, row0, rows = 300, _k(kind, 544), 17, 250
     w, d_q, d_s = _weight(kind, n, k, rng)
     out = DeviceArray.poisoned((rows + 1, k), BF16)
     gpu_ops.dequantize(out, _matrix(kind, n, k, d_q, d_s), row0, rows)
@@ -157,7 +178,7 @@ def test_quant_linear_large_m(gpu_ops, rng, kind, scratch):
     from gpu_helpers import DeviceArray
 
     from tinyvllm.gpu.quant_weights import fp8_scaled_bf16
-    m, n, k = 37, 200, 576
+    m, n, k = 37, 200, _k(kind, 576)
     w, d_q, d_s = _weight(kind, n, k, rng)
     scratch_buf = DeviceArray.poisoned((n * k,), BF16) if scratch else None
     gpu_ops.use_dequant_scratch(scratch_buf.ptr if scratch else 0, n * k if scratch else 0)
@@ -182,6 +203,7 @@ def test_launch_shapes_fit(gpu_ops):
     from tinyvllm.gpu.quant_weights import QuantMatrix
     for kind in KINDS:
         for n, k in SHAPES:
+            k = _k(kind, k)
             kw = gpu_ops.quant_k_warps(QuantMatrix(kind, 0, 0, n, k, 0))
             grid, block, shared = quant_gemv_shape(kind, n, kw)
             assert grid[0] * 16 >= n and block[0] == 32 * kw and shared <= 227 << 10
@@ -241,7 +263,7 @@ def test_quant_prenormed_head(gpu_ops, rng, kind):
 
     from tinyvllm.reference import kernels as ref
     from tinyvllm.reference.sampling import head_argmax_keys
-    n, k = 3000, 576
+    n, k = 3000, _k(kind, 576)
     w, d_q, d_s = _weight(kind, n, k, rng)
     matrix = _matrix(kind, n, k, d_q, d_s)
     for m in (1, 4, 8):
@@ -269,6 +291,7 @@ def test_quant_fused_epilogues_equal_their_chains(gpu_ops, rng, kind, k, hq, hkv
     """gemv_rope_kv() (with and without Qwen2's biases) and gemv_silu_mul() (SwiGLU and GeGLU) on a
     quantized W equal, bit for bit, the prenormed GEMV on that W (its product stored in bf16)
     followed by rope_write_kv() / silu_mul(): the epilogue reads the same sums rounded the same way."""
+    k = _k(kind, k)
     import pycuda.driver as drv
     from gpu_helpers import DeviceArray, to_bf16
     from test_gpu_families import _freqs
@@ -326,15 +349,20 @@ def _runner(cfg, weights):
                                                  block_size=BLOCK, max_model_len=2048))
 
 
-def _matches_reference(cfg, weights):
+def _matches_reference(cfg, weights, kinds: dict | None = None):
     """The runner on `weights` against the numpy reference on the same weights, its decode steps on
-    the fused layer (the default, quantized kernels included) and on the nine-launch one."""
+    the fused layer (the default, quantized kernels included) and on the nine-launch one. kinds:
+    {(layer, projection): device kind} the upload must hold ("lm_head" for the head)."""
     from gpu_helpers import decode_layer, logits_match_reference
 
     from tinyvllm.reference.model import ReferenceModel
     runner = _runner(cfg, weights)
     try:
         assert runner.weights.quantized
+        w = runner.weights
+        for where, kind in (kinds or {}).items():
+            matrix = w.lm_head if where == "lm_head" else getattr(w.layers[where[0]], where[1])
+            assert matrix.kind == kind, (where, matrix)
         for fused in (True, False):
             with decode_layer(runner, fused):
                 logits_match_reference(cfg, runner, ReferenceModel(cfg, weights, round_bf16=True),
@@ -372,6 +400,24 @@ def test_tiny_gguf_q4_1_matches_reference(tmp_path, monkeypatch):
     weights = load_gguf_blocks(path, cfg)
     assert {w.format.name for w in weights.values() if isinstance(w, QuantizedWeight)} == {"Q4_1"}
     _matches_reference(cfg, weights)
+
+
+def test_tiny_gguf_q4_k_m_matches_reference(tmp_path, monkeypatch):
+    """A tiny Llama GGUF file laid out as a Q4_K_M one (test_quant_gpu_layout.write_q4_k_m_gguf: Q4_K
+    matrices and embedding, a Q6_K head and layer-0 down, layer 0's q/k/v Q4_K + Q4_K + Q6_K, so one
+    EXPANDED matrix under the fused qkv + RoPE + KV-write epilogue) on the GPU against the numpy
+    reference on the same blocks."""
+    pytest.importorskip("gguf")
+    from test_quant_gpu_layout import write_q4_k_m_gguf
+
+    from tinyvllm.checkpoint.gguf_blocks import gguf_model_dir, load_gguf_blocks
+    from tinyvllm.config import ModelConfig
+    monkeypatch.setenv("TINYVLLM_HOME", str(tmp_path / "home"))
+    path = write_q4_k_m_gguf(tmp_path / "tiny-q4_k_m.gguf")
+    cfg = ModelConfig.from_pretrained(gguf_model_dir(path))
+    weights = load_gguf_blocks(path, cfg)
+    _matches_reference(cfg, weights, {(0, "qkv"): "EXPANDED", (1, "qkv"): "Q4_K", (0, "down"): "Q6_K",
+                                      (1, "gate_up"): "Q4_K", "lm_head": "Q6_K"})
 
 
 def test_engine_serves_fp8_on_cuda(tiny_model_dir):

@@ -195,10 +195,11 @@ def test_the_engine_runs_online_fp8(tiny_model_dir):
 
 
 def test_cuda_refuses_only_the_kinds_it_has_no_kernels_for(tmp_path, tiny, tiny_model_dir, home):
-    """FP8 and GGUF Q8_0 / Q4_0 / Q4_1 run on the CUDA backend (cuda/gemv_quant.cu); a K-quant or a
-    fused group of mixed formats is refused in one line before any CUDA start, --device cpu offered."""
+    """FP8 and GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K run on the CUDA backend (cuda/gemv_quant.cu), and
+    so does a fused group of blocks in mixed formats; a group mixing blocks with FP8 is refused in one
+    line before any CUDA start, --device cpu offered."""
     from tinyvllm.engine.startup import make_runner
-    from tinyvllm.quant.gguf_kquants import Q4_K
+    from tinyvllm.quant.gguf_kquants import Q4_K, Q6_K
     from tinyvllm.quant.weight_kinds import cuda_unsupported
     config = ModelConfig.from_pretrained(tiny_model_dir)
     weights = load_weights(tiny_model_dir, config, "fp8")
@@ -208,11 +209,14 @@ def test_cuda_refuses_only_the_kinds_it_has_no_kernels_for(tmp_path, tiny, tiny_
         path = write_gguf(tmp_path / f"m-{qtype}.gguf", cfg, w, qtype=qtype)
         assert cuda_unsupported(load_gguf_blocks(path, ModelConfig.from_pretrained(gguf_model_dir(path)))) is None
     q4_k = QuantizedWeight.from_raw(Q4_K, (2, 256), random_raw(Q4_K, 2, 256, 0), "k")
-    with pytest.raises(ModelLoadError, match=r"no kernels for Q4_K weights \(it reads bf16, FP8, and GGUF "
-                                             r"Q8_0, Q4_0 and Q4_1 blocks\): serve the model with --device cpu"):
-        make_runner(config, {**weights, "extra": q4_k}, EngineConfig(device="cuda"))
+    q6_k = QuantizedWeight.from_raw(Q6_K, (2, 256), random_raw(Q6_K, 2, 256, 0), "v")
+    assert cuda_unsupported({"k": q4_k, "v": q6_k, "kv": RowStack((q4_k, q6_k))}) is None
     mixed = RowStack((weights[next(n for n, v in weights.items() if isinstance(v, Fp8Weight))], q4_k))
-    assert cuda_unsupported({"m": mixed}) == "FP8+Q4_K (a fused group of mixed formats)"
+    assert cuda_unsupported({"m": mixed}) == "FP8+Q4_K (a fused group mixing blocks with other kinds)"
+    with pytest.raises(ModelLoadError, match=r"no kernels for FP8\+Q4_K \(a fused group mixing blocks with other "
+                                             r"kinds\) weights \(it reads bf16, FP8, and GGUF Q8_0, Q4_0, Q4_1, "
+                                             r"Q4_K and Q6_K blocks.*\): serve the model with --device cpu"):
+        make_runner(config, {**weights, "extra": mixed}, EngineConfig(device="cuda"))
     from tinyvllm import LLM
     path = write_gguf(tmp_path / "m.gguf", cfg, w, qtype="Q4_1")
     with pytest.raises(ModelLoadError, match="a GGUF file runs at its own precision"):

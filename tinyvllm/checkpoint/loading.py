@@ -16,7 +16,8 @@ from tinyvllm.errors import ModelLoadError
 def cuda_refuses(kinds: str) -> str:
     """The one line that refuses weights the CUDA kernels do not read (weight_kinds.cuda_unsupported)."""
     return (f"the CUDA backend has no kernels for {kinds} weights (it reads bf16, FP8, and GGUF Q8_0, "
-            f"Q4_0 and Q4_1 blocks): serve the model with --device cpu, or in bf16 (convert-gguf for a GGUF file)")
+            f"Q4_0, Q4_1, Q4_K and Q6_K blocks, fused groups mixing those formats included): serve the "
+            f"model with --device cpu, or in bf16 (convert-gguf for a GGUF file)")
 
 
 def resolve_checkpoint(model: str | Path | None, engine_config: EngineConfig) -> tuple[Path, Path | None]:

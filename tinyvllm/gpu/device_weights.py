@@ -7,9 +7,14 @@ norms around the MLP). Tied checkpoints point the LM head at the embedding table
 uploading it twice. RoPE's frequencies are one float32 table, two for a model whose sliding
 layers have a RoPE of their own (Gemma 3).
 
-Quantized weights (FP8, GGUF Q8_0 / Q4_0 / Q4_1: gpu/quant_weights.py) are uploaded as their two
-planes and held as QuantMatrix handles where a bf16 pointer would be; the GEMV launchers read them
-with their kind's kernels (gpu/ops/quant_gemv.py). A quantized embedding table is uploaded twice:
+Quantized weights (FP8, GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K: gpu/quant_weights.py) are uploaded as
+their two planes and held as QuantMatrix handles where a bf16 pointer would be; the GEMV launchers
+read them with their kind's kernels (gpu/ops/quant_gemv.py). A fused group whose parts a GGUF file
+stores in different formats (weight_kinds.RowStack: a Q4_K_M file's q/k/v with v in Q6_K) uploads
+as one EXPANDED matrix (every part in one exact int8 + (a, b) form), not as separate parts: the
+fused layer's qkv + RoPE + KV-write and gate_up + SwiGLU epilogues need the group's rows in one
+GEMV, and one matrix keeps every path (fused, nine-launch, prefill) as it is for a uniform group,
+at 12 bits a weight for that group. A quantized embedding table is uploaded twice:
 dequantized to bf16 for the gather (which reads T rows a step, so its bytes cost memory, not time)
 and, when tied, as its blocks for the LM head (which reads the whole table every step). Prefill's quantized projections dequantize
 into `dequant_scratch` (bf16, the largest quantized layer matrix) for cuBLAS.

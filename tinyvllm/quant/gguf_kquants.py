@@ -48,27 +48,39 @@ def q4_k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales, mins
 
 
-def _decode_q4_k(blocks: np.ndarray) -> np.ndarray:
+def q4_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[n, 144] blocks -> (codes uint8 [n, 8, 32], step = d * sc and offset = dmin * mn float32
+    [n, 8], both exact): sub-block j's weights are step[j] * codes[j] - offset[j]."""
     n = len(blocks)
     d, dmin = fp16_at(blocks, 0), fp16_at(blocks, 2)
     scales, mins = q4_k_scales_and_mins(blocks[:, 4:16])
     runs = blocks[:, 16:144].reshape(n, 4, 1, 32)
-    codes = np.concatenate([runs & 15, runs >> 4], axis=2).reshape(n, 8, 32).astype(np.float32)
-    step = (d * scales.astype(np.float32))[:, :, None]        # exact
-    offset = (dmin * mins.astype(np.float32))[:, :, None]     # exact
-    return (step * codes - offset).reshape(n, SUPER_BLOCK)   # the subtraction rounds once
+    codes = np.concatenate([runs & 15, runs >> 4], axis=2).reshape(n, 8, 32)
+    return codes, d * scales.astype(np.float32), dmin * mins.astype(np.float32)
 
 
-def _decode_q6_k(blocks: np.ndarray) -> np.ndarray:
+def q6_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[n, 210] blocks -> (quants int8 [n, 16, 16] = code - 32, step = d * sc float32 [n, 16],
+    exact): sub-block j's weights are step[j] * quants[j]."""
     n = len(blocks)
     low_bytes = blocks[:, 0:128].reshape(n, 2, 1, 2, 32)      # [half, nibble, run, i]
     low = np.concatenate([low_bytes & 15, low_bytes >> 4], axis=2).reshape(n, 2, 4, 32)
     high_bytes = blocks[:, 128:192].reshape(n, 2, 1, 32)      # [half, quarter, i]
     high = (high_bytes >> np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]) & 3
-    codes = (low | (high << 4)).astype(np.float32) - np.float32(32)
+    quants = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, 16, 16)
     scales = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
-    step = fp16_at(blocks, 208) * scales                        # [n, 16], exact
-    return (step[:, :, None] * codes.reshape(n, 16, 16)).reshape(n, SUPER_BLOCK)
+    return quants, fp16_at(blocks, 208) * scales
+
+
+def _decode_q4_k(blocks: np.ndarray) -> np.ndarray:
+    codes, step, offset = q4_k_fields(blocks)
+    # step * code is exact: the subtraction rounds once
+    return (step[:, :, None] * codes.astype(np.float32) - offset[:, :, None]).reshape(len(blocks), SUPER_BLOCK)
+
+
+def _decode_q6_k(blocks: np.ndarray) -> np.ndarray:
+    quants, step = q6_k_fields(blocks)
+    return (step[:, :, None] * quants.astype(np.float32)).reshape(len(blocks), SUPER_BLOCK)   # exact
 
 
 Q4_K = BlockFormat("Q4_K", SUPER_BLOCK, 144, fp16_fields=(0, 2), decode=_decode_q4_k)

@@ -23,8 +23,9 @@ from tinyvllm.quant import block_format, fp8
 from tinyvllm.quant.block_format import QuantizedWeight
 from tinyvllm.quant.fp8 import Fp8Weight
 
-# the quantized kinds (kind_name) the CUDA kernels read: cuda/gemv_quant.cu
-GPU_KINDS = ("FP8", "Q8_0", "Q4_0", "Q4_1")
+# the quantized kinds (kind_name) the CUDA kernels read: cuda/gemv_quant.cu (and a RowStack of
+# the GGUF ones, read as one matrix: gpu/quant_weights.py's EXPANDED)
+GPU_KINDS = ("FP8", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 
 @dataclass(frozen=True, eq=False)          # arrays inside: compared by identity
@@ -127,12 +128,14 @@ def quantization_summary(weights: dict) -> str | None:
 
 
 def cuda_unsupported(weights: dict) -> str | None:
-    """The quantized kinds of a loaded model the CUDA kernels do not read ("Q4_K, Q6_K"; a fused
-    group of mixed formats), None when there is none."""
+    """The quantized kinds of a loaded model the CUDA kernels do not read (a fused group mixing
+    GGUF blocks with FP8 or float parts; a block format outside GPU_KINDS), None when there is
+    none. A group of GGUF blocks in different formats is read (gpu/quant_weights.py's EXPANDED)."""
     kinds = set()
     for weight in weights.values():
         if isinstance(weight, RowStack):
-            kinds.add(f"{kind_name(weight)} (a fused group of mixed formats)")
+            if not all(isinstance(p, QuantizedWeight) and kind_name(p) in GPU_KINDS for p in weight.parts):
+                kinds.add(f"{kind_name(weight)} (a fused group mixing blocks with other kinds)")
         elif is_quantized(weight) and kind_name(weight) not in GPU_KINDS:
             kinds.add(kind_name(weight))
     return ", ".join(sorted(kinds)) or None

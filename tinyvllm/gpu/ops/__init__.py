@@ -47,8 +47,9 @@ call. The launchers live by kernel family, beside the .cu files they launch:
     sampling.cu   apply_logit_edits        sampling apply_logit_edits()    sampling.apply_edits            test_gpu_logit_processing
     sampling.cu   step_logprobs            sampling step_logprobs()        sampling.step_logprobs          test_gpu_logit_processing
     token_mask.cu apply_token_mask         sampling apply_token_mask()     sampling.apply_token_mask       test_gpu_token_mask
-    gemv_quant.cu gemv_quant_{fp8,q8_0,q4_0,q4_1}
+    gemv_quant.cu gemv_quant_{fp8,q8_0,q4_0,q4_1,q4_k,q6_k,expanded}
                                            gemv     gemv(w=QuantMatrix), via linear()  quant.fp8.linear, quant.block_format.linear
+                                                    (expanded: a mixed group, quant.weight_kinds.linear on its parts)
                                                                                                            test_gpu_quant::test_gemv_quant
     gemv_quant.cu gemv_quant_residual_norm_<kind>, gemv_quant_prenormed_<kind>, ..._rope_kv[_bias]_<kind>,
                   ..._silu_mul_<kind>, ..._gelu_mul_<kind> (gemv.cu's namesakes, quant_gemv.QuantGemvOps.KERNELS)
@@ -57,7 +58,7 @@ call. The launchers live by kernel family, beside the .cu files they launch:
                                                                                                            test_gpu_quant::test_quant_residual_norm,
                                                                                                            test_quant_prenormed_head,
                                                                                                            test_quant_fused_epilogues_equal_their_chains
-    gemv_quant.cu dequant_{fp8,q8_0,q4_0,q4_1}
+    gemv_quant.cu dequant_{fp8,q8_0,q4_0,q4_1,q4_k,q6_k,expanded}
                                            quant_gemv dequantize(), via linear() at m > 8  gpu.quant_weights.planes_dequantize_bf16 / fp8_scaled_bf16
                                                                                                            test_gpu_quant::test_dequantize
     tensor_parallel.cu  embedding_gather_shard  tensor_parallel  embedding_shard()  kernels.embedding(ids - vocab_start) * scale

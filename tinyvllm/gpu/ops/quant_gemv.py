@@ -31,10 +31,12 @@ QGEMV_MIN_STEPS_PER_WARP = 2
 DEQUANT_THREADS = 256
 # per kind: weights a lane holds per step (its 16 bytes), the ring slot's bytes, what k must divide into
 LANE_K = {"FP8": QGEMV["LANE_K_BYTE"], "Q8_0": QGEMV["LANE_K_BYTE"], "Q4_0": QGEMV["LANE_K_NIBBLE"],
-          "Q4_1": QGEMV["LANE_K_NIBBLE"]}
+          "Q4_1": QGEMV["LANE_K_NIBBLE"], "Q4_K": QGEMV["LANE_K_NIBBLE"], "Q6_K": QGEMV["LANE_K_BYTE"],
+          "EXPANDED": QGEMV["LANE_K_BYTE"]}
 SLOT_BYTES = {"FP8": QGEMV["SLOT_BYTES_FP8"], "Q8_0": QGEMV["SLOT_BYTES_Q8_0"], "Q4_0": QGEMV["SLOT_BYTES_Q4"],
-              "Q4_1": QGEMV["SLOT_BYTES_Q4"]}
-K_MULTIPLE = {"FP8": 16, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32}
+              "Q4_1": QGEMV["SLOT_BYTES_Q4"], "Q4_K": QGEMV["SLOT_BYTES_Q4_K"], "Q6_K": QGEMV["SLOT_BYTES_Q6_K"],
+              "EXPANDED": QGEMV["SLOT_BYTES_EXPANDED"]}
+K_MULTIPLE = {"FP8": 16, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256, "EXPANDED": 32}
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,6 +81,24 @@ class QuantGemvOps(OpsBase):
                 "gemv_prenormed_bf16": "gemv_quant_prenormed_q4_1",
                 "gemv_prenormed_silu_mul_bf16": "gemv_quant_prenormed_silu_mul_q4_1",
                 "gemv_prenormed_gelu_mul_bf16": "gemv_quant_prenormed_gelu_mul_q4_1", "dequant": "dequant_q4_1"},
+        "Q4_K": {"gemv_bf16": "gemv_quant_q4_k", "gemv_residual_norm_bf16": "gemv_quant_residual_norm_q4_k",
+                "gemv_prenormed_rope_kv_bf16": "gemv_quant_prenormed_rope_kv_q4_k",
+                "gemv_prenormed_rope_kv_bias_bf16": "gemv_quant_prenormed_rope_kv_bias_q4_k",
+                "gemv_prenormed_bf16": "gemv_quant_prenormed_q4_k",
+                "gemv_prenormed_silu_mul_bf16": "gemv_quant_prenormed_silu_mul_q4_k",
+                "gemv_prenormed_gelu_mul_bf16": "gemv_quant_prenormed_gelu_mul_q4_k", "dequant": "dequant_q4_k"},
+        "Q6_K": {"gemv_bf16": "gemv_quant_q6_k", "gemv_residual_norm_bf16": "gemv_quant_residual_norm_q6_k",
+                "gemv_prenormed_rope_kv_bf16": "gemv_quant_prenormed_rope_kv_q6_k",
+                "gemv_prenormed_rope_kv_bias_bf16": "gemv_quant_prenormed_rope_kv_bias_q6_k",
+                "gemv_prenormed_bf16": "gemv_quant_prenormed_q6_k",
+                "gemv_prenormed_silu_mul_bf16": "gemv_quant_prenormed_silu_mul_q6_k",
+                "gemv_prenormed_gelu_mul_bf16": "gemv_quant_prenormed_gelu_mul_q6_k", "dequant": "dequant_q6_k"},
+        "EXPANDED": {"gemv_bf16": "gemv_quant_expanded", "gemv_residual_norm_bf16": "gemv_quant_residual_norm_expanded",
+                "gemv_prenormed_rope_kv_bf16": "gemv_quant_prenormed_rope_kv_expanded",
+                "gemv_prenormed_rope_kv_bias_bf16": "gemv_quant_prenormed_rope_kv_bias_expanded",
+                "gemv_prenormed_bf16": "gemv_quant_prenormed_expanded",
+                "gemv_prenormed_silu_mul_bf16": "gemv_quant_prenormed_silu_mul_expanded",
+                "gemv_prenormed_gelu_mul_bf16": "gemv_quant_prenormed_gelu_mul_expanded", "dequant": "dequant_expanded"},
     }
     dequant_scratch: int = 0          # bf16 scratch for prefill (DeviceWeights'), set by use_dequant_scratch
     dequant_scratch_elems: int = 0
