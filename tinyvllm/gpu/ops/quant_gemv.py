@@ -36,6 +36,9 @@ LANE_K = {"FP8": QGEMV["LANE_K_BYTE"], "Q8_0": QGEMV["LANE_K_BYTE"], "Q4_0": QGE
 SLOT_BYTES = {"FP8": QGEMV["SLOT_BYTES_FP8"], "Q8_0": QGEMV["SLOT_BYTES_Q8_0"], "Q4_0": QGEMV["SLOT_BYTES_Q4"],
               "Q4_1": QGEMV["SLOT_BYTES_Q4"], "Q4_K": QGEMV["SLOT_BYTES_Q4_K"], "Q6_K": QGEMV["SLOT_BYTES_Q6_K"],
               "EXPANDED": QGEMV["SLOT_BYTES_EXPANDED"]}
+GEMV_ROLES = ("gemv_bf16", "gemv_residual_norm_bf16", "gemv_prenormed_rope_kv_bf16",
+              "gemv_prenormed_rope_kv_bias_bf16", "gemv_prenormed_bf16", "gemv_prenormed_silu_mul_bf16",
+              "gemv_prenormed_gelu_mul_bf16")   # gemv.cu's kernels a quantized kind stands in for
 K_MULTIPLE = {"FP8": 16, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256, "EXPANDED": 32}
 
 
@@ -55,51 +58,10 @@ class QuantGemvOps(OpsBase):
     W and launch its kind's namesake of their kernel (weight_kernel) with the two planes in W's
     place (quant_weight_args) and this kernel's launch shape (quant_launch_shape); so the fused
     decode layer runs on quantized weights as on bf16 ones."""
-    # each kind's kernels (cuda/gemv_quant.cu), by the gemv.cu kernel they stand in for
-    KERNELS = {
-        "FP8": {"gemv_bf16": "gemv_quant_fp8", "gemv_residual_norm_bf16": "gemv_quant_residual_norm_fp8",
-                "gemv_prenormed_rope_kv_bf16": "gemv_quant_prenormed_rope_kv_fp8",
-                "gemv_prenormed_rope_kv_bias_bf16": "gemv_quant_prenormed_rope_kv_bias_fp8",
-                "gemv_prenormed_bf16": "gemv_quant_prenormed_fp8",
-                "gemv_prenormed_silu_mul_bf16": "gemv_quant_prenormed_silu_mul_fp8",
-                "gemv_prenormed_gelu_mul_bf16": "gemv_quant_prenormed_gelu_mul_fp8", "dequant": "dequant_fp8"},
-        "Q8_0": {"gemv_bf16": "gemv_quant_q8_0", "gemv_residual_norm_bf16": "gemv_quant_residual_norm_q8_0",
-                "gemv_prenormed_rope_kv_bf16": "gemv_quant_prenormed_rope_kv_q8_0",
-                "gemv_prenormed_rope_kv_bias_bf16": "gemv_quant_prenormed_rope_kv_bias_q8_0",
-                "gemv_prenormed_bf16": "gemv_quant_prenormed_q8_0",
-                "gemv_prenormed_silu_mul_bf16": "gemv_quant_prenormed_silu_mul_q8_0",
-                "gemv_prenormed_gelu_mul_bf16": "gemv_quant_prenormed_gelu_mul_q8_0", "dequant": "dequant_q8_0"},
-        "Q4_0": {"gemv_bf16": "gemv_quant_q4_0", "gemv_residual_norm_bf16": "gemv_quant_residual_norm_q4_0",
-                "gemv_prenormed_rope_kv_bf16": "gemv_quant_prenormed_rope_kv_q4_0",
-                "gemv_prenormed_rope_kv_bias_bf16": "gemv_quant_prenormed_rope_kv_bias_q4_0",
-                "gemv_prenormed_bf16": "gemv_quant_prenormed_q4_0",
-                "gemv_prenormed_silu_mul_bf16": "gemv_quant_prenormed_silu_mul_q4_0",
-                "gemv_prenormed_gelu_mul_bf16": "gemv_quant_prenormed_gelu_mul_q4_0", "dequant": "dequant_q4_0"},
-        "Q4_1": {"gemv_bf16": "gemv_quant_q4_1", "gemv_residual_norm_bf16": "gemv_quant_residual_norm_q4_1",
-                "gemv_prenormed_rope_kv_bf16": "gemv_quant_prenormed_rope_kv_q4_1",
-                "gemv_prenormed_rope_kv_bias_bf16": "gemv_quant_prenormed_rope_kv_bias_q4_1",
-                "gemv_prenormed_bf16": "gemv_quant_prenormed_q4_1",
-                "gemv_prenormed_silu_mul_bf16": "gemv_quant_prenormed_silu_mul_q4_1",
-                "gemv_prenormed_gelu_mul_bf16": "gemv_quant_prenormed_gelu_mul_q4_1", "dequant": "dequant_q4_1"},
-        "Q4_K": {"gemv_bf16": "gemv_quant_q4_k", "gemv_residual_norm_bf16": "gemv_quant_residual_norm_q4_k",
-                "gemv_prenormed_rope_kv_bf16": "gemv_quant_prenormed_rope_kv_q4_k",
-                "gemv_prenormed_rope_kv_bias_bf16": "gemv_quant_prenormed_rope_kv_bias_q4_k",
-                "gemv_prenormed_bf16": "gemv_quant_prenormed_q4_k",
-                "gemv_prenormed_silu_mul_bf16": "gemv_quant_prenormed_silu_mul_q4_k",
-                "gemv_prenormed_gelu_mul_bf16": "gemv_quant_prenormed_gelu_mul_q4_k", "dequant": "dequant_q4_k"},
-        "Q6_K": {"gemv_bf16": "gemv_quant_q6_k", "gemv_residual_norm_bf16": "gemv_quant_residual_norm_q6_k",
-                "gemv_prenormed_rope_kv_bf16": "gemv_quant_prenormed_rope_kv_q6_k",
-                "gemv_prenormed_rope_kv_bias_bf16": "gemv_quant_prenormed_rope_kv_bias_q6_k",
-                "gemv_prenormed_bf16": "gemv_quant_prenormed_q6_k",
-                "gemv_prenormed_silu_mul_bf16": "gemv_quant_prenormed_silu_mul_q6_k",
-                "gemv_prenormed_gelu_mul_bf16": "gemv_quant_prenormed_gelu_mul_q6_k", "dequant": "dequant_q6_k"},
-        "EXPANDED": {"gemv_bf16": "gemv_quant_expanded", "gemv_residual_norm_bf16": "gemv_quant_residual_norm_expanded",
-                "gemv_prenormed_rope_kv_bf16": "gemv_quant_prenormed_rope_kv_expanded",
-                "gemv_prenormed_rope_kv_bias_bf16": "gemv_quant_prenormed_rope_kv_bias_expanded",
-                "gemv_prenormed_bf16": "gemv_quant_prenormed_expanded",
-                "gemv_prenormed_silu_mul_bf16": "gemv_quant_prenormed_silu_mul_expanded",
-                "gemv_prenormed_gelu_mul_bf16": "gemv_quant_prenormed_gelu_mul_expanded", "dequant": "dequant_expanded"},
-    }
+    # each kind's kernels (cuda/gemv_quant.cu), by the gemv.cu kernel they stand in for: the
+    # namesake rule gemv_<role>_bf16 -> gemv_quant_<role>_<kind>, and dequant_<kind> for prefill
+    KERNELS = {kind: {**{base: f"gemv_quant{base[len('gemv'):-len('_bf16')]}_{kind.lower()}" for base in GEMV_ROLES},
+                      "dequant": f"dequant_{kind.lower()}"} for kind in SLOT_BYTES}
     dequant_scratch: int = 0          # bf16 scratch for prefill (DeviceWeights'), set by use_dequant_scratch
     dequant_scratch_elems: int = 0
 
