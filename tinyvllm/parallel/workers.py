@@ -49,6 +49,7 @@ def rank_devices(size: int) -> list[str]:
 
 class RankProcesses(ModelRunner):
     """The ModelRunner of a tensor-parallel group: one process per rank."""
+    takes_pending_token_masks = False    # a step goes down the pipes whole, its mask already made
 
     def __init__(self, config: ModelConfig, engine_config: EngineConfig, model_dir: Path, gguf_file: Path | None):
         size = engine_config.tensor_parallel_size
