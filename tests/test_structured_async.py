@@ -62,7 +62,8 @@ def run(model_dir, async_scheduling: bool, abort_at: int = 6):
 @pytest.fixture
 def launches(monkeypatch):
     """Every step NumpyRunner launches with a pending mask: (the launched batch, the rows'
-    sequences, the mask it resolved to). Each is checked as it resolves: every row still
+    sequences, the mask it resolved to), its mask unmade at launch. Each is checked as it
+    resolves: every row still
     running has its last token appended (the step's context ends with it, its matcher advanced
     with it); the mask's rows are exactly the constrained rows still running."""
     seen = []
@@ -71,6 +72,7 @@ def launches(monkeypatch):
         pending = sampling.token_mask
         if isinstance(pending, PendingTokenMask):
             assert batch.fed_rows is not None, "only a step launched ahead has a pending mask"
+            assert not pending.resolved, "launched before its mask is made"
             entry = [batch, list(pending.seqs), None]
             seen.append(entry)
 
