@@ -38,8 +38,8 @@ class TokenMaskStage:
             return
         import pycuda.driver as drv
         if self.copy_stream is None:
+            # (an event not recorded yet is complete: the first waits pass at once)
             self.copy_stream, self.uploaded, self.applied = drv.Stream(), drv.Event(), drv.Event()
-            self.applied.record(self.copy_stream)
         self.uploaded.synchronize()                  # the last copy is done with the host buffer
         rows = np.ascontiguousarray(token_mask.rows, np.int32)
         bits = np.ascontiguousarray(token_mask.bits, np.int32)
