@@ -187,9 +187,10 @@ class SamplingBatch:
         only, the constrained ones' mask then a PendingTokenMask)."""
         p = [s.params for s in seqs]
         states = [s.sampler_state for s in seqs]
-        if tokens_ahead and not all(samples_ahead(s) for s in seqs):
+        plain = states.count(PLAIN) == len(states)
+        if tokens_ahead and not plain and not all(samples_ahead(s) for s in seqs):
             raise ValueError("only plain-sampling rows can be sampled ahead of their last token")
-        if tokens_ahead or states.count(PLAIN) == len(states):        # the common step: plain sampling only
+        if plain or tokens_ahead:        # the common step: plain sampling only (or masked ahead)
             # built here with one numpy call per array, not through build()'s generic
             # conversions: this runs every step (with one other change it took the engine's host
             # time per step from 76-86 to 61-65 us: benchmarks/engine_overhead.py, CPU, 2026-12-03,
@@ -202,8 +203,7 @@ class SamplingBatch:
                        step=np.array([len(s.token_ids) - s.num_prompt_tokens + tokens_ahead for s in seqs],
                                      np.int32),
                        min_p=np.zeros(len(p), np.float32),
-                       token_mask=PendingTokenMask(seqs) if tokens_ahead and states.count(PLAIN) != len(states)
-                       else None)
+                       token_mask=None if plain else PendingTokenMask(seqs))
         min_p = [x.min_p for x in p]
         logprobs = [x.logprobs for x in p]
         return cls.build([x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p],

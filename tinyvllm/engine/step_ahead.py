@@ -41,6 +41,7 @@ import numpy as np
 
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch, samples_ahead
 from tinyvllm.engine.block_manager import BlockManager
+from tinyvllm.engine.logit_edits import PLAIN
 from tinyvllm.engine.model_runner import ModelRunner, PendingStep
 from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.engine.scheduler import ScheduledBatch, Scheduler
@@ -77,7 +78,7 @@ class StepAhead:
         if batch.is_prefill and (len(batch.seqs) != len(self.scheduler.running) or any(
                 (r := self.requests.get(s.request_id)) is not None and r.held for s in batch.seqs)):
             return None      # rows that sat this prefill out, or samples it releases: the next step is theirs
-        if not all(samples_ahead(s) for s in batch.seqs):
+        if any(s.sampler_state is not PLAIN for s in batch.seqs) and not all(samples_ahead(s) for s in batch.seqs):
             return None                  # its next sampler inputs depend on this step's token
         if not self.runner.takes_pending_token_masks and any(s.constraint is not None for s in batch.seqs):
             return None                  # the mask would have to be made before the launch
