@@ -136,3 +136,94 @@ def test_cuda_runner_constrained_rows_stay_in_their_grammar(tiny_model_dir):
         assert runner.token_masks.copy_stream is not None
     finally:
         llm.engine.close()
+
+
+def recording(runner, ahead: list):
+    """runner.launch, noting for each step launched with a PendingTokenMask whether, once
+    launch() returned, the mask was made already and the step's sampler was still to come."""
+    from tinyvllm.structured.mask import PendingTokenMask
+    launch = runner.launch
+
+    def launch_and_note(batch, sampling, *args):
+        step = launch(batch, sampling, *args)
+        if isinstance(sampling.token_mask, PendingTokenMask):
+            ahead.append((sampling.token_mask.resolved, runner._unsampled is sampling.token_mask))
+        return step
+    return launch_and_note
+
+
+def _run_steps(engine, requests):
+    """Add every request, step to the end -> (each step() call's (request id, token ids, finish
+    reason) triples, each request's final (token ids, finish reason, text))."""
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    calls, finals = [], {}
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        calls.append([(o.request_id, tuple(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs])
+        finals.update((o.request_id, (list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.outputs[0].text))
+                      for o in outs)
+    assert engine.num_free_blocks == engine.block_manager.num_blocks, "leaked KV blocks"
+    return calls, finals
+
+
+def test_constrained_steps_launched_ahead_match_sync_scheduling(tiny_model_dir):
+    """Async scheduling on the CUDA backend: a decode step holding constrained rows goes ahead,
+    its forward enqueued before the host makes its mask (a PendingTokenMask, still unmade when
+    launch() returns, its sampler not enqueued yet), the mask then resolved once the step before
+    is applied. Against the same engine without async scheduling:
+    - constrained rows that end only by length (a regex longer than max_tokens), greedy and
+      seeded, beside plain rows: every step has the same rows either way (the same graphs, the
+      same bits), so every step() call reports the same tokens;
+    - rows whose grammar completes (JSON, choice, regex) are computed and thrown away in a step
+      launched ahead, so the batches, and with them the summation order, may differ: greedy
+      tokens equal up to a bf16 near-tie (test_gpu_engine's assert_same_greedy), and every JSON
+      output that stops validates."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from test_gpu_engine import assert_same_greedy
+
+    from tinyvllm.checkpoint.weights import load_weights
+    from tinyvllm.config import ModelConfig
+    from tinyvllm.engine.llm_engine import LLMEngine
+    from tinyvllm.engine.sampling_params import SamplingParams
+    from tinyvllm.reference.model import ReferenceModel
+    from tinyvllm.structured import StructuredOutputsParams as SO
+    cfg = ModelConfig.from_pretrained(tiny_model_dir)
+    refm = ReferenceModel(cfg, load_weights(tiny_model_dir, cfg))
+    rng = np.random.default_rng()
+    prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in (3, 17, 40, 9, 64, 5, 33)]
+    letters = SO(regex="[a-z]{400}")                      # no completion within 24 tokens
+    by_length = [(f"L{i}", p, SamplingParams(max_tokens=24, structured_outputs=letters if i < 4 else None,
+                                             ignore_eos=True, **kw))
+                 for i, (p, kw) in enumerate(zip(prompts, [dict(temperature=0), dict(temperature=1.0, seed=1),
+                                                            dict(temperature=0.8, top_p=0.9, seed=2),
+                                                            dict(temperature=0), dict(temperature=0),
+                                                            dict(temperature=0.9, seed=3)]))]
+    constraints = [SO(json=SCHEMA), SO(json=SCHEMA), SO(choice=["left", "right", "up"]),
+                   SO(regex="[a-f]{2,12}-[0-9]{1,4}"), SO(json=SCHEMA), None, None]
+    completing = [(str(i), p, SamplingParams(temperature=0, max_tokens=64, structured_outputs=c, ignore_eos=c is None))
+                  for i, (p, c) in enumerate(zip(prompts, constraints))]
+    runs, ahead = {}, []
+    for mode in (False, True):
+        engine = LLMEngine(tiny_model_dir, device="cuda", kv_cache_gb=0.5, max_model_len=256, async_scheduling=mode)
+        engine.runner.launch = recording(engine.runner, ahead)
+        try:
+            runs[mode] = _run_steps(engine, by_length), _run_steps(engine, completing)[1]
+        finally:
+            engine.close()
+        if not mode:
+            assert not ahead, "no step goes ahead without async scheduling"
+    assert len(ahead) >= 20 and all(not resolved and unsampled for resolved, unsampled in ahead), ahead
+    (sync_calls, sync_finals), _ = runs[False]
+    assert runs[True][0][0] == sync_calls
+    assert all(sync_finals[f"L{i}"][1] == "length" for i in range(len(by_length)))
+    diverged = 0
+    for (request_id, prompt, _), c in zip(completing, constraints):
+        (a, reason_a, text_a), (b, reason_b, _) = runs[True][1][request_id], runs[False][1][request_id]
+        at = assert_same_greedy(refm, prompt, a, b, f"request {request_id}")
+        diverged += at is not None
+        if at is None:
+            assert reason_a == reason_b, (request_id, reason_a, reason_b)
+        if c is not None and c.kind == "json" and reason_a == "stop":
+            jsonschema.validate(json.loads(text_a), SCHEMA)
+    print(f"{len(ahead)} constrained steps launched ahead; near-tie divergences: {diverged} of {len(completing)}")

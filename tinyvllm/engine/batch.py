@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tinyvllm.engine.logit_edits import PLAIN, LogitEdits, step_edits
-from tinyvllm.structured.mask import TokenMask, step_token_mask
+from tinyvllm.engine.logit_edits import NO_EDITS, PLAIN, LogitEdits, step_edits
+from tinyvllm.structured.mask import PendingTokenMask, TokenMask, step_token_mask
 
 
 @dataclass
@@ -119,6 +119,16 @@ class ForwardBatch:
 GREEDY_BELOW = 1e-5                 # SamplingBatch maps temperatures below this to 0 (greedy)
 
 
+def samples_ahead(seq) -> bool:
+    """Whether a row's sampling inputs for its next token are known before its last token is:
+    plain rows, and constrained rows that are plain but for the mask (computed once that token
+    is in: PendingTokenMask). Not so for penalties, logit_bias, a min_tokens ban (their edits
+    count the tokens), min_p or logprobs (the runner's longer road, one step at a time)."""
+    state = seq.sampler_state
+    return state is PLAIN or (state is NO_EDITS and seq.constraint is not None
+                              and not seq.params.min_p and seq.params.logprobs is None)
+
+
 @dataclass
 class StepLogprobs:
     """What the runner returns besides the sampled ids when some row asked for logprobs:
@@ -143,7 +153,9 @@ class SamplingBatch:
     min_p: np.ndarray | None = None       # float32 [S]; 0 = off (None: all off)
     edits: LogitEdits | None = None       # sparse logit processing; None: nothing to edit
     logprobs: np.ndarray | None = None    # int32 [S]; top log-probs wanted, -1 = none (None: none)
-    token_mask: TokenMask | None = None   # constrained rows' allowed tokens (structured/mask.py)
+    # constrained rows' allowed tokens (structured/mask.py); a PendingTokenMask in a step launched
+    # ahead, resolved before it samples
+    token_mask: TokenMask | PendingTokenMask | None = None
 
     def __post_init__(self):
         if self.min_p is None:
@@ -171,12 +183,14 @@ class SamplingBatch:
         Rows that use no penalty, bias or min_tokens add nothing to `edits`; a batch where
         none does has edits None, and then the runner launches exactly the plain sampler.
         tokens_ahead: tokens each sequence will have generated before this step that are not
-        in its token_ids yet (async scheduling's step launched ahead; plain rows only)."""
+        in its token_ids yet (async scheduling's step launched ahead; rows that samples_ahead
+        only, the constrained ones' mask then a PendingTokenMask)."""
         p = [s.params for s in seqs]
         states = [s.sampler_state for s in seqs]
-        if tokens_ahead and states.count(PLAIN) != len(states):
+        plain = states.count(PLAIN) == len(states)
+        if tokens_ahead and not plain and not all(samples_ahead(s) for s in seqs):
             raise ValueError("only plain-sampling rows can be sampled ahead of their last token")
-        if states.count(PLAIN) == len(states):        # the common step: plain sampling only
+        if plain or tokens_ahead:        # the common step: plain sampling only (or masked ahead)
             # built here with one numpy call per array, not through build()'s generic
             # conversions: this runs every step (with one other change it took the engine's host
             # time per step from 76-86 to 61-65 us: benchmarks/engine_overhead.py, CPU, 2026-12-03,
@@ -188,7 +202,8 @@ class SamplingBatch:
                        seed=np.array([s.seed for s in seqs], np.uint64),
                        step=np.array([len(s.token_ids) - s.num_prompt_tokens + tokens_ahead for s in seqs],
                                      np.int32),
-                       min_p=np.zeros(len(p), np.float32))
+                       min_p=np.zeros(len(p), np.float32),
+                       token_mask=None if plain else PendingTokenMask(seqs))
         min_p = [x.min_p for x in p]
         logprobs = [x.logprobs for x in p]
         return cls.build([x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p],

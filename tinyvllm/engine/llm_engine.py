@@ -212,7 +212,7 @@ class LLMEngine:
                 self._fail_non_finite(batch, tokens)
                 self.output_processor.append_step_logprobs(batch.seqs, tokens, self.runner)
             reported = self.scheduler.postprocess(batch, tokens)
-            self.step_ahead.drop_if_finished()
+            self.step_ahead.step_applied()
             outputs = self._report(reported)
             if stats is not None:
                 self.last_step_stats = stats.step_finished(reported)

@@ -14,9 +14,16 @@ A step goes ahead only where nothing about it depends on N's tokens beyond the i
 decode step, or a prefill-kind step (prompts, or prompts beside decode rows) of every running
 sequence that ends each prompt in it (its sampled ids are then one per row too, so the first
 decode step runs while the host reads the first token back), a batch whose rows all sample
-plainly (no penalties, logit_bias, min_tokens ban, min_p or logprobs; a structured-output row's
-next mask needs its token, so it never goes ahead), nobody waiting to be admitted, and a free
-block for every row that needs one.
+plainly (no penalties, logit_bias, min_tokens ban, min_p or logprobs: batch.samples_ahead),
+nobody waiting to be admitted, and a free block for every row that needs one.
+
+A structured-output row goes ahead too, but its mask cannot: the mask of N+1 follows from the
+matcher advanced with N's token. So N+1's SamplingBatch.token_mask is a PendingTokenMask
+(structured/mask.py) and the runner starts N+1's forward alone; once N is applied (its tokens
+appended, the matchers advanced), step_applied() resolves the mask — the host's mask work runs
+while the GPU computes N+1's forward — and the runner then uploads it and launches the mask
+and the sampler behind the forward. A row that N finishes is left out of the mask (its token is
+thrown away, as below).
 
 Only decode steps go ahead; a step with prompt work (a mixed step: the scheduler's decode rows
 beside prompt chunks) is scheduled once N is applied. Its prompt rows are admission decisions —
@@ -32,13 +39,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
+from tinyvllm.engine.batch import ForwardBatch, SamplingBatch, samples_ahead
 from tinyvllm.engine.block_manager import BlockManager
 from tinyvllm.engine.logit_edits import PLAIN
 from tinyvllm.engine.model_runner import ModelRunner, PendingStep
 from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.engine.scheduler import ScheduledBatch, Scheduler
 from tinyvllm.engine.sequence import Request
+from tinyvllm.structured.mask import PendingTokenMask
 
 
 class StepAhead:
@@ -50,6 +58,7 @@ class StepAhead:
         self.output_processor = output_processor
         self.requests = requests                  # the engine's unfinished requests, by id
         self.launched: tuple[ScheduledBatch, PendingStep] | None = None
+        self.launched_mask: PendingTokenMask | None = None   # its constrained rows' mask, to come
         self.num_launched = 0                     # decode steps launched ahead ...
         self.num_rows_thrown_away = 0             # ... and their rows whose sequence finished meanwhile
 
@@ -58,6 +67,7 @@ class StepAhead:
         back yet), where it can go ahead; where it cannot, it is scheduled as usual once `batch`
         is applied. rows: the row of each of batch's sequences in its launched step (None: its
         own order)."""
+        self.launched_mask = None
         self.launched = self._launch(batch, rows)
 
     def _launch(self, batch: ScheduledBatch, rows: np.ndarray | None) -> tuple[ScheduledBatch, PendingStep] | None:
@@ -68,8 +78,10 @@ class StepAhead:
         if batch.is_prefill and (len(batch.seqs) != len(self.scheduler.running) or any(
                 (r := self.requests.get(s.request_id)) is not None and r.held for s in batch.seqs)):
             return None      # rows that sat this prefill out, or samples it releases: the next step is theirs
-        if any(s.sampler_state is not PLAIN for s in batch.seqs):
+        if any(s.sampler_state is not PLAIN for s in batch.seqs) and not all(samples_ahead(s) for s in batch.seqs):
             return None                  # its next sampler inputs depend on this step's token
+        if not self.runner.takes_pending_token_masks and any(s.constraint is not None for s in batch.seqs):
+            return None                  # the mask would have to be made before the launch
         seqs = [s for s in batch.seqs if not self.output_processor.ends_by_length(s, len(s.token_ids) + 1)]
         if not seqs:
             return None
@@ -87,6 +99,7 @@ class StepAhead:
         forward.fed_rows = np.asarray([row_of[id(s)] for s in seqs], np.int32)
         sampling = SamplingBatch.from_sequences(seqs, tokens_ahead=1)
         pending = self.runner.launch(forward, sampling)
+        self.launched_mask = sampling.token_mask
         self.num_launched += 1
         return ScheduledBatch(seqs, False, bm), pending
 
@@ -97,7 +110,7 @@ class StepAhead:
         running, and the step is scheduled as usual."""
         if self.launched is None:
             return None, None, None
-        (batch, pending), self.launched = self.launched, None
+        (batch, pending), self.launched, self.launched_mask = self.launched, None, None
         rows = [i for i, s in enumerate(batch.seqs) if not s.status.is_finished]
         self.num_rows_thrown_away += len(batch.seqs) - len(rows)
         if not rows:
@@ -107,8 +120,11 @@ class StepAhead:
             seq.num_scheduled_tokens = 1
         return ScheduledBatch(seqs, False, batch.block_manager), pending, np.asarray(rows, np.intp)
 
-    def drop_if_finished(self) -> None:
-        """Forget the step launched ahead when every row of it has just finished: nothing of it
-        is kept."""
+    def step_applied(self) -> None:
+        """The step before the one launched ahead has been applied: forget the step launched
+        ahead when every row of it has just finished (nothing of it is kept); else resolve its
+        pending token mask now, the matchers holding their last token (the module docstring)."""
         if self.launched is not None and all(s.status.is_finished for s in self.launched[0].seqs):
             self.take()
+        elif self.launched_mask is not None:
+            self.launched_mask.resolve()

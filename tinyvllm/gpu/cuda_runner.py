@@ -8,11 +8,15 @@ mirror, one host-to-device copy into an input bank, the forward pass, sampling, 
 ids back. The runner's parts live beside it:
     gpu/input_banks.py     the inputs' road to the device and the ids' road back (two banks)
     gpu/decode_graphs.py   one captured decode step per batch size and bank
-    gpu/step_sampling.py   sampling, and the longer road of steps with logit edits, a token mask or logprobs
+    gpu/step_sampling.py   sampling: a token mask's two-part launch, and the longer road of steps
+                           with logit edits or logprobs
 
 launch() returns once a plain step is enqueued (overlaps_steps: the engine's async scheduling
-prepares the next step meanwhile). A step launched ahead gets its fed token ids from
-`sampled_ids` on the device, where the step before left them (embedding.cu).
+prepares the next step meanwhile), and so does a step whose only extra is a token mask: its
+forward is enqueued, its mask (a PendingTokenMask when launched ahead) uploaded and its sampler
+enqueued behind the forward once the mask is known (step_sampling.py). A step launched ahead
+gets its fed token ids from `sampled_ids` on the device, where the step before left them
+(embedding.cu).
 
 A prefill-kind batch (is_prefill) runs eagerly, whatever its rows: prompts, prompt chunks, and in
 a mixed step (engine/scheduler.py) decode rows beside them, each a one-token query at the end of
@@ -31,7 +35,7 @@ import pycuda.driver as drv  # a missing PyCUDA fails this import: make_runner s
 
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
-from tinyvllm.engine.model_runner import ModelRunner, PendingStep
+from tinyvllm.engine.model_runner import ModelRunner, PendingStep, with_mask_resolved
 from tinyvllm.gpu.arena import CUBLAS_WORKSPACE_BYTES, Arena, ArenaDims, ArenaLayout
 from tinyvllm.gpu.cublas import Cublas
 from tinyvllm.gpu.decode_graphs import DecodeGraphs
@@ -98,8 +102,11 @@ class CudaRunner(InputBanks, DecodeGraphs, StepSampling, ModelRunner):
         self._sample(step, head_argmax=self.model.head_argmax_for(step), ids_host=self._ids_host_device_ptrs[step.bank])
 
     def launch(self, batch: ForwardBatch, sampling: SamplingBatch, replay: bool = True) -> PendingStep:
-        """Enqueue a plain step and return (its fed tokens read on the device from the step
-        enqueued before it); other steps run to the end here (execute)."""
+        """Enqueue a plain or masked-only step and return (its fed tokens read on the device from
+        the step enqueued before it); other steps run to the end here (execute)."""
+        self._sample_unsampled()
+        if self._masks_only(sampling):
+            return self._launch_masked(batch, sampling, replay)
         if not self._is_plain(sampling):
             if batch.fed_rows is not None:
                 raise ValueError("only a plain-sampling step can be fed the previous step's ids")
@@ -129,10 +136,12 @@ class CudaRunner(InputBanks, DecodeGraphs, StepSampling, ModelRunner):
         last_logprobs). Decode steps replay the smallest captured graph that holds the batch;
         replay=False runs the very same (padded) launches eagerly instead, which is how tests
         check the graphs."""
-        if self._is_plain(sampling):
+        if self._is_plain(sampling) or self._masks_only(sampling):
             return self.launch(batch, sampling, replay).wait()
         if batch.fed_rows is not None:
             raise ValueError("only a plain-sampling step can be fed the previous step's ids")
+        self._sample_unsampled()
+        sampling = with_mask_resolved(sampling)
         with self.device.active():
             S = batch.num_seqs
             graph_size = None if batch.is_prefill else self._graph_size_for(S)
@@ -152,6 +161,7 @@ class CudaRunner(InputBanks, DecodeGraphs, StepSampling, ModelRunner):
 
     def forward_logits(self, batch: ForwardBatch) -> np.ndarray:
         """Forward only; copies the fp32 logits [S, vocab] back (tests and debugging)."""
+        self._sample_unsampled()
         with self.device.active():
             step = self._stage_inputs(batch, None)
             self.model.forward(step)
@@ -184,6 +194,7 @@ class CudaRunner(InputBanks, DecodeGraphs, StepSampling, ModelRunner):
         arena), so another user of the device — say a baseline in the same process — gets it."""
         if getattr(self, "blas", None) is None:
             return
+        self._unsampled = None
         with self.device.active():
             self._close_graphs()
             self._graph_sizes = []

@@ -4,22 +4,33 @@ A plain step (no logit edits, no logprobs, no token mask) samples inside its cap
 reads the greedy argmax keys the LM head kept, where it kept them, and writes the ids into the
 bank's mapped host buffer too (gpu/input_banks.py).
 
-A step whose SamplingBatch has logit edits (penalties, logit_bias, min_tokens), a token mask
-(structured outputs) or asks for logprobs takes a longer road, and only such a step does: the
-edits' and the mask's uploads on copy streams (beside the forward), the forward alone (eager, or
-the decode size's forward-only graph), then — eagerly, each launched only when needed —
-apply_token_mask (gpu/structured_ops.py), a device copy of the raw logits (for logprobs),
-apply_logit_edits, the same sample_tokens launch as in the graphs, and step_logprobs on the
-copy. The logprobs come back in `last_logprobs`.
+A step whose only extra is a token mask (structured outputs) is launched in two parts
+(_launch_masked): its forward at once (the decode size's forward-only graph, or eagerly), then
+the mask's upload, apply_token_mask and sample_tokens (gpu/structured_ops.py) once the mask is
+known. A step launched ahead carries a PendingTokenMask (structured/mask.py) that the engine
+resolves once the step before is applied, so the host computes the mask while the GPU runs the
+forward; the sampler goes behind the forward on the stream as soon as it is resolved, and at the
+latest before the next step is staged or this one is waited for (_sample_unsampled): the next
+step reads this one's ids, its input bank and the logits after it. Such a step may be fed the
+step before's ids like a plain one.
+
+A step whose SamplingBatch has logit edits (penalties, logit_bias, min_tokens) or asks for
+logprobs takes a longer road, and only such a step does: the edits' and the mask's uploads on
+copy streams (beside the forward), the forward alone (eager, or the decode size's forward-only
+graph), then — eagerly, each launched only when needed — apply_token_mask, a device copy of the
+raw logits (for logprobs), apply_logit_edits, the same sample_tokens launch as in the graphs,
+and step_logprobs on the copy. The logprobs come back in `last_logprobs`.
 """
 from __future__ import annotations
 
 import numpy as np
 import pycuda.driver as drv
 
-from tinyvllm.engine.batch import SamplingBatch, StepLogprobs
+from tinyvllm.engine.batch import ForwardBatch, SamplingBatch, StepLogprobs
+from tinyvllm.engine.model_runner import PendingStep
 from tinyvllm.gpu.model import StepShape
 from tinyvllm.gpu.structured_ops import TokenMaskStage
+from tinyvllm.structured.mask import PendingTokenMask
 
 
 class GrowingBuffers:
@@ -65,12 +76,63 @@ class StepSampling:
         self.token_masks = TokenMaskStage(self.ops, self.scratch)   # structured outputs' masks
         self.copy_stream = self.edits_uploaded = None      # made on the first step with edits
         self.last_logprobs: StepLogprobs | None = None
+        self._unsampled: PendingTokenMask | None = None    # the launched step still to sample
 
     @staticmethod
     def _is_plain(sampling: SamplingBatch | None) -> bool:
         """No logit edits, no logprobs, no token mask: the step is the captured graph and nothing else."""
         return sampling is None or (sampling.edits is None and sampling.logprobs is None
                                     and sampling.token_mask is None)
+
+    @staticmethod
+    def _masks_only(sampling: SamplingBatch | None) -> bool:
+        """A token mask and otherwise plain sampling: the step is launched in two parts."""
+        return (sampling is not None and sampling.token_mask is not None and sampling.edits is None
+                and sampling.logprobs is None)
+
+    def _launch_masked(self, batch: ForwardBatch, sampling: SamplingBatch, replay: bool) -> PendingStep:
+        """The forward now; the mask, apply_token_mask and the sampler once the mask is known
+        (the module docstring). The caller has sampled the step before (_sample_unsampled)."""
+        S = batch.num_seqs
+        with self.device.active():
+            graph_size = None if batch.is_prefill else self._graph_size_for(S)
+            step = self._stage_inputs(batch, sampling, rows=graph_size)
+            if graph_size is not None and replay:
+                self._forward_graph(step).launch(self.stream)
+            else:
+                self.model.forward(step)
+        self.last_logprobs = None
+        ids, ready = self._ids_host[step.bank], self._ids_ready[step.bank]
+
+        def sample(mask) -> None:
+            self._unsampled = None
+            with self.device.active():
+                self.token_masks.upload(mask)
+                masked = self.token_masks.apply(self.stream, self.arena.view("logits"), self.cfg.vocab_size)
+                # masked logits are not the ones the LM head took its argmax keys of
+                self._sample(step, head_argmax=0 if masked else self.model.head_argmax_for(step),
+                             ids_host=self._ids_host_device_ptrs[step.bank])
+                ready.record(self.stream)
+        pending = sampling.token_mask
+        if isinstance(pending, PendingTokenMask):
+            self._unsampled = pending
+            pending.on_resolved(sample)
+        else:
+            sample(pending)
+
+        def finish() -> np.ndarray:
+            if isinstance(pending, PendingTokenMask):
+                pending.resolve()                  # nobody did yet: its sampler goes on now
+            with self.device.active():
+                ready.synchronize()
+            return ids[:S].copy()
+        return PendingStep(finish)
+
+    def _sample_unsampled(self) -> None:
+        """Enqueue the sampler of the step launched last, if its mask is still to come (computed
+        now): what follows on the stream reads its ids, its input bank or the logits."""
+        if self._unsampled is not None:
+            self._unsampled.resolve()
 
     def _sample(self, step: StepShape, head_argmax: int = 0, ids_host: int = 0) -> None:
         """head_argmax: the LM head's argmax keys of these very logits (not after logit edits);

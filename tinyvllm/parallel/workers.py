@@ -57,6 +57,7 @@ def rank_devices(size: int) -> list[str]:
 
 class RankProcesses(ModelRunner):
     """The ModelRunner of a tensor-parallel group: rank 0 here, one process per other rank."""
+    takes_pending_token_masks = False    # a step goes to the other ranks whole, its mask already made
 
     def __init__(self, config: ModelConfig, engine_config: EngineConfig, model_dir: Path, gguf_file: Path | None):
         size = engine_config.tensor_parallel_size
