@@ -379,454 +379,79 @@ __device__ __forceinline__ void dequant_body(bf16* __restrict__ out, const uint8
 
 }  // namespace
 
-// The entry points: gemv.cu's seven, one set per kind, with W as its two planes (wq, wscale) in
-// the bf16 kernel's w place; each means what its gemv.cu namesake means (there: the argument lists).
-// Then prefill's dequantization of rows [row0, row0 + rows) into out [rows, k] bf16.
+// The entry points: gemv.cu's seven, one set per kind (QUANT_GEMV_KERNELS(kind): gemv_quant_<role>_<kind>,
+// the kind also naming its Fmt), with W as its two planes (wq, wscale) in the bf16 kernel's w place;
+// each means what its gemv.cu namesake means (there: the argument lists). Then prefill's
+// dequantization of rows [row0, row0 + rows) into out [rows, k] bf16 (dequant_<kind>).
 
-// ---- fp8 ----
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_fp8(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
-          int accumulate) {
-    gemv_quant_body<Fmt::fp8, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
-                                                        RopeArgs{}, NormOut{});
+#define QUANT_GEMV_KERNELS(K) \
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32) \
+gemv_quant_##K(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32, \
+          int accumulate) { \
+    gemv_quant_body<Fmt::K, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate, \
+                                                        RopeArgs{}, NormOut{}); \
+} \
+\
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32) \
+gemv_quant_residual_norm_##K(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, \
+                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) { \
+    gemv_quant_body<Fmt::K, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1, \
+                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss}); \
+} \
+\
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32) \
+gemv_quant_prenormed_rope_kv_##K(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss, \
+                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache, \
+                              const int* __restrict__ positions, const int* __restrict__ slot_mapping, \
+                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) { \
+    gemv_quant_body<Fmt::K, XLoad::prenormed, Epilogue::rope_kv>( \
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0, \
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr}, \
+        NormOut{}); \
+} \
+\
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32) \
+gemv_quant_prenormed_rope_kv_bias_##K(bf16* __restrict__ qkv, const bf16* __restrict__ x, \
+                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, \
+                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions, \
+                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq, \
+                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) { \
+    gemv_quant_body<Fmt::K, XLoad::prenormed, Epilogue::rope_kv, true>( \
+        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0, \
+        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias}, \
+        NormOut{}); \
+} \
+\
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32) \
+gemv_quant_prenormed_##K(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, \
+                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) { \
+    gemv_quant_body<Fmt::K, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, \
+                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax); \
+} \
+\
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32) \
+gemv_quant_prenormed_silu_mul_##K(bf16* __restrict__ act, const bf16* __restrict__ x, \
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) { \
+    gemv_quant_body<Fmt::K, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, \
+                                                               0, 0, RopeArgs{}, NormOut{}); \
+} \
+\
+extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32) \
+gemv_quant_prenormed_gelu_mul_##K(bf16* __restrict__ act, const bf16* __restrict__ x, \
+                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) { \
+    gemv_quant_body<Fmt::K, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, \
+                                                               0, 0, RopeArgs{}, NormOut{}); \
+} \
+\
+extern "C" __global__ void dequant_##K(bf16* __restrict__ out, const uint8_t* __restrict__ wq, \
+                                     const void* __restrict__ wscale, int row0, int rows, int k) { \
+    dequant_body<Fmt::K>(out, wq, wscale, row0, rows, k); \
 }
 
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_residual_norm_fp8(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
-                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
-    gemv_quant_body<Fmt::fp8, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
-                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_rope_kv_fp8(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
-                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
-                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
-                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
-    gemv_quant_body<Fmt::fp8, XLoad::prenormed, Epilogue::rope_kv>(
-        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
-        NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_rope_kv_bias_fp8(bf16* __restrict__ qkv, const bf16* __restrict__ x,
-                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
-                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
-                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
-    gemv_quant_body<Fmt::fp8, XLoad::prenormed, Epilogue::rope_kv, true>(
-        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
-        NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_fp8(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
-                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
-    gemv_quant_body<Fmt::fp8, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_silu_mul_fp8(bf16* __restrict__ act, const bf16* __restrict__ x,
-                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
-    gemv_quant_body<Fmt::fp8, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                               0, 0, RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_gelu_mul_fp8(bf16* __restrict__ act, const bf16* __restrict__ x,
-                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
-    gemv_quant_body<Fmt::fp8, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                               0, 0, RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void dequant_fp8(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
-                                     const void* __restrict__ wscale, int row0, int rows, int k) {
-    dequant_body<Fmt::fp8>(out, wq, wscale, row0, rows, k);
-}
-
-// ---- q8_0 ----
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_q8_0(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
-          int accumulate) {
-    gemv_quant_body<Fmt::q8_0, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
-                                                        RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_residual_norm_q8_0(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
-                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
-    gemv_quant_body<Fmt::q8_0, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
-                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_rope_kv_q8_0(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
-                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
-                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
-                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
-    gemv_quant_body<Fmt::q8_0, XLoad::prenormed, Epilogue::rope_kv>(
-        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
-        NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_rope_kv_bias_q8_0(bf16* __restrict__ qkv, const bf16* __restrict__ x,
-                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
-                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
-                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
-    gemv_quant_body<Fmt::q8_0, XLoad::prenormed, Epilogue::rope_kv, true>(
-        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
-        NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_q8_0(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
-                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
-    gemv_quant_body<Fmt::q8_0, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_silu_mul_q8_0(bf16* __restrict__ act, const bf16* __restrict__ x,
-                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
-    gemv_quant_body<Fmt::q8_0, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                               0, 0, RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_gelu_mul_q8_0(bf16* __restrict__ act, const bf16* __restrict__ x,
-                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
-    gemv_quant_body<Fmt::q8_0, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                               0, 0, RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void dequant_q8_0(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
-                                     const void* __restrict__ wscale, int row0, int rows, int k) {
-    dequant_body<Fmt::q8_0>(out, wq, wscale, row0, rows, k);
-}
-
-// ---- q4_0 ----
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_q4_0(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
-          int accumulate) {
-    gemv_quant_body<Fmt::q4_0, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
-                                                        RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_residual_norm_q4_0(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
-                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
-    gemv_quant_body<Fmt::q4_0, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
-                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_rope_kv_q4_0(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
-                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
-                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
-                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
-    gemv_quant_body<Fmt::q4_0, XLoad::prenormed, Epilogue::rope_kv>(
-        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
-        NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_rope_kv_bias_q4_0(bf16* __restrict__ qkv, const bf16* __restrict__ x,
-                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
-                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
-                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
-    gemv_quant_body<Fmt::q4_0, XLoad::prenormed, Epilogue::rope_kv, true>(
-        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
-        NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_q4_0(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
-                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
-    gemv_quant_body<Fmt::q4_0, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_silu_mul_q4_0(bf16* __restrict__ act, const bf16* __restrict__ x,
-                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
-    gemv_quant_body<Fmt::q4_0, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                               0, 0, RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_gelu_mul_q4_0(bf16* __restrict__ act, const bf16* __restrict__ x,
-                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
-    gemv_quant_body<Fmt::q4_0, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                               0, 0, RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void dequant_q4_0(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
-                                     const void* __restrict__ wscale, int row0, int rows, int k) {
-    dequant_body<Fmt::q4_0>(out, wq, wscale, row0, rows, k);
-}
-
-// ---- q4_1 ----
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_q4_1(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
-          int accumulate) {
-    gemv_quant_body<Fmt::q4_1, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
-                                                        RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_residual_norm_q4_1(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
-                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
-    gemv_quant_body<Fmt::q4_1, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
-                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_rope_kv_q4_1(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
-                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
-                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
-                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
-    gemv_quant_body<Fmt::q4_1, XLoad::prenormed, Epilogue::rope_kv>(
-        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
-        NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_rope_kv_bias_q4_1(bf16* __restrict__ qkv, const bf16* __restrict__ x,
-                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
-                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
-                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
-    gemv_quant_body<Fmt::q4_1, XLoad::prenormed, Epilogue::rope_kv, true>(
-        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
-        NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_q4_1(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
-                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
-    gemv_quant_body<Fmt::q4_1, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_silu_mul_q4_1(bf16* __restrict__ act, const bf16* __restrict__ x,
-                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
-    gemv_quant_body<Fmt::q4_1, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                               0, 0, RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_gelu_mul_q4_1(bf16* __restrict__ act, const bf16* __restrict__ x,
-                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
-    gemv_quant_body<Fmt::q4_1, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                               0, 0, RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void dequant_q4_1(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
-                                     const void* __restrict__ wscale, int row0, int rows, int k) {
-    dequant_body<Fmt::q4_1>(out, wq, wscale, row0, rows, k);
-}
-
-// ---- q4_k ----
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_q4_k(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
-          int accumulate) {
-    gemv_quant_body<Fmt::q4_k, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
-                                                        RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_residual_norm_q4_k(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
-                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
-    gemv_quant_body<Fmt::q4_k, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
-                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_rope_kv_q4_k(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
-                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
-                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
-                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
-    gemv_quant_body<Fmt::q4_k, XLoad::prenormed, Epilogue::rope_kv>(
-        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
-        NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_rope_kv_bias_q4_k(bf16* __restrict__ qkv, const bf16* __restrict__ x,
-                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
-                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
-                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
-    gemv_quant_body<Fmt::q4_k, XLoad::prenormed, Epilogue::rope_kv, true>(
-        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
-        NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_q4_k(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
-                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
-    gemv_quant_body<Fmt::q4_k, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_silu_mul_q4_k(bf16* __restrict__ act, const bf16* __restrict__ x,
-                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
-    gemv_quant_body<Fmt::q4_k, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                               0, 0, RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_gelu_mul_q4_k(bf16* __restrict__ act, const bf16* __restrict__ x,
-                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
-    gemv_quant_body<Fmt::q4_k, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                               0, 0, RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void dequant_q4_k(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
-                                     const void* __restrict__ wscale, int row0, int rows, int k) {
-    dequant_body<Fmt::q4_k>(out, wq, wscale, row0, rows, k);
-}
-
-// ---- q6_k ----
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_q6_k(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
-          int accumulate) {
-    gemv_quant_body<Fmt::q6_k, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
-                                                        RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_residual_norm_q6_k(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
-                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
-    gemv_quant_body<Fmt::q6_k, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
-                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_rope_kv_q6_k(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
-                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
-                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
-                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
-    gemv_quant_body<Fmt::q6_k, XLoad::prenormed, Epilogue::rope_kv>(
-        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
-        NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_rope_kv_bias_q6_k(bf16* __restrict__ qkv, const bf16* __restrict__ x,
-                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
-                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
-                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
-    gemv_quant_body<Fmt::q6_k, XLoad::prenormed, Epilogue::rope_kv, true>(
-        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
-        NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_q6_k(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
-                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
-    gemv_quant_body<Fmt::q6_k, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_silu_mul_q6_k(bf16* __restrict__ act, const bf16* __restrict__ x,
-                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
-    gemv_quant_body<Fmt::q6_k, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                               0, 0, RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_gelu_mul_q6_k(bf16* __restrict__ act, const bf16* __restrict__ x,
-                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
-    gemv_quant_body<Fmt::q6_k, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                               0, 0, RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void dequant_q6_k(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
-                                     const void* __restrict__ wscale, int row0, int rows, int k) {
-    dequant_body<Fmt::q6_k>(out, wq, wscale, row0, rows, k);
-}
-
-// ---- expanded ----
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_expanded(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32,
-          int accumulate) {
-    gemv_quant_body<Fmt::expanded, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate,
-                                                        RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_residual_norm_expanded(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k,
-                          const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) {
-    gemv_quant_body<Fmt::expanded, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1,
-                                                                RopeArgs{}, NormOut{norm_w, normed, row_ss});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_rope_kv_expanded(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss,
-                              const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache,
-                              const int* __restrict__ positions, const int* __restrict__ slot_mapping,
-                              const float* __restrict__ inv_freq, int num_q_heads, int num_kv_heads, int head_dim) {
-    gemv_quant_body<Fmt::expanded, XLoad::prenormed, Epilogue::rope_kv>(
-        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, nullptr},
-        NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_rope_kv_bias_expanded(bf16* __restrict__ qkv, const bf16* __restrict__ x,
-                                   const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps,
-                                   bf16* k_cache, bf16* v_cache, const int* __restrict__ positions,
-                                   const int* __restrict__ slot_mapping, const float* __restrict__ inv_freq,
-                                   int num_q_heads, int num_kv_heads, int head_dim, const bf16* __restrict__ bias) {
-    gemv_quant_body<Fmt::expanded, XLoad::prenormed, Epilogue::rope_kv, true>(
-        qkv, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, 0, 0,
-        RopeArgs{k_cache, v_cache, positions, slot_mapping, inv_freq, num_q_heads, num_kv_heads, head_dim, bias},
-        NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_expanded(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale,
-                      int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) {
-    gemv_quant_body<Fmt::expanded, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                            out_f32, 0, RopeArgs{}, NormOut{}, head_argmax);
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_silu_mul_expanded(bf16* __restrict__ act, const bf16* __restrict__ x,
-                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
-    gemv_quant_body<Fmt::expanded, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                               0, 0, RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32)
-gemv_quant_prenormed_gelu_mul_expanded(bf16* __restrict__ act, const bf16* __restrict__ x,
-                               const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) {
-    gemv_quant_body<Fmt::expanded, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k,
-                                                               0, 0, RopeArgs{}, NormOut{});
-}
-
-extern "C" __global__ void dequant_expanded(bf16* __restrict__ out, const uint8_t* __restrict__ wq,
-                                     const void* __restrict__ wscale, int row0, int rows, int k) {
-    dequant_body<Fmt::expanded>(out, wq, wscale, row0, rows, k);
-}
+QUANT_GEMV_KERNELS(fp8)
+QUANT_GEMV_KERNELS(q8_0)
+QUANT_GEMV_KERNELS(q4_0)
+QUANT_GEMV_KERNELS(q4_1)
+QUANT_GEMV_KERNELS(q4_k)
+QUANT_GEMV_KERNELS(q6_k)
+QUANT_GEMV_KERNELS(expanded)

@@ -6,14 +6,13 @@ shared memory. Prefill (cuBLAS) and decode at batch 1 and 3, on the fused decode
 the nine-launch one; and which kernels each family's layer launches."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch
-from tinyvllm.gpu.kernels import CUDA_DIR, kernel_signatures
+from tinyvllm.gpu.kernels import find_kernel, kernel_signatures
 from tinyvllm.gpu.model import StepShape
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
@@ -21,11 +20,8 @@ MAX_SHARED = 227 * 1024            # an H100's dynamic shared memory per block
 
 
 def _signature(name: str) -> str:
-    for path in sorted(CUDA_DIR.glob("*.cu")):
-        for pattern, sig in kernel_signatures(path.name).items():
-            if pattern == name or (pattern.startswith("^") and re.match(pattern, name)):
-                return sig
-    raise AssertionError(f"no kernel {name} in cuda/")
+    filename, key = find_kernel(name)
+    return kernel_signatures(filename)[key]
 
 
 class _CheckedLaunches:

@@ -113,11 +113,9 @@ class PointerNames:
 
     def kernel_params(self, kernel: str) -> tuple[str, ...]:
         if kernel not in self._params:
-            from tinyvllm.gpu.kernels import CUDA_DIR, kernel_parameters
-            found = [params for path in sorted(CUDA_DIR.glob("*.cu"))
-                     for name, params in kernel_parameters(path.name).items()
-                     if name == kernel or (name.startswith("^") and re.match(name, kernel))]
-            self._params[kernel] = found[0]
+            from tinyvllm.gpu.kernels import find_kernel, kernel_parameters
+            filename, key = find_kernel(kernel)
+            self._params[kernel] = kernel_parameters(filename)[key]
         return self._params[kernel]
 
     def argument(self, decl: str, value) -> tuple[str, str | None]:

@@ -84,6 +84,23 @@ def kernel_parameters(filename: str) -> dict[str, tuple[str, ...]]:
     return kernels
 
 
+def matches(pattern: str, name: str) -> bool:
+    """Whether a kernel_parameters key (a name, or a macro family's ^pattern$) names `name`."""
+    return pattern == name or (pattern.startswith("^") and re.match(pattern, name) is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def find_kernel(name: str) -> tuple[str, str]:
+    """(.cu file, kernel_parameters key) of the kernel called `name`: its own declaration, else
+    the longest family pattern that matches it — the most specific one, so gemv_quant_##K
+    (^gemv_quant_\\w+$) does not take gemv_quant_residual_norm_fp8 from its own family's pattern."""
+    found = [(filename, key) for filename in sorted(p.name for p in CUDA_DIR.glob("*.cu"))
+             for key in kernel_parameters(filename) if matches(key, name)]
+    if not found:
+        raise KeyError(f"no kernel {name!r} in {CUDA_DIR}")
+    return max(found, key=lambda hit: (hit[1] == name, len(hit[1])))
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_signatures(filename: str) -> dict[str, str]:
     """{kernel name or regex pattern: struct codes} of every kernel in one .cu file."""
@@ -199,13 +216,8 @@ class KernelLibrary:
     def function(self, name: str) -> Kernel:
         kernel = self._kernels.get(name)
         if kernel is None:
-            for filename, module in self._modules.items():
-                sig = next((s for pattern, s in kernel_signatures(filename).items()
-                            if pattern == name or (pattern.startswith("^") and re.match(pattern, name))), None)
-                if sig is not None:
-                    kernel = Kernel.from_module(module, filename, name, sig, waits_for_producer(filename))
-                    break
-            else:
-                raise KeyError(f"no kernel {name!r} in {sorted(self._modules)}")
+            filename, key = find_kernel(name)
+            kernel = Kernel.from_module(self._modules[filename], filename, name, kernel_signatures(filename)[key],
+                                        waits_for_producer(filename))
             self._kernels[name] = kernel
         return kernel
