@@ -22,7 +22,8 @@ from tinyvllm.parallel.sharding import check_engine_split
 CPU = dict(device="cpu", num_kv_blocks=64, max_model_len=256, block_size=4)
 
 
-def run(engine: LLMEngine, prompts, params: SamplingParams) -> list[list[int]]:
+def run_outputs(engine: LLMEngine, prompts, params: SamplingParams) -> list:
+    """Each prompt's first sample (a CompletionOutput), all prompts stepped together."""
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     done = {}
@@ -30,7 +31,11 @@ def run(engine: LLMEngine, prompts, params: SamplingParams) -> list[list[int]]:
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-    return [list(done[str(i)].outputs[0].token_ids) for i in range(len(prompts))]
+    return [done[str(i)].outputs[0] for i in range(len(prompts))]
+
+
+def run(engine: LLMEngine, prompts, params: SamplingParams) -> list[list[int]]:
+    return [list(out.token_ids) for out in run_outputs(engine, prompts, params)]
 
 
 def test_greedy_generation_over_two_ranks_equals_one_rank(tiny_model_dir):

@@ -5,6 +5,7 @@ tokens — greedy, and sampled with logprobs."""
 from __future__ import annotations
 
 import pytest
+from test_tensor_parallel_engine import run_outputs as run
 
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.engine.sampling_params import SamplingParams
@@ -12,17 +13,6 @@ from tinyvllm.errors import GPUUnavailableError
 
 OPTIONS = dict(kv_cache_gb=0.5, max_model_len=1024)
 PROMPTS = ["The capital of France is", "1 2 3 4 5 6 7 8", "Once upon a time, in a land far", "a"]
-
-
-def run(engine: LLMEngine, prompts, params: SamplingParams):
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[str(i)].outputs[0] for i in range(len(prompts))]
 
 
 @pytest.mark.gpu

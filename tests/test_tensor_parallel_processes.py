@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_tensor_parallel_engine import run_outputs as run
 
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.llm_engine import LLMEngine
@@ -24,17 +25,6 @@ def rank_processes(model_dir, size: int, **options) -> workers.RankProcesses:
     config = ModelConfig.from_pretrained(model_dir)
     return workers.RankProcesses(config, EngineConfig(tensor_parallel_size=size, **dict(CPU, **options)),
                                  model_dir, None)
-
-
-def run(engine: LLMEngine, prompts, params: SamplingParams):
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[str(i)].outputs[0] for i in range(len(prompts))]
 
 
 def logprobs_of(outputs) -> list:
