@@ -64,7 +64,7 @@ def numpy_rows(ids: list[int]) -> list[tuple[str, float, float]]:
     from tinyvllm.checkpoint.gguf_blocks import gguf_model_dir, load_gguf_blocks
     from tinyvllm.checkpoint.weights import load_weights
     from tinyvllm.config import EngineConfig, ModelConfig
-    from tinyvllm.engine.startup import make_runner
+    from tinyvllm.engine.runners import make_runner
     from tinyvllm.quant.llama_cpp_twin import exact_linear, llama_cpp_linear
     bf16_dir, gguf = default_model_dir(), default_gguf_path()
     config = ModelConfig.from_pretrained(bf16_dir)

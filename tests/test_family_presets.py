@@ -109,7 +109,7 @@ def test_cuda_backend_refuses_a_head_shape_without_kernels():
     import json
     from pathlib import Path
 
-    from tinyvllm.engine.startup import check_cuda_support
+    from tinyvllm.engine.runners import check_cuda_support
     folders = sorted((Path(__file__).parent / "fixtures" / "families").iterdir())
     for folder in folders:
         check_cuda_support(ModelConfig.from_pretrained(folder))

@@ -198,7 +198,7 @@ def test_cuda_refuses_only_the_kinds_it_has_no_kernels_for(tmp_path, tiny, tiny_
     """FP8 and GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K run on the CUDA backend (cuda/gemv_quant.cu), and
     so does a fused group of blocks in mixed formats; a group mixing blocks with FP8 is refused in one
     line before any CUDA start, --device cpu offered."""
-    from tinyvllm.engine.startup import make_runner
+    from tinyvllm.engine.runners import make_runner
     from tinyvllm.quant.gguf_kquants import Q4_K, Q6_K
     from tinyvllm.quant.weight_kinds import cuda_unsupported
     config = ModelConfig.from_pretrained(tiny_model_dir)

@@ -29,7 +29,7 @@ def new_cuda_rank(config: ModelConfig, weights: dict[str, np.ndarray], engine_co
                   shards: list[RankShard], rank: int):
     """-> the rank's CudaRunner, eager (its graphs are captured by join_cuda_group).
     weights: the rank's shards (rank_weights)."""
-    from tinyvllm.engine.startup import check_cuda_support, make_runner
+    from tinyvllm.engine.runners import check_cuda_support, make_runner
     from tinyvllm.gpu.cuda_runner import CudaRunner
     eager = dataclasses.replace(engine_config, tensor_parallel_size=None, enforce_eager=True)
     if len(shards) == 1:

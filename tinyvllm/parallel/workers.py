@@ -222,7 +222,7 @@ def build_rank(rank, config, engine_config, model_dir, gguf_file, links, lost) -
     """Rank `rank`'s runner over its own shards: cuda's eager CudaRunner (parallel/cuda_rank.py),
     or on the CPU the in-process numpy runner (one rank) or a NumpyRank over pipe `links`."""
     from tinyvllm.checkpoint.loading import read_weights
-    from tinyvllm.engine.startup import make_runner
+    from tinyvllm.engine.runners import make_runner
     size = engine_config.tensor_parallel_size
     shards = rank_shards(config, size)
     weights = read_weights(model_dir, gguf_file, config, engine_config)
