@@ -135,6 +135,21 @@ __device__ __forceinline__ float chunk_sum_sq(const float v[SS_CHUNK]) {
     return __fadd_rn(s[0], s[1]);
 }
 
+// The handed-over norm's share of one SS_CHUNK-column chunk of a new residual row h (a kernel
+// that writes the residual stream hands the next RMSNorm over to the GEMV after it): the chunk's
+// sum of squares into *ss and the next norm's operand bf16(h * (weight_offset + w)) into normed.
+__device__ __forceinline__ void hand_over_norm_chunk(const float h[SS_CHUNK], const bf16* weight, float weight_offset,
+                                                     bf16* normed, float* ss) {
+    float w[SS_CHUNK];
+    *ss = chunk_sum_sq(h);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) load_bf16x8(weight + 8 * half, w + 8 * half);
+#pragma unroll
+    for (int i = 0; i < SS_CHUNK; ++i) w[i] = __fmul_rn(h[i], __fadd_rn(w[i], weight_offset));
+    store_bf16x8(normed, w);
+    store_bf16x8(normed + 8, w + 8);
+}
+
 // An RMSNorm's arithmetic (rmsnorm.cu's kernels and the q/k norm of rope_kv.cu): inv_rms from a
 // row's sum of squares, and one normalised value before its bf16 rounding, (x * inv_rms) * weight.
 __device__ __forceinline__ float norm_inv_rms(float sum_sq, int hidden, float eps) {

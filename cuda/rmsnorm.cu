@@ -122,14 +122,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) rms_norm_residual_add(
             h[i] = bf16_round(__fadd_rn(h[i], bf16_round(norm_apply(v[i], scale, __fadd_rn(w[i], weight_offset)))));
         store_bf16x8(hidden + at, h);
         store_bf16x8(hidden + at + 8, h + 8);
-        if (next_weight) {   // the next norm's operand and this chunk's sum of squares (embedding.cu's form)
-            row_ss[(size_t)r * chunks + c] = chunk_sum_sq(h);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) load_bf16x8(next_weight + c * SS_CHUNK + 8 * half, w + 8 * half);
-#pragma unroll
-            for (int i = 0; i < SS_CHUNK; ++i) w[i] = __fmul_rn(h[i], __fadd_rn(w[i], weight_offset));
-            store_bf16x8(normed + at, w);
-            store_bf16x8(normed + at + 8, w + 8);
-        }
+        if (next_weight)   // the next norm's operand and this chunk's sum of squares (embedding.cu's form)
+            hand_over_norm_chunk(h, next_weight + c * SS_CHUNK, weight_offset, normed + at, &row_ss[(size_t)r * chunks + c]);
     }
 }

@@ -70,7 +70,7 @@ extern "C" __global__ void __launch_bounds__(ADD_THREADS) residual_add(
     const int chunks = hidden_size / SS_CHUNK;
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
         const size_t at = (size_t)r * hidden_size + c * SS_CHUNK;
-        float h[SS_CHUNK], v[SS_CHUNK], w[SS_CHUNK];
+        float h[SS_CHUNK], v[SS_CHUNK];
 #pragma unroll
         for (int half = 0; half < 2; ++half) unpack_bf16x8(load_fresh(hidden + at + 8 * half), h + 8 * half);
         if (x) {
@@ -81,15 +81,8 @@ extern "C" __global__ void __launch_bounds__(ADD_THREADS) residual_add(
             store_bf16x8(hidden + at, h);
             store_bf16x8(hidden + at + 8, h + 8);
         }
-        if (next_weight) {   // the next norm's operand and this chunk's sum of squares (embedding.cu's form)
-            row_ss[(size_t)r * chunks + c] = chunk_sum_sq(h);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) load_bf16x8(next_weight + c * SS_CHUNK + 8 * half, w + 8 * half);
-#pragma unroll
-            for (int i = 0; i < SS_CHUNK; ++i) w[i] = __fmul_rn(h[i], __fadd_rn(w[i], weight_offset));
-            store_bf16x8(normed + at, w);
-            store_bf16x8(normed + at + 8, w + 8);
-        }
+        if (next_weight)   // the next norm's operand and this chunk's sum of squares (embedding.cu's form)
+            hand_over_norm_chunk(h, next_weight + c * SS_CHUNK, weight_offset, normed + at, &row_ss[(size_t)r * chunks + c]);
     }
 }
 
