@@ -61,6 +61,12 @@ def gpu_ops():
             workspace.free()
 
 
+@pytest.fixture(scope="module")
+def gpu(gpu_ops):
+    """The launchers under the name the kernel tests use (a module may define its own `gpu`)."""
+    return gpu_ops
+
+
 @pytest.fixture
 def rng():
     """Fresh random inputs on every run; the seed is printed so a failure can be reproduced."""

@@ -26,11 +26,6 @@ pytestmark = pytest.mark.gpu
 BF16_TOL = 1e-2
 
 
-@pytest.fixture(scope="module")
-def gpu(gpu_ops):
-    return gpu_ops
-
-
 def _sync():
     import pycuda.driver as drv
     drv.Context.synchronize()

@@ -43,11 +43,6 @@ BF16_TOL = 1e-2
 EPS = 1e-6
 
 
-@pytest.fixture(scope="module")
-def gpu(gpu_ops):
-    return gpu_ops
-
-
 def _sync():
     import pycuda.driver as drv
     drv.Context.synchronize()

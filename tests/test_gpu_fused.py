@@ -52,11 +52,6 @@ EPS = 1e-5
 U = 2.0 ** -24
 
 
-@pytest.fixture(scope="module")
-def gpu(gpu_ops):
-    return gpu_ops
-
-
 def _sync():
     import pycuda.driver as drv
     drv.Context.synchronize()

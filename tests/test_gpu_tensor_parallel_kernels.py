@@ -18,11 +18,6 @@ pytestmark = pytest.mark.gpu
 KEY_GUARD = 0x0123456789ABCDEF
 
 
-@pytest.fixture(scope="module")
-def gpu(gpu_ops):
-    return gpu_ops
-
-
 def _sync():
     import pycuda.driver as drv
     drv.Context.synchronize()
