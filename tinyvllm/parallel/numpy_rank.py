@@ -19,9 +19,9 @@ import numpy as np
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 from tinyvllm.engine.model_runner import ModelRunner
-from tinyvllm.parallel.sharding import RankShard, rank_config
+from tinyvllm.parallel.numpy_ranks import rank_model
+from tinyvllm.parallel.sharding import RankShard
 from tinyvllm.parallel.vocab_parallel import argmax_only, gather_vocab, ids_from_keys, shard_argmax_keys
-from tinyvllm.reference.model import ReferenceModel
 from tinyvllm.reference.numpy_runner import numpy_kv_blocks
 from tinyvllm.reference.sampling import sample_step
 
@@ -78,9 +78,7 @@ class NumpyRank(ModelRunner):
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], engine_config: EngineConfig,
                  shard: RankShard, group: PipeGroup):
         self.shard, self.group = shard, group
-        self.model = ReferenceModel(rank_config(config, shard), weights)
-        self.model.vocab_start = shard.vocab.start
-        self.model.all_reduce = group.all_reduce
+        self.model = rank_model(config, weights, shard, group.all_reduce)
         self.num_kv_blocks = numpy_kv_blocks(config, engine_config)
         self.kv_cache = self.model.new_kv_cache(self.num_kv_blocks, engine_config.block_size)
 
@@ -96,10 +94,7 @@ class NumpyRank(ModelRunner):
         return gather_vocab(self.group.gather(self.model.forward_full(np.asarray(token_ids, np.int32))))
 
     def memory_report(self) -> str:
-        m = self.model
-        held = (sum(w.nbytes for layer in m.layers for w in layer.values()) + m.embed.nbytes + m.final_norm.nbytes
-                + (0 if m.lm_head is m.embed else m.lm_head.nbytes))
-        return (f"numpy rank {self.shard.rank} of {self.shard.size}: weights {held:,} bytes, "
+        return (f"numpy rank {self.shard.rank} of {self.shard.size}: weights {self.model.weight_bytes():,} bytes, "
                 f"KV cache {self.kv_cache.nbytes:,} bytes ({self.num_kv_blocks:,} blocks)")
 
     def close(self) -> None:

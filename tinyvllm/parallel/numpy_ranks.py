@@ -26,7 +26,7 @@ import numpy as np
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 from tinyvllm.engine.model_runner import ModelRunner
-from tinyvllm.parallel.sharding import rank_config, rank_memory_lines, rank_shards, rank_weights
+from tinyvllm.parallel.sharding import RankShard, rank_config, rank_memory_lines, rank_shards, rank_weights
 from tinyvllm.parallel.vocab_parallel import argmax_only, gather_vocab, ids_from_keys, shard_argmax_keys
 from tinyvllm.reference.model import ReferenceModel
 from tinyvllm.reference.numpy_runner import numpy_kv_blocks
@@ -80,6 +80,15 @@ class RankGroup:
         return results
 
 
+def rank_model(config: ModelConfig, weights: dict[str, np.ndarray], shard: RankShard, all_reduce) -> ReferenceModel:
+    """Rank shard.rank's reference model: the config at the rank's sizes over its shards
+    (weights: rank_weights'), its vocabulary slice's first id, `all_reduce` its sum over the ranks."""
+    model = ReferenceModel(rank_config(config, shard), weights)
+    model.vocab_start = shard.vocab.start
+    model.all_reduce = all_reduce
+    return model
+
+
 class ShardedReferenceModel:
     """The reference forward over `size` ranks: rank_models[r] holds rank r's shards."""
 
@@ -89,10 +98,8 @@ class ShardedReferenceModel:
         self.group = RankGroup(size)
         self.rank_models = []
         for shard in self.shards:
-            model = ReferenceModel(rank_config(config, shard), rank_weights(config, weights, shard))
-            model.vocab_start = shard.vocab.start
-            model.all_reduce = lambda x, rank=shard.rank: self.group.all_reduce(rank, x)
-            self.rank_models.append(model)
+            self.rank_models.append(rank_model(config, rank_weights(config, weights, shard), shard,
+                                               lambda x, rank=shard.rank: self.group.all_reduce(rank, x)))
 
     def new_kv_caches(self, num_blocks: int, block_size: int) -> list[np.ndarray]:
         """One paged cache per rank, holding its kv heads only."""
@@ -137,9 +144,7 @@ class ShardedNumpyRunner(ModelRunner):
 
     def memory_report(self) -> str:
         """Each rank's share: its heads and rows, and the float32 weights and KV cache it holds."""
-        held = [sum(w.nbytes for layer in m.layers for w in layer.values())
-                + m.embed.nbytes + m.final_norm.nbytes + (0 if m.lm_head is m.embed else m.lm_head.nbytes)
-                for m in self.model.rank_models]
+        held = [m.weight_bytes() for m in self.model.rank_models]
         lines = rank_memory_lines(self.config, len(held), weight_itemsize=4, kv_itemsize=4)
         lines += [f"  rank {r}: holds weights {w:,} bytes, KV cache {kv.nbytes:,} bytes ({self.num_kv_blocks:,} blocks)"
                   for r, (w, kv) in enumerate(zip(held, self.kv_caches))]

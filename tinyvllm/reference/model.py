@@ -66,6 +66,11 @@ class ReferenceModel:
         self.all_reduce = lambda x: x
         self.vocab_start = 0
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights it holds (a tied LM head counted once)."""
+        return (sum(w.nbytes for layer in self.layers for w in layer.values()) + self.embed.nbytes
+                + self.final_norm.nbytes + (0 if self.lm_head is self.embed else self.lm_head.nbytes))
+
     def _twin(self, name: str, fn, *args):
         out = fn(*args)
         if self.observer is not None:
