@@ -16,7 +16,12 @@ import numpy as np
 
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.gpu.arena import ArenaDims, ArenaLayout, round_up
-from tinyvllm.gpu.device_weights import device_tensor_itemsize, device_tensor_shapes, device_weight_bytes
+from tinyvllm.gpu.device_weights import (
+    device_host_tensors,
+    device_tensor_itemsize,
+    device_tensor_shapes,
+    device_weight_bytes,
+)
 
 
 def _gib(n: int) -> str:
@@ -58,11 +63,9 @@ def device_weight_lines(config: ModelConfig) -> list[str]:
     return lines
 
 
-def quantized_device_weight_lines(config: ModelConfig, loaded: dict) -> list[str]:
-    """device_weight_lines for a quantized model: each tensor's kind and device bytes (quantized
-    matrices as their planes, gpu/quant_weights.py)."""
-    from tinyvllm.gpu.device_weights import device_host_tensors
-    tensors = device_host_tensors(config, loaded)
+def quantized_device_weight_lines(tensors: dict) -> list[str]:
+    """device_weight_lines for a quantized model from its upload plan (device_host_tensors): each
+    tensor's kind and device bytes (quantized matrices as their planes, gpu/quant_weights.py)."""
     lines = [f"  {'device tensor':<24}{'kind':<10}{'bytes':>14}"]
     for key, t in tensors.items():
         kind = t.kind or ("reserved" if t.reserve else str(t.arrays[0].dtype))
@@ -146,14 +149,15 @@ def inspect_report(model: str | Path, engine: EngineConfig) -> str:
     loaded = read_weights(model_dir, gguf_file, config, engine)
     quantized = quantization_summary(loaded)
     layout = arena_layout(config, engine)
-    weights = device_weight_bytes(config, loaded if quantized and not cuda_unsupported(loaded) else None)
+    unsupported = cuda_unsupported(loaded)
+    # a quantized model's upload plan (its planes packed once): its tensor lines and its bytes
+    plan = device_host_tensors(config, loaded) if quantized and not unsupported else None
+    weights = sum(t.nbytes for t in plan.values()) if plan else device_weight_bytes(config)
     kv_full = config.kv_bytes_per_token * engine.context_limit(config) * engine.max_num_seqs
     tensors = (["GGUF tensors (the file's tensor table):", *gguf_tensor_lines(gguf_file)] if gguf_file else
                ["checkpoint tensors (safetensors headers):", *checkpoint_tensor_lines(model_dir)])
-    unsupported = cuda_unsupported(loaded)
     device = ([f"  {cuda_refuses(unsupported)}; in bf16 the upload would be:", *device_weight_lines(config)]
-              if unsupported else quantized_device_weight_lines(config, loaded) if quantized
-              else device_weight_lines(config))
+              if unsupported else quantized_device_weight_lines(plan) if plan else device_weight_lines(config))
     return "\n".join([
         f"model {model}", "config:", *config_lines(config),
         f"parameters: {config.num_parameters:,}", "", *tensors, "",

@@ -14,10 +14,11 @@ stores in different formats (weight_kinds.RowStack: a Q4_K_M file's q/k/v with v
 as one EXPANDED matrix (every part in one exact int8 + (a, b) form), not as separate parts: the
 fused layer's qkv + RoPE + KV-write and gate_up + SwiGLU epilogues need the group's rows in one
 GEMV, and one matrix keeps every path (fused, nine-launch, prefill) as it is for a uniform group,
-at 12 bits a weight for that group. A quantized embedding table is uploaded twice:
-dequantized to bf16 for the gather (which reads T rows a step, so its bytes cost memory, not time)
-and, when tied, as its blocks for the LM head (which reads the whole table every step). Prefill's quantized projections dequantize
-into `dequant_scratch` (bf16, the largest quantized layer matrix) for cuBLAS.
+at 12 bits a weight for that group. A quantized embedding table is uploaded twice: dequantized to
+bf16 for the gather (which reads T rows a step, so its bytes cost memory, not time) and, when
+tied, as its blocks for the LM head (which reads the whole table every step). Prefill's
+quantized projections dequantize into `dequant_scratch` (bf16, the largest quantized layer
+matrix) for cuBLAS.
 """
 from __future__ import annotations
 
