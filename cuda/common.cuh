@@ -25,6 +25,14 @@ typedef __nv_bfloat16 bf16;
 __device__ __forceinline__ void wait_for_producer() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void allow_consumer() { asm volatile("griddepcontrol.launch_dependents;" :::); }
 
+// An empty asm that the compiler front end must treat as redefining v: v is computed where this
+// stands and kept, not recomputed at a later use. The GEMV holds its row pointers and its first X
+// copies' sources this way; recomputed inside the ring loop and after the PDL wait (from the
+// block index up) they cost ~1 us a decode layer on Llama-1B (gemv.cu's header).
+template <typename T>
+__device__ __forceinline__ void hold(T*& v) { asm volatile("" : "+l"(v)); }
+__device__ __forceinline__ void hold(int& v) { asm volatile("" : "+r"(v)); }
+
 // ---- cp.async: 16-byte global -> shared copies that land while the thread goes on -------------
 // Used by the decode attention's K/V rings and the GEMV's weight ring. A thread's copies become
 // visible to that thread at cp_async_wait<N>() (N = groups it may leave in flight); other threads

@@ -37,8 +37,8 @@
 // and X row g (16 bytes per lane each); right after step i's mmas the warp refills the slot with
 // step i + RING_STEPS, so RING_STEPS steps stay in flight without a gap. The first RING_STEPS
 // steps' W is copied before griddepcontrol.wait (the weights are written by no kernel), their X
-// after it. Shared memory grows by kw * RING_BYTES_PER_WARP (6,144 bytes): a wave of 32 warps per
-// SM takes 212,992 bytes of the SM's 233,472. Against W loaded into registers a few steps at a
+// after it. Shared memory grows by kw * RING_BYTES_PER_WARP (6,400 bytes): a wave of 32 warps per
+// SM takes 221,184 bytes of the SM's 233,472. Against W loaded into registers a few steps at a
 // time (the warp's bytes in flight falling to zero at every turn), the ring measured 0.825 ms
 // against 1.027 on the Llama-1B decode graph, every kernel triggering its dependents first
 // (H200, 2026-12-04, b1f78de).
@@ -104,8 +104,10 @@ constexpr int ROWS_PER_CTA = 16;   // W rows (outputs n) per CTA: the M of one m
 constexpr int STEP_K = 32;        // k per warp step: 4 lanes x 8 bf16 per W row
 constexpr int MAX_K_WARPS = 32;
 constexpr int RING_STEPS = 4;     // steps per warp in flight (cp.async groups)
-// one step of one warp: W rows g and g + 8, X row g (16 bytes per lane each)
-constexpr int RING_SLOT_QUADS = 3 * 32;
+// one step of one warp: W rows g and g + 8, X row g (16 bytes per lane each), and 4 quads that
+// nothing uses: slots 1,600 bytes apart rather than 1,536 measured 0.937 -> 0.929 ms a token on
+// Llama-1B (bench --workload latency, H100, 2026-12-07, alternating in one run)
+constexpr int RING_SLOT_QUADS = 3 * 32 + 4;
 constexpr int RING_BYTES_PER_WARP = RING_STEPS * RING_SLOT_QUADS * 16;   // gpu/ops/gemv.py sizes shared memory by it
 }  // namespace
 
@@ -141,6 +143,7 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
     const bf16* w0 = w + (size_t)(w_ok0 ? w_tile.row_a + g : 0) * k + 8 * t;
     const bf16* w1 = w + (size_t)(w_ok1 ? w_tile.row_b + g : 0) * k + 8 * t;
     const bf16* xr = x + (x_ok ? g : 0) * (size_t)k + 8 * t;
+    hold(w0), hold(w1), hold(xr);
 
     // prenormed: the producer's m x ss_count sums of squares, copied into shared memory right
     // after the wait in the same cp.async group as the first X chunks, so the epilogue's inv_rms
@@ -152,7 +155,6 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
         if constexpr (MODE == XLoad::prenormed) {
             for (int c = threadIdx.x; c < m * ss_count / 4; c += blockDim.x)
                 cp_async16(smem_addr(producer_ss + 4 * c), norm.row_ss + 4 * c, 16);
-            cp_async_commit();
         }
     };
 
@@ -187,11 +189,24 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
         if (i < my_steps) copy_w(i);
         cp_async_commit();
     }
+    // After the wait the step's critical path runs (the producer has ended), so the first X
+    // copies' sources are ready before it and nothing but the copies follows it. A slot past
+    // my_steps gets 16 zero bytes that no step reads.
+    const void* x_src[RING_STEPS];
+    int x_bytes[RING_STEPS];
+#pragma unroll
+    for (int i = 0; i < RING_STEPS; ++i) {
+        const int kk = (s_begin + i) * STEP_K;
+        const bool in = x_ok && i < my_steps && kk + 8 * t < k;
+        x_src[i] = in ? xr + kk : xr;
+        x_bytes[i] = in ? 16 : 0;
+        hold(x_src[i]), hold(x_bytes[i]);
+    }
     wait_for_producer();   // X is the previous kernel's output
-    copy_producer_ss();    // its own group, committed before X's: done by X's wait below
 #pragma unroll
     for (int i = 0; i < RING_STEPS; ++i)
-        if (i < my_steps) copy_x(i);
+        cp_async16(smem_addr(slots + i * RING_SLOT_QUADS + 64 + lane), x_src[i], x_bytes[i]);
+    copy_producer_ss();    // in X's group: done by its wait below
     cp_async_commit();
     cp_async_wait<0>();
     for (int i = 0; i < my_steps; ++i) {

@@ -221,6 +221,7 @@ __device__ __forceinline__ void gemv_quant_body(void* __restrict__ y, const bf16
     const uint8_t* w0 = wq + row0 * row_bytes;
     const uint8_t* w1 = wq + row1 * row_bytes;
     const bf16* xr = x + (x_ok ? g : 0) * (size_t)k;
+    hold(w0), hold(w1), hold(xr);
     // scale words per row: Q4_1 one per block; Q8_0 / Q4_0 one per two blocks (SB / 2)
     const int nb = k / 32;
     const int words_per_row = F == Fmt::q4_1 ? nb : (nb + 1) / 2;
@@ -240,7 +241,6 @@ __device__ __forceinline__ void gemv_quant_body(void* __restrict__ y, const bf16
         if constexpr (MODE == XLoad::prenormed) {
             for (int c = threadIdx.x; c < m * ss_count / 4; c += blockDim.x)
                 cp_async16(smem_addr(producer_ss + 4 * c), norm.row_ss + 4 * c, 16);
-            cp_async_commit();
         }
     };
     auto slot_of = [&](int i) { return slots + (i % RING_STEPS) * (Q::SLOT_BYTES / 16); };
@@ -286,11 +286,25 @@ __device__ __forceinline__ void gemv_quant_body(void* __restrict__ y, const bf16
         if (i < my_steps) copy_w(i);
         cp_async_commit();
     }
+    // X's first sources ready before the wait, only the copies after it (gemv.cu's ring)
+    const void* x_src[RING_STEPS];
+    int x_bytes[RING_STEPS];
+#pragma unroll
+    for (int i = 0; i < RING_STEPS; ++i) {
+        const int kc = lane_k(i);
+        const bool in = x_ok && i < my_steps && kc < k;
+        x_src[i] = in ? xr + kc : xr;
+        x_bytes[i] = in ? 16 : 0;
+        hold(x_src[i]), hold(x_bytes[i]);
+    }
     wait_for_producer();
-    copy_producer_ss();    // its own group, committed before X's: done by X's wait below
 #pragma unroll
     for (int i = 0; i < RING_STEPS; ++i)
-        if (i < my_steps) copy_x(i);
+#pragma unroll
+        for (int j = 0; j < Q::X_QUADS; ++j)
+            cp_async16(smem_addr(slot_of(i) + (2 + j) * 32 + lane), static_cast<const bf16*>(x_src[i]) + 8 * j,
+                       x_bytes[i]);
+    copy_producer_ss();    // in X's group: done by its wait below
     cp_async_commit();
     cp_async_wait<0>();
 

@@ -88,12 +88,14 @@ def _logits_rel(got, want) -> float:
 
 
 def logits_match_reference(cfg, runner, refm, ref32, block: int, noise_ratio: float,
-                           fp32_gap_tol: float | None = None) -> None:
+                           step_ratio: float | None = None) -> None:
     """A prefill of three prompts (5, 23, 70 tokens) and 32 teacher-forced decode steps over
     shuffled block tables on the GPU runner, the bf16 numpy twin (refm, round_bf16=True) and the
     fp32 reference (ref32), compared every step (test_gpu_model.py's docstring says why so):
     the mean over the steps of the GPU's relative logits error against fp32 is at most
-    noise_ratio times the twin's, each step's at most fp32_gap_tol where given, and the GPU's
+    noise_ratio times the twin's, each step's at most step_ratio times the twin's worst step
+    where given (bf16 noise stays within a small factor of it; a broken step, a race or a stale
+    K/V row, is off by O(1)), and the GPU's
     greedy token is the twin's except where the twin's top two logits are closer than twice
     that row's largest logit error."""
     from tinyvllm.engine.batch import ForwardBatch
@@ -132,7 +134,7 @@ def logits_match_reference(cfg, runner, refm, ref32, block: int, noise_ratio: fl
     print(f"{cfg.family}: per-step max rel. logits error, bf16-numpy vs fp32:", show(bf16_gaps))
     print(f"{cfg.family}: per-step max rel. logits error, gpu vs bf16-numpy: ", show(errors))
     print(f"greedy mismatches at near-ties: {mismatches}")
-    if fp32_gap_tol is not None:
-        assert max(fp32_gaps) < fp32_gap_tol
+    if step_ratio is not None:
+        assert max(fp32_gaps) <= step_ratio * max(bf16_gaps), (max(fp32_gaps), max(bf16_gaps))
     g, b = float(np.mean(fp32_gaps)), float(np.mean(bf16_gaps))
     assert g <= noise_ratio * b, f"mean error vs fp32: gpu {g:.2e}, bf16 numpy {b:.2e}"

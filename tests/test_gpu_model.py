@@ -11,7 +11,8 @@ by 1-3e-2. The test therefore measures three per-step relative errors:
                            stores bf16 (ReferenceModel(round_bf16=True))
     gpu vs bf16-numpy      printed for information
 and asserts that the GPU is no further from the exact answer than the bf16 numpy twin
-(mean over the steps, ratio <= BF16_NOISE_RATIO), with an absolute sanity bound FP32_GAP_TOL. Greedy tokens must agree
+(mean over the steps, ratio <= BF16_NOISE_RATIO), and no step further than STEP_NOISE_RATIO times the
+twin's worst step (bf16 noise fluctuates from step to step; a broken step is O(1) off). Greedy tokens must agree
 with the reference except where its top two logits are closer than twice that row's largest
 logit error (a near-tie the rounding can flip); such cases are counted and printed.
 """
@@ -27,7 +28,7 @@ from tinyvllm.reference.model import ReferenceModel
 
 pytestmark = pytest.mark.gpu
 BF16_NOISE_RATIO = 1.5     # mean over steps of gpu-vs-fp32 / bf16numpy-vs-fp32 error
-FP32_GAP_TOL = 6e-2        # gpu vs fp32 reference, per step (absolute sanity bound)
+STEP_NOISE_RATIO = 2.0     # any step's gpu-vs-fp32 error / the twin's largest over the steps
 BLOCK = 16
 
 
@@ -50,7 +51,7 @@ def test_tiny_model_matches_reference(tiny, fused_decode):
     from gpu_helpers import decode_layer, logits_match_reference
     cfg, runner, refm, ref32 = tiny
     with decode_layer(runner, fused_decode):
-        logits_match_reference(cfg, runner, refm, ref32, BLOCK, BF16_NOISE_RATIO, FP32_GAP_TOL)
+        logits_match_reference(cfg, runner, refm, ref32, BLOCK, BF16_NOISE_RATIO, STEP_NOISE_RATIO)
 
 
 def test_execute_samples_greedy_argmax(tiny):
