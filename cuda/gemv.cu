@@ -30,14 +30,14 @@
 //             ring (below); the prenormed kernels add the producer's row sums. After one
 //             __syncthreads the first 16*m threads sum the kw partials of one output each.
 // __launch_bounds__(1024) caps the kernel at 64 registers, so 32 warps fit on an SM whatever kw
-// is (ptxas, nvcc 13.0 sm_90: 31-42 registers, no spills; gemv_prenormed_rope_kv keeps a 32-byte
+// is (ptxas, nvcc 13.0 sm_90: 40-48 registers, no spills; gemv_prenormed_rope_kv keeps a 32-byte
 // stack frame for sincosf's slow path).
 // The weight ring: each warp streams through its own ring of RING_STEPS slots in shared memory,
 // one cp.async.cg commit group per step. Slot i % RING_STEPS holds step i's W rows g and g + 8
 // and X row g (16 bytes per lane each); right after step i's mmas the warp refills the slot with
 // step i + RING_STEPS, so RING_STEPS steps stay in flight without a gap. The first RING_STEPS
 // steps' W is copied before griddepcontrol.wait (the weights are written by no kernel), their X
-// after it. Shared memory grows by kw * RING_BYTES_PER_WARP (6,400 bytes): a wave of 32 warps per
+// after it, with every address computed before the wait (gemv_body's prologue says why). Shared memory grows by kw * RING_BYTES_PER_WARP (6,400 bytes): a wave of 32 warps per
 // SM takes 221,184 bytes of the SM's 233,472. Against W loaded into registers a few steps at a
 // time (the warp's bytes in flight falling to zero at every turn), the ring measured 0.825 ms
 // against 1.027 on the Llama-1B decode graph, every kernel triggering its dependents first
