@@ -62,7 +62,7 @@
 // MAX_K_WARPS warps split K as in gemv.cu), shared = kw * (PARTIAL_BYTES + RING_STEPS * slot bytes
 // of the format), plus the producer's row sums for a prenormed kernel (m * k / 16 * 4 bytes). Slots
 // are larger than gemv.cu's (a step carries 32-64 bytes of X per lane), so the ring holds 3 steps
-// and a CTA at most 16 warps. Bounds: rows >= n, k >= K and X rows >= m are never read (zero-filled
+// and a CTA at most 16 warps, FP8's (the smallest slots) 32. Bounds: rows >= n, k >= K and X rows >= m are never read (zero-filled
 // copies), k % LANE_K == 0 (FP8) or k % 32 == 0 (blocks); x, w 16-byte aligned.
 // The entry points are gemv.cu's seven for each kind — plain (linear()), the residual GEMV that
 // hands the next norm over, and the prenormed qkv + RoPE + KV write, LM head, gate_up + SwiGLU /
@@ -75,6 +75,11 @@
 
 constexpr int ROWS_PER_CTA = 16;
 constexpr int MAX_K_WARPS = 16;
+// FP8's CTA may hold 32 warps: 32 x (512 + 3 x 2,048) = 212,992 bytes of rings, plus a prenormed
+// kernel's row sums (2k bytes at m = 8), within an SM's 232,448-byte opt-in for k <= 8,192. At 16
+// warps Llama-1B's down GEMV (128 CTAs, 8 steps a warp) kept 48 KB of W in flight an SM against
+// bf16's 124 KB (gpu/ops/quant_gemv.py's quant_k_warps checks the budget for larger k).
+constexpr int MAX_K_WARPS_FP8 = 32;
 constexpr int RING_STEPS = 3;
 constexpr int PARTIAL_BYTES = 512;           // a warp's 8 x 16 fp32 partial tile
 // per-format ring slot of one warp: 2 W quads + X quads per lane (+ 2 scale words per lane)
@@ -84,6 +89,8 @@ constexpr int SLOT_BYTES_Q4 = 32 * 16 * 6 + 32 * 8;
 constexpr int SLOT_BYTES_Q4_K = 32 * 16 * 6 + 32 * 16;      // fp32 (a, b) pairs: 8 bytes a lane and row
 constexpr int SLOT_BYTES_Q6_K = SLOT_BYTES_Q8_0;               // one fp32 step a lane and row
 constexpr int SLOT_BYTES_EXPANDED = 32 * 16 * 4 + 32 * 16;
+static_assert(MAX_K_WARPS_FP8 * (PARTIAL_BYTES + RING_STEPS * SLOT_BYTES_FP8) + 2 * 8192 <= 232448,
+              "FP8's widest CTA and its row sums fit an SM's shared memory up to k = 8,192");
 constexpr int LANE_K_BYTE = 16;              // weights per lane-step: one-byte formats
 constexpr int LANE_K_NIBBLE = 32;            // nibble formats (one whole block)
 
@@ -100,6 +107,7 @@ struct Format {
     static constexpr int STEP_K = 4 * LANE_K;
     static constexpr int X_QUADS = LANE_K / 8;
     static constexpr bool BLOCKS = F != Fmt::fp8;
+    static constexpr int MAX_WARPS = F == Fmt::fp8 ? MAX_K_WARPS_FP8 : MAX_K_WARPS;
     static constexpr int SLOT_BYTES = F == Fmt::fp8 ? SLOT_BYTES_FP8 : F == Fmt::q8_0 ? SLOT_BYTES_Q8_0
                                     : F == Fmt::q4_k ? SLOT_BYTES_Q4_K : F == Fmt::q6_k ? SLOT_BYTES_Q6_K
                                     : F == Fmt::expanded ? SLOT_BYTES_EXPANDED : SLOT_BYTES_Q4;
@@ -399,21 +407,21 @@ __device__ __forceinline__ void dequant_body(bf16* __restrict__ out, const uint8
 // dequantization of rows [row0, row0 + rows) into out [rows, k] bf16 (dequant_<kind>).
 
 #define QUANT_GEMV_KERNELS(K) \
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32) \
+extern "C" __global__ void __launch_bounds__(Format<Fmt::K>::MAX_WARPS * 32) \
 gemv_quant_##K(void* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, int out_f32, \
           int accumulate) { \
     gemv_quant_body<Fmt::K, XLoad::plain, Epilogue::store>(y, x, NormArgs{}, wq, wscale, m, n, k, out_f32, accumulate, \
                                                         RopeArgs{}, NormOut{}); \
 } \
 \
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32) \
+extern "C" __global__ void __launch_bounds__(Format<Fmt::K>::MAX_WARPS * 32) \
 gemv_quant_residual_norm_##K(bf16* __restrict__ y, const bf16* __restrict__ x, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, \
                           const bf16* __restrict__ norm_w, bf16* __restrict__ normed, float* __restrict__ row_ss) { \
     gemv_quant_body<Fmt::K, XLoad::plain, Epilogue::residual_norm>(y, x, NormArgs{}, wq, wscale, m, n, k, 0, 1, \
                                                                 RopeArgs{}, NormOut{norm_w, normed, row_ss}); \
 } \
 \
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32) \
+extern "C" __global__ void __launch_bounds__(Format<Fmt::K>::MAX_WARPS * 32) \
 gemv_quant_prenormed_rope_kv_##K(bf16* __restrict__ qkv, const bf16* __restrict__ x, const float* __restrict__ row_ss, \
                               const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, bf16* k_cache, bf16* v_cache, \
                               const int* __restrict__ positions, const int* __restrict__ slot_mapping, \
@@ -424,7 +432,7 @@ gemv_quant_prenormed_rope_kv_##K(bf16* __restrict__ qkv, const bf16* __restrict_
         NormOut{}); \
 } \
 \
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32) \
+extern "C" __global__ void __launch_bounds__(Format<Fmt::K>::MAX_WARPS * 32) \
 gemv_quant_prenormed_rope_kv_bias_##K(bf16* __restrict__ qkv, const bf16* __restrict__ x, \
                                    const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps, \
                                    bf16* k_cache, bf16* v_cache, const int* __restrict__ positions, \
@@ -436,21 +444,21 @@ gemv_quant_prenormed_rope_kv_bias_##K(bf16* __restrict__ qkv, const bf16* __rest
         NormOut{}); \
 } \
 \
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32) \
+extern "C" __global__ void __launch_bounds__(Format<Fmt::K>::MAX_WARPS * 32) \
 gemv_quant_prenormed_##K(void* __restrict__ y, const bf16* __restrict__ x, const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, \
                       int m, int n, int k, float eps, int out_f32, unsigned long long* __restrict__ head_argmax) { \
     gemv_quant_body<Fmt::K, XLoad::prenormed, Epilogue::store>(y, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, \
                                                             out_f32, 0, RopeArgs{}, NormOut{}, head_argmax); \
 } \
 \
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32) \
+extern "C" __global__ void __launch_bounds__(Format<Fmt::K>::MAX_WARPS * 32) \
 gemv_quant_prenormed_silu_mul_##K(bf16* __restrict__ act, const bf16* __restrict__ x, \
                                const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) { \
     gemv_quant_body<Fmt::K, XLoad::prenormed, Epilogue::silu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, \
                                                                0, 0, RopeArgs{}, NormOut{}); \
 } \
 \
-extern "C" __global__ void __launch_bounds__(MAX_K_WARPS * 32) \
+extern "C" __global__ void __launch_bounds__(Format<Fmt::K>::MAX_WARPS * 32) \
 gemv_quant_prenormed_gelu_mul_##K(bf16* __restrict__ act, const bf16* __restrict__ x, \
                                const float* __restrict__ row_ss, const uint8_t* __restrict__ wq, const void* __restrict__ wscale, int m, int n, int k, float eps) { \
     gemv_quant_body<Fmt::K, XLoad::prenormed, Epilogue::gelu_mul>(act, x, NormArgs{eps, row_ss}, wq, wscale, m, n, k, \

@@ -12,7 +12,7 @@ import pytest
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError
 from tinyvllm.gpu.device_weights import device_host_tensors, device_weight_bytes
-from tinyvllm.gpu.ops.quant_gemv import LANE_K, QGEMV, QuantGemvOps, quant_gemv_shape
+from tinyvllm.gpu.ops.quant_gemv import LANE_K, QGEMV, QuantGemvOps, max_k_warps, quant_gemv_shape
 from tinyvllm.gpu.quant_weights import EXPANDED, QuantMatrix, fp8_scaled_bf16, pack_planes, planes_dequantize_bf16
 from tinyvllm.quant import fp8
 from tinyvllm.quant.block_format import BF16, QuantizedWeight
@@ -236,4 +236,7 @@ def test_launch_shapes_fit_shared_memory():
         for n, k in shapes:
             kw = ops.quant_k_warps(QuantMatrix(kind, 0, 0, n, k, 0))
             grid, block, shared = quant_gemv_shape(kind, n, kw)
-            assert 1 <= kw <= 16 and grid[0] * 16 >= n and shared <= 227 << 10, (kind, n, k, kw, shared)
+            # the rings, and a prenormed kernel's row sums at m = 8 (2k bytes), within one block's opt-in
+            assert 1 <= kw <= max_k_warps(kind) and grid[0] * 16 >= n and shared + 2 * k <= 227 << 10, \
+                (kind, n, k, kw, shared)
+    assert max_k_warps("FP8") == 32 and ops.quant_k_warps(QuantMatrix("FP8", 0, 0, 2048, 8192, 0)) == 32

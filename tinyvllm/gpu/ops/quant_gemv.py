@@ -28,6 +28,7 @@ QGEMV = kernel_constants("gemv_quant.cu")
 QGEMV_MAX_ROWS = 8
 QGEMV_WARPS_PER_SM = 32          # the doubling rule's one-wave budget, as gemv.py's
 QGEMV_MIN_STEPS_PER_WARP = 2
+MAX_SHARED_BYTES = 232_448       # an sm_90 block's dynamic shared memory (227 KB, opted into)
 DEQUANT_THREADS = 256
 # per kind: weights a lane holds per step (its 16 bytes), the ring slot's bytes, what k must divide into
 LANE_K = {"FP8": QGEMV["LANE_K_BYTE"], "Q8_0": QGEMV["LANE_K_BYTE"], "Q4_0": QGEMV["LANE_K_NIBBLE"],
@@ -43,13 +44,21 @@ K_MULTIPLE = {"FP8": 16, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K"
 
 
 @functools.lru_cache(maxsize=None)
+def max_k_warps(kind: str) -> int:
+    """A CTA's most warps for this kind (gemv_quant.cu's Format::MAX_WARPS, its launch bound)."""
+    return QGEMV["MAX_K_WARPS_FP8"] if kind == "FP8" else QGEMV["MAX_K_WARPS"]
+
+
+def ring_bytes_per_warp(kind: str) -> int:
+    """A warp's partial tile and its ring of RING_STEPS slots."""
+    return QGEMV["PARTIAL_BYTES"] + QGEMV["RING_STEPS"] * SLOT_BYTES[kind]
+
+
 def quant_gemv_shape(kind: str, n: int, k_warps: int) -> tuple:
-    """(grid, block, shared_bytes): one CTA per 16 outputs, k_warps warps splitting K, each with
-    its partial tile and its ring of RING_STEPS slots."""
-    if not 1 <= k_warps <= QGEMV["MAX_K_WARPS"]:
-        raise ValueError(f"k_warps must be in 1..{QGEMV['MAX_K_WARPS']}, got {k_warps}")
-    per_warp = QGEMV["PARTIAL_BYTES"] + QGEMV["RING_STEPS"] * SLOT_BYTES[kind]
-    return (math.ceil(n / QGEMV["ROWS_PER_CTA"]), 1, 1), (32 * k_warps, 1, 1), k_warps * per_warp
+    """(grid, block, shared_bytes): one CTA per 16 outputs, k_warps warps splitting K."""
+    if not 1 <= k_warps <= max_k_warps(kind):
+        raise ValueError(f"k_warps must be in 1..{max_k_warps(kind)} for {kind}, got {k_warps}")
+    return (math.ceil(n / QGEMV["ROWS_PER_CTA"]), 1, 1), (32 * k_warps, 1, 1), k_warps * ring_bytes_per_warp(kind)
 
 
 class QuantGemvOps(OpsBase):
@@ -89,11 +98,13 @@ class QuantGemvOps(OpsBase):
 
     def quant_k_warps(self, w: QuantMatrix) -> int:
         """gemv.py's doubling rule on this kernel's steps: double the k-split while the grid stays
-        within one wave and every warp keeps QGEMV_MIN_STEPS_PER_WARP steps."""
+        within one wave, every warp keeps QGEMV_MIN_STEPS_PER_WARP steps, and the CTA's rings with
+        a prenormed kernel's row sums (2k bytes at m = 8) fit MAX_SHARED_BYTES."""
         ctas, steps = math.ceil(w.rows / QGEMV["ROWS_PER_CTA"]), math.ceil(w.cols / (4 * LANE_K[w.kind]))
-        kw = 1
-        while (kw < QGEMV["MAX_K_WARPS"] and steps >= kw * 2 * QGEMV_MIN_STEPS_PER_WARP
-               and ctas * kw * 2 <= self.num_sms * QGEMV_WARPS_PER_SM):
+        kw, most, per_warp = 1, max_k_warps(w.kind), ring_bytes_per_warp(w.kind)
+        while (kw < most and steps >= kw * 2 * QGEMV_MIN_STEPS_PER_WARP
+               and ctas * kw * 2 <= self.num_sms * QGEMV_WARPS_PER_SM
+               and kw * 2 * per_warp + 2 * w.cols <= MAX_SHARED_BYTES):
             kw *= 2
         return kw
 
