@@ -37,11 +37,11 @@
 // and X row g (16 bytes per lane each); right after step i's mmas the warp refills the slot with
 // step i + RING_STEPS, so RING_STEPS steps stay in flight without a gap. The first RING_STEPS
 // steps' W is copied before griddepcontrol.wait (the weights are written by no kernel), their X
-// after it, with every address computed before the wait (gemv_body's prologue says why). Shared memory grows by kw * RING_BYTES_PER_WARP (6,400 bytes): a wave of 32 warps per
-// SM takes 221,184 bytes of the SM's 233,472. Against W loaded into registers a few steps at a
-// time (the warp's bytes in flight falling to zero at every turn), the ring measured 0.825 ms
-// against 1.027 on the Llama-1B decode graph, every kernel triggering its dependents first
-// (H200, 2026-12-04, b1f78de).
+// after it, with every address computed before the wait (gemv_body's prologue says why). Shared
+// memory grows by kw * RING_BYTES_PER_WARP (6,400 bytes): a wave of 32 warps per SM takes 221,184
+// bytes of the SM's 233,472. Against W loaded into registers a few steps at a time (the warp's
+// bytes in flight falling to zero at every turn), the ring measured 0.825 ms against 1.027 on the
+// Llama-1B decode graph, every kernel triggering its dependents first (H200, 2026-12-04, b1f78de).
 // The Python side chooses kw so that ceil(n/16) * kw fills the GPU about once (o/qkv: 16 warps of
 // 4 steps, down: 32 warps of 8 steps, gate_up: 4 warps of 16 steps): small matrices put their
 // whole weight in flight at once, big ones stream with fewer, longer warps. No workspace, one

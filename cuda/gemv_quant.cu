@@ -62,8 +62,9 @@
 // MAX_K_WARPS warps split K as in gemv.cu), shared = kw * (PARTIAL_BYTES + RING_STEPS * slot bytes
 // of the format), plus the producer's row sums for a prenormed kernel (m * k / 16 * 4 bytes). Slots
 // are larger than gemv.cu's (a step carries 32-64 bytes of X per lane), so the ring holds 3 steps
-// and a CTA at most 16 warps, FP8's (the smallest slots) 32. Bounds: rows >= n, k >= K and X rows >= m are never read (zero-filled
-// copies), k % LANE_K == 0 (FP8) or k % 32 == 0 (blocks); x, w 16-byte aligned.
+// and a CTA at most 16 warps, FP8's (the smallest slots) 32. Bounds: rows >= n, k >= K and X rows
+// >= m are never read (zero-filled copies), k % LANE_K == 0 (FP8) or k % 32 == 0 (blocks); x, w
+// 16-byte aligned.
 // The entry points are gemv.cu's seven for each kind — plain (linear()), the residual GEMV that
 // hands the next norm over, and the prenormed qkv + RoPE + KV write, LM head, gate_up + SwiGLU /
 // GeGLU — so a quantized model runs the fused decode layer as a bf16 one does: the epilogues are
