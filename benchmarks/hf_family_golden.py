@@ -1,6 +1,6 @@
 """Record transformers' greedy tokens on small random-weight models of the families served beside
-Llama (Qwen2, Qwen3, Mistral, Gemma 3 text): the golden fixtures tests/test_golden_families.py
-holds the engine to.
+Llama (Qwen2, Qwen3, Mistral, Gemma 3 text, and Gemma 3's multimodal model run on text): the golden
+fixtures tests/test_golden_families.py holds the engine to.
 
     python benchmarks/hf_family_golden.py [--out tests/fixtures/families] [--family qwen3 ...]
 
@@ -40,6 +40,12 @@ SEED = 1234
 SMALL = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=320, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
              bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
+GEMMA3_TEXT = dict(
+    SMALL, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+    query_pre_attn_scalar=64, sliding_window=8,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
 # family -> (transformers config class, its arguments): each exercises what its family changes
 FAMILIES = {
     # q/k/v biases (always on in Qwen2Attention), tied embeddings as on Qwen2.5-0.5B; 4 query
@@ -55,14 +61,16 @@ FAMILIES = {
                                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     # sliding and full layers, each with its RoPE (linear scaling on the full ones, as on the 4B),
     # Gemma 3's head_dim 256, a query scale other than head_dim^-1/2, sqrt(128) not a bf16 number
-    "gemma3": ("Gemma3TextConfig", dict(
-        SMALL, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
-        query_pre_attn_scalar=64, sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "gemma3": ("Gemma3TextConfig", GEMMA3_TEXT),
+    # the multimodal Gemma 3 (4B-27B's Gemma3ForConditionalGeneration) with a tiny vision tower,
+    # run on text: its language model is the text model above, saved under language_model.model.
+    "gemma3_mm": ("Gemma3Config", dict(text_config=GEMMA3_TEXT, vision_config=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+        patch_size=14), mm_tokens_per_image=4)),
 }
-ONE_PLUS_W_NORMS = {"gemma3"}          # Gemma3RMSNorm multiplies by (1 + weight)
+ONE_PLUS_W_NORMS = {"gemma3", "gemma3_mm"}          # Gemma3RMSNorm multiplies by (1 + weight)
+FINAL_NORMS = ("model.norm.weight", "model.language_model.norm.weight")
+VISION_PARTS = ("model.vision_tower.", "model.multi_modal_projector.")   # left at transformers' init
 
 
 def sha256(path: Path) -> str:
@@ -81,9 +89,11 @@ def init_weights(torch, model, family: str, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
+            if name.startswith(VISION_PARTS):             # a text run never reads them
+                continue
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if name.endswith("norm.weight"):
-                gain = 18.0 if name == "model.norm.weight" else \
+                gain = 18.0 if name in FINAL_NORMS else \
                     1.5 if name.endswith(("q_norm.weight", "k_norm.weight")) else 1.0
                 p.copy_(gain - offset + 0.1 * noise)
             elif name.endswith(".bias"):
@@ -119,7 +129,8 @@ def float64_rope(torch, model) -> None:
     (the rotary embedding builds inv_freq in float32 and its forward casts to float): give the
     float64 model a float64 RoPE (default and linear types), so that its gaps are exact to ~1e-13
     and measure the fp32 run's RoPE rounding too."""
-    rotary, config = model.model.rotary_emb, model.config
+    text_model = getattr(model.model, "language_model", model.model)      # a multimodal model's
+    rotary, config = text_model.rotary_emb, model.config.get_text_config()
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     theirs = rotary.forward
 

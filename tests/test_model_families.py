@@ -146,8 +146,13 @@ def test_family_is_model_type_else_architecture():
     assert ModelConfig.from_dict({**GEMMA3_V4, "architectures": None}).family == "gemma3_text"
     with pytest.raises(ModelLoadError, match="model_type 'qwen2' and architectures .* name different model families"):
         ModelConfig.from_dict({**QWEN3_V4, "model_type": "qwen2"})
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gemma3'"):
-        ModelConfig.from_dict({"model_type": "gemma3", "text_config": GEMMA3_V4})     # the multimodal wrapper
+    # the multimodal wrapper is read as its language model (tests/test_multimodal_text.py) ...
+    wrapped = ModelConfig.from_dict({"model_type": "gemma3", "text_config": GEMMA3_V4})
+    assert wrapped == ModelConfig.from_dict(GEMMA3_V4)
+    # ... another one is refused, naming what is served
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture \['LlavaForConditionalGeneration'\]; "
+                                             r"tinyvllm serves .*Gemma3ForConditionalGeneration \(text only\)"):
+        ModelConfig.from_dict({"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava"})
 
 
 @pytest.mark.parametrize("cfg, change, match", [

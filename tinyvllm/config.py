@@ -17,7 +17,14 @@ import numpy as np
 
 from tinyvllm.errors import ModelLoadError
 from tinyvllm.hf_config import FULL, SLIDING, ConfigFields, LinearRopeScaling, RopeScaling, parse_dtype
-from tinyvllm.model_family import FAMILIES, HEAD_DIM_DEFAULT, TIED_DEFAULT, family_fields, family_of
+from tinyvllm.model_family import (
+    FAMILIES,
+    HEAD_DIM_DEFAULT,
+    TIED_DEFAULT,
+    family_fields,
+    family_of,
+    language_model_config,
+)
 from tinyvllm.quant.quant_config import QuantConfig, parse_quantization_config
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling", "LinearRopeScaling", "EngineConfig",
@@ -109,6 +116,7 @@ class ModelConfig:
     def from_dict(cls, cfg: dict, source: str = "config.json") -> ModelConfig:
         if not isinstance(cfg, dict):
             raise ModelLoadError(f"{source}: must be a JSON object, got a {type(cfg).__name__}")
+        cfg = language_model_config(cfg, source)
         family = family_of(cfg, source)
         f = ConfigFields(cfg, source)
         heads, hidden = f.positive_int("num_attention_heads"), f.positive_int("hidden_size")

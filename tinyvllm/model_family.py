@@ -18,6 +18,12 @@ few changes, each one a ModelConfig field:
 
 (Qwen2 and Qwen3 have sliding windows too, off unless use_sliding_window is true.)
 
+Gemma 3 4B, 12B and 27B are multimodal checkpoints (Gemma3ForConditionalGeneration, model_type
+gemma3): served text-only, as their language model, a Gemma 3 text model whose config is
+config.json's text_config (language_model_config) and whose tensors carry the language model's
+prefix (checkpoint/weight_names.py). The vision tower is not loaded; a request with an image is
+refused where requests are validated (the server's message parts are text).
+
 The rule for fields: what the family's transformers 5 classes read is read here, with their
 defaults where config.json leaves a field out (Qwen3Config's head_dim 128, MistralConfig's
 sliding_window 4096, ...), so a directory loads as it does there; a value the engine cannot
@@ -35,9 +41,43 @@ ARCHITECTURE_FAMILY = {arch: family for family, arch in FAMILIES.items()}
 # head_dim when config.json has none: the config class's default (None: hidden / heads)
 HEAD_DIM_DEFAULT = {"qwen3": 128, "gemma3_text": 256}
 TIED_DEFAULT = {"gemma3_text": True}              # tie_word_embeddings when absent (else False)
+# the fields every family reads, when config.json leaves them out: Gemma3TextConfig's defaults (a
+# multimodal Gemma 3's text_config lists only what differs from them); other families' config
+# classes are always written out whole, and a missing field there stays an error
+BASE_DEFAULTS = {"gemma3_text": dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216,
+                                     num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                                     rms_norm_eps=1e-6, max_position_embeddings=131_072,
+                                     bos_token_id=2, eos_token_id=1)}
+# multimodal model_type -> (its architecture, the family of its language model)
+MULTIMODAL = {"gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text")}
+# top-level fields of a multimodal config.json that its language model reads from there
+MULTIMODAL_TOP_FIELDS = ("torch_dtype", "dtype", "quantization_config", "tie_word_embeddings",
+                         "bos_token_id", "eos_token_id", "pad_token_id")
 SILU_NAMES = ("silu", "swish")                    # transformers' ACT2FN: the same SiLU
 TANH_GELU_NAMES = ("gelu_pytorch_tanh", "gelu_python_tanh")   # ACT2FN: the same tanh-approximate GELU
 GEMMA3_THETAS = (1_000_000.0, 10_000.0)           # Gemma3TextConfig.default_theta: full, sliding
+
+
+def language_model_config(cfg: dict, source: str) -> dict:
+    """config.json as the engine reads it: a multimodal model's text_config with the top-level
+    fields that apply to its language model (MULTIMODAL_TOP_FIELDS, the top level winning), named
+    as the text family; then, for any config, the family's BASE_DEFAULTS for fields left out."""
+    archs = cfg.get("architectures") if isinstance(cfg.get("architectures"), list) else []
+    multimodal = next((m for m, (arch, _) in MULTIMODAL.items()
+                       if cfg.get("model_type") == m or arch in archs), None)
+    if multimodal is not None:
+        arch, family = MULTIMODAL[multimodal]
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ModelLoadError(f"{source}: a {arch} config needs a text_config object (its language model)")
+        cfg = {**text, **{k: cfg[k] for k in MULTIMODAL_TOP_FIELDS if cfg.get(k) is not None},
+               "model_type": family, "architectures": [FAMILIES[family]]}
+    family = cfg.get("model_type") if cfg.get("model_type") in BASE_DEFAULTS else None
+    if family is None:
+        family = next((f for a in archs if (f := ARCHITECTURE_FAMILY.get(a)) in BASE_DEFAULTS), None)
+    if family is not None:
+        cfg = {**cfg, **{k: v for k, v in BASE_DEFAULTS[family].items() if cfg.get(k) is None}}
+    return cfg
 
 
 def family_of(cfg: dict, source: str) -> str:
@@ -53,8 +93,9 @@ def family_of(cfg: dict, source: str) -> str:
         return model_type
     if named:
         return named[0]
+    served = [*FAMILIES.values()] + [arch + " (text only)" for arch, _ in MULTIMODAL.values()]
     raise ModelLoadError(f"{source}: unsupported architecture {archs or model_type!r}; tinyvllm serves "
-                         f"{', '.join(FAMILIES.values())}")
+                         f"{', '.join(served)}")
 
 
 def family_fields(family: str, cfg: dict, source: str, num_layers: int, hidden: int) -> dict:

@@ -21,6 +21,11 @@ from tinyvllm.config import ModelConfig
 from tinyvllm.quant.weight_kinds import concat_rows
 
 EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+# A multimodal checkpoint served text-only (tinyvllm/model_family.py's MULTIMODAL) keeps its
+# language model's tensors under one of these in place of "model." (transformers 4.5x and 5 save
+# the first, a model's own state dict has the second), an untied head as language_model.lm_head.
+TEXT_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+TEXT_MODEL_HEAD = "language_model.lm_head.weight"
 # per-layer tensor -> the HF tensors it is made of (in concatenation order)
 LAYER_PARTS = {
     "input_norm": ("input_layernorm.weight",),
@@ -80,3 +85,17 @@ def fused_layer(weights: dict[str, np.ndarray], layer: int, part: str) -> np.nda
 def lm_head(weights: dict[str, np.ndarray], config: ModelConfig) -> np.ndarray:
     """The output projection: the embedding table itself when the checkpoint ties them."""
     return weights[EMBED] if config.tie_word_embeddings else weights[LM_HEAD]
+
+
+def stored_names(names) -> dict[str, str]:
+    """{the engine's name (above): the name a checkpoint stores it under}: the names themselves, or
+    a multimodal checkpoint's language model under its prefix; its other tensors are left out."""
+    names = set(names)
+    if EMBED in names:
+        return {n: n for n in names}
+    prefix = next((p for p in TEXT_MODEL_PREFIXES if p + EMBED[len("model."):] in names), None)
+    if prefix is None:
+        return {n: n for n in names}
+    found = {"model." + n[len(prefix):]: n for n in names if n.startswith(prefix)}
+    head = next((n for n in (LM_HEAD, TEXT_MODEL_HEAD) if n in names), None)
+    return {**found, LM_HEAD: head} if head else found

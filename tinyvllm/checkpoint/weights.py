@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 import ml_dtypes
 import numpy as np
 
-from tinyvllm.checkpoint.weight_names import expected_shapes
+from tinyvllm.checkpoint.weight_names import expected_shapes, stored_names
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError
 from tinyvllm.quant.quant_config import UNQUANTIZED
@@ -159,7 +159,9 @@ class CheckpointReader:
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise ModelLoadError(f"model directory not found: {self.model_dir}")
-        self.where = checkpoint_files(self.model_dir)
+        files = checkpoint_files(self.model_dir)
+        self.stored = stored_names(files)           # a multimodal model's text tensors by their own names
+        self.where = {name: files[stored] for name, stored in self.stored.items()}
         self._opened: dict[Path, SafetensorsFile] = {}
 
     def entry(self, name: str) -> tuple[SafetensorsFile, dict]:
@@ -171,10 +173,10 @@ class CheckpointReader:
             if not path.is_file():
                 raise ModelLoadError(f"{self.model_dir}: shard {path.name} (holding {name!r}) is missing")
             self._opened[path] = SafetensorsFile.open(path)
-        f = self._opened[path]
-        if name not in f.entries:
-            raise ModelLoadError(f"{path}: the index says it holds {name!r}, but it does not")
-        return f, f.entries[name]
+        f, stored = self._opened[path], self.stored[name]
+        if stored not in f.entries:
+            raise ModelLoadError(f"{path}: the index says it holds {stored!r}, but it does not")
+        return f, f.entries[stored]
 
     def get(self, name: str, shape: tuple[int, ...] | None = None,
             dtypes: tuple[str, ...] = FLOAT_DTYPES, why: str = "") -> np.ndarray:
@@ -186,7 +188,7 @@ class CheckpointReader:
         if entry["dtype"] not in dtypes:
             raise ModelLoadError(f"{f.path}: tensor {name!r} has dtype {entry['dtype']}; expected one "
                                  f"of {', '.join(dtypes)}{why}")
-        return f.get(name)
+        return f.get(self.stored[name])
 
     def get_bf16(self, name: str, shape: tuple[int, ...] | None = None, why: str = "") -> np.ndarray:
         """get(), as bf16: a view over the file where it is stored so, else converted."""
