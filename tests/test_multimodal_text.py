@@ -100,3 +100,11 @@ def test_an_untied_head_is_read_from_language_model_lm_head(tmp_path):
     assert not config.tie_word_embeddings
     weights = load_weights(out, config)
     assert np.array_equal(weights["lm_head.weight"].view(np.uint16), head.view(np.uint16))
+
+
+def test_inspect_marks_the_tensors_it_does_not_read():
+    from tinyvllm.model_report import checkpoint_tensor_lines
+    lines = checkpoint_tensor_lines(FIXTURE)
+    unread = [line.split()[0] for line in lines if line.endswith("(not read)")]
+    assert unread and all(n.startswith(("vision_tower.", "multi_modal_projector.")) for n in unread)
+    assert not [line for line in checkpoint_tensor_lines(FIXTURE.parent / "qwen3") if line.endswith("(not read)")]

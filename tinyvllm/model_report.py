@@ -33,16 +33,21 @@ def config_lines(config: ModelConfig) -> list[str]:
 
 
 def checkpoint_tensor_lines(model_dir: Path) -> list[str]:
-    """One line per tensor of the checkpoint, in file order, from the safetensors headers."""
+    """One line per tensor of the checkpoint, in file order, from the safetensors headers; a
+    tensor the engine does not read (a multimodal model's vision tower) is marked so."""
+    from tinyvllm.checkpoint.weight_names import stored_names
     from tinyvllm.checkpoint.weights import SafetensorsFile, checkpoint_files
-    files = sorted(set(checkpoint_files(model_dir).values()))
-    lines, total = [f"  {'tensor':<48}{'dtype':<8}{'shape':<16}{'bytes':>14}"], 0
+    where = checkpoint_files(model_dir)
+    files, read = sorted(set(where.values())), set(stored_names(where).values())
+    width = max([len("tensor"), *map(len, where)]) + 2
+    lines, total = [f"  {'tensor':<{width}}{'dtype':<8}{'shape':<16}{'bytes':>14}"], 0
     for path in files:
         entries = SafetensorsFile.open(path).entries
         for name, e in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             nbytes = e["data_offsets"][1] - e["data_offsets"][0]
             total += nbytes
-            lines.append(f"  {name:<48}{e['dtype']:<8}{str(tuple(e['shape'])):<16}{nbytes:>14,}")
+            unread = "" if name in read else "  (not read)"
+            lines.append(f"  {name:<{width}}{e['dtype']:<8}{str(tuple(e['shape'])):<16}{nbytes:>14,}{unread}")
         lines.append(f"  -- {path.name}: {len(entries)} tensors")
     lines.append(f"  checkpoint tensors: {_gib(total)}")
     return lines
