@@ -45,6 +45,17 @@ def test_gemma_3_4b_reads_as_transformers_reads_it():
     assert (c.sliding_rope_theta, c.sliding_rope_scaling) == (1e4, None)              # sliding layers
 
 
+def test_the_gemma_3_4b_preset_is_its_language_model():
+    """make-model's gemma-3-4b (written out as a Gemma3ForCausalLM config) is the published
+    multimodal config's text model, token ids aside (the presets ship the Llama 3 tokenizer)."""
+    import dataclasses
+
+    from tinyvllm.checkpoint.model_writer import preset_config
+    ids = dict(bos_token_id=0, eos_token_ids=())
+    assert dataclasses.replace(preset_config("gemma-3-4b"), **ids) == \
+        dataclasses.replace(ModelConfig.from_dict(GEMMA3_4B), **ids)
+
+
 def test_the_top_level_wins_and_text_config_is_required():
     text = dict(GEMMA3_4B["text_config"], torch_dtype="float32", eos_token_id=1)
     c = ModelConfig.from_dict(dict(GEMMA3_4B, text_config=text))

@@ -115,6 +115,16 @@ PRESETS.update({
         "num_key_value_heads": 1, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6,
         "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
         "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "vocab_size": 262144}),
+    # google/gemma-3-4b-it's language model (its config.json's text_config, whose absent fields
+    # take Gemma3TextConfig's defaults, written out; the checkpoint itself is multimodal)
+    "gemma-3-4b": _with_llama3_tokens({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2560, "intermediate_size": 10240,
+        "max_position_embeddings": 131072, "num_attention_heads": 8, "num_hidden_layers": 34,
+        "num_key_value_heads": 4, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6,
+        "rope_local_base_freq": 10000, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "rope_theta": 1000000, "sliding_window": 1024, "sliding_window_pattern": 6,
+        "torch_dtype": "bfloat16", "vocab_size": 262208}),
     # mistralai/Mistral-7B-Instruct-v0.3 (no sliding window: the Llama forward pass exactly)
     "mistral-7b": _with_llama3_tokens({
         "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",
