@@ -1,5 +1,5 @@
 """Record transformers' greedy tokens on small random-weight models of the families served beside
-Llama (Qwen2, Qwen3, Mistral, Gemma 3 text, and Gemma 3's multimodal model run on text): the golden
+Llama (Qwen2, Qwen3, SmolLM3, Mistral, Gemma 3 text, and Gemma 3's multimodal model run on text): the golden
 fixtures tests/test_golden_families.py holds the engine to.
 
     python benchmarks/hf_family_golden.py [--out tests/fixtures/families] [--family qwen3 ...]
@@ -56,6 +56,9 @@ FAMILIES = {
     # q_norm / k_norm; head_dim 64 while hidden / heads is 32; untied lm_head
     "qwen3": ("Qwen3Config", dict(SMALL, num_hidden_layers=3, head_dim=64, tie_word_embeddings=False,
                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    # RoPE on layers 0 and 2 only (SmolLM3's no_rope_layers, 1 = RoPE; every 4th layer by default)
+    "smollm3": ("SmolLM3Config", dict(SMALL, num_hidden_layers=4, hidden_size=256, no_rope_layers=[1, 0, 1, 0],
+                                      rope_parameters={"rope_type": "default", "rope_theta": 2e6})),
     # every layer a sliding-window layer (v0.1's 4096, shrunk)
     "mistral": ("MistralConfig", dict(SMALL, num_hidden_layers=3, hidden_size=256, sliding_window=12,
                                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})),

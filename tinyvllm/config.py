@@ -63,6 +63,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()     # per layer "full_attention" / "sliding_attention"; () = all full
     sliding_rope_theta: float | None = None   # sliding layers' own RoPE (Gemma 3); None: the full layers'
     sliding_rope_scaling: RopeScaling | LinearRopeScaling | None = None
+    nope_layers: tuple[int, ...] = ()     # layers whose attention applies no RoPE (SmolLM3: every 4th)
     quantization: QuantConfig | None = None   # config.json's quantization_config (FP8 weights)
 
     @property
@@ -104,6 +105,7 @@ class ModelConfig:
                   (self.embedding_scale is not None, "scaled embeddings"),
                   (self.query_pre_attn_scalar is not None, "query_pre_attn_scalar"),
                   (self.sliding_window is not None, "sliding-window attention"),
+                  (bool(self.nope_layers), "layers without RoPE"),
                   (self.sliding_rope_theta is not None, "a RoPE per layer type")]
         return [what for present, what in checks if present]
 

@@ -110,9 +110,10 @@ def parse_dtype(cfg: dict, source: str) -> str:
     return dtype
 
 
-def parse_rope(cfg: dict, source: str) -> Rope:
+def parse_rope(cfg: dict, source: str, default_theta: float = None) -> Rope:
     """(theta, scaling or None) from either form. transformers 5 lets rope_scaling
-    override rope_parameters; here two forms present at once must say the same thing."""
+    override rope_parameters; here two forms present at once must say the same thing. With no
+    theta anywhere: default_theta (the config class's), else DEFAULT_ROPE_THETA."""
     forms = {}
     for key in ("rope_parameters", "rope_scaling"):
         value = cfg.get(key)
@@ -132,7 +133,7 @@ def parse_rope(cfg: dict, source: str) -> Rope:
     if len(set(thetas.values())) > 1:
         raise ModelLoadError(f"{source}: conflicting rope_theta values "
                              f"({', '.join(f'{k}: {v:g}' for k, v in thetas.items())})")
-    theta = next(iter(thetas.values()), DEFAULT_ROPE_THETA)
+    theta = next(iter(thetas.values()), default_theta or DEFAULT_ROPE_THETA)
     scaling = next((s for _, s in forms.values()), None)
     return theta, scaling
 

@@ -10,6 +10,8 @@ few changes, each one a ModelConfig field:
   Qwen2 / Qwen2.5 qwen2         Qwen2ForCausalLM     biases on q, k, v
   Qwen3           qwen3         Qwen3ForCausalLM     RMSNorm over each head of q and k before RoPE;
                                                      head_dim of its own
+  SmolLM3         smollm3       SmolLM3ForCausalLM   no RoPE on some layers (no_rope_layers: every
+                                                     4th by default)
   Gemma 3 text    gemma3_text   Gemma3ForCausalLM    RMSNorm as x * (1 + w); embeddings times
                                                      sqrt(hidden); GeGLU with tanh-GELU; norms on
                                                      the attention output and around the MLP; q/k
@@ -36,11 +38,11 @@ from tinyvllm.errors import ModelLoadError
 from tinyvllm.hf_config import FULL, SLIDING, ConfigFields, parse_layer_ropes, parse_layer_types, parse_rope
 
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 ARCHITECTURE_FAMILY = {arch: family for family, arch in FAMILIES.items()}
 # head_dim when config.json has none: the config class's default (None: hidden / heads)
 HEAD_DIM_DEFAULT = {"qwen3": 128, "gemma3_text": 256}
-TIED_DEFAULT = {"gemma3_text": True}              # tie_word_embeddings when absent (else False)
+TIED_DEFAULT = {"gemma3_text": True, "smollm3": True}   # tie_word_embeddings when absent (else False)
 # the fields every family reads, when config.json leaves them out: Gemma3TextConfig's defaults (a
 # multimodal Gemma 3's text_config lists only what differs from them); other families' config
 # classes are always written out whole, and a missing field there stays an error
@@ -56,6 +58,7 @@ MULTIMODAL_TOP_FIELDS = ("torch_dtype", "dtype", "quantization_config", "tie_wor
 SILU_NAMES = ("silu", "swish")                    # transformers' ACT2FN: the same SiLU
 TANH_GELU_NAMES = ("gelu_pytorch_tanh", "gelu_python_tanh")   # ACT2FN: the same tanh-approximate GELU
 GEMMA3_THETAS = (1_000_000.0, 10_000.0)           # Gemma3TextConfig.default_theta: full, sliding
+DEFAULT_THETA = {"smollm3": 2_000_000.0}          # the config class's default_theta, where not 10,000
 
 
 def language_model_config(cfg: dict, source: str) -> dict:
@@ -106,23 +109,44 @@ def family_fields(family: str, cfg: dict, source: str, num_layers: int, hidden: 
     act = f.get("hidden_act", str, "silu")
     if act not in SILU_NAMES:
         raise ModelLoadError(f"{source}: unsupported hidden_act {act!r} (only silu)")
-    if family in ("llama", "qwen3") and f.get("attention_bias", bool, False):
+    if family in ("llama", "qwen3", "smollm3") and f.get("attention_bias", bool, False):
         raise ModelLoadError(f"{source}: attention_bias=true is not supported (no bias tensors)")
-    if family == "llama" and f.get("mlp_bias", bool, False):
+    if family in ("llama", "smollm3") and f.get("mlp_bias", bool, False):
         raise ModelLoadError(f"{source}: mlp_bias=true is not supported (no bias tensors)")
-    rope_theta, rope_scaling = parse_rope(cfg, source)
-    window, layer_types = _windows(family, cfg, f, source, num_layers)
+    rope_theta, rope_scaling = parse_rope(cfg, source, DEFAULT_THETA.get(family))
+    nope = _nope_layers(cfg, f, source, num_layers) if family == "smollm3" else ()
+    window, layer_types = _windows(family, cfg, f, source, num_layers, nope)
     return dict(family=family, rope_theta=rope_theta, rope_scaling=rope_scaling, sliding_window=window,
-                layer_types=layer_types,
+                layer_types=layer_types, nope_layers=nope,
                 qkv_bias=family == "qwen2",       # Qwen2Attention: q/k/v_proj with bias=True
                 qk_norm=family == "qwen3")        # Qwen3Attention: q_norm, k_norm
 
 
-def _windows(family: str, cfg: dict, f: ConfigFields, source: str, num_layers: int):
+def _nope_layers(cfg: dict, f: ConfigFields, source: str, num_layers: int) -> tuple[int, ...]:
+    """SmolLM3Config's no_rope_layers (1: the layer applies RoPE, 0: it does not;
+    SmolLM3Attention.use_rope), by default 0 on every no_rope_layer_interval-th layer."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = f.positive_int("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if not (isinstance(flags, list) and len(flags) == num_layers
+            and all(v in (0, 1) and not isinstance(v, float) for v in flags)):
+        raise ModelLoadError(f"{source}: field 'no_rope_layers' must list {num_layers} flags of 0 or 1 "
+                             f"(1: the layer applies RoPE), got {flags!r}")
+    return tuple(i for i, use_rope in enumerate(flags) if not use_rope)
+
+
+def _windows(family: str, cfg: dict, f: ConfigFields, source: str, num_layers: int, nope=()):
     """(sliding_window, layer_types) as the family's attention masks use them; (None, ()) when
     every layer attends to the whole context."""
     if family == "llama":
         return None, ()
+    if family == "smollm3":
+        # SmolLM3Config: with use_sliding_window and a sliding_window, the layers without RoPE
+        # slide (unless layer_types says which)
+        window = f.positive_int("sliding_window", None) if f.get("use_sliding_window", bool, False) else None
+        default = [SLIDING if window and i in nope else FULL for i in range(num_layers)]
+        return _normalized(window, parse_layer_types(cfg, source, num_layers, default), source)
     if family == "mistral":
         # MistralModel masks every layer with config.sliding_window; MistralConfig ignores
         # layer_types (alternating layers are Ministral's), so a config that sets them is refused

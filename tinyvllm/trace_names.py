@@ -73,6 +73,8 @@ class PointerNames:
         ptrs = {"embed": w.embed, "final_norm": w.final_norm, "rope_inv_freq": w.rope_inv_freq}
         if w.sliding_rope_inv_freq:
             ptrs["sliding_rope_inv_freq"] = w.sliding_rope_inv_freq
+        if w.nope_rope_inv_freq:
+            ptrs["nope_rope_inv_freq"] = w.nope_rope_inv_freq
         if not config.tie_word_embeddings:
             ptrs["lm_head"] = w.lm_head
         for n, lw in enumerate(w.layers):

@@ -125,6 +125,14 @@ PRESETS.update({
         "rope_local_base_freq": 10000, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
         "rope_theta": 1000000, "sliding_window": 1024, "sliding_window_pattern": 6,
         "torch_dtype": "bfloat16", "vocab_size": 262208}),
+    # HuggingFaceTB/SmolLM3-3B's shapes (no RoPE on every 4th layer; the Llama 3 vocabulary)
+    "smollm3-3b": _with_llama3_tokens({
+        "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "attention_bias": False,
+        "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 11008, "max_position_embeddings": 65536,
+        "mlp_bias": False, "no_rope_layer_interval": 4, "num_attention_heads": 16, "num_hidden_layers": 36,
+        "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "rope_theta": 5000000.0, "sliding_window": None,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_sliding_window": False,
+        "vocab_size": 128256}),
     # mistralai/Mistral-7B-Instruct-v0.3 (no sliding window: the Llama forward pass exactly)
     "mistral-7b": _with_llama3_tokens({
         "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",

@@ -60,6 +60,7 @@ class DeviceWeights:
     nbytes: int
     allocation: object = field(repr=False, compare=False)   # the one device allocation behind them
     sliding_rope_inv_freq: int = 0   # the sliding layers' own table (Gemma 3); 0: rope_inv_freq
+    nope_rope_inv_freq: int = 0      # zeros, for the layers without RoPE (SmolLM3)
     dequant_scratch: int = 0         # bf16 [dequant_scratch_elems]: prefill's dequantized weight
     dequant_scratch_elems: int = 0
     # the bytes a decode step streams: every tensor but a quantized embedding's bf16 gather table
@@ -72,8 +73,13 @@ class DeviceWeights:
         return any(isinstance(p, QuantMatrix) for lw in self.layers for p in (lw.qkv, lw.o, lw.gate_up, lw.down)) \
             or isinstance(self.lm_head, QuantMatrix)
 
-    def inv_freq(self, layer_type: str) -> int:
-        """The RoPE frequency table of the layers of `layer_type` (ModelConfig.layer_type)."""
+    def inv_freq(self, config: ModelConfig, layer: int) -> int:
+        """A layer's RoPE frequency table: its layer type's (ModelConfig.layer_type), or zeros on a
+        layer without RoPE, whose rotation by angle 0 leaves q and k as they are, bit for bit
+        (cos 0 = 1 and sin 0 = 0 exactly), so the kernels need no other path."""
+        if layer in config.nope_layers:
+            return self.nope_rope_inv_freq
+        layer_type = config.layer_type(layer)
         return self.sliding_rope_inv_freq if layer_type == SLIDING and self.sliding_rope_inv_freq else self.rope_inv_freq
 
     def free(self) -> None:
@@ -88,6 +94,7 @@ class DeviceWeights:
         return cls(embed=ptrs["embed"], final_norm=ptrs["final_norm"], lm_head=ptrs.get("lm_head", ptrs["embed"]),
                    rope_inv_freq=ptrs["rope_inv_freq"], layers=layers, nbytes=nbytes, allocation=allocation,
                    sliding_rope_inv_freq=ptrs.get("sliding_rope_inv_freq", 0),
+                   nope_rope_inv_freq=ptrs.get("nope_rope_inv_freq", 0),
                    dequant_scratch=ptrs.get("dequant_scratch", 0), dequant_scratch_elems=scratch_elems,
                    streamed_bytes=nbytes if streamed_bytes is None else streamed_bytes)
 
@@ -107,6 +114,8 @@ def device_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["rope_inv_freq"] = (config.head_dim // 2,)
     if config.sliding_rope_theta is not None and SLIDING in config.layer_types:
         shapes["sliding_rope_inv_freq"] = (config.head_dim // 2,)
+    if config.nope_layers:
+        shapes["nope_rope_inv_freq"] = (config.head_dim // 2,)
     return shapes
 
 
@@ -124,6 +133,8 @@ def device_weight_bytes(config: ModelConfig, weights: dict | None = None) -> int
 
 def _host_tensor(key: str, config: ModelConfig, w: dict):
     """The host weight for one device tensor (a device_tensor_shapes key): an array or a quantized kind."""
+    if key == "nope_rope_inv_freq":
+        return np.zeros(config.head_dim // 2, np.float32)
     if key.endswith("rope_inv_freq"):           # float32: angles need the precision
         return rope_inv_freq(config, SLIDING if key == "sliding_rope_inv_freq" else FULL)
     if key in ("embed", "final_norm"):

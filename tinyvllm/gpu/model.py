@@ -251,7 +251,7 @@ class LlamaModel(TensorParallelLayers):
             self._rope_write_kv(step, layer, lw)
         else:
             ops.gemv_rope_kv(self.qkv, self.normed, lw.qkv, T, self.qkv_width, H, self.kv.k(layer), self.kv.v(layer),
-                             tok.positions, tok.slot_mapping, w.inv_freq(c.layer_type(layer)),
+                             tok.positions, tok.slot_mapping, w.inv_freq(c, layer),
                              num_q_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                              head_dim=c.head_dim, prenormed=prenormed, k_warps=kw["qkv"], bias=lw.qkv_bias)
         self._attention(step, layer)
@@ -283,7 +283,7 @@ class LlamaModel(TensorParallelLayers):
         c, tok = self.cfg, self.inputs[step.bank].tokens[step.is_prefill]
         qk_norm = (lw.q_norm, lw.k_norm, c.rms_norm_eps, c.norm_weight_offset) if c.qk_norm else None
         self.ops.rope_write_kv(self.qkv, self.kv.k(layer), self.kv.v(layer), tok.positions, tok.slot_mapping,
-                               self.w.inv_freq(c.layer_type(layer)), step.num_tokens, c.num_attention_heads,
+                               self.w.inv_freq(c, layer), step.num_tokens, c.num_attention_heads,
                                c.num_key_value_heads, c.head_dim, bias=lw.qkv_bias, qk_norm=qk_norm)
 
     def _attention(self, step: StepShape, layer: int) -> None:

@@ -130,9 +130,10 @@ class ReferenceModel:
             q, k = q.reshape(t, hq, d), k.reshape(t, hkv, d)
             if c.qk_norm:       # Qwen3Attention / Gemma3Attention: q_norm, k_norm per head, before rotary
                 q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
-            inv_freq = self.inv_freq[c.layer_type(i)]       # Gemma3RotaryEmbedding: one per layer type
-            q = r(op("apply_rope", apply_rope, q, positions, inv_freq))
-            k = r(op("apply_rope", apply_rope, k, positions, inv_freq))
+            if i not in c.nope_layers:      # SmolLM3Attention: `if self.use_rope`
+                inv_freq = self.inv_freq[c.layer_type(i)]       # Gemma3RotaryEmbedding: one per layer type
+                q = r(op("apply_rope", apply_rope, q, positions, inv_freq))
+                k = r(op("apply_rope", apply_rope, k, positions, inv_freq))
             attn = r(attend(i, q, k, v.reshape(t, hkv, d)))
             # the projections' outputs go into the residual unrounded (the GPU adds them in the
             # GEMM's epilogue) except where a norm reads them first
