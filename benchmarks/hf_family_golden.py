@@ -1,5 +1,5 @@
 """Record transformers' greedy tokens on small random-weight models of the families served beside
-Llama (Qwen2, Qwen3, SmolLM3, Mistral, Gemma 3 text, and Gemma 3's multimodal model run on text): the golden
+Llama (Qwen2, Qwen3 (and with YaRN), SmolLM3, Mistral, Gemma 3 text, and Gemma 3's multimodal model run on text): the golden
 fixtures tests/test_golden_families.py holds the engine to.
 
     python benchmarks/hf_family_golden.py [--out tests/fixtures/families] [--family qwen3 ...]
@@ -27,6 +27,7 @@ import argparse
 import datetime
 import hashlib
 import json
+import math
 import platform
 import sys
 from pathlib import Path
@@ -59,6 +60,11 @@ FAMILIES = {
     # RoPE on layers 0 and 2 only (SmolLM3's no_rope_layers, 1 = RoPE; every 4th layer by default)
     "smollm3": ("SmolLM3Config", dict(SMALL, num_hidden_layers=4, hidden_size=256, no_rope_layers=[1, 0, 1, 0],
                                       rope_parameters={"rope_type": "default", "rope_theta": 2e6})),
+    # Qwen3 with YaRN (the long-context scaling its model cards give): frequencies blended between
+    # kept and / factor, scores times the attention factor squared
+    "qwen3_yarn": ("Qwen3Config", dict(SMALL, num_hidden_layers=3, head_dim=64, tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                                        "original_max_position_embeddings": 256})),
     # every layer a sliding-window layer (v0.1's 4096, shrunk)
     "mistral": ("MistralConfig", dict(SMALL, num_hidden_layers=3, hidden_size=256, sliding_window=12,
                                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
@@ -138,15 +144,24 @@ def float64_rope(torch, model) -> None:
     theirs = rotary.forward
 
     def inv_freq(params: dict):
-        assert params["rope_type"] in ("default", "linear"), params
+        assert params["rope_type"] in ("default", "linear", "yarn"), params
         freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        if params["rope_type"] == "yarn":          # _compute_yarn_parameters' blend, in float64
+            assert not set(params) & {"beta_fast", "beta_slow", "truncate", "attention_factor", "mscale"}, params
+            def turning(rotations):
+                return dim * math.log(params["original_max_position_embeddings"] / (rotations * 2 * math.pi)) \
+                    / (2 * math.log(params["rope_theta"]))
+            low, high = max(math.floor(turning(32)), 0), min(math.ceil(turning(1)), dim - 1)
+            ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+            return freq / params["factor"] * ramp + freq * (1 - ramp)
         return freq / params.get("factor", 1.0) if params["rope_type"] == "linear" else freq
 
     def forward(x, position_ids, layer_type=None):
         params = config.rope_parameters[layer_type] if layer_type else config.rope_parameters
         angles = position_ids[..., None].to(torch.float64) * inv_freq(params)
         both = torch.cat((angles, angles), dim=-1)
-        return both.cos().to(x.dtype), both.sin().to(x.dtype)
+        scale = 0.1 * math.log(params["factor"]) + 1 if params["rope_type"] == "yarn" else 1.0   # attention factor
+        return (both.cos() * scale).to(x.dtype), (both.sin() * scale).to(x.dtype)
 
     positions = torch.arange(128)[None]              # the same angles as transformers', to fp32's error
     probe = torch.zeros(1, dtype=torch.float64)

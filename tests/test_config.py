@@ -136,7 +136,6 @@ def test_rope_scaling_old_type_key_is_accepted():
 
 
 @pytest.mark.parametrize("kind, extra", [("dynamic", {"factor": 2.0}),
-                                         ("yarn", {"factor": 4.0, "original_max_position_embeddings": 4096}),
                                          ("longrope", {"short_factor": [1.0], "long_factor": [2.0]})])
 @pytest.mark.parametrize("form", ["rope_scaling", "rope_parameters"])
 def test_unimplemented_rope_types_are_named(kind, extra, form):

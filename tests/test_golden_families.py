@@ -70,7 +70,7 @@ def numpy_outputs(family: str, engine: str):
 
 
 def test_every_family_has_a_fixture():
-    assert FAMILIES == ["gemma3", "gemma3_mm", "mistral", "qwen2", "qwen3", "smollm3"]
+    assert FAMILIES == ["gemma3", "gemma3_mm", "mistral", "qwen2", "qwen3", "qwen3_yarn", "smollm3"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -164,7 +164,7 @@ def test_family_is_model_type_else_architecture():
     (GEMMA3_V4, {"sliding_window": None}, "names sliding_attention layers but there is no sliding_window"),
     (GEMMA3_V4, {"layer_types": ["full_attention"] * 25}, "field 'layer_types' must list 26 layer types"),
     (GEMMA3_V4, {"layer_types": ["chunked_attention"] * 26}, "field 'layer_types' must list 26"),
-    (GEMMA3_V4, {"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "unsupported rope type 'yarn' in rope_scaling"),
+    (GEMMA3_V4, {"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}, "unsupported rope type 'dynamic' in rope_scaling"),
     (GEMMA3_V4, {"rope_local_base_freq": -1}, "field 'rope_local_base_freq' must be a positive number"),
     (GEMMA3_V5, {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
      "rope_parameters must be keyed by layer type .* field 'rope_theta' is not one"),
@@ -181,7 +181,7 @@ def test_family_is_model_type_else_architecture():
     (QWEN25_V4, {"use_sliding_window": True, "sliding_window": 0}, "field 'sliding_window' must be positive"),
     (MISTRAL_V4, {"layer_types": ["sliding_attention"] * 32}, "layer_types is not read by MistralForCausalLM"),
     (MISTRAL_V4, {"sliding_window": "4k"}, "field 'sliding_window' must be an integer"),
-    (MISTRAL_V4, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope type 'yarn'"),
+    (MISTRAL_V4, {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "unsupported rope type 'longrope'"),
 ])
 def test_what_is_not_honoured_is_named(cfg, change, match):
     with pytest.raises(ModelLoadError, match=match):

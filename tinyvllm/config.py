@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from tinyvllm.errors import ModelLoadError
-from tinyvllm.hf_config import FULL, SLIDING, ConfigFields, LinearRopeScaling, RopeScaling, parse_dtype
+from tinyvllm.hf_config import FULL, SLIDING, ConfigFields, LinearRopeScaling, RopeScaling, YarnRopeScaling, parse_dtype
 from tinyvllm.model_family import (
     FAMILIES,
     HEAD_DIM_DEFAULT,
@@ -27,8 +27,8 @@ from tinyvllm.model_family import (
 )
 from tinyvllm.quant.quant_config import QuantConfig, parse_quantization_config
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling", "LinearRopeScaling", "EngineConfig",
-           "rope_inv_freq"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling", "LinearRopeScaling", "YarnRopeScaling",
+           "EngineConfig", "rope_inv_freq"]
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES.values())
 
@@ -44,7 +44,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: RopeScaling | LinearRopeScaling | None     # of the full-attention layers
+    rope_scaling: RopeScaling | LinearRopeScaling | YarnRopeScaling | None     # of the full-attention layers
     max_position_embeddings: int
     tie_word_embeddings: bool
     bos_token_id: int | None       # informational: tokenizer.json decides what encode() adds
@@ -85,8 +85,11 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        """What attention scores are multiplied by: head_dim^-1/2, or Gemma 3's own scalar's."""
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        """What attention scores are multiplied by: head_dim^-1/2, or Gemma 3's own scalar's; with
+        YaRN, times its attention factor squared (q and k each carry one factor in transformers)."""
+        scale = (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        yarn = self.rope_scaling if isinstance(self.rope_scaling, YarnRopeScaling) else None
+        return scale * yarn.attention_factor ** 2 if yarn else scale
 
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else FULL
@@ -186,6 +189,8 @@ def rope_inv_freq(config: ModelConfig, layer_type: str = FULL) -> np.ndarray:
         return freq.astype(np.float32)
     if isinstance(rs, LinearRopeScaling):
         return (freq / rs.factor).astype(np.float32)
+    if isinstance(rs, YarnRopeScaling):
+        return rs.inv_freq(freq, d, theta).astype(np.float32)
     original = rs.original_max_position_embeddings
     wavelen = 2 * math.pi / freq
     # 0 at the low-frequency edge of the band, 1 at the high-frequency edge

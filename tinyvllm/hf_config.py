@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from tinyvllm.errors import ModelLoadError
 
 # transformers' default (RotaryEmbeddingConfigMixin.default_theta: Llama, Mistral, Qwen2, Qwen3)
@@ -27,6 +29,9 @@ LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_
 ROPE_KEYS = {"default": {"rope_type", "type", "rope_theta", "partial_rotary_factor"}}
 ROPE_KEYS["llama3"] = ROPE_KEYS["default"] | set(LLAMA3_FIELDS)
 ROPE_KEYS["linear"] = ROPE_KEYS["default"] | {"factor"}
+YARN_FIELDS = ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+               "mscale", "mscale_all_dim", "truncate")
+ROPE_KEYS["yarn"] = ROPE_KEYS["default"] | set(YARN_FIELDS)
 # what each layer of a model with layer_types does (transformers' names)
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
@@ -48,8 +53,40 @@ class LinearRopeScaling:
     factor: float
 
 
+@dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN ("rope_type": "yarn"; transformers' _compute_yarn_parameters): each frequency blended
+    between itself (extrapolation) and itself / factor (interpolation) by a linear ramp over the
+    dimensions that turn between beta_fast and beta_slow times in the original context, and the
+    scores q.k times attention_factor^2 (transformers multiplies cos and sin by attention_factor;
+    ModelConfig.attention_scale folds its square into the softmax scale instead)."""
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+    def inv_freq(self, freq, head_dim: int, theta: float):
+        """The scaled frequencies of the unscaled `freq` (float64 [head_dim / 2])."""
+        def dim_turning(rotations: float) -> float:     # the dimension turning `rotations` times
+            return head_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) \
+                / (2 * math.log(theta))
+        low, high = dim_turning(self.beta_fast), dim_turning(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        ramp = np.clip((np.arange(head_dim // 2) - low) / ((high + 0.001 if high == low else high) - low), 0, 1)
+        return freq / self.factor * ramp + freq * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for a context stretched `factor` times (its Eq. 21)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 # a RoPE: (theta, its scaling or None)
-Rope = tuple[float, RopeScaling | LinearRopeScaling | None]
+Rope = tuple[float, RopeScaling | LinearRopeScaling | YarnRopeScaling | None]
 KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
@@ -163,6 +200,8 @@ def rope_from_dict(params: dict, key: str, source: str) -> tuple[float | None, R
         if params.get("factor") is None:
             raise ModelLoadError(f"{source}: {key} of type linear is missing 'factor'")
         return theta, LinearRopeScaling(f.positive_float("factor", where=where))
+    if kind == "yarn":
+        return theta, _yarn(params, f, key, source)
     missing = [name for name in LLAMA3_FIELDS if params.get(name) is None]
     if missing:
         raise ModelLoadError(f"{source}: {key} of type llama3 is missing {missing[0]!r}")
@@ -172,6 +211,27 @@ def rope_from_dict(params: dict, key: str, source: str) -> tuple[float | None, R
         raise ModelLoadError(f"{source}: {key} of type llama3 needs high_freq_factor > low_freq_factor "
                              "and a positive original_max_position_embeddings")
     return theta, scaling
+
+
+def _yarn(params: dict, f: ConfigFields, key: str, source: str) -> YarnRopeScaling:
+    """YarnRopeScaling from a rope dict, its attention factor as transformers infers it."""
+    where = f"{key}."
+    for name in ("factor", "original_max_position_embeddings"):
+        if params.get(name) is None:
+            raise ModelLoadError(f"{source}: {key} of type yarn is missing {name!r}")
+    factor = f.positive_float("factor", where=where)
+    mscale, mscale_all_dim = (f.positive_float(n, None, where) for n in ("mscale", "mscale_all_dim"))
+    attention_factor = f.positive_float("attention_factor", None, where)
+    if attention_factor is None:
+        attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else yarn_mscale(factor))
+    original = f.get("original_max_position_embeddings", int, where=where)
+    if original < 1:
+        raise ModelLoadError(f"{source}: {key}.original_max_position_embeddings must be positive, got {original}")
+    return YarnRopeScaling(factor, original, attention_factor,
+                           beta_fast=f.positive_float("beta_fast", None, where) or 32.0,
+                           beta_slow=f.positive_float("beta_slow", None, where) or 1.0,
+                           truncate=f.get("truncate", bool, True, where))
 
 
 def parse_layer_ropes(cfg: dict, source: str, default_full: float, default_sliding: float) -> dict[str, Rope]:
@@ -212,6 +272,8 @@ def parse_layer_ropes(cfg: dict, source: str, default_full: float, default_slidi
             raise ModelLoadError(f"{source}: rope_scaling and rope_parameters.full_attention disagree; remove one")
         ropes[layer_type] = (next((t for t in (theta, old_theta) if t is not None), default_theta),
                              scaling or old_scaling)
+    if isinstance(ropes[SLIDING][1], YarnRopeScaling):    # its attention factor would differ by layer
+        raise ModelLoadError(f"{source}: yarn RoPE scaling on the sliding layers is not supported")
     return ropes
 
 
