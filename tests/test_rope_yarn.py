@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tinyvllm.config import ModelConfig, YarnRopeScaling, rope_inv_freq
-from tinyvllm.errors import ModelLoadError
+from tinyvllm.config import EngineConfig, ModelConfig, YarnRopeScaling, rope_inv_freq
+from tinyvllm.errors import ModelLoadError, TinyVLLMError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
@@ -63,3 +63,15 @@ def test_yarn_on_gemma3_sliding_layers_is_refused():
     ropes = dict(cfg["rope_parameters"], sliding_attention={**YARN, "rope_theta": 1e4})
     with pytest.raises(ModelLoadError, match="yarn RoPE scaling on the sliding layers is not supported"):
         ModelConfig.from_dict({**cfg, "rope_parameters": ropes})
+
+
+def test_the_context_is_the_stretched_one_and_no_longer():
+    """With YaRN the model's context is its original length times the factor (Qwen3: 32,768 x 4),
+    as vLLM derives it; a longer max_model_len is refused, never cut down in silence."""
+    c = ModelConfig.from_dict(_qwen3(rope_parameters={**YARN, "rope_theta": 1e6}))
+    assert c.max_context == 131_072 and EngineConfig().context_limit(c) == 131_072
+    assert EngineConfig(max_model_len=4096).context_limit(c) == 4096
+    plain = ModelConfig.from_dict(_qwen3())
+    assert EngineConfig().context_limit(plain) == plain.max_position_embeddings
+    with pytest.raises(TinyVLLMError, match=f"max_model_len={plain.max_position_embeddings + 1} is longer than"):
+        EngineConfig(max_model_len=plain.max_position_embeddings + 1).context_limit(plain)

@@ -13,9 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from tinyvllm.errors import ModelLoadError
+from tinyvllm.errors import ModelLoadError, TinyVLLMError
 from tinyvllm.hf_config import FULL, SLIDING, ConfigFields, LinearRopeScaling, RopeScaling, YarnRopeScaling, parse_dtype
 from tinyvllm.model_family import (
     FAMILIES,
@@ -26,6 +24,7 @@ from tinyvllm.model_family import (
     language_model_config,
 )
 from tinyvllm.quant.quant_config import QuantConfig, parse_quantization_config
+from tinyvllm.rope import rope_inv_freq
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling", "LinearRopeScaling", "YarnRopeScaling",
            "EngineConfig", "rope_inv_freq"]
@@ -82,6 +81,14 @@ class ModelConfig:
         per_layer += 2 * h * self.sandwich_norms
         lm_head = 0 if self.tie_word_embeddings else v * h
         return v * h + L * per_layer + h + lm_head
+
+    @property
+    def max_context(self) -> int:
+        """The longest context the model serves: max_position_embeddings, or with YaRN the original
+        context times its factor (the length it was stretched to; vLLM derives it so)."""
+        if isinstance(self.rope_scaling, YarnRopeScaling):
+            return int(self.rope_scaling.original_max_position_embeddings * self.rope_scaling.factor)
+        return self.max_position_embeddings
 
     @property
     def attention_scale(self) -> float:
@@ -172,37 +179,6 @@ class ModelConfig:
         return cls.from_dict(cfg, str(cfg_path))
 
 
-def rope_inv_freq(config: ModelConfig, layer_type: str = FULL) -> np.ndarray:
-    """[D/2] float32 rotation frequencies of the layers of `layer_type`, with the scaling the
-    config asks for. Only Gemma 3 gives its sliding layers a RoPE of their own.
-
-    Linear scaling divides every frequency by its factor. Llama 3 stretches the context by slowing the low frequencies only: a pair whose wavelength
-    is longer than the original context / low_freq_factor is divided by `factor`, a pair whose
-    wavelength is shorter than original / high_freq_factor is kept, and the band between them
-    blends the two linearly in (original context / wavelength)."""
-    theta, rs = config.rope_theta, config.rope_scaling
-    if layer_type == SLIDING and config.sliding_rope_theta is not None:
-        theta, rs = config.sliding_rope_theta, config.sliding_rope_scaling
-    d = config.head_dim
-    freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    if rs is None:
-        return freq.astype(np.float32)
-    if isinstance(rs, LinearRopeScaling):
-        return (freq / rs.factor).astype(np.float32)
-    if isinstance(rs, YarnRopeScaling):
-        return rs.inv_freq(freq, d, theta).astype(np.float32)
-    original = rs.original_max_position_embeddings
-    wavelen = 2 * math.pi / freq
-    # 0 at the low-frequency edge of the band, 1 at the high-frequency edge
-    blend = (original / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
-    blend = np.clip(blend, 0.0, 1.0)
-    scaled = (1 - blend) * freq / rs.factor + blend * freq
-    scaled = np.where(wavelen > original / rs.low_freq_factor, freq / rs.factor, scaled)
-    scaled = np.where(wavelen < original / rs.high_freq_factor, freq, scaled)
-    return scaled.astype(np.float32)
-
-
-
 INT32_MAX = 2**31 - 1              # token ids, positions, slots and counts are int32 on the device
 AUTO = "auto"                       # max_model_len="auto": the model's, lowered to what the KV cache holds
 
@@ -275,8 +251,13 @@ class EngineConfig:
                              f"got {self.generation_config!r}")
 
     def context_limit(self, model: ModelConfig) -> int:
+        """max_model_len, or the model's own context when none is asked; a longer one than the
+        model's is refused (its positions were never trained), as vLLM refuses it."""
         asked = self.max_model_len if isinstance(self.max_model_len, int) else None
-        return min(asked or model.max_position_embeddings, model.max_position_embeddings)
+        if asked is not None and asked > model.max_context:
+            raise TinyVLLMError(f"max_model_len={asked} is longer than the model's context of {model.max_context} "
+                                "tokens (max_position_embeddings, or YaRN's original length times its factor)")
+        return asked or model.max_context
 
     def max_blocks_per_seq(self, model: ModelConfig) -> int:
         return math.ceil(self.context_limit(model) / self.block_size)

@@ -15,8 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from tinyvllm.errors import ModelLoadError
 
 # transformers' default (RotaryEmbeddingConfigMixin.default_theta: Llama, Mistral, Qwen2, Qwen3)
@@ -67,17 +65,6 @@ class YarnRopeScaling:
     beta_slow: float = 1.0
     truncate: bool = True
 
-    def inv_freq(self, freq, head_dim: int, theta: float):
-        """The scaled frequencies of the unscaled `freq` (float64 [head_dim / 2])."""
-        def dim_turning(rotations: float) -> float:     # the dimension turning `rotations` times
-            return head_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) \
-                / (2 * math.log(theta))
-        low, high = dim_turning(self.beta_fast), dim_turning(self.beta_slow)
-        if self.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, head_dim - 1)
-        ramp = np.clip((np.arange(head_dim // 2) - low) / ((high + 0.001 if high == low else high) - low), 0, 1)
-        return freq / self.factor * ramp + freq * (1 - ramp)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
