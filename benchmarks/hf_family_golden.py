@@ -1,5 +1,5 @@
 """Record transformers' greedy tokens on small random-weight models of the families served beside
-Llama (Qwen2, Qwen3 (and with YaRN), SmolLM3, Mistral, Gemma 3 text, and Gemma 3's multimodal model run on text): the golden
+Llama (Qwen2, Qwen3 (and with YaRN), SmolLM3, Phi-3, Mistral, Gemma 3 text, and Gemma 3's multimodal model run on text): the golden
 fixtures tests/test_golden_families.py holds the engine to.
 
     python benchmarks/hf_family_golden.py [--out tests/fixtures/families] [--family qwen3 ...]
@@ -65,6 +65,9 @@ FAMILIES = {
     "qwen3_yarn": ("Qwen3Config", dict(SMALL, num_hidden_layers=3, head_dim=64, tie_word_embeddings=False,
                                        rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                                         "original_max_position_embeddings": 256})),
+    # q/k/v and gate/up stored fused; a window on every layer (Phi-3-mini's 2047, shrunk)
+    "phi3": ("Phi3Config", dict(SMALL, num_hidden_layers=3, hidden_size=256, sliding_window=12,
+                                rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
     # every layer a sliding-window layer (v0.1's 4096, shrunk)
     "mistral": ("MistralConfig", dict(SMALL, num_hidden_layers=3, hidden_size=256, sliding_window=12,
                                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})),

@@ -70,7 +70,7 @@ def _step(fake, batch: ForwardBatch) -> list[str]:
 def _configs():
     from tinyvllm.checkpoint.model_writer import preset_config
     return {"llama": preset_config("tiny"), **{f: ModelConfig.from_pretrained(FIXTURES / f)
-                                               for f in ("gemma3", "mistral", "qwen2", "qwen3", "smollm3")}}
+                                               for f in ("gemma3", "mistral", "phi3", "qwen2", "qwen3", "smollm3")}}
 
 
 # per family: the kernels a decode layer launches on the fused path besides the attention
@@ -81,6 +81,8 @@ FUSED_LAYER = {
                 "gemv_residual_norm_bf16"],
     "smollm3": ["gemv_prenormed_rope_kv_bf16", "gemv_residual_norm_bf16", "gemv_prenormed_silu_mul_bf16",
                 "gemv_residual_norm_bf16"],
+    "phi3": ["gemv_prenormed_rope_kv_bf16", "gemv_residual_norm_bf16", "gemv_prenormed_silu_mul_bf16",
+             "gemv_residual_norm_bf16"],
     "qwen2": ["gemv_prenormed_rope_kv_bias_bf16", "gemv_residual_norm_bf16", "gemv_prenormed_silu_mul_bf16",
               "gemv_residual_norm_bf16"],
     "qwen3": ["gemv_prenormed_bf16", "rope_write_kv_qk_norm", "gemv_residual_norm_bf16",
@@ -90,7 +92,7 @@ FUSED_LAYER = {
     "gemma3": ["gemv_prenormed_bf16", "rope_write_kv_qk_norm", "gemv_bf16", "rms_norm_residual_add",
                "gemv_prenormed_gelu_mul_bf16", "gemv_bf16", "rms_norm_residual_add"],
 }
-ROPE = {"llama": "rope_write_kv", "mistral": "rope_write_kv", "smollm3": "rope_write_kv", "qwen2": "rope_write_kv_bias",
+ROPE = {"llama": "rope_write_kv", "mistral": "rope_write_kv", "smollm3": "rope_write_kv", "phi3": "rope_write_kv", "qwen2": "rope_write_kv_bias",
         "qwen3": "rope_write_kv_qk_norm", "gemma3": "rope_write_kv_qk_norm"}
 EMBEDDING = {"gemma3": "embedding_gather_scaled"}
 

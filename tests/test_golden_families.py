@@ -1,4 +1,4 @@
-"""Qwen2, Qwen3, SmolLM3, Mistral and Gemma 3 against transformers: tests/fixtures/families/<family>/ holds
+"""Qwen2, Qwen3, SmolLM3, Phi-3, Mistral and Gemma 3 against transformers: tests/fixtures/families/<family>/ holds
 a small random-weight checkpoint that transformers built from the family's own config class, and
 transformers' fp32 greedy ids on it (golden.json), recorded by benchmarks/hf_family_golden.py.
 
@@ -70,7 +70,7 @@ def numpy_outputs(family: str, engine: str):
 
 
 def test_every_family_has_a_fixture():
-    assert FAMILIES == ["gemma3", "gemma3_mm", "mistral", "qwen2", "qwen3", "qwen3_yarn", "smollm3"]
+    assert FAMILIES == ["gemma3", "gemma3_mm", "mistral", "phi3", "qwen2", "qwen3", "qwen3_yarn", "smollm3"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

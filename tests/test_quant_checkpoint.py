@@ -156,7 +156,7 @@ def test_an_fp8_checkpoint_loads_with_scales_paired(tmp_path, tiny_model_dir, pe
             np.testing.assert_array_equal(w.row_scales(), np.broadcast_to(scale, (w.shape[0],)))
     assert weights[EMBED].dtype == BF16 and "lm_head.weight" not in weights     # tied: the bf16 embedding
     # the fused q/k/v: one scale per row, each part's scalar repeated over its rows
-    qkv = fused_layer(weights, 0, "qkv")
+    qkv = fused_layer(weights, 0, "qkv", config)
     parts = [weights[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]
     np.testing.assert_array_equal(qkv.scale, np.concatenate([p.row_scales() for p in parts]))
     np.testing.assert_array_equal(qkv.codes.view(np.uint8), np.concatenate([p.codes for p in parts]).view(np.uint8))

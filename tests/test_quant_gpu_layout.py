@@ -207,7 +207,7 @@ def test_a_q4_k_m_files_upload_plan(tmp_path, monkeypatch):
                      "1.o": "Q4_K", "1.gate_up": "Q4_K", "1.down": "Q4_K", "lm_head": "Q6_K"}
     qkv = plan["0.qkv"]
     np.testing.assert_array_equal(_bits(planes_dequantize_bf16(EXPANDED, *qkv.arrays, *qkv.shape)),
-                                  _bits(np.concatenate([p.dequantize_bf16() for p in fused_layer(weights, 0, "qkv").parts])))
+                                  _bits(np.concatenate([p.dequantize_bf16() for p in fused_layer(weights, 0, "qkv", config).parts])))
     np.testing.assert_array_equal(_bits(plan["embed"].arrays[0]), _bits(weights[EMBED].dequantize_bf16()))
 
 

@@ -190,7 +190,7 @@ def test_the_engine_runs_online_fp8(tiny_model_dir):
     out = llm.generate("The capital of France", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     config = ModelConfig.from_pretrained(tiny_model_dir)
     weights = load_weights(tiny_model_dir, config, "fp8")
-    assert weights[EMBED].dtype == BF16 and isinstance(fused_layer(weights, 0, "gate_up"), Fp8Weight)
+    assert weights[EMBED].dtype == BF16 and isinstance(fused_layer(weights, 0, "gate_up", config), Fp8Weight)
     assert list(out.outputs[0].token_ids) == ReferenceModel(config, weights).greedy_generate(out.prompt_token_ids, 8)
 
 

@@ -12,6 +12,9 @@ few changes, each one a ModelConfig field:
                                                      head_dim of its own
   SmolLM3         smollm3       SmolLM3ForCausalLM   no RoPE on some layers (no_rope_layers: every
                                                      4th by default)
+  Phi-3 / Phi-4   phi3          Phi3ForCausalLM      q/k/v and gate/up stored fused (qkv_proj,
+                                                     gate_up_proj); a sliding window on every layer
+                                                     where config.json sets one (Phi-3-mini: 2047)
   Gemma 3 text    gemma3_text   Gemma3ForCausalLM    RMSNorm as x * (1 + w); embeddings times
                                                      sqrt(hidden); GeGLU with tanh-GELU; norms on
                                                      the attention output and around the MLP; q/k
@@ -38,7 +41,8 @@ from tinyvllm.errors import ModelLoadError
 from tinyvllm.hf_config import FULL, SLIDING, ConfigFields, parse_layer_ropes, parse_layer_types, parse_rope
 
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM"}
 ARCHITECTURE_FAMILY = {arch: family for family, arch in FAMILIES.items()}
 # head_dim when config.json has none: the config class's default (None: hidden / heads)
 HEAD_DIM_DEFAULT = {"qwen3": 128, "gemma3_text": 256}
@@ -147,13 +151,15 @@ def _windows(family: str, cfg: dict, f: ConfigFields, source: str, num_layers: i
         window = f.positive_int("sliding_window", None) if f.get("use_sliding_window", bool, False) else None
         default = [SLIDING if window and i in nope else FULL for i in range(num_layers)]
         return _normalized(window, parse_layer_types(cfg, source, num_layers, default), source)
-    if family == "mistral":
-        # MistralModel masks every layer with config.sliding_window; MistralConfig ignores
-        # layer_types (alternating layers are Ministral's), so a config that sets them is refused
+    if family in ("mistral", "phi3"):
+        # MistralModel / Phi3Model mask every layer with config.sliding_window; their configs ignore
+        # layer_types (alternating layers are Ministral's), so a config that sets them is refused.
+        # Absent, MistralConfig's window is 4096, Phi3Config's None.
         if cfg.get("layer_types") is not None:
-            raise ModelLoadError(f"{source}: layer_types is not read by MistralForCausalLM (every layer "
+            raise ModelLoadError(f"{source}: layer_types is not read by {FAMILIES[family]} (every layer "
                                  "has the same attention); remove it")
-        window = f.positive_int("sliding_window", None) if "sliding_window" in cfg else 4096
+        absent = 4096 if family == "mistral" else None
+        window = f.positive_int("sliding_window", None) if "sliding_window" in cfg else absent
         return _normalized(window, (SLIDING,) * num_layers if window else (), source)
     # Qwen2Config / Qwen3Config: the window only with use_sliding_window, on the layers from
     # max_window_layers on (unless layer_types says which)

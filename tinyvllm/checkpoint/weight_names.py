@@ -41,6 +41,14 @@ LAYER_PARTS = {
     "down": ("mlp.down_proj.weight",),
 }
 LLAMA_PARTS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")
+# families whose checkpoints store a fused tensor already, in the engine's layout (Phi3Attention's
+# qkv_proj: q, k, v rows in order; Phi3MLP's gate_up_proj: gate rows, then up rows)
+STORED_FUSED = {"phi3": {"qkv": ("self_attn.qkv_proj.weight",), "gate_up": ("mlp.gate_up_proj.weight",)}}
+
+
+def part_names(config: ModelConfig, part: str) -> tuple[str, ...]:
+    """The checkpoint tensors a per-layer part is made of, for this model's family."""
+    return STORED_FUSED.get(config.family, {}).get(part, LAYER_PARTS[part])
 
 
 def layer_parts(config: ModelConfig) -> tuple[str, ...]:
@@ -63,8 +71,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
                 "self_attn.o_proj.weight": (h, q), "post_attention_layernorm.weight": (h,),
                 "pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,),
-                "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
-    part_shapes = {name: shape_of[name] for part in layer_parts(config) for name in LAYER_PARTS[part]}
+                "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
+                "self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * i, h)}
+    part_shapes = {name: shape_of[name] for part in layer_parts(config) for name in part_names(config, part)}
     shapes = {EMBED: (v, h)}
     for layer in range(config.num_hidden_layers):
         shapes.update({layer_prefix(layer) + name: shape for name, shape in part_shapes.items()})
@@ -74,11 +83,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def fused_layer(weights: dict[str, np.ndarray], layer: int, part: str) -> np.ndarray:
+def fused_layer(weights: dict[str, np.ndarray], layer: int, part: str, config: ModelConfig) -> np.ndarray:
     """One per-layer tensor as the engine runs it (a LAYER_PARTS key), concatenated from the
     checkpoint's tensors when fused; made one at a time, so at most one extra copy exists.
     Quantized parts stack as tinyvllm/quant/weight_kinds.py::concat_rows says."""
-    names = [layer_prefix(layer) + n for n in LAYER_PARTS[part]]
+    names = [layer_prefix(layer) + n for n in part_names(config, part)]
     return concat_rows([weights[n] for n in names], names)
 
 

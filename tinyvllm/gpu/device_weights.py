@@ -142,7 +142,7 @@ def _host_tensor(key: str, config: ModelConfig, w: dict):
     if key == "lm_head":
         return names.lm_head(w, config)
     layer, part = key.split(".")
-    return names.fused_layer(w, int(layer), part)
+    return names.fused_layer(w, int(layer), part, config)
 
 
 @dataclass(frozen=True, eq=False)

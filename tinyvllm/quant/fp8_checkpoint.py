@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tinyvllm.checkpoint.weight_names import LAYER_PARTS, LM_HEAD, expected_shapes, layer_prefix
+from tinyvllm.checkpoint.weight_names import LM_HEAD, expected_shapes, layer_prefix, part_names
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError
 from tinyvllm.quant.fp8 import E4M3, Fp8Weight, quantize_per_channel
@@ -37,7 +37,7 @@ QUANTIZATION_METHODS = ("fp8",)
 
 def linear_groups(config: ModelConfig) -> list[tuple[str, ...]]:
     """The layer linears' weight names, grouped as the engine fuses them (q/k/v, o, gate/up, down)."""
-    return [tuple(layer_prefix(layer) + name for name in LAYER_PARTS[part])
+    return [tuple(layer_prefix(layer) + name for name in part_names(config, part))
             for layer in range(config.num_hidden_layers) for part in LINEAR_PARTS]
 
 

@@ -45,7 +45,7 @@ class ReferenceModel:
         self.embed = held(weights[names.EMBED])
         self.lm_head = held(names.lm_head(weights, config))
         self.final_norm = as_f32(weights[names.FINAL_NORM])
-        self.layers = [{part: held(names.fused_layer(weights, layer, part)) for part in names.layer_parts(config)}
+        self.layers = [{part: held(names.fused_layer(weights, layer, part, config)) for part in names.layer_parts(config)}
                        for layer in range(config.num_hidden_layers)]
         self.inv_freq = {kind: rope_inv_freq(config, kind) for kind in LAYER_TYPES}
         self.scale = config.attention_scale
