@@ -1,6 +1,7 @@
 """Record transformers' greedy tokens on small random-weight models of the families served beside
-Llama (Qwen2, Qwen3 (and with YaRN), SmolLM3, Phi-3, Mistral, Gemma 3 text, and Gemma 3's multimodal model run on text): the golden
-fixtures tests/test_golden_families.py holds the engine to.
+Llama (Qwen2, Qwen3 and Qwen3 with YaRN, SmolLM3, Phi-3, Mistral, Gemma 3 text, and Gemma 3's and
+Mistral Small 3's multimodal models run on text): the golden fixtures tests/test_golden_families.py
+holds the engine to.
 
     python benchmarks/hf_family_golden.py [--out tests/fixtures/families] [--family qwen3 ...]
 
@@ -65,6 +66,12 @@ FAMILIES = {
     "qwen3_yarn": ("Qwen3Config", dict(SMALL, num_hidden_layers=3, head_dim=64, tie_word_embeddings=False,
                                        rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                                         "original_max_position_embeddings": 256})),
+    # Mistral Small 3.1's multimodal model (a tiny Pixtral tower) run on text: a Mistral, untied
+    "mistral3_mm": ("Mistral3Config", dict(tie_word_embeddings=False, text_config=dict(
+        SMALL, model_type="mistral", num_hidden_layers=3, hidden_size=256, head_dim=64, sliding_window=None,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=16, image_size=28, patch_size=14))),
     # q/k/v and gate/up stored fused; a window on every layer (Phi-3-mini's 2047, shrunk)
     "phi3": ("Phi3Config", dict(SMALL, num_hidden_layers=3, hidden_size=256, sliding_window=12,
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
@@ -80,6 +87,7 @@ FAMILIES = {
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
         patch_size=14), mm_tokens_per_image=4)),
 }
+NOT_CAUSAL_LM = {"Mistral3Config": "Mistral3ForConditionalGeneration"}
 ONE_PLUS_W_NORMS = {"gemma3", "gemma3_mm"}          # Gemma3RMSNorm multiplies by (1 + weight)
 FINAL_NORMS = ("model.norm.weight", "model.language_model.norm.weight")
 VISION_PARTS = ("model.vision_tower.", "model.multi_modal_projector.")   # left at transformers' init
@@ -129,8 +137,14 @@ def write_tokenizer(transformers, folder: Path) -> object:
     return tok
 
 
-def load(torch, transformers, folder: Path, dtype):
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
+def model_class(transformers, config_class: str):
+    """The class a config builds: AutoModelForCausalLM's, or a multimodal model it does not map."""
+    return getattr(transformers, NOT_CAUSAL_LM[config_class]) if config_class in NOT_CAUSAL_LM \
+        else transformers.AutoModelForCausalLM
+
+
+def load(torch, transformers, folder: Path, dtype, config_class: str):
+    model = model_class(transformers, config_class).from_pretrained(folder, dtype=dtype, attn_implementation="eager")
     if dtype == torch.float64:
         float64_rope(torch, model)
     return model.eval()
@@ -204,12 +218,15 @@ def record(torch, transformers, family: str, out_dir: Path) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     config = getattr(transformers, class_name)(**kwargs)
     torch.manual_seed(SEED)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    cls = model_class(transformers, class_name)
+    model = cls.from_config(config, dtype=torch.float32) if cls is transformers.AutoModelForCausalLM \
+        else cls(config).to(torch.float32)
     init_weights(torch, model, family, SEED)
     model.to(torch.bfloat16).save_pretrained(folder)
     tok = write_tokenizer(transformers, folder)
 
-    fp32, fp64, bf16 = (load(torch, transformers, folder, d) for d in (torch.float32, torch.float64, torch.bfloat16))
+    fp32, fp64, bf16 = (load(torch, transformers, folder, d, class_name)
+                        for d in (torch.float32, torch.float64, torch.bfloat16))
     gen = torch.Generator().manual_seed(SEED + 1)
     cases = []
     for n, length in enumerate(PROMPT_LENGTHS):

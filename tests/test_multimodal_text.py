@@ -1,8 +1,10 @@
-"""Multimodal Gemma 3 checkpoints (Gemma3ForConditionalGeneration: 4B, 12B, 27B) served text-only:
+"""Multimodal checkpoints served text-only: Gemma 3 (Gemma3ForConditionalGeneration: 4B, 12B, 27B) and
+Mistral Small 3.1 / 3.2 (Mistral3ForConditionalGeneration).
 config.json's text_config read with Gemma3TextConfig's defaults (tinyvllm/model_family.py), the
 language model's tensors found under either prefix transformers uses, the vision tower not read
-(tinyvllm/checkpoint/weight_names.py). The fixture tests/fixtures/families/gemma3_mm/ is such a
-checkpoint, and tests/test_golden_families.py holds its text outputs to transformers'."""
+(tinyvllm/checkpoint/weight_names.py). The fixtures tests/fixtures/families/gemma3_mm/ and
+mistral3_mm/ are such checkpoints, and tests/test_golden_families.py holds their text outputs to
+transformers'."""
 import json
 import shutil
 from pathlib import Path
@@ -119,3 +121,17 @@ def test_inspect_marks_the_tensors_it_does_not_read():
     unread = [line.split()[0] for line in lines if line.endswith("(not read)")]
     assert unread and all(n.startswith(("vision_tower.", "multi_modal_projector.")) for n in unread)
     assert not [line for line in checkpoint_tensor_lines(FIXTURE.parent / "qwen3") if line.endswith("(not read)")]
+
+
+def test_mistral_small_3_reads_as_its_mistral_language_model():
+    """A Mistral-Small-3.1-shaped config.json: its text_config is a MistralConfig, untied."""
+    cfg = {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3", "image_token_index": 10,
+           "text_config": {"head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 32768,
+                           "max_position_embeddings": 131072, "model_type": "mistral", "num_attention_heads": 32,
+                           "num_hidden_layers": 40, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+                           "rope_theta": 1000000000.0, "sliding_window": None, "vocab_size": 131072},
+           "torch_dtype": "bfloat16", "vision_config": {"model_type": "pixtral"}}
+    c = ModelConfig.from_dict(cfg)
+    assert (c.family, c.hidden_size, c.head_dim, c.rope_theta, c.sliding_window, c.tie_word_embeddings) == \
+        ("mistral", 5120, 128, 1e9, None, False)
+    assert c.differences_from_llama() == []

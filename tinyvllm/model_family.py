@@ -23,11 +23,12 @@ few changes, each one a ModelConfig field:
 
 (Qwen2 and Qwen3 have sliding windows too, off unless use_sliding_window is true.)
 
-Gemma 3 4B, 12B and 27B are multimodal checkpoints (Gemma3ForConditionalGeneration, model_type
-gemma3): served text-only, as their language model, a Gemma 3 text model whose config is
-config.json's text_config (language_model_config) and whose tensors carry the language model's
-prefix (checkpoint/weight_names.py). The vision tower is not loaded; a request with an image is
-refused where requests are validated (the server's message parts are text).
+Gemma 3 4B, 12B and 27B (Gemma3ForConditionalGeneration, model_type gemma3) and Mistral Small 3.1
+and 3.2 (Mistral3ForConditionalGeneration, mistral3) are multimodal checkpoints: served text-only,
+as their language model (a Gemma 3 text model, a Mistral), whose config is config.json's
+text_config (language_model_config) and whose tensors carry the language model's prefix
+(checkpoint/weight_names.py). The vision tower is not loaded; a request with an image is refused
+where requests are validated (the server's message parts are text).
 
 The rule for fields: what the family's transformers 5 classes read is read here, with their
 defaults where config.json leaves a field out (Qwen3Config's head_dim 128, MistralConfig's
@@ -55,7 +56,8 @@ BASE_DEFAULTS = {"gemma3_text": dict(vocab_size=262_208, hidden_size=2304, inter
                                      rms_norm_eps=1e-6, max_position_embeddings=131_072,
                                      bos_token_id=2, eos_token_id=1)}
 # multimodal model_type -> (its architecture, the family of its language model)
-MULTIMODAL = {"gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text")}
+MULTIMODAL = {"gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text"),
+              "mistral3": ("Mistral3ForConditionalGeneration", "mistral")}
 # top-level fields of a multimodal config.json that its language model reads from there
 MULTIMODAL_TOP_FIELDS = ("torch_dtype", "dtype", "quantization_config", "tie_word_embeddings",
                          "bos_token_id", "eos_token_id", "pad_token_id")
