@@ -59,7 +59,7 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(SMALL, num_hidden_layers=3, head_dim=64, tie_word_embeddings=False,
                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     # RoPE on layers 0 and 2 only (SmolLM3's no_rope_layers, 1 = RoPE; every 4th layer by default)
-    "smollm3": ("SmolLM3Config", dict(SMALL, num_hidden_layers=4, hidden_size=256, no_rope_layers=[1, 0, 1, 0],
+    "smollm3": ("SmolLM3Config", dict(SMALL, num_hidden_layers=4, num_attention_heads=2, no_rope_layers=[1, 0, 1, 0],
                                       rope_parameters={"rope_type": "default", "rope_theta": 2e6})),
     # Qwen3 with YaRN (the long-context scaling its model cards give): frequencies blended between
     # kept and / factor, scores times the attention factor squared
@@ -68,12 +68,12 @@ FAMILIES = {
                                                         "original_max_position_embeddings": 256})),
     # Mistral Small 3.1's multimodal model (a tiny Pixtral tower) run on text: a Mistral, untied
     "mistral3_mm": ("Mistral3Config", dict(tie_word_embeddings=False, text_config=dict(
-        SMALL, model_type="mistral", num_hidden_layers=3, hidden_size=256, head_dim=64, sliding_window=None,
+        SMALL, model_type="mistral", num_hidden_layers=3, head_dim=64, sliding_window=None,
         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
         vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, head_dim=16, image_size=28, patch_size=14))),
     # q/k/v and gate/up stored fused; a window on every layer (Phi-3-mini's 2047, shrunk)
-    "phi3": ("Phi3Config", dict(SMALL, num_hidden_layers=3, hidden_size=256, sliding_window=12,
+    "phi3": ("Phi3Config", dict(SMALL, num_hidden_layers=3, num_attention_heads=2, sliding_window=12,
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
     # every layer a sliding-window layer (v0.1's 4096, shrunk)
     "mistral": ("MistralConfig", dict(SMALL, num_hidden_layers=3, hidden_size=256, sliding_window=12,
