@@ -165,8 +165,8 @@ def test_rope_fields_we_cannot_honour_are_named(change, match):
 
 
 def test_unknown_architecture_is_refused_by_name():
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture \['Phi3ForCausalLM'\]"):
-        ModelConfig.from_dict(base(architectures=["Phi3ForCausalLM"], model_type="phi3"))
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture \['GPTNeoXForCausalLM'\]"):
+        ModelConfig.from_dict(base(architectures=["GPTNeoXForCausalLM"], model_type="gpt_neox"))
 
 
 @pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "num_attention_heads",
