@@ -16,9 +16,10 @@ from tinyvllm.errors import ModelLoadError
 
 # counted from the published checkpoints' tensor shapes
 EXPECTED_PARAMETERS = {"qwen3-0.6b": 596_049_920, "qwen2.5-0.5b": 494_032_768, "gemma-3-1b": 999_885_952,
-                       "gemma-3-4b": 3_880_263_168, "smollm3-3b": 3_075_098_624, "mistral-7b": 7_248_023_552}
+                       "gemma-3-4b": 3_880_263_168, "smollm3-3b": 3_075_098_624, "phi-4": 14_659_507_200,
+                       "mistral-7b": 7_248_023_552}
 # (gemma-3-4b: its language model, as transformers 5.25's Gemma3ForCausalLM of its text_config counts
-# it; smollm3-3b: as its SmolLM3ForCausalLM counts the preset's config)
+# it; smollm3-3b and phi-4: as their SmolLM3ForCausalLM / Phi3ForCausalLM count the preset's config)
 TEXTS = ["Hello, world!", "The capital of France is Paris.", "def f(x):\n    return x ** 2\n",
          "Grüße aus München – schön! 日本語のテキスト 😀", "   spaces\tand\ttabs\n\n"]
 
@@ -34,7 +35,7 @@ def test_preset_shapes_are_the_published_ones(preset):
 def test_each_preset_is_its_family():
     families = {p: preset_config(p).family for p in EXPECTED_PARAMETERS}
     assert families == {"qwen3-0.6b": "qwen3", "qwen2.5-0.5b": "qwen2", "gemma-3-1b": "gemma3_text",
-                        "gemma-3-4b": "gemma3_text", "smollm3-3b": "smollm3", "mistral-7b": "mistral"}
+                        "gemma-3-4b": "gemma3_text", "smollm3-3b": "smollm3", "phi-4": "phi3", "mistral-7b": "mistral"}
     gemma = preset_config("gemma-3-1b")
     assert gemma.sliding_window == 512 and gemma.layer_types.count("full_attention") == 4
     assert preset_config("mistral-7b").differences_from_llama() == []

@@ -133,6 +133,13 @@ PRESETS.update({
         "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "rope_theta": 5000000.0, "sliding_window": None,
         "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_sliding_window": False,
         "vocab_size": 128256}),
+    # microsoft/phi-4's shapes (q/k/v and gate/up stored fused, no window)
+    "phi-4": _with_llama3_tokens({
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_act": "silu", "hidden_size": 5120,
+        "intermediate_size": 17920, "max_position_embeddings": 16384, "num_attention_heads": 40,
+        "num_hidden_layers": 40, "num_key_value_heads": 10, "original_max_position_embeddings": 16384,
+        "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 250000, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 100352}),
     # mistralai/Mistral-7B-Instruct-v0.3 (no sliding window: the Llama forward pass exactly)
     "mistral-7b": _with_llama3_tokens({
         "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu",
