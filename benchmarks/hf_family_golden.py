@@ -72,6 +72,13 @@ FAMILIES = {
         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
         vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, head_dim=16, image_size=28, patch_size=14))),
+    # Qwen2.5-VL run on text: a Qwen2 (q/k/v biases) whose multimodal RoPE's three position streams
+    # are the same position; its tensors saved as model.* beside visual.*
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", dict(text_config=dict(
+        SMALL, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128,
+                           patch_size=14, window_size=56, fullatt_block_indexes=[0]), tie_word_embeddings=False)),
     # q/k/v and gate/up stored fused; a window on every layer (Phi-3-mini's 2047, shrunk)
     "phi3": ("Phi3Config", dict(SMALL, num_hidden_layers=3, num_attention_heads=2, sliding_window=12,
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
@@ -87,10 +94,11 @@ FAMILIES = {
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
         patch_size=14), mm_tokens_per_image=4)),
 }
-NOT_CAUSAL_LM = {"Mistral3Config": "Mistral3ForConditionalGeneration"}
+NOT_CAUSAL_LM = {"Mistral3Config": "Mistral3ForConditionalGeneration",
+                 "Qwen2_5_VLConfig": "Qwen2_5_VLForConditionalGeneration"}
 ONE_PLUS_W_NORMS = {"gemma3", "gemma3_mm"}          # Gemma3RMSNorm multiplies by (1 + weight)
 FINAL_NORMS = ("model.norm.weight", "model.language_model.norm.weight")
-VISION_PARTS = ("model.vision_tower.", "model.multi_modal_projector.")   # left at transformers' init
+VISION_PARTS = ("model.vision_tower.", "model.multi_modal_projector.", "model.visual.")   # transformers init
 
 
 def sha256(path: Path) -> str:
@@ -175,6 +183,9 @@ def float64_rope(torch, model) -> None:
 
     def forward(x, position_ids, layer_type=None):
         params = config.rope_parameters[layer_type] if layer_type else config.rope_parameters
+        if position_ids.dim() == 3:            # multimodal RoPE's three streams: on text, one position
+            assert (position_ids == position_ids[0]).all()
+            position_ids = position_ids[0]
         angles = position_ids[..., None].to(torch.float64) * inv_freq(params)
         both = torch.cat((angles, angles), dim=-1)
         scale = 0.1 * math.log(params["factor"]) + 1 if params["rope_type"] == "yarn" else 1.0   # attention factor

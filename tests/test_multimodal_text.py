@@ -1,5 +1,5 @@
-"""Multimodal checkpoints served text-only: Gemma 3 (Gemma3ForConditionalGeneration: 4B, 12B, 27B) and
-Mistral Small 3.1 / 3.2 (Mistral3ForConditionalGeneration).
+"""Multimodal checkpoints served text-only: Gemma 3 (Gemma3ForConditionalGeneration: 4B, 12B, 27B),
+Mistral Small 3.1 / 3.2 (Mistral3ForConditionalGeneration) and Qwen2-VL / Qwen2.5-VL / Qwen3-VL.
 config.json's text_config read with Gemma3TextConfig's defaults (tinyvllm/model_family.py), the
 language model's tensors found under either prefix transformers uses, the vision tower not read
 (tinyvllm/checkpoint/weight_names.py). The fixtures tests/fixtures/families/gemma3_mm/ and
@@ -135,3 +135,22 @@ def test_mistral_small_3_reads_as_its_mistral_language_model():
     assert (c.family, c.hidden_size, c.head_dim, c.rope_theta, c.sliding_window, c.tie_word_embeddings) == \
         ("mistral", 5120, 128, 1e9, None, False)
     assert c.differences_from_llama() == []
+
+
+def test_qwen2_5_vl_flat_config_reads_as_its_qwen2_language_model():
+    """A Qwen2.5-VL-7B-shaped config.json in the flat form the Hub keeps (the text model's fields at
+    the top, rope_scaling of type mrope): a Qwen2 whose multimodal RoPE is plain RoPE on text, as
+    Qwen2_5_VLConfig reads it."""
+    cfg = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+           "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "hidden_act": "silu",
+           "hidden_size": 3584, "intermediate_size": 18944, "max_position_embeddings": 128000,
+           "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+           "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False,
+           "torch_dtype": "bfloat16", "use_sliding_window": False, "vocab_size": 152064,
+           "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+           "vision_config": {"depth": 32, "hidden_size": 1280, "out_hidden_size": 3584}}
+    c = ModelConfig.from_dict(cfg)
+    assert (c.family, c.hidden_size, c.head_dim, c.qkv_bias, c.rope_theta, c.rope_scaling, c.sliding_window) == \
+        ("qwen2", 3584, 128, True, 1e6, None, None)
+    assert ModelConfig.from_dict({**cfg, "architectures": ["Qwen2VLForConditionalGeneration"],
+                                  "model_type": "qwen2_vl"}) == c

@@ -24,7 +24,11 @@ DTYPES = ("bfloat16", "float16", "float32")      # what weights.py reads (all se
 # rope_parameters / rope_scaling keys each rope type may carry ("type" is the pre-4.45 name
 # of "rope_type"); any other key is a feature we do not implement.
 LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-ROPE_KEYS = {"default": {"rope_type", "type", "rope_theta", "partial_rotary_factor"}}
+# mrope_section / mrope_interleaved: the multimodal RoPE of Qwen2-VL, Qwen2.5-VL and Qwen3-VL splits
+# the head's frequencies among three position streams (time, height, width); on text the three
+# are the same position, so it is this plain RoPE exactly (transformers too names "mrope" default)
+ROPE_KEYS = {"default": {"rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section",
+                         "mrope_interleaved"}}
 ROPE_KEYS["llama3"] = ROPE_KEYS["default"] | set(LLAMA3_FIELDS)
 ROPE_KEYS["linear"] = ROPE_KEYS["default"] | {"factor"}
 YARN_FIELDS = ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
@@ -169,6 +173,7 @@ def rope_from_dict(params: dict, key: str, source: str) -> tuple[float | None, R
     if len(kinds) > 1:
         raise ModelLoadError(f"{source}: {key} has both rope_type and type, and they differ ({kinds})")
     kind = next(iter(kinds), "default")
+    kind = "default" if kind == "mrope" else kind     # Qwen2_5_VLTextConfig.convert_rope_params_to_dict
     if kind not in ROPE_KEYS:
         raise ModelLoadError(f"{source}: unsupported rope type {kind!r} in {key} "
                              f"(tinyvllm implements: {', '.join(ROPE_KEYS)})")

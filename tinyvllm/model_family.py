@@ -23,11 +23,13 @@ few changes, each one a ModelConfig field:
 
 (Qwen2 and Qwen3 have sliding windows too, off unless use_sliding_window is true.)
 
-Gemma 3 4B, 12B and 27B (Gemma3ForConditionalGeneration, model_type gemma3) and Mistral Small 3.1
-and 3.2 (Mistral3ForConditionalGeneration, mistral3) are multimodal checkpoints: served text-only,
-as their language model (a Gemma 3 text model, a Mistral), whose config is config.json's
-text_config (language_model_config) and whose tensors carry the language model's prefix
-(checkpoint/weight_names.py). The vision tower is not loaded; a request with an image is refused
+Gemma 3 4B, 12B and 27B (Gemma3ForConditionalGeneration, model_type gemma3), Mistral Small 3.1
+and 3.2 (Mistral3ForConditionalGeneration, mistral3) and Qwen2-VL, Qwen2.5-VL and Qwen3-VL are
+multimodal checkpoints: served text-only, as their language model (a Gemma 3 text model, a
+Mistral, a Qwen2, a Qwen3), whose config is config.json's text_config (or, in Qwen2-VL's flat
+configs, its top level; language_model_config) and whose tensors carry the language model's
+prefix, if any (checkpoint/weight_names.py); on text their multimodal RoPE is plain RoPE
+(hf_config.py). The vision tower is not loaded; a request with an image is refused
 where requests are validated (the server's message parts are text).
 
 The rule for fields: what the family's transformers 5 classes read is read here, with their
@@ -57,7 +59,13 @@ BASE_DEFAULTS = {"gemma3_text": dict(vocab_size=262_208, hidden_size=2304, inter
                                      bos_token_id=2, eos_token_id=1)}
 # multimodal model_type -> (its architecture, the family of its language model)
 MULTIMODAL = {"gemma3": ("Gemma3ForConditionalGeneration", "gemma3_text"),
-              "mistral3": ("Mistral3ForConditionalGeneration", "mistral")}
+              "mistral3": ("Mistral3ForConditionalGeneration", "mistral"),
+              "qwen2_vl": ("Qwen2VLForConditionalGeneration", "qwen2"),
+              "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "qwen2"),
+              "qwen3_vl": ("Qwen3VLForConditionalGeneration", "qwen3")}
+# those whose Hub configs may be flat (the text model's fields at the top, no text_config), as
+# Qwen2_5_VLConfig reads them
+FLAT_TEXT_CONFIG = ("qwen2_vl", "qwen2_5_vl")
 # top-level fields of a multimodal config.json that its language model reads from there
 MULTIMODAL_TOP_FIELDS = ("torch_dtype", "dtype", "quantization_config", "tie_word_embeddings",
                          "bos_token_id", "eos_token_id", "pad_token_id")
@@ -77,6 +85,8 @@ def language_model_config(cfg: dict, source: str) -> dict:
     if multimodal is not None:
         arch, family = MULTIMODAL[multimodal]
         text = cfg.get("text_config")
+        if text is None and multimodal in FLAT_TEXT_CONFIG:
+            text = {k: v for k, v in cfg.items() if k != "vision_config"}
         if not isinstance(text, dict):
             raise ModelLoadError(f"{source}: a {arch} config needs a text_config object (its language model)")
         cfg = {**text, **{k: cfg[k] for k in MULTIMODAL_TOP_FIELDS if cfg.get(k) is not None},
