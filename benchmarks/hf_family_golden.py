@@ -79,6 +79,14 @@ FAMILIES = {
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]}),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128,
                            patch_size=14, window_size=56, fullatt_block_indexes=[0]), tie_word_embeddings=False)),
+    # Qwen3-VL run on text: a Qwen3 (q/k norms) with interleaved multimodal RoPE
+    "qwen3_vl": ("Qwen3VLConfig", dict(text_config=dict(
+        SMALL, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [12, 10, 10],
+                         "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128,
+                           patch_size=14, deepstack_visual_indexes=[0]), tie_word_embeddings=False)),
     # q/k/v and gate/up stored fused; a window on every layer (Phi-3-mini's 2047, shrunk)
     "phi3": ("Phi3Config", dict(SMALL, num_hidden_layers=3, num_attention_heads=2, sliding_window=12,
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
@@ -95,7 +103,8 @@ FAMILIES = {
         patch_size=14), mm_tokens_per_image=4)),
 }
 NOT_CAUSAL_LM = {"Mistral3Config": "Mistral3ForConditionalGeneration",
-                 "Qwen2_5_VLConfig": "Qwen2_5_VLForConditionalGeneration"}
+                 "Qwen2_5_VLConfig": "Qwen2_5_VLForConditionalGeneration",
+                 "Qwen3VLConfig": "Qwen3VLForConditionalGeneration"}
 ONE_PLUS_W_NORMS = {"gemma3", "gemma3_mm"}          # Gemma3RMSNorm multiplies by (1 + weight)
 FINAL_NORMS = ("model.norm.weight", "model.language_model.norm.weight")
 VISION_PARTS = ("model.vision_tower.", "model.multi_modal_projector.", "model.visual.")   # transformers init

@@ -71,7 +71,7 @@ def numpy_outputs(family: str, engine: str):
 
 def test_every_family_has_a_fixture():
     assert FAMILIES == ["gemma3", "gemma3_mm", "mistral", "mistral3_mm", "phi3", "qwen2", "qwen2_5_vl", "qwen3",
-                        "qwen3_yarn", "smollm3"]
+                        "qwen3_vl", "qwen3_yarn", "smollm3"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -21,8 +21,8 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
-FAMILIES = ["gemma3", "gemma3_mm", "mistral", "mistral3_mm", "phi3", "qwen2", "qwen2_5_vl", "qwen3", "qwen3_yarn",
-            "smollm3"]
+FAMILIES = ["gemma3", "gemma3_mm", "mistral", "mistral3_mm", "phi3", "qwen2", "qwen2_5_vl", "qwen3", "qwen3_vl",
+            "qwen3_yarn", "smollm3"]
 SIGMAS = 5.0
 
 
