@@ -189,19 +189,9 @@ __device__ __forceinline__ void gemv_body(void* __restrict__ y, const bf16* __re
         if (i < my_steps) copy_w(i);
         cp_async_commit();
     }
-    // After the wait the step's critical path runs (the producer has ended), so the first X
-    // copies' sources are ready before it and nothing but the copies follows it. A slot past
-    // my_steps gets 16 zero bytes that no step reads.
     const void* x_src[RING_STEPS];
     int x_bytes[RING_STEPS];
-#pragma unroll
-    for (int i = 0; i < RING_STEPS; ++i) {
-        const int kk = (s_begin + i) * STEP_K;
-        const bool in = x_ok && i < my_steps && kk + 8 * t < k;
-        x_src[i] = in ? xr + kk : xr;
-        x_bytes[i] = in ? 16 : 0;
-        hold(x_src[i]), hold(x_bytes[i]);
-    }
+    first_x_sources(xr, x_ok, my_steps, 8 * t, k, [&](int i) { return (s_begin + i) * STEP_K; }, x_src, x_bytes);
     wait_for_producer();   // X is the previous kernel's output
 #pragma unroll
     for (int i = 0; i < RING_STEPS; ++i)

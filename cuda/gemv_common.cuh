@@ -8,6 +8,24 @@
 
 namespace {
 
+// The sources of a warp's first STEPS X copies, computed before griddepcontrol.wait and held
+// (common.cuh's hold), so that after the wait, where the step's critical path runs, only the
+// copies follow (gemv.cu's ring header). Step i copies row + at(i) when the row exists, i < steps
+// and its first k (at(i) + lane_k, `row` starting lane_k into the row) is below k; else a 16-byte
+// zero fill from `row` that reads nothing (no step reads it).
+template <int STEPS, typename At>
+__device__ __forceinline__ void first_x_sources(const bf16* row, bool row_ok, int steps, int lane_k, int k, At at,
+                                                const void* (&src)[STEPS], int (&bytes)[STEPS]) {
+#pragma unroll
+    for (int i = 0; i < STEPS; ++i) {
+        const int offset = at(i);
+        const bool in = row_ok && i < steps && offset + lane_k < k;
+        src[i] = in ? row + offset : row;
+        bytes[i] = in ? 16 : 0;
+        hold(src[i]), hold(bytes[i]);
+    }
+}
+
 // One warp step's tensor-core work on one quad per lane: 16 W rows (p: row g, q: row g + 8) x 32 k
 // (8 per lane) against the X quad v of row g (the same 8 k, in the same order as p's and q's).
 __device__ __forceinline__ void mma_pair(float acc[4], const uint4& p, const uint4& q, const uint4& v) {

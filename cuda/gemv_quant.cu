@@ -295,17 +295,9 @@ __device__ __forceinline__ void gemv_quant_body(void* __restrict__ y, const bf16
         if (i < my_steps) copy_w(i);
         cp_async_commit();
     }
-    // X's first sources ready before the wait, only the copies after it (gemv.cu's ring)
     const void* x_src[RING_STEPS];
     int x_bytes[RING_STEPS];
-#pragma unroll
-    for (int i = 0; i < RING_STEPS; ++i) {
-        const int kc = lane_k(i);
-        const bool in = x_ok && i < my_steps && kc < k;
-        x_src[i] = in ? xr + kc : xr;
-        x_bytes[i] = in ? 16 : 0;
-        hold(x_src[i]), hold(x_bytes[i]);
-    }
+    first_x_sources(xr, x_ok, my_steps, 0, k, lane_k, x_src, x_bytes);
     wait_for_producer();
 #pragma unroll
     for (int i = 0; i < RING_STEPS; ++i)
