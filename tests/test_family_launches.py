@@ -25,13 +25,15 @@ def _signature(name: str) -> str:
 
 
 class _CheckedLaunches:
-    """A kernel library whose kernels check their launches and record them."""
+    """A kernel library whose kernels check their launches and record them: names in `launched`,
+    (name, arguments) in `calls`."""
 
     def __init__(self):
         self.launched: list[str] = []
+        self.calls: list[tuple[str, tuple]] = []
 
     def function(self, name):
-        sig, launched = _signature(name), self.launched
+        sig, launched, calls = _signature(name), self.launched, self.calls
 
         class Kernel:
             max_dynamic_shared_bytes = MAX_SHARED
@@ -49,6 +51,7 @@ class _CheckedLaunches:
                 assert 1 <= block[0] * block[1] * block[2] <= 1024 and min(grid) >= 1, (name, grid, block)
                 assert shared_bytes <= MAX_SHARED, (name, shared_bytes)
                 launched.append(name)
+                calls.append((name, args))
         return Kernel
 
 

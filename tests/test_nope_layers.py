@@ -3,12 +3,12 @@ config.json read as transformers 5.25's SmolLM3Config reads it (tinyvllm/model_f
 twin skipping the rotation on those layers (tests/test_golden_families.py holds the fixture
 tests/fixtures/families/smollm3 to transformers), and the CUDA launchers giving those layers the
 zero frequency table (a rotation by angle 0: q and k unchanged, bit for bit), checked here on the
-CPU over the fake runner of tests/test_trace.py."""
+CPU over tests/test_family_launches.py's checked fake runner."""
 from pathlib import Path
 
 import pytest
 
-from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.config import ModelConfig
 from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.errors import ModelLoadError
 from tinyvllm.gpu.model import StepShape
@@ -44,40 +44,21 @@ def test_bad_no_rope_layers_are_named(flags):
         ModelConfig.from_dict({**SMOLLM3_3B, "num_hidden_layers": 4, "no_rope_layers": flags})
 
 
-class _Recorder:
-    """A kernel library that records every launch's name and arguments."""
-
-    def __init__(self):
-        self.launches = []
-
-    def function(self, name):
-        launches = self.launches
-
-        class Kernel:
-            max_dynamic_shared_bytes = 1 << 20
-
-            @staticmethod
-            def launch(grid, block, stream, args, shared_bytes, pdl):
-                launches.append((name, tuple(int(a) if not isinstance(a, float) else a for a in args)))
-        return Kernel
-
-
 @pytest.mark.parametrize("fused_decode", [True, False], ids=["fused", "nine-launch"])
 def test_layers_without_rope_get_the_zero_table(fused_decode):
-    from test_trace import _FakeCudaRunner
+    from test_family_launches import _fake
     config = ModelConfig.from_pretrained(FIXTURE)
-    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
-                                                fused_decode=fused_decode))
-    fake.ops.library = _Recorder()
+    fake = _fake(config, fused_decode)
     w = fake.weights
     assert w.nope_rope_inv_freq and w.nope_rope_inv_freq != w.rope_inv_freq
     prefill = ForwardBatch.build([list(range(1, 12))], [11], [[5]], 16, is_prefill=True)
     decode = ForwardBatch.build([[3], [4]], [12, 30], [[5], [6, 7]], 16, is_prefill=False)
     for batch in (prefill, decode):
-        fake.ops.library.launches.clear()
+        fake.ops.library.calls.clear()
         fake.model.forward(StepShape(batch.num_tokens, batch.num_seqs, batch.is_prefill,
                                      int(max(batch.query_start[1:] - batch.query_start[:-1]))))
-        tables = [(w.nope_rope_inv_freq in args, w.rope_inv_freq in args)
-                  for name, args in fake.ops.library.launches if "rope" in name]
+        tables = [(w.nope_rope_inv_freq in ptrs, w.rope_inv_freq in ptrs)
+                  for name, args in fake.ops.library.calls if "rope" in name
+                  for ptrs in [{int(a) for a in args if not isinstance(a, float)}]]
         assert tables == [(i in config.nope_layers, i not in config.nope_layers)
                           for i in range(config.num_hidden_layers)], (batch.is_prefill, tables)
