@@ -76,8 +76,9 @@
 
 constexpr int ROWS_PER_CTA = 16;
 constexpr int MAX_K_WARPS = 16;
+constexpr int MAX_SHARED_BYTES = 232448;    // an sm_90 block's dynamic shared memory (227 KB, opted into)
 // FP8's CTA may hold 32 warps: 32 x (512 + 3 x 2,048) = 212,992 bytes of rings, plus a prenormed
-// kernel's row sums (2k bytes at m = 8), within an SM's 232,448-byte opt-in for k <= 8,192. At 16
+// kernel's row sums (2k bytes at m = 8), within MAX_SHARED_BYTES for k <= 8,192. At 16
 // warps Llama-1B's down GEMV (128 CTAs, 8 steps a warp) kept 48 KB of W in flight an SM against
 // bf16's 124 KB (gpu/ops/quant_gemv.py's quant_k_warps checks the budget for larger k).
 constexpr int MAX_K_WARPS_FP8 = 32;
@@ -90,7 +91,7 @@ constexpr int SLOT_BYTES_Q4 = 32 * 16 * 6 + 32 * 8;
 constexpr int SLOT_BYTES_Q4_K = 32 * 16 * 6 + 32 * 16;      // fp32 (a, b) pairs: 8 bytes a lane and row
 constexpr int SLOT_BYTES_Q6_K = SLOT_BYTES_Q8_0;               // one fp32 step a lane and row
 constexpr int SLOT_BYTES_EXPANDED = 32 * 16 * 4 + 32 * 16;
-static_assert(MAX_K_WARPS_FP8 * (PARTIAL_BYTES + RING_STEPS * SLOT_BYTES_FP8) + 2 * 8192 <= 232448,
+static_assert(MAX_K_WARPS_FP8 * (PARTIAL_BYTES + RING_STEPS * SLOT_BYTES_FP8) + 2 * 8192 <= MAX_SHARED_BYTES,
               "FP8's widest CTA and its row sums fit an SM's shared memory up to k = 8,192");
 constexpr int LANE_K_BYTE = 16;              // weights per lane-step: one-byte formats
 constexpr int LANE_K_NIBBLE = 32;            // nibble formats (one whole block)

@@ -28,7 +28,6 @@ QGEMV = kernel_constants("gemv_quant.cu")
 QGEMV_MAX_ROWS = 8
 QGEMV_WARPS_PER_SM = 32          # the doubling rule's one-wave budget, as gemv.py's
 QGEMV_MIN_STEPS_PER_WARP = 2
-MAX_SHARED_BYTES = 232_448       # an sm_90 block's dynamic shared memory (227 KB, opted into)
 DEQUANT_THREADS = 256
 # per kind: weights a lane holds per step (its 16 bytes), the ring slot's bytes, what k must divide into
 LANE_K = {"FP8": QGEMV["LANE_K_BYTE"], "Q8_0": QGEMV["LANE_K_BYTE"], "Q4_0": QGEMV["LANE_K_NIBBLE"],
@@ -99,12 +98,12 @@ class QuantGemvOps(OpsBase):
     def quant_k_warps(self, w: QuantMatrix) -> int:
         """gemv.py's doubling rule on this kernel's steps: double the k-split while the grid stays
         within one wave, every warp keeps QGEMV_MIN_STEPS_PER_WARP steps, and the CTA's rings with
-        a prenormed kernel's row sums (2k bytes at m = 8) fit MAX_SHARED_BYTES."""
+        a prenormed kernel's row sums (2k bytes at m = 8) fit gemv_quant.cu's MAX_SHARED_BYTES."""
         ctas, steps = math.ceil(w.rows / QGEMV["ROWS_PER_CTA"]), math.ceil(w.cols / (4 * LANE_K[w.kind]))
         kw, most, per_warp = 1, max_k_warps(w.kind), ring_bytes_per_warp(w.kind)
         while (kw < most and steps >= kw * 2 * QGEMV_MIN_STEPS_PER_WARP
                and ctas * kw * 2 <= self.num_sms * QGEMV_WARPS_PER_SM
-               and kw * 2 * per_warp + 2 * w.cols <= MAX_SHARED_BYTES):
+               and kw * 2 * per_warp + 2 * w.cols <= QGEMV["MAX_SHARED_BYTES"]):
             kw *= 2
         return kw
 
