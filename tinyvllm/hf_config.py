@@ -70,7 +70,6 @@ class YarnRopeScaling:
     truncate: bool = True
 
 
-
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention factor for a context stretched `factor` times (its Eq. 21)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
@@ -138,7 +137,7 @@ def parse_dtype(cfg: dict, source: str) -> str:
     return dtype
 
 
-def parse_rope(cfg: dict, source: str, default_theta: float = None) -> Rope:
+def parse_rope(cfg: dict, source: str, default_theta: float | None = None) -> Rope:
     """(theta, scaling or None) from either form. transformers 5 lets rope_scaling
     override rope_parameters; here two forms present at once must say the same thing. With no
     theta anywhere: default_theta (the config class's), else DEFAULT_ROPE_THETA."""
