@@ -13,6 +13,14 @@ from tinyvllm.errors import TinyVLLMError
 
 
 def _cmd_make_model(args) -> int:
+    import time
+    start = time.perf_counter()
+    if args.gguf is not None:
+        from tinyvllm.checkpoint.preset_gguf import write_gguf_model
+        path = write_gguf_model(args.out, args.preset, args.gguf, seed=args.seed)
+        print(f"wrote {args.preset} as {args.gguf} GGUF (random weights) to {path} "
+              f"in {time.perf_counter() - start:.1f} s")
+        return 0
     from tinyvllm.checkpoint.model_writer import write_model
     path = write_model(args.out, preset=args.preset, seed=args.seed)
     print(f"wrote {args.preset} model to {path}")
@@ -162,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("out", help="output directory")
     mm.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
     mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--gguf", metavar="TYPE", default=None,
+                    help="write OUT/model.gguf instead of the Hugging Face files: random weights (also "
+                         f"for {DEFAULT_MODEL}: its shapes) laid out as llama.cpp lays them out, matrices "
+                         "in TYPE (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, F16, F32), the LM head's Q8_0 for a 4-bit "
+                         "TYPE, norms F32, config and tokenizer as metadata; Llama-family presets "
+                         "(Llama 3's RoPE scaling left out). Run it with --model OUT/model.gguf")
     mm.set_defaults(func=_cmd_make_model)
 
     cg = sub.add_parser("convert-gguf", help="convert a GGUF file (llama, qwen2, qwen3, gemma3) into a Hugging Face directory")

@@ -43,6 +43,7 @@ from tinyvllm.bench.workloads import (
     shrink,
 )
 from tinyvllm.checkpoint.default_model import DEFAULT_MODEL, default_model_dir
+from tinyvllm.checkpoint.gguf_blocks import gguf_model_dir, is_gguf_file
 from tinyvllm.checkpoint.model_writer import preset_config, write_model
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.llm import LLM
@@ -149,7 +150,7 @@ def run_bench(opts: BenchOptions, out=None):
             raise TinyVLLMError(f"--vllm-max-seconds must be > 0, got {opts.vllm_max_seconds:g}")
         vllm.check_available(opts.vllm_site)
     model_dir = resolve_model(opts.model, opts.preset, Path(opts.model_cache))
-    model_config = ModelConfig.from_pretrained(model_dir)
+    model_config = ModelConfig.from_pretrained(gguf_model_dir(model_dir) if is_gguf_file(model_dir) else model_dir)
     ours, engine_config = run_tinyvllm_workloads(model_dir, options, specs, opts)
     report_device = ours.pop("_device")
     report = BenchReport(
