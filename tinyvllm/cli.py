@@ -171,11 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
     mm.add_argument("--seed", type=int, default=0)
     mm.add_argument("--gguf", metavar="TYPE", default=None,
-                    help="write OUT/model.gguf instead of the Hugging Face files: random weights (also "
-                         f"for {DEFAULT_MODEL}: its shapes) laid out as llama.cpp lays them out, matrices "
-                         "in TYPE (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, F16, F32), the LM head's Q8_0 for a 4-bit "
-                         "TYPE, norms F32, config and tokenizer as metadata; Llama-family presets "
-                         "(Llama 3's RoPE scaling left out). Run it with --model OUT/model.gguf")
+                    help="write only OUT/model.gguf, not the Hugging Face files: random weights (also "
+                         f"for {DEFAULT_MODEL}: of its shapes) laid out as llama.cpp lays them out, matrices "
+                         "in TYPE (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, F16, F32; Q4_K/Q6_K blocks drawn at random, "
+                         "gguf cannot quantize them), the LM head's Q8_0 beside a 4-bit TYPE, norms F32, "
+                         "config and the presets' Llama 3 tokenizer as metadata. Llama-family presets only; "
+                         "Llama 3's RoPE scaling is left out. Run it with --model OUT/model.gguf")
     mm.set_defaults(func=_cmd_make_model)
 
     cg = sub.add_parser("convert-gguf", help="convert a GGUF file (llama, qwen2, qwen3, gemma3) into a Hugging Face directory")
