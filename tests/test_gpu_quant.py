@@ -14,9 +14,8 @@ normal, subnormal, zero, negative; EXPANDED: a fused group of parts in different
   * dequant_<kind> (prefill's dequantization) equals its twin bit for bit (planes_dequantize_bf16
     for the GGUF kinds, fp8_scaled_bf16 for FP8): every step is exact or one fmaf/fmul/RNE rounding
     the twin makes the same way; rows past the requested range stay poisoned.
-  * quant_linear() at m > 8: the GGUF kinds' dequantize-then-cuBLAS path (the scratch) and the LM
-    head's GEMV over X's rows 8 at a time, against the same twins (FP8's W8A8 path at m > 8:
-    tests/test_gpu_fp8_gemm.py).
+  * quant_linear() at m > 8: the dequantize-then-cuBLAS path (the scratch) and the GEMV over X's rows
+    8 at a time (no scratch), against the same twins.
   * the fused decode layer's kernels on quantized weights (gemv.cu's epilogues, gemv_common.cuh):
     the residual GEMV handing the norm over and the LM head on it against the twins, the RoPE +
     KV-write and SwiGLU / GeGLU epilogues bit for bit against their chains.
@@ -172,12 +171,13 @@ def test_dequantize(gpu_ops, rng, kind):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("scratch", [True, False], ids=["dequant-cublas", "gemv-chunks"])
 def test_quant_linear_large_m(gpu_ops, rng, kind, scratch):
-    """m > 8 (prefill): a GGUF kind dequantized into the scratch then cuBLAS; or the LM head
-    (last=True, every kind, no scratch): the GEMV 8 rows of X at a time; accumulate into fp32 Y.
-    An FP8 layer matrix at m > 8 runs W8A8 instead (tests/test_gpu_fp8_gemm.py)."""
+    """m > 8 (prefill): dequantize into the scratch then cuBLAS, or, for a matrix past the scratch,
+    the GEMV 8 rows of X at a time; accumulate into fp32 Y. FP8 through the scratch multiplies
+    each code by its scale before the bf16 rounding (fp8_scaled_bf16), so its twin here is
+    bf16(X) @ that^T."""
     from gpu_helpers import DeviceArray
-    if kind == "FP8" and scratch:
-        pytest.skip("an FP8 layer matrix at m > 8 runs W8A8, not the scratch: tests/test_gpu_fp8_gemm.py")
+
+    from tinyvllm.gpu.quant_weights import fp8_scaled_bf16
     m, n, k = 37, 200, _k(kind, 576)
     w, d_q, d_s = _weight(kind, n, k, rng)
     scratch_buf = DeviceArray.poisoned((n * k,), BF16) if scratch else None
@@ -187,9 +187,11 @@ def test_quant_linear_large_m(gpu_ops, rng, kind, scratch):
         y0 = rng.standard_normal((m, n)).astype(np.float32)
         buf, d_y, _ = _guarded_y(m, n, "float32", y0)
         gpu_ops.quant_linear(d_y.ptr + n * 4, d_x, _matrix(kind, n, k, d_q, d_s), m, n, k, accumulate=True,
-                             out_dtype="float32", last=not scratch)
-        # the twin 8 rows at a time, as the GEMV runs them (FP8's twin is weight-only at <= 8 rows)
-        want = np.concatenate([_twin(w, x[r:r + 8].astype(np.float32)) for r in range(0, m, 8)])
+                             out_dtype="float32")
+        if kind == "FP8" and scratch:
+            want = x.astype(np.float32) @ fp8_scaled_bf16(d_q.host, d_s.host, n, k).astype(np.float32).T
+        else:
+            want = _twin(w, x.astype(np.float32))
         _check(d_y, buf, m, want + y0, "float32")
     finally:
         gpu_ops.use_dequant_scratch(0, 0)
@@ -371,10 +373,9 @@ def _matches_reference(cfg, weights, kinds: dict | None = None):
 
 def test_tiny_model_fp8_matches_reference(tiny_model_dir):
     """--quantization fp8 (every layer linear per-channel FP8; embedding and head bf16) on the GPU
-    against the numpy reference on the same FP8 weights: the prefill (98 rows) W8A8 on both sides
-    (quant/fp8.py's twin), decode (3 rows) weight-only. Both quantize X per token, each from its own
-    X (the GPU's bf16 rows, the fp32 reference's), so a few codes differ by one e4m3 step: noise of
-    the size bf16 rounding brings, which this test's bounds allow."""
+    against the numpy reference on the same FP8 weights. Prefill reads bf16(q * scale) where the
+    reference (and decode) scale the sum: one more rounding per weight, of the size bf16 weights
+    carry in the bf16 model this test's bounds come from."""
     from tinyvllm.checkpoint.weights import load_weights
     from tinyvllm.config import ModelConfig
     cfg = ModelConfig.from_pretrained(tiny_model_dir)

@@ -28,7 +28,6 @@ def test_signatures_match_the_c_parameter_lists():
                                             "gemv_prenormed_silu_mul_bf16": "PPPPiiif",
                                             "gemv_prenormed_gelu_mul_bf16": "PPPPiiif"}
     assert kernel_signatures("token_mask.cu") == {"apply_token_mask": "PiPPii"}
-    assert kernel_signatures("fp8_quant.cu") == {"quantize_rows_e4m3": "PPPii"}     # codes, scales, x, m, k
     quant = kernel_signatures("gemv_quant.cu")      # one family per role: gemv_quant_<role>_##K
     assert quant["^gemv_quant_\\w+$"] == "PPPPiiiii"     # y, x, the weight's two planes, m n k, out_f32, accumulate
     assert quant["^dequant_\\w+$"] == "PPPiii"

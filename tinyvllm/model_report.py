@@ -21,7 +21,6 @@ from tinyvllm.gpu.device_weights import (
     device_tensor_itemsize,
     device_tensor_shapes,
     device_weight_bytes,
-    w8a8_max_k,
 )
 
 
@@ -109,9 +108,8 @@ def kv_cache_lines(config: ModelConfig, engine: EngineConfig, num_blocks: int | 
     return lines
 
 
-def arena_layout(config: ModelConfig, engine: EngineConfig, weights: dict | None = None) -> ArenaLayout:
-    """The arena the CUDA runner plans; with the loaded `weights`, FP8 ones' W8A8 buffers too."""
-    return ArenaLayout.plan(ArenaDims.from_configs(config, engine, fp8_k=w8a8_max_k(weights) if weights else 0))
+def arena_layout(config: ModelConfig, engine: EngineConfig) -> ArenaLayout:
+    return ArenaLayout.plan(ArenaDims.from_configs(config, engine))
 
 
 def gguf_tensor_lines(gguf_file: Path) -> list[str]:
@@ -155,7 +153,7 @@ def inspect_report(model: str | Path, engine: EngineConfig) -> str:
     config = ModelConfig.from_pretrained(model_dir)
     loaded = read_weights(model_dir, gguf_file, config, engine)
     quantized = quantization_summary(loaded)
-    layout = arena_layout(config, engine, loaded)
+    layout = arena_layout(config, engine)
     unsupported = cuda_unsupported(loaded)
     # a quantized model's upload plan (its planes packed once): its tensor lines and its bytes
     plan = device_host_tensors(config, loaded) if quantized and not unsupported else None

@@ -56,18 +56,15 @@ class ArenaDims:
     kv_heads: int
     head_dim: int
     blocks_per_seq: int
-    fp8_k: int = 0       # the largest k of an FP8 layer matrix (0: none; W8A8_INPUTS are left out)
 
     @classmethod
-    def from_configs(cls, model: ModelConfig, engine: EngineConfig, fp8_k: int = 0) -> ArenaDims:
-        """fp8_k: gpu/device_weights.py's w8a8_max_k of the weights the runner uploads."""
+    def from_configs(cls, model: ModelConfig, engine: EngineConfig) -> ArenaDims:
         seqs = engine.max_num_seqs
         return cls(tokens=max(engine.max_num_batched_tokens, seqs), seqs=seqs,
                    hidden=model.hidden_size, q_width=model.q_size,
                    qkv_width=model.q_size + 2 * model.kv_size, inter=model.intermediate_size,
                    vocab=model.vocab_size, heads=model.num_attention_heads,
-                   kv_heads=model.num_key_value_heads, head_dim=model.head_dim, blocks_per_seq=engine.max_blocks_per_seq(model),
-                   fp8_k=fp8_k)
+                   kv_heads=model.num_key_value_heads, head_dim=model.head_dim, blocks_per_seq=engine.max_blocks_per_seq(model))
 
 
 @dataclass(frozen=True)
@@ -78,8 +75,8 @@ class BufferSpec:
     storage: str
 
 
-BF16, F32, I32, U64, U8 = "bfloat16", "float32", "int32", "uint64", "uint8"
-ITEMSIZE = {BF16: 2, F32: 4, I32: 4, U64: 8, U8: 1}
+BF16, F32, I32, U64 = "bfloat16", "float32", "int32", "uint64"
+ITEMSIZE = {BF16: 2, F32: 4, I32: 4, U64: 8}
 
 ACTIVATIONS = [
     BufferSpec("hidden", lambda d: (d.tokens, d.hidden), BF16, "hidden"),
@@ -104,14 +101,6 @@ ACTIVATIONS = [
     # embedding's) per-CTA sums of squares of the new rows, for the GEMV after the norm
     BufferSpec("norm_row_ss", lambda d: (GEMV_MAX_ROWS, -(-d.hidden // GEMV["ROWS_PER_CTA"])), F32, "norm_row_ss"),
     BufferSpec("cublas_workspace", lambda d: (CUBLAS_WORKSPACE_BYTES // 4,), F32, "cublas_workspace"),
-]
-
-# With FP8 weights only (ArenaDims.fp8_k > 0): an FP8 projection of more than 8 rows quantizes its
-# X here per token, e4m3 codes and a float32 scale a row, for cuBLASLt's FP8 GEMM (W8A8,
-# gpu/ops/quant_gemv.py); live from that quantize kernel to that GEMM, beside X and Y (own storage)
-W8A8_INPUTS = [
-    BufferSpec("fp8_act_codes", lambda d: (d.tokens, d.fp8_k), U8, "fp8_act_codes"),
-    BufferSpec("fp8_act_scales", lambda d: (d.tokens,), F32, "fp8_act_scales"),
 ]
 
 # Uploaded every step in one copy: a decode step's stops inside block_tables, so every decode
@@ -184,7 +173,7 @@ class ArenaLayout:
 
     @classmethod
     def plan(cls, dims: ArenaDims) -> ArenaLayout:
-        act, act_end = plan_layout(ACTIVATIONS + (W8A8_INPUTS if dims.fp8_k else []), dims)
+        act, act_end = plan_layout(ACTIVATIONS, dims)
         inp, inp_end = plan_layout(INPUTS, dims)
         out, out_end = plan_layout(OUTPUTS, dims)
         return cls(dims, act, inp, out, act_end, inp_end, out_end)

@@ -30,8 +30,8 @@ class CublasError(RuntimeError):
     pass
 
 
-def _candidate_paths(library: str) -> list[str]:
-    names = [f"lib{library}.so.13", f"lib{library}.so.12", f"lib{library}.so"]
+def _candidate_paths() -> list[str]:
+    names = ["libcublas.so.13", "libcublas.so.12", "libcublas.so"]
     dirs = []
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var):
@@ -41,19 +41,18 @@ def _candidate_paths(library: str) -> list[str]:
     for sp in site.getsitepackages() + [site.getusersitepackages()]:
         dirs += [Path(p) for p in glob.glob(os.path.join(sp, "nvidia", "*", "lib"))]
     paths = [str(d / n) for d in dirs for n in names if (d / n).exists()]
-    found = ctypes.util.find_library(library)  # ldconfig
+    found = ctypes.util.find_library("cublas")  # ldconfig
     return paths + ([found] if found else []) + names
 
 
-def load_libcublas(library: str = "cublas") -> ctypes.CDLL:
-    """libcublas (or, library="cublasLt", the cuBLASLt library beside it: gpu/cublaslt.py)."""
+def load_libcublas() -> ctypes.CDLL:
     errors = []
-    for path in _candidate_paths(library):
+    for path in _candidate_paths():
         try:
             return ctypes.CDLL(path)
         except OSError as e:
             errors.append(f"{path}: {e}")
-    raise GPUUnavailableError(f"lib{library} not found (looked in $CUDA_HOME/lib64, /usr/local/cuda/lib64, "
+    raise GPUUnavailableError("libcublas not found (looked in $CUDA_HOME/lib64, /usr/local/cuda/lib64, "
                               "the nvidia pip wheels and ldconfig); install the CUDA toolkit or set CUDA_HOME")
 
 

@@ -1,9 +1,9 @@
 """CudaRunner: the CUDA backend of the ModelRunner interface (engine/model_runner.py).
 
 Start-up, once: CUDA context and stream, kernels compiled (cached on disk), the arena, the
-weights, cuBLAS (and with FP8 weights cuBLASLt) bound to the stream and to a workspace inside the
-arena, then the KV cache from whatever memory is left, the launchers (GpuOps, with EngineConfig's
-fused_decode and pdl) and the model; then the decode graphs. Per step: write the batch into the arena's page-locked input
+weights, cuBLAS bound to the stream and to a workspace inside the arena, then the KV cache from
+whatever memory is left, the launchers (GpuOps, with EngineConfig's fused_decode and pdl) and the
+model; then the decode graphs. Per step: write the batch into the arena's page-locked input
 mirror, one host-to-device copy into an input bank, the forward pass, sampling, and the S token
 ids back. The runner's parts live beside it:
     gpu/input_banks.py     the inputs' road to the device and the ids' road back (two banks)
@@ -38,9 +38,8 @@ from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 from tinyvllm.engine.model_runner import ModelRunner, PendingStep, with_mask_resolved
 from tinyvllm.gpu.arena import CUBLAS_WORKSPACE_BYTES, Arena, ArenaDims, ArenaLayout
 from tinyvllm.gpu.cublas import Cublas
-from tinyvllm.gpu.cublaslt import CublasLt
 from tinyvllm.gpu.decode_graphs import DecodeGraphs
-from tinyvllm.gpu.device_weights import upload_weights, w8a8_max_k
+from tinyvllm.gpu.device_weights import upload_weights
 from tinyvllm.gpu.driver import CudaDevice
 from tinyvllm.gpu.input_banks import InputBanks
 from tinyvllm.gpu.kernels import KernelLibrary
@@ -72,13 +71,11 @@ class CudaRunner(InputBanks, DecodeGraphs, StepSampling, ModelRunner):
         with self.device.active():
             self.stream = drv.Stream()
             self.kernels = KernelLibrary()
-            self.dims = ArenaDims.from_configs(self.cfg, engine_config, fp8_k=w8a8_max_k(weights))
+            self.dims = ArenaDims.from_configs(self.cfg, engine_config)
             self.arena = Arena(ArenaLayout.plan(self.dims))
             self.weights = upload_weights(config, weights)
-            workspace = int(self.arena.view("cublas_workspace"))
-            self.blas = Cublas(self.stream.handle, workspace, CUBLAS_WORKSPACE_BYTES)
-            # FP8 weights: cuBLASLt for the W8A8 projections of more than 8 rows (gpu/ops/quant_gemv.py)
-            self.blas_lt = CublasLt(self.stream.handle, workspace, CUBLAS_WORKSPACE_BYTES) if self.dims.fp8_k else None
+            self.blas = Cublas(self.stream.handle, int(self.arena.view("cublas_workspace")),
+                               CUBLAS_WORKSPACE_BYTES)
             free, total = self.device.memory_info()
             self.num_kv_blocks = num_blocks_to_allocate(config, engine_config, free, total)
             self.kv_cache = DeviceKVCache(config, self.num_kv_blocks, engine_config.block_size)
@@ -89,9 +86,6 @@ class CudaRunner(InputBanks, DecodeGraphs, StepSampling, ModelRunner):
                      engine_config.gpu_memory_utilization, total / GiB)
             self.ops = GpuOps(self.kernels, self.stream, self.blas, self.device.num_sms,
                               fused_decode=engine_config.fused_decode, pdl=engine_config.pdl)
-            if self.blas_lt is not None:
-                self.ops.use_w8a8(self.blas_lt, self.arena.view("fp8_act_codes"), self.arena.view("fp8_act_scales"),
-                                  self.dims.tokens, self.dims.fp8_k)
             self.model = LlamaModel(config, self.weights, self.arena, self.kv_cache, self.ops)
             self._init_input_banks()
             self._init_decode_graphs()
@@ -207,8 +201,6 @@ class CudaRunner(InputBanks, DecodeGraphs, StepSampling, ModelRunner):
             self.scratch.free()
             self.blas.close()
             self.blas = None
-            if self.blas_lt is not None:
-                self.blas_lt.close()
             self.stream.synchronize()
             for owner in (self.kv_cache, self.weights, self.arena):
                 owner.free()

@@ -16,10 +16,9 @@ fused layer's qkv + RoPE + KV-write and gate_up + SwiGLU epilogues need the grou
 GEMV, and one matrix keeps every path (fused, nine-launch, prefill) as it is for a uniform group,
 at 12 bits a weight for that group. A quantized embedding table is uploaded twice: dequantized to
 bf16 for the gather (which reads T rows a step, so its bytes cost memory, not time) and, when
-tied, as its blocks for the LM head (which reads the whole table every step). Prefill's GGUF
-projections dequantize into `dequant_scratch` (bf16, the largest GGUF layer matrix) for cuBLAS;
-FP8 ones run W8A8 on their codes as uploaded (gpu/ops/quant_gemv.py) and need no scratch, only
-the arena's activation codes, sized by w8a8_max_k.
+tied, as its blocks for the LM head (which reads the whole table every step). Prefill's
+quantized projections dequantize into `dequant_scratch` (bf16, the largest quantized layer
+matrix) for cuBLAS.
 """
 from __future__ import annotations
 
@@ -33,7 +32,6 @@ from tinyvllm.config import ModelConfig, rope_inv_freq
 from tinyvllm.gpu.arena import round_up
 from tinyvllm.gpu.quant_weights import QuantMatrix, dequantized_table, pack_planes
 from tinyvllm.hf_config import FULL, SLIDING
-from tinyvllm.quant.fp8 import Fp8Weight
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,7 @@ class DeviceWeights:
     allocation: object = field(repr=False, compare=False)   # the one device allocation behind them
     sliding_rope_inv_freq: int = 0   # the sliding layers' own table (Gemma 3); 0: rope_inv_freq
     nope_rope_inv_freq: int = 0      # zeros, for the layers without RoPE (SmolLM3)
-    dequant_scratch: int = 0         # bf16 [dequant_scratch_elems]: prefill's dequantized GGUF weight
+    dequant_scratch: int = 0         # bf16 [dequant_scratch_elems]: prefill's dequantized weight
     dequant_scratch_elems: int = 0
     # the bytes a decode step streams: every tensor but a quantized embedding's bf16 gather table
     # (a step reads T rows of it) and the scratch: the bench's bandwidth floor divides by it
@@ -166,8 +164,7 @@ class HostTensor:
 def device_host_tensors(config: ModelConfig, weights: dict) -> dict[str, HostTensor]:
     """key -> what is uploaded for it, in upload order: float tensors as bf16 (float32 frequencies),
     quantized matrices as their planes, a quantized embedding as its bf16 table (plus "lm_head" as
-    its planes when tied), and "dequant_scratch" when any layer matrix holds GGUF blocks (FP8 ones
-    run W8A8 without it)."""
+    its planes when tied), and "dequant_scratch" when any layer matrix is quantized."""
     out, scratch = {}, 0
     keys = list(device_tensor_shapes(config))
     if not isinstance(weights[names.EMBED], np.ndarray) and config.tie_word_embeddings:
@@ -182,17 +179,11 @@ def device_host_tensors(config: ModelConfig, weights: dict) -> dict[str, HostTen
         else:
             kind, quants, scales = pack_planes(host)
             out[key] = HostTensor((quants, scales), kind, tuple(host.shape))
-            if key != "lm_head" and kind != "FP8":
+            if key != "lm_head":
                 scratch = max(scratch, host.shape[0] * host.shape[1])
     if scratch:
         out["dequant_scratch"] = HostTensor((), reserve=2 * scratch)
     return out
-
-
-def w8a8_max_k(weights: dict) -> int:
-    """The largest k (columns) of an FP8 matrix among the loaded weights, 0 without one: the width
-    of the arena's activation codes for FP8's W8A8 projections (ArenaDims.fp8_k)."""
-    return max((w.shape[1] for w in weights.values() if isinstance(w, Fp8Weight)), default=0)
 
 
 def upload_weights(config: ModelConfig, weights: dict) -> DeviceWeights:

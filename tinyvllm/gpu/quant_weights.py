@@ -130,7 +130,7 @@ def expanded_fields(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np
 
 def planes_dequantize_bf16(kind: str, quants: np.ndarray, scales: np.ndarray, rows: int, cols: int) -> np.ndarray:
     """bf16 [rows, cols]: the planes read back as the GEMV's registers hold them (the GGUF kinds'
-    values; FP8's codes times 1 — the GEMV scales its sum, fp8_scaled_bf16 says what dequant_fp8 writes)."""
+    values; FP8's codes times 1 — the GEMV scales its sum, fp8_scaled_bf16 says what prefill reads)."""
     quants = np.asarray(quants, np.uint8).reshape(rows, -1)
     if kind == "FP8":
         return quants.view(E4M3).astype(np.float32).astype(BF16)
@@ -158,9 +158,8 @@ def planes_dequantize_bf16(kind: str, quants: np.ndarray, scales: np.ndarray, ro
 
 
 def fp8_scaled_bf16(quants: np.ndarray, scales: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    """bf16 [rows, cols] = bf16(code * scale[row]): what the FP8 dequantization kernel writes
-    (Fp8Weight.dequantize() rounded once to bf16). The model no longer reads it: an FP8 projection
-    of more than 8 rows runs W8A8 on the codes themselves (gpu/ops/quant_gemv.py)."""
+    """bf16 [rows, cols] = bf16(code * scale[row]): what the FP8 dequantization kernel writes for
+    prefill's cuBLAS GEMM (Fp8Weight.dequantize() rounded once to bf16)."""
     codes = bf16_as_f32(planes_dequantize_bf16("FP8", quants, scales, rows, cols))
     return (codes * np.asarray(scales, np.float32).reshape(rows, 1)).astype(BF16)
 

@@ -7,7 +7,7 @@ order: rows are output features) is stored as codes q [rows, cols] (one byte eac
 `scale`: float32 [rows] (per channel) or a float32 scalar (per tensor); W ~ q * scale.
 
 Quantizing a bf16 matrix (quantize_per_channel, the scheme of compressed-tensors' FP8_DYNAMIC:
-static per-channel weight scales; its dynamic per-token activation scales are W8A8 below):
+static per-channel weight scales; the activations stay bf16 here):
     amax[r]  = max_c |W[r, c]|                            (exact, in float32)
     scale[r] = fl32(amax[r] / 448)                         (448: e4m3's largest finite value)
     q[r, c]  = e4m3_rne(clip(fl32(W[r, c] / scale[r]), -448, 448))
@@ -28,19 +28,6 @@ multiplies the float32 accumulator once per output after the dot product:
     Y[m, n] = fl32( sum_c bf16(X[m, c]) * q[n, c] ) * scale[n]
 This is cheaper than scaling every weight (one multiply per output instead of one per weight) and
 exact where scaling first is not: bf16(q * scale) would round every weight to 8 bits.
-
-Above WEIGHT_ONLY_MAX_ROWS rows (prefill, decode batches of more than 8 sequences) the GPU runs
-W8A8 instead, as vLLM's dynamic FP8 does on Hopper: X is quantized per row (per token) at run
-time by the same rule as the weights, quantize_rows_e4m3 (cuda/fp8_quant.cu, bit for bit), and
-the FP8 tensor cores multiply codes by codes (cuBLASLt, gpu/cublaslt.py), each product exact in
-fp32 (4 + 4 significant bits), the sum in fp32, both row scales on the sum:
-    Y[m, n] = fl32( sum_c qx[m, c] * q[n, c] ) * scale[n] * x_scale[m]      (w8a8_linear)
-FP8 tensor cores run twice bf16's rate and read one byte an activation where bf16 reads two; the
-price is X's own rounding to 3 mantissa bits (the weight's error bound above, for X). A GEMV of at
-most 8 rows is bound by the weight bytes, which W8A8 does not shrink, so decode stays weight-only
-and exact in X. linear() picks by the row count, as gpu/ops/quant_gemv.py's quant_linear does;
-the LM head (one row per sequence) stays weight-only at any count, on the GPU and in the reference
-model (weight_only_linear).
 """
 from __future__ import annotations
 
@@ -54,9 +41,6 @@ from tinyvllm.errors import ModelLoadError
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = 448.0
 BF16 = np.dtype(ml_dtypes.bfloat16)
-# the most rows an FP8 projection runs weight-only (the GEMV's m limit, gpu/ops/quant_gemv.py's
-# QGEMV_MAX_ROWS reads it); more rows run W8A8
-WEIGHT_ONLY_MAX_ROWS = 8
 
 
 @dataclass(frozen=True, eq=False)         # arrays: compared by identity
@@ -101,29 +85,10 @@ def quantize_per_channel(w: np.ndarray, name: str = "weight") -> Fp8Weight:
         raise ModelLoadError(f"tensor {name!r}: FP8 quantization takes a matrix, got shape {w32.shape}")
     if not np.isfinite(w32).all():
         raise ModelLoadError(f"tensor {name!r} holds a non-finite value; it cannot be quantized to FP8")
-    return Fp8Weight(*_quantize_rows(w32))
-
-
-def _quantize_rows(x32: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(float8_e4m3fn codes, float32 scale per row) of a float32 matrix: the module docstring's
-    rule, for weights at load and activations at run time alike. amax as the kernel's fmaxf takes
-    it (np.fmax: a NaN is passed over); the quotient by IEEE float32 division, as __fdiv_rn."""
-    amax = np.fmax.reduce(np.abs(x32), axis=1) if x32.shape[1] else np.zeros(x32.shape[0], np.float32)
+    amax = np.abs(w32).max(axis=1) if w32.shape[1] else np.zeros(w32.shape[0], np.float32)
     scale = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)
-    quotient = np.clip(x32 / scale[:, None], -E4M3_MAX, E4M3_MAX)
-    return quotient.astype(E4M3), scale
-
-
-def quantize_rows_e4m3(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(codes uint8 [m, k], scales float32 [m]) of activations X [m, k], rounded to bf16 first
-    (the GPU's X is bf16): the twin of cuda/fp8_quant.cu's quantize_rows_e4m3, bit for bit for
-    finite X. scale[r] = fl32(amax_c |X[r, c]| / 448), 1 for a row of zeros; codes[r, c] =
-    e4m3_rne(clip(fl32(X[r, c] / scale[r]), -448, 448)): the row's largest |x| maps to +-448."""
-    x32 = np.asarray(x, np.float32).astype(BF16).astype(np.float32)
-    if x32.ndim != 2:
-        raise ValueError(f"quantize_rows_e4m3 takes a matrix, got shape {x32.shape}")
-    codes, scale = _quantize_rows(x32)
-    return codes.view(np.uint8), scale
+    quotient = np.clip(w32 / scale[:, None], -E4M3_MAX, E4M3_MAX)
+    return Fp8Weight(quotient.astype(E4M3), scale)
 
 
 def dequantize_per_tensor(codes: np.ndarray, scale: float | np.ndarray) -> np.ndarray:
@@ -138,26 +103,8 @@ def dequantize_per_channel(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def linear(x: np.ndarray, weight: Fp8Weight) -> np.ndarray:
-    """Y[m, n] in float32 as the GPU computes an FP8 projection of m rows: weight_only_linear up to
-    WEIGHT_ONLY_MAX_ROWS rows, w8a8_linear above (module docstring)."""
-    rows = np.shape(x)[0]
-    return weight_only_linear(x, weight) if rows <= WEIGHT_ONLY_MAX_ROWS else w8a8_linear(x, weight)
-
-
-def weight_only_linear(x: np.ndarray, weight: Fp8Weight) -> np.ndarray:
     """Y[m, n] = fl32(bf16(X)[m, :] . q[n, :]) * scale[n] in float32: the twin of the FP8 GEMV
     (module docstring). X is rounded to bf16, q widened exactly, the dot product summed in
     float32, the scale applied to the sum."""
     x32 = np.asarray(x, np.float32).astype(BF16).astype(np.float32)
     return (x32 @ weight.codes.astype(np.float32).T) * weight.row_scales()[None, :]
-
-
-def w8a8_linear(x: np.ndarray, weight: Fp8Weight) -> np.ndarray:
-    """Y[m, n] = fl32(fl32(sum_c qx[m, c] * q[n, c]) * scale[n]) * x_scale[m] in float32, (qx,
-    x_scale) = quantize_rows_e4m3(X): the twin of the W8A8 GEMM (gpu/cublaslt.py), which adds C
-    (beta = 1) to this in fp32 and rounds to bf16 once. Every product is exact in float32, so only
-    the sum's order and the two scale multiplies (cuBLAS's order of them unknown: 2^-24 each)
-    separate the two."""
-    codes, x_scale = quantize_rows_e4m3(x)
-    sums = codes.view(E4M3).astype(np.float32) @ weight.codes.astype(np.float32).T
-    return (sums * weight.row_scales()[None, :]) * x_scale[:, None]

@@ -13,8 +13,6 @@ from tinyvllm.checkpoint import weight_names as names
 from tinyvllm.config import ModelConfig, rope_inv_freq
 from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.hf_config import LAYER_TYPES
-from tinyvllm.quant import fp8
-from tinyvllm.quant.fp8 import Fp8Weight
 from tinyvllm.quant.weight_kinds import is_quantized
 from tinyvllm.reference.kernels import (
     apply_rope,
@@ -154,10 +152,7 @@ class ReferenceModel:
         return norm(hidden, self.final_norm)
 
     def _logits(self, hidden: np.ndarray) -> np.ndarray:
-        # an FP8 head stays weight-only at any row count, as the GPU's LM head (its GEMV 8 rows at a
-        # time: gpu/ops/quant_gemv.py); the layers' FP8 linears pick by their rows (quant/fp8.py)
-        head = fp8.weight_only_linear if isinstance(self.lm_head, Fp8Weight) else self.linear
-        return np.ascontiguousarray(self._twin("linear", head, hidden, self.lm_head), dtype=np.float32)
+        return np.ascontiguousarray(self._twin("linear", self.linear, hidden, self.lm_head), dtype=np.float32)
 
     def greedy_generate(self, prompt_ids, max_new_tokens: int, stop_token_ids=(),
                         block_size: int = 16) -> list[int]:

@@ -59,11 +59,8 @@ call. The launchers live by kernel family, beside the .cu files they launch:
                                                                                                            test_quant_prenormed_head,
                                                                                                            test_quant_fused_epilogues_equal_their_chains
     gemv_quant.cu dequant_{fp8,q8_0,q4_0,q4_1,q4_k,q6_k,expanded}
-                                           quant_gemv dequantize(), via linear() at m > 8 (GGUF kinds; FP8 runs W8A8 there)
-                                                                                   gpu.quant_weights.planes_dequantize_bf16 / fp8_scaled_bf16
+                                           quant_gemv dequantize(), via linear() at m > 8  gpu.quant_weights.planes_dequantize_bf16 / fp8_scaled_bf16
                                                                                                            test_gpu_quant::test_dequantize
-    fp8_quant.cu  quantize_rows_e4m3       quant_gemv quantize_rows_e4m3(), via linear()'s w8a8() at m > 8  quant.fp8.quantize_rows_e4m3
-                                                                                                           test_gpu_fp8_gemm::test_quantize_rows_e4m3
     tensor_parallel.cu  embedding_gather_shard  tensor_parallel  embedding_shard()  kernels.embedding(ids - vocab_start) * scale
                                                                                                            test_gpu_tensor_parallel_kernels
     tensor_parallel.cu  residual_add       tensor_parallel  residual_add()  kernels.bf16_round(hidden + x), rms_norm_operand
@@ -73,7 +70,6 @@ call. The launchers live by kernel family, beside the .cu files they launch:
     tensor_parallel.cu  place_vocab_slice  tensor_parallel  place_vocab_slice()  vocab_parallel.gather_vocab
                                                                                                            test_gpu_tensor_parallel_kernels
     (cuBLAS)      cublasGemmEx             gemv     linear()               kernels.linear                  test_gpu_kernels::test_linear
-    (cuBLASLt)    cublasLtMatmul FP8       quant_gemv w8a8(), via linear() at m > 8  quant.fp8.w8a8_linear     test_gpu_fp8_gemm::test_fp8_gemm
 
 Each launcher owns its kernel's launch geometry, computed from the constants its .cu file
 defines (read by gpu/kernels.py, never copied), and passes the arguments in the kernel's own

@@ -19,7 +19,6 @@ import math
 
 from tinyvllm.gpu.kernels import kernel_constants
 from tinyvllm.gpu.ops.launch import OpsBase
-from tinyvllm.gpu.ops.quant_gemv import quant_path
 from tinyvllm.gpu.quant_weights import QuantMatrix
 
 GEMV = kernel_constants("gemv.cu")
@@ -67,9 +66,8 @@ class GemvOps(OpsBase):
         quant_linear() (gpu/ops/quant_gemv.py), whose GEMV picks its own k-split."""
         on_gemv = self.on_gemv(m, n, k)
         if isinstance(w, QuantMatrix):
-            run = lambda: self.quant_linear(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype,  # noqa: E731
-                                            last=last)
-            name = f"{quant_path(w.kind, m, last)} {w.kind} {n}x{k}"
+            run = lambda: self.quant_linear(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)  # noqa: E731
+            name = f"{'gemv' if m <= GEMV_MAX_ROWS else 'dequant+cublas'} {w.kind} {n}x{k}"
         elif on_gemv:
             run = lambda: self.gemv(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype, last=last,  # noqa: E731
                                     k_warps=k_warps)

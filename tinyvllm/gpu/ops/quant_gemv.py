@@ -1,39 +1,31 @@
 """Projections on quantized weights (gpu/quant_weights.py's QuantMatrix): what cuda/gemv_quant.cu's
 kernels need from the GEMV launchers of gpu/ops/gemv.py (which launch them, QuantGemvOps' docstring
-says how), prefill's paths, and quant_linear(), which linear() hands a QuantMatrix to.
+says how), prefill's dequantization, and quant_linear(), which linear() hands a QuantMatrix to.
 
 quant_linear(): Y[m, n] (+)= X[m, k] @ W[n, k]^T with W quantized:
-  * m <= QGEMV_MAX_ROWS (decode): gemv() on gemv_quant_<kind>, the weight bytes read once, dequantized
+  * m <= GEMV_MAX_ROWS (decode): gemv() on gemv_quant_<kind>, the weight bytes read once, dequantized
     in registers (FP8: one byte a weight, its row scale on the fp32 sum; Q4_0 / Q4_1: half a byte).
-    At these m the weight bytes bound the time, so X stays bf16 and W exact.
-  * larger m (prefill, decode batches of more than 8 sequences), FP8: W8A8 (w8a8()), as vLLM's
-    dynamic FP8 on Hopper: quantize_rows_e4m3 (cuda/fp8_quant.cu) writes X's per-token e4m3 codes
-    and scales into the arena's fp8_act_codes / fp8_act_scales, then cuBLASLt's FP8 tensor-core GEMM
-    (gpu/cublaslt.py) multiplies them by W's codes, both row scales on the fp32 sum. FP8 tensor cores
-    run at twice bf16's rate and W is read as it is stored, one byte a weight; X's extra rounding is
-    the price (quant/fp8.py: the twin and its error). The old path, W dequantized to bf16 then the
-    bf16 GEMM, ran --workload throughput 27 % slower than bf16 (docs/perf-notes.md, section 7).
-  * larger m, GGUF kinds, the matrix within the dequantization scratch: dequant_<kind> writes W as
-    bf16 into the scratch, then the bf16 cuBLAS GEMM, at the cost of writing and reading W in bf16
-    once more per projection, which a prefill of many tokens amortises.
-  * larger m on the LM head (last=True: one row per sequence; FP8 or past the scratch, which is
-    sized for the layer matrices): the GEMV over X's rows 8 at a time, weight-only, so the numpy
-    reference's head (weight-only at any rows, reference/model.py) is its twin whatever S is.
+  * larger m (prefill, big batches) with the matrix within the dequantization scratch: dequant_<kind>
+    writes W as bf16 into the scratch, then the bf16 cuBLAS GEMM. The simplest correct path: it
+    keeps the GEMM on cuBLAS's tuned tensor-core kernels at the cost of writing and reading W in
+    bf16 once more per projection (docs/perf-notes.md, section 7, predicts that cost), which a
+    prefill of many tokens amortises; a tile loader dequantizing in the GEMM would avoid it.
+    FP8 here multiplies each code by its scale before the bf16 rounding (the GEMM takes no per-row
+    scale), so its prefill weights are bf16(q * scale) where decode uses q exactly.
+  * larger m on a matrix past the scratch (the LM head, which the scratch is not sized for: a
+    step's LM head has one row per sequence): the GEMV over X's rows 8 at a time.
 """
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 from tinyvllm.gpu.kernels import kernel_constants
 from tinyvllm.gpu.ops.launch import OpsBase
 from tinyvllm.gpu.quant_weights import QuantMatrix
-from tinyvllm.quant.fp8 import WEIGHT_ONLY_MAX_ROWS
 
 QGEMV = kernel_constants("gemv_quant.cu")
-FP8_QUANT = kernel_constants("fp8_quant.cu")
-QGEMV_MAX_ROWS = WEIGHT_ONLY_MAX_ROWS      # the GEMV's m limit (gemv.py's GEMV_MAX_ROWS), FP8's twin's too
+QGEMV_MAX_ROWS = 8
 QGEMV_WARPS_PER_SM = 32          # the doubling rule's one-wave budget, as gemv.py's
 QGEMV_MIN_STEPS_PER_WARP = 2
 DEQUANT_THREADS = 256
@@ -48,14 +40,6 @@ GEMV_ROLES = ("gemv_bf16", "gemv_residual_norm_bf16", "gemv_prenormed_rope_kv_bf
               "gemv_prenormed_rope_kv_bias_bf16", "gemv_prenormed_bf16", "gemv_prenormed_silu_mul_bf16",
               "gemv_prenormed_gelu_mul_bf16")   # gemv.cu's kernels a quantized kind stands in for
 K_MULTIPLE = {"FP8": 16, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256, "EXPANDED": 32}
-
-
-def quant_path(kind: str, m: int, last: bool = False) -> str:
-    """The path quant_linear() takes at m rows (module docstring), as linear() names the op
-    ("gemv FP8 2048x8192", "w8a8 FP8 ...": skip_ops, the trace)."""
-    if m <= QGEMV_MAX_ROWS or (kind == "FP8" and last):
-        return "gemv"
-    return "w8a8" if kind == "FP8" else "dequant+cublas"
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,18 +60,6 @@ def quant_gemv_shape(kind: str, n: int, k_warps: int) -> tuple:
     return (math.ceil(n / QGEMV["ROWS_PER_CTA"]), 1, 1), (32 * k_warps, 1, 1), k_warps * ring_bytes_per_warp(kind)
 
 
-@dataclass(frozen=True)
-class W8A8Buffers:
-    """What w8a8() needs beside W: cuBLASLt (gpu/cublaslt.py's CublasLt) and where X's codes
-    (uint8 [rows, cols] capacity, used as [m, k]) and row scales (float32 [rows]) go: the arena's
-    fp8_act_codes / fp8_act_scales."""
-    lt: object
-    codes: int
-    scales: int
-    rows: int
-    cols: int
-
-
 class QuantGemvOps(OpsBase):
     """The quantized kinds' side of the GEMV launchers. gpu/ops/gemv.py's launchers (gemv(),
     gemv_residual_norm(), gemv_rope_kv(), gemv_silu_mul()) take a QuantMatrix where they take a bf16
@@ -100,15 +72,10 @@ class QuantGemvOps(OpsBase):
                       "dequant": f"dequant_{kind.lower()}"} for kind in SLOT_BYTES}
     dequant_scratch: int = 0          # bf16 scratch for prefill (DeviceWeights'), set by use_dequant_scratch
     dequant_scratch_elems: int = 0
-    w8a8_buffers: W8A8Buffers | None = None     # FP8's larger m (w8a8()), set by use_w8a8
 
     def use_dequant_scratch(self, ptr: int, elems: int) -> None:
         """Where prefill dequantizes a quantized matrix (DeviceWeights.dequant_scratch)."""
         self.dequant_scratch, self.dequant_scratch_elems = int(ptr), int(elems)
-
-    def use_w8a8(self, lt, codes, scales, rows: int, cols: int) -> None:
-        """The cuBLASLt handle and activation buffers of FP8's W8A8 path (W8A8Buffers)."""
-        self.w8a8_buffers = W8A8Buffers(lt, int(codes), int(scales), int(rows), int(cols))
 
     def weight_kernel(self, kernel: str, w) -> str:
         """The kernel to launch for gemv.cu's `kernel` on weight w: itself for a bf16 pointer, its
@@ -141,15 +108,13 @@ class QuantGemvOps(OpsBase):
         return kw
 
     def quant_linear(self, y, x, w: QuantMatrix, m: int, n: int, k: int, *, accumulate: bool = False,
-                     out_dtype: str = "bfloat16", last: bool = False) -> None:
-        """linear() on a QuantMatrix (module docstring for the path each m takes); last: the LM head."""
+                     out_dtype: str = "bfloat16") -> None:
+        """linear() on a QuantMatrix (module docstring for the path each m takes)."""
         if (n, k) != (w.rows, w.cols):
             raise ValueError(f"quant_linear: a {w.rows}x{w.cols} {w.kind} matrix used as {n}x{k}")
         if m <= QGEMV_MAX_ROWS:
             self.gemv(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)
-        elif w.kind == "FP8" and not last:
-            self.w8a8(y, x, w, m, n, k, accumulate=accumulate, out_dtype=out_dtype)
-        elif w.kind != "FP8" and n * k <= self.dequant_scratch_elems:
+        elif n * k <= self.dequant_scratch_elems:
             self.dequantize(self.dequant_scratch, w, 0, n)
             self.blas.matmul(y, x, self.dequant_scratch, m, n, k, accumulate=accumulate, out_dtype=out_dtype)
         else:
@@ -157,28 +122,6 @@ class QuantGemvOps(OpsBase):
             for r in range(0, m, QGEMV_MAX_ROWS):
                 self.gemv(int(y) + r * n * item, int(x) + r * k * 2, w, min(QGEMV_MAX_ROWS, m - r), n, k,
                           accumulate=accumulate, out_dtype=out_dtype)
-
-    def w8a8(self, y, x, w: QuantMatrix, m: int, n: int, k: int, *, accumulate: bool = False,
-             out_dtype: str = "bfloat16") -> None:
-        """Y (+)= X @ W^T for an FP8 W as W8A8 (module docstring): X's rows quantized into the
-        W8A8 buffers, then cuBLASLt's FP8 GEMM, which writes bf16 Y."""
-        buffers = self.w8a8_buffers
-        what = f"an FP8 {n}x{k} projection of {m} rows (W8A8)"
-        if w.kind != "FP8" or out_dtype != "bfloat16":
-            raise ValueError(f"{what}: W8A8 takes an FP8 matrix and writes bf16, got {w.kind} -> {out_dtype}")
-        if buffers is None:
-            raise ValueError(f"{what}: no activation buffers for its codes (ops.use_w8a8 was not called)")
-        if m > buffers.rows or k > buffers.cols:
-            raise ValueError(f"{what}: the activation buffers hold {buffers.rows} rows of {buffers.cols}")
-        self.quantize_rows_e4m3(buffers.codes, buffers.scales, x, m, k)
-        buffers.lt.fp8_matmul(y, buffers.codes, w.data, buffers.scales, w.scales, m, n, k, accumulate=accumulate)
-
-    def quantize_rows_e4m3(self, codes, scales, x, m: int, k: int) -> None:
-        """codes uint8 [m, k] (e4m3) and scales float32 [m] of bf16 X [m, k], per row
-        (cuda/fp8_quant.cu; quant/fp8.py's twin): one CTA a row. k a multiple of 8."""
-        if m < 1 or k < 8 or k % 8:
-            raise ValueError(f"quantize_rows_e4m3: needs m >= 1 and k a positive multiple of 8, got m={m}, k={k}")
-        self._launch("quantize_rows_e4m3", m, FP8_QUANT["QUANT_ROW_THREADS"], codes, scales, x, m, k)
 
     def dequantize(self, out, w: QuantMatrix, row0: int, rows: int) -> None:
         """out [rows, k] bf16 = rows row0 .. row0 + rows of W as bf16 (dequant_<kind>: the GGUF kinds
