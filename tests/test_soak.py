@@ -82,3 +82,20 @@ def test_departure_finds_a_fork_that_keeps_the_text():
     j, gap, fork = departure("a\n\nc", prompt, offline, decode, forward(2))          # runner-up '\n\n'
     assert (j, fork) == (3, 1) and abs(gap - 0.1) < 1e-9
     assert departure("a\n\nb", prompt, offline, decode, forward(2)) is None          # same text in full
+
+
+def test_bf16_noise_is_the_largest_logit_difference_over_every_sequence():
+    """soak.bf16_noise: the near-tie bound's measured part, the largest |fp32 - bf16 twin| logit
+    over all positions of all sequences (each model called on the same ids)."""
+    import numpy as np
+    bf16_noise = _soak_module().bf16_noise
+
+    class Model:
+        def __init__(self, offset):
+            self.offset = offset
+
+        def forward_full(self, ids):
+            rows = np.arange(len(ids) * 3, dtype=np.float32).reshape(len(ids), 3)
+            return rows + self.offset * np.float32(len(ids))
+
+    assert bf16_noise(Model(0.0), Model(0.25), [[1, 2], [3, 4, 5, 6]]) == 1.0   # 0.25 x 4 positions
