@@ -11,11 +11,10 @@ import numpy as np
 
 from tinyvllm.checkpoint.gguf import gguf_name_of
 from tinyvllm.checkpoint.gguf_tokenizer import byte_alphabet
-from tinyvllm.checkpoint.gguf_writer import (  # noqa: F401  (gguf_names: for importers)
+from tinyvllm.checkpoint.gguf_writer import (
     array_entry,
     encode_tensor,
     gguf_layout,
-    gguf_names,
     hparams_metadata,
     vocab_metadata,
     write_gguf_file,

@@ -174,18 +174,18 @@ def write_q4_k_m_gguf(path, seed: int = 0):
     """A tiny untied Llama GGUF file laid out as a Q4_K_M one (q4_k_m_format), rows of 256 and 512
     weights (whole super-blocks), head_dim 64; its blocks random (tame_raw). Returns the path."""
     import gguf
-    from gguf_helpers import gguf_names, tiny_hf_config, tiny_hf_weights, tiny_vocab, write_gguf
+    from gguf_helpers import tiny_hf_config, tiny_hf_weights, tiny_vocab, write_gguf
 
+    from tinyvllm.checkpoint.gguf import gguf_name_of
     from tinyvllm.checkpoint.weight_names import expected_shapes
     rng = np.random.default_rng(seed)
     hf = tiny_hf_config(len(tiny_vocab()[0]), hidden_size=256, intermediate_size=512, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False)
-    names, extra = gguf_names(), {}
+    extra = {}
     for name, shape in expected_shapes(ModelConfig.from_dict(hf)).items():
         if len(shape) != 2:
             continue
-        layer, part = name[len("model.layers."):].split(".", 1) if name.startswith("model.layers.") else (None, name)
-        gname = f"blk.{layer}.{names[part]}" if layer is not None else names[part]
+        gname = gguf_name_of(name)
         fmt = q4_k_m_format(gname)
         extra[gname] = (tame_raw(fmt, *shape, rng), gguf.GGMLQuantizationType[fmt.name])
     return write_gguf(path, hf, tiny_hf_weights(hf, seed), drop=Q4_K_M_MATRICES, extra_tensors=extra)

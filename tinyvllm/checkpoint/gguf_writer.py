@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from tinyvllm.checkpoint.gguf import GLOBAL_NAMES, layer_names, permute_rope_rows
+from tinyvllm.checkpoint.gguf import permute_rope_rows
 from tinyvllm.checkpoint.gguf_tokenizer import CONTROL, USER_DEFINED
 
 log = logging.getLogger("tinyvllm")
@@ -31,11 +31,6 @@ WRITABLE_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 K_QUANTS = ("Q4_K", "Q6_K")
 NORMAL, UNUSED = 1, 5                 # llama.cpp's token types beside CONTROL and USER_DEFINED
 PROGRESS_SECONDS = 10.0               # at most one progress line this often
-
-
-def gguf_names(arch: str = "llama") -> dict[str, str]:
-    """Hugging Face tensor name (per layer: the part after "model.layers.N.") -> llama.cpp's."""
-    return {v: k for k, v in {**GLOBAL_NAMES, **layer_names(arch)}.items()}
 
 
 def gguf_layout(w: np.ndarray, name: str, heads: int, kv_heads: int, arch: str = "llama") -> np.ndarray:
