@@ -145,7 +145,7 @@ class GemvOps(OpsBase):
         if (x_ptr | w_args[0]) & 15 or any(int(p) & 15 for p in (*w_args[1:], *more)):
             names = ", ".join(f"{p:#x}" for p in (x_ptr, *w_args, *map(int, more)))
             raise ValueError(f"{what}: x, w (and the norm weight or its row sums) must be 16-byte aligned ({names})")
-        grid, block, shared = (self.quant_launch_shape(w, k_warps) if quantized else
+        grid, block, shared = (self.quant_launch_shape(w, k_warps, last) if quantized else
                                self.gemv_launch_shape(n, k, k_warps, last))
         return grid, block, shared, x_ptr, w_args
 

@@ -27,7 +27,7 @@ from tinyvllm.gpu.quant_weights import QuantMatrix
 QGEMV = kernel_constants("gemv_quant.cu")
 QGEMV_MAX_ROWS = 8
 QGEMV_WARPS_PER_SM = 32          # the doubling rule's one-wave budget, as gemv.py's
-QGEMV_MIN_STEPS_PER_WARP = 2
+QGEMV_MIN_STEPS_PER_WARP = 1
 DEQUANT_THREADS = 256
 # per kind: weights a lane holds per step (its 16 bytes), the ring slot's bytes, what k must divide into
 LANE_K = {"FP8": QGEMV["LANE_K_BYTE"], "Q8_0": QGEMV["LANE_K_BYTE"], "Q4_0": QGEMV["LANE_K_NIBBLE"],
@@ -91,18 +91,22 @@ class QuantGemvOps(OpsBase):
             raise ValueError(f"{what}: a {w.kind} GEMV needs k % {K_MULTIPLE[w.kind]} == 0, got k = {k}")
         return w.data, w.scales
 
-    def quant_launch_shape(self, w: QuantMatrix, k_warps: int | None = None) -> tuple:
+    def quant_launch_shape(self, w: QuantMatrix, k_warps: int | None = None, last: bool = False) -> tuple:
         """(grid, block, shared_bytes) of a quantized GEMV (prenormed kernels add the row sums)."""
-        return quant_gemv_shape(w.kind, w.rows, k_warps or self.quant_k_warps(w))
+        return quant_gemv_shape(w.kind, w.rows, k_warps or self.quant_k_warps(w, last))
 
-    def quant_k_warps(self, w: QuantMatrix) -> int:
+    def quant_k_warps(self, w: QuantMatrix, last: bool = False) -> int:
         """gemv.py's doubling rule on this kernel's steps: double the k-split while the grid stays
-        within one wave, every warp keeps QGEMV_MIN_STEPS_PER_WARP steps, and the CTA's rings with
-        a prenormed kernel's row sums (2k bytes at m = 8) fit gemv_quant.cu's MAX_SHARED_BYTES."""
+        within one wave, every warp keeps QGEMV_MIN_STEPS_PER_WARP step, and the CTA's rings with
+        a prenormed kernel's row sums (2k bytes at m = 8) fit gemv_quant.cu's MAX_SHARED_BYTES.
+        last (the LM head): gemv_k_warps' rule for it, past one wave while every warp keeps a full
+        ring. A quantized lane-step dequantizes 32-64 weights (gemv.cu's: 8), so a warp's steps are
+        long chains of arithmetic: at small k the work is split as finely as the steps allow."""
         ctas, steps = math.ceil(w.rows / QGEMV["ROWS_PER_CTA"]), math.ceil(w.cols / (4 * LANE_K[w.kind]))
         kw, most, per_warp = 1, max_k_warps(w.kind), ring_bytes_per_warp(w.kind)
         while (kw < most and steps >= kw * 2 * QGEMV_MIN_STEPS_PER_WARP
-               and ctas * kw * 2 <= self.num_sms * QGEMV_WARPS_PER_SM
+               and (ctas * kw * 2 <= self.num_sms * QGEMV_WARPS_PER_SM
+                    or (last and steps >= kw * 2 * QGEMV["RING_STEPS"]))
                and kw * 2 * per_warp + 2 * w.cols <= QGEMV["MAX_SHARED_BYTES"]):
             kw *= 2
         return kw
