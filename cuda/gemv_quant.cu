@@ -137,6 +137,16 @@ __device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, int src
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+// Byte i of `flipped` (a word of int8 codes with each sign bit flipped: q + 128) -> q as f32,
+// exactly, on the ALU pipes: 2^23 + (q + 128) is the float whose low mantissa bits are the byte,
+// and subtracting 2^23 + 128 leaves q. An int8 cast compiles to I2F.S8, which issues on the
+// conversion pipe (16 a clock an SM on sm_90, against 64 for PRMT and 128 for FADD); a Q8_0 /
+// Q6_K lane-step converts 32 weights. (The nibble kinds' casts of a u32 compile to I2FP, an ALU
+// instruction already.)
+__device__ __forceinline__ float int8_as_float_exact(uint32_t flipped, int i) {
+    return __int_as_float(__byte_perm(flipped, 0x4B000000u, 0x7540u | i)) - 8388736.f;   // 2^23 + 128
+}
+
 // The block's d (and Q4_1's m) from the lane's scale word.
 struct BlockScale {
     float d, m;
@@ -174,20 +184,20 @@ __device__ __forceinline__ uint4 dequant_group(int j, const uint4& w, const Bloc
         const uint32_t lo = j == 0 ? w.x : w.z, hi = j == 0 ? w.y : w.w;
         return {e4m3x2_to_bf16x2(lo), e4m3x2_to_bf16x2(lo >> 16), e4m3x2_to_bf16x2(hi), e4m3x2_to_bf16x2(hi >> 16)};
     } else if constexpr (F == Fmt::q8_0) {
-        const uint32_t lo = j == 0 ? w.x : w.z, hi = j == 0 ? w.y : w.w;
+        const uint32_t lo = (j == 0 ? w.x : w.z) ^ 0x80808080u, hi = (j == 0 ? w.y : w.w) ^ 0x80808080u;
         float v[8];
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
-            v[b] = __fmul_rn(s.d, (float)(int8_t)(lo >> (8 * b)));
-            v[4 + b] = __fmul_rn(s.d, (float)(int8_t)(hi >> (8 * b)));
+            v[b] = __fmul_rn(s.d, int8_as_float_exact(lo, b));
+            v[4 + b] = __fmul_rn(s.d, int8_as_float_exact(hi, b));
         }
         return {pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]), pack_bf16x2(v[6], v[7])};
     } else if constexpr (F == Fmt::q6_k || F == Fmt::expanded) {   // int8 q: a * q (+ b), rounded once
-        const uint32_t lo = j == 0 ? w.x : w.z, hi = j == 0 ? w.y : w.w;
+        const uint32_t lo = (j == 0 ? w.x : w.z) ^ 0x80808080u, hi = (j == 0 ? w.y : w.w) ^ 0x80808080u;
         float v[8];
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
-            const float q0 = (float)(int8_t)(lo >> (8 * b)), q1 = (float)(int8_t)(hi >> (8 * b));
+            const float q0 = int8_as_float_exact(lo, b), q1 = int8_as_float_exact(hi, b);
             v[b] = F == Fmt::q6_k ? __fmul_rn(s.d, q0) : __fmaf_rn(s.d, q0, s.m);
             v[4 + b] = F == Fmt::q6_k ? __fmul_rn(s.d, q1) : __fmaf_rn(s.d, q1, s.m);
         }
