@@ -333,7 +333,7 @@ def bench_quant(drv, stream, gemv, kind: str, shapes, layers, t_start) -> None:
         w_alloc, copies = upload_bf16(drv, rng, n, k)
         x, y = drv.to_device(x_host.view(np.uint16)), drv.mem_alloc(8 * n * 4)
         drv.memset_d8(int(y), 0, 8 * n * 4)
-        rule_kw, bf16_kw = gemv.quant_k_warps(mats[0]), gemv.gemv_k_warps(n, k, last=name == "lm_head")
+        rule_kw, bf16_kw = gemv.quant_k_warps(mats[0], last=name == "lm_head"), gemv.gemv_k_warps(n, k, last=name == "lm_head")
         kws = sorted({*quant_k_warps_sweep(kind, n, k), rule_kw})
         for m in MS:
             def quant(kw):
