@@ -38,6 +38,7 @@ TWIN_OF = {
     "apply_rope": "rope_kv.cu::rope_write_kv (rotation)",
     "write_kv": "rope_kv.cu::rope_write_kv (paged K/V write)",
     "paged_attention": "attention_prefill.cu / attention_decode.cu",
+    "cascade_paged_attention": "attention_decode.cu (the CUDA backend has no cascade kernel yet)",
     "silu_mul": "activation.cu::silu_mul",
 }
 CUBLAS_NAMES = {"transa": {0: "CUBLAS_OP_N", 1: "CUBLAS_OP_T"}, "transb": {0: "CUBLAS_OP_N", 1: "CUBLAS_OP_T"},
@@ -58,7 +59,9 @@ def batch_lines(batch) -> list[str]:
             f"  slot_mapping {_short(batch.slot_mapping)}   (slot = block_table[pos // block_size] * block_size + pos % block_size)",
             f"  query_start  {_short(batch.query_start)}   context_lens {_short(batch.context_lens)}",
             *(f"  block_tables[{i}] {_short(row)}" for i, row in enumerate(batch.block_tables[:4])),
-            *(["  ..."] if len(batch.block_tables) > 4 else [])]
+            *(["  ..."] if len(batch.block_tables) > 4 else []),
+            *([f"  common_prefix_blocks {batch.common_prefix_blocks}   (cascade attention: read once for all)"]
+              if batch.common_prefix_blocks else [])]
 
 
 class TracingRunner(ModelRunner):

@@ -25,6 +25,12 @@ step before it has been read back. Its token ids are then not known on the host 
 fed_rows[t] = r >= 0 says token t is row r of the previous step's sampled ids, which the
 device reads where the previous step's sampler left them; -1 (or fed_rows None) says token t
 is token_ids[t].
+
+Common prefix (cascade attention, docs/engine.md): in a decode batch whose sequences all start
+with the same physical KV blocks (prefix caching shared one prompt prefix among them),
+common_prefix_blocks = the number of those leading blocks that attention may read once for every
+sequence instead of once per sequence; 0 = none, each sequence reads its own context. Decode
+batches get it from cascade_prefix_blocks() below; prefill-kind batches always have 0.
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ class ForwardBatch:
     block_tables: np.ndarray   # int32 [S, max_blocks], -1 padded
     is_prefill: bool
     fed_rows: np.ndarray | None = None   # int32 [T]: see "Fed tokens" above; None: none fed
+    common_prefix_blocks: int = 0        # see "Common prefix" above; 0: no cascade attention
 
     @property
     def num_seqs(self) -> int:
@@ -86,6 +93,7 @@ class ForwardBatch:
             tables[i, :len(b)] = b
         seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
         slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+        decode = not is_prefill and all(q == 1 for q in q_lens)
         return cls(
             token_ids=np.asarray([t for ts in new_tokens for t in ts], np.int32),
             positions=positions,
@@ -94,6 +102,7 @@ class ForwardBatch:
             context_lens=np.asarray(context_lens, np.int32),
             block_tables=tables,
             is_prefill=is_prefill,
+            common_prefix_blocks=cascade_prefix_blocks(tables, context_lens, block_size) if decode else 0,
         )
 
     @classmethod
@@ -113,7 +122,62 @@ class ForwardBatch:
             context_lens=context_lens,
             block_tables=block_tables,
             is_prefill=False,
+            common_prefix_blocks=cascade_prefix_blocks(block_tables, context_lens, block_size),
         )
+
+
+# ---- cascade attention: when a decode batch reads its common prefix once ------------------------
+# The rule is vLLM V1's (vllm/v1/attention/backends/flash_attn.py: use_cascade_attention; the
+# prefix it is given: gpu_model_runner.py's _compute_cascade_attn_prefix_len, which likewise
+# caps it at the shortest computed context and rounds it down to whole blocks):
+#   * a common prefix of at least CASCADE_MIN_PREFIX_TOKENS (256) tokens,
+#   * at least CASCADE_MIN_SEQS (8) sequences;
+# below either, vLLM's comments call cascade attention "probably not worth" using, and both
+# numbers arbitrary, to be tuned; they are taken here as they are.
+# vLLM's further test for GQA decode batches (a rough model of FlashAttention's 128 x 128 tiles
+# and CTA waves against FlashDecoding's) is left out: it models that library's kernels, not
+# cuda/attention_decode.cu, and a rule for this engine's kernel should come from timing it.
+# vLLM also turns cascade off for sliding-window models; here a sliding-window layer simply
+# takes the per-sequence attention (reference/model.py), so a model mixing both kinds of layer
+# still shares the prefix in its global layers.
+CASCADE_MIN_PREFIX_TOKENS = 256
+CASCADE_MIN_SEQS = 8
+
+
+def common_prefix_blocks(block_tables: np.ndarray, context_lens, block_size: int) -> int:
+    """The number of leading block-table columns holding the same physical block in every row
+    of a decode batch, counting only blocks that are full and lie strictly before each
+    sequence's newest token: at most min((context_len - 1) // block_size) over the rows. The
+    step writes only each sequence's newest K/V row (position context_len - 1), so those blocks
+    are complete and nothing writes them while it runs (block_manager.py: a block in several
+    tables is published, below every holder's num_cached_tokens, never rewritten)."""
+    if len(context_lens) == 0:
+        return 0
+    return _shared_columns(block_tables, int(np.min(context_lens) - 1) // block_size)
+
+
+def _shared_columns(block_tables: np.ndarray, limit: int) -> int:
+    """How many of the first `limit` columns hold one value in every row (counting from 0)."""
+    if limit <= 0:
+        return 0
+    head = np.asarray(block_tables)[:, :limit]
+    same = (head == head[0]).all(axis=0)
+    return head.shape[1] if same.all() else int(np.argmin(same))
+
+
+def cascade_prefix_blocks(block_tables: np.ndarray, context_lens, block_size: int) -> int:
+    """A decode batch's ForwardBatch.common_prefix_blocks: its common_prefix_blocks when cascade
+    attention is worth it by the rule above, else 0. Runs on every decode step: a batch of
+    fewer than CASCADE_MIN_SEQS sequences, or whose shortest context cannot hold the shortest
+    prefix worth sharing, is answered before any block is compared (at 256 sequences the
+    comparison costs ~15 us of host time on a 2-core x86-64 CPU, numpy 2.4)."""
+    if len(context_lens) < CASCADE_MIN_SEQS:
+        return 0
+    limit = int(np.min(context_lens) - 1) // block_size
+    if limit * block_size < CASCADE_MIN_PREFIX_TOKENS:
+        return 0
+    blocks = _shared_columns(block_tables, limit)
+    return blocks if blocks * block_size >= CASCADE_MIN_PREFIX_TOKENS else 0
 
 
 GREEDY_BELOW = 1e-5                 # SamplingBatch maps temperatures below this to 0 (greedy)

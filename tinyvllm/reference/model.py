@@ -14,6 +14,7 @@ from tinyvllm.config import ModelConfig, rope_inv_freq
 from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.hf_config import LAYER_TYPES
 from tinyvllm.quant.weight_kinds import is_quantized
+from tinyvllm.reference.cascade import cascade_paged_attention
 from tinyvllm.reference.kernels import (
     apply_rope,
     as_f32,
@@ -88,8 +89,11 @@ class ReferenceModel:
         def attend(layer, q, k, v):
             k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
             self._twin("write_kv", write_kv, k_cache, v_cache, k, v, batch.slot_mapping)
-            return self._twin("paged_attention", paged_attention, q, k_cache, v_cache, batch, self.scale,
-                              self.config.layer_window(layer))
+            window = self.config.layer_window(layer)
+            if batch.common_prefix_blocks and window is None:   # a decode batch sharing a prefix
+                return self._twin("cascade_paged_attention", cascade_paged_attention, q, k_cache, v_cache,
+                                  batch, self.scale)
+            return self._twin("paged_attention", paged_attention, q, k_cache, v_cache, batch, self.scale, window)
 
         hidden = self._run_layers(batch.token_ids, batch.positions, attend)
         return self._logits(hidden[batch.last_token_indices])
