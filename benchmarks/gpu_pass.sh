@@ -171,6 +171,13 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
         cat /root/vllm/part.* > /root/vllm.tar.xz
         mkdir -p $VSITE && tar -xJf /root/vllm.tar.xz -C $VSITE
         log "vllm-site rc=$?: $(VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$VSITE python3 -c 'import vllm; print("vllm", vllm.__version__)' 2>&1 | tail -1)"
+      fi
+      # `vllm serve` imports three pure-Python packages the offline bundle lacks (its SageMaker
+      # routes: model_hosting_container_standards, jmespath, supervisor): their wheels in
+      # .vllm/serve/ (docs/device-runs.md) go into the site when they travelled
+      if [ -d $VSITE/vllm ] && ls .vllm/serve/*.whl > /dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $VSITE .vllm/serve/*.whl 2>&1 \
+          | grep -v WARNING; log "vllm-site: serve extras $(ls .vllm/serve/*.whl | wc -l) wheels"
       fi ;;
     bench-vllm)
       # bench --compare-vllm: every workload on the 1B preset, then batch-1 latency on
