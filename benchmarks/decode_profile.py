@@ -5,6 +5,7 @@ CUDA-graph replay at several batch sizes, the GPU time of a replay alone, and pe
     python benchmarks/decode_profile.py [--preset llama-3.2-1b | --model DIR] [--context 256]
                                         [--batch 1 8 64 256] [--compare-fuse] [--compare-pdl]
                                         [--step-copies] [--leave-one-out]
+                                        [--mixed ROWS CONTEXT CHUNK PROMPT_LEN]
 
 "weights TB/s" is weight bytes over the graph's GPU time. Prints two tables; run on a GPU machine (the model is written to /tmp if absent).
 --compare-fuse adds, at the smallest batch, the graph time of the fused decode layer (the
@@ -18,6 +19,20 @@ and with the inputs' upload on the stream between the graphs.
 --leave-one-out adds, at the smallest batch, each op's in-graph cost: the decode graph's GPU time
 less that of the graph captured without the op (ops.skip_ops). The per-op tables cannot show
 what PDL hides: an op that runs under its neighbour's weight stream costs little here.
+--mixed ROWS CONTEXT CHUNK PROMPT_LEN (e.g. 64 3000 1984 4096) adds, after the other tables, a
+mixed step as engine/scheduler.py builds it (mixed_step below): ROWS decode rows (one new token
+each at context CONTEXT, their own KV blocks) first, then one chunk of CHUNK new tokens of a
+PROMPT_LEN-token prompt whose first PROMPT_LEN - CHUNK tokens are cached (the chunk's attention
+reads them through its block table); one prefill-kind forward, eager (no graph). The scheduler
+fills a budget of B tokens so: CHUNK = B - ROWS. It prints the wall time (median, as
+time_prefill) of the mixed step, of the decode rows alone as a decode step (eager, graph replay
+and the graph's GPU time: the --batch path) and of the chunk alone as a prefill step; the host
+time of ForwardBatch.build for the mixed step and, for the two eager prefill-kind steps, of
+staging their inputs (runner._stage_inputs), of enqueueing the forward's launches
+(model.forward returns once they are enqueued), and the stream's time for that forward (CUDA
+events around it: near the per-op sum where the GPU is the bottleneck, near the enqueue time
+where the host's launches are); then the per-op tables of the three. Add --batch ROWS to
+keep the rest of the run short.
 """
 from __future__ import annotations
 
@@ -25,6 +40,7 @@ import argparse
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,6 +54,43 @@ def decode_batch(num_seqs: int, context: int, block_size: int, rng) -> ForwardBa
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(num_seqs)]
     tokens = [[int(t)] for t in rng.integers(0, 1000, num_seqs)]
     return ForwardBatch.build(tokens, [context] * num_seqs, tables, block_size, is_prefill=False)
+
+
+class MixedStep(NamedTuple):
+    """A mixed step and its two parts, sharing tokens and KV blocks (mixed_step)."""
+    mixed: ForwardBatch       # the decode rows, then the prompt chunk: one prefill-kind batch
+    decode: ForwardBatch      # the decode rows alone: a decode batch (decode_batch's)
+    chunk: ForwardBatch       # the prompt chunk alone: a prefill batch of one sequence
+    build_args: tuple         # ForwardBatch.build's (new_tokens, context_lens, block_tables) of `mixed`
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks the cache must hold: the rows' tables are disjoint and start at block 0."""
+        return int(self.mixed.block_tables.max()) + 1
+
+
+def mixed_step(rows: int, context: int, chunk: int, prompt_len: int, block_size: int, rng) -> MixedStep:
+    """The step engine/scheduler.py schedules for `rows` running sequences at context `context`
+    (each with blocks for its whole context, try_append_slot) and one waiting prompt of
+    prompt_len tokens of which the first prompt_len - chunk are cached, the chunk ending it
+    (block_manager.allocate gave it blocks for the whole prompt): decode rows first, then the
+    prompt's chunk, built as ScheduledBatch.forward_batch builds a prefill-kind step, each row's
+    new tokens at the end of its context (a decode row: context_len = context, its one token at
+    position context - 1). Pure numpy: tests/test_decode_profile_mixed.py checks it and runs it
+    on the numpy backend. The decode rows are decode_batch's (same tokens and tables); the
+    prompt's blocks follow theirs."""
+    if rows < 1 or context < 1 or not 1 <= chunk <= prompt_len:
+        raise ValueError(f"--mixed needs ROWS >= 1, CONTEXT >= 1 and 1 <= CHUNK <= PROMPT_LEN, got "
+                         f"{rows} {context} {chunk} {prompt_len}")
+    decode = decode_batch(rows, context, block_size, rng)
+    first = int(decode.block_tables.max()) + 1
+    table = list(range(first, first + -(-prompt_len // block_size)))
+    chunk_tokens = [int(t) for t in rng.integers(0, 1000, chunk)]
+    args = ([[t] for t in decode.token_ids.tolist()] + [chunk_tokens], decode.context_lens.tolist() + [prompt_len],
+            decode.block_tables.tolist() + [table])
+    return MixedStep(mixed=ForwardBatch.build(*args, block_size, is_prefill=True), decode=decode,
+                     chunk=ForwardBatch.build([chunk_tokens], [prompt_len], [table], block_size, is_prefill=True),
+                     build_args=args)
 
 
 def time_steps(runner, batch, replay: bool, repeats: int = 30) -> float:
@@ -165,17 +218,37 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--prefill", type=int, nargs=2, default=[16, 512], metavar=("PROMPTS", "LEN"))
+    ap.add_argument("--mixed", type=int, nargs=4, default=None, metavar=("ROWS", "CONTEXT", "CHUNK", "PROMPT_LEN"),
+                    help="also profile a mixed step: ROWS decode rows at CONTEXT beside a CHUNK-token chunk "
+                         "ending a PROMPT_LEN-token prompt (its start cached), and its two parts alone")
     args = ap.parse_args()
+    block_size = EngineConfig().block_size
+    mixed = None
+    if args.mixed:
+        try:
+            mixed = mixed_step(*args.mixed, block_size, np.random.default_rng(1))
+        except ValueError as e:
+            ap.error(str(e))
     from tinyvllm.checkpoint.model_writer import write_model
     from tinyvllm.gpu.cuda_runner import CudaRunner
     path = Path(args.model) if args.model else Path(f"/tmp/tinyvllm-models/{args.preset}")
     if not args.model and not (path / "config.json").exists():
         write_model(path, preset=args.preset)
     cfg = ModelConfig.from_pretrained(path)
+    # room for the decode batches, the prefill and the mixed step (ROWS + 1 sequences, ROWS + CHUNK
+    # tokens, the blocks of mixed_step's tables, contexts up to PROMPT_LEN)
+    seqs, tokens = max(max(args.batch), args.prefill[0]), args.prefill[0] * args.prefill[1]
+    cache_tokens, model_len = max(max(args.batch) * args.context, tokens), max(4096, args.context)
+    if mixed is not None:
+        seqs, tokens = max(seqs, mixed.mixed.num_seqs), max(tokens, mixed.mixed.num_tokens)
+        cache_tokens = max(cache_tokens, mixed.num_blocks * block_size)
+        model_len = max(model_len, int(mixed.mixed.context_lens.max()))
     runner = CudaRunner(cfg, load_weights(path, cfg),
-                        EngineConfig(max_num_seqs=max(max(args.batch), args.prefill[0]), max_num_batched_tokens=args.prefill[0] * args.prefill[1],
-                                     max_model_len=4096, kv_cache_gb=max(max(args.batch) * args.context, args.prefill[0] * args.prefill[1])
-                                     * cfg.kv_bytes_per_token / 2**30 * 1.1 + 0.1))
+                        EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens, block_size=block_size,
+                                     max_model_len=model_len,
+                                     kv_cache_gb=cache_tokens * cfg.kv_bytes_per_token / 2**30 * 1.1 + 0.1))
+    if mixed is not None and runner.num_kv_blocks < mixed.num_blocks:
+        raise SystemExit(f"the KV cache holds {runner.num_kv_blocks} blocks, the mixed step needs {mixed.num_blocks}")
     print(runner.memory_report())
     rng = np.random.default_rng(0)
     weight_gb = cfg.num_parameters * 2 / 1e9
@@ -205,6 +278,8 @@ def main() -> None:
     t = time_prefill(runner, prefill)
     print(f"\nprefill {prompts} x {plen} tokens: {t * 1e3:.2f} ms wall ({prompts * plen / t:,.0f} tok/s)")
     print_ops(per_op_times(runner, prefill), f"one prefill step, {prompts} x {plen} tokens")
+    if mixed is not None:
+        profile_mixed(runner, mixed)
     runner.close()
 
 
@@ -224,6 +299,73 @@ def time_prefill(runner, batch, repeats: int = 5) -> float:
         runner.execute(batch, sampling)
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
+
+
+def forward_host_times(runner, batch, repeats: int = 5) -> tuple[float, float, float]:
+    """(staging s, enqueue s, stream s), medians, of an eager forward as execute() runs it, the
+    stream idle before each: runner._stage_inputs (the inputs written into the page-locked
+    mirror, their upload enqueued on the copy stream), model.forward (returns once its launches
+    are enqueued: the host's launch time), and the stream's time from the start of that
+    forward to its end (CUDA events around it: the GPU's time where the GPU is the bottleneck,
+    the host's launch time where the host is). Sampling and the ids' copy back are left out."""
+    import pycuda.driver as drv
+    stage, enqueue, stream = [], [], []
+    sampling = SamplingBatch.greedy(batch.num_seqs)
+    with runner.device.active():
+        for i in range(repeats + 1):                 # the first: warm-up
+            runner.stream.synchronize()
+            t0 = time.perf_counter()
+            step = runner._stage_inputs(batch, sampling)
+            t1 = time.perf_counter()
+            start, end = drv.Event(), drv.Event()
+            start.record(runner.stream)
+            t2 = time.perf_counter()
+            runner.model.forward(step)
+            t3 = time.perf_counter()
+            end.record(runner.stream)
+            end.synchronize()
+            if i:
+                stage.append(t1 - t0)
+                enqueue.append(t3 - t2)
+                stream.append(end.time_since(start) / 1e3)
+    return float(np.median(stage)), float(np.median(enqueue)), float(np.median(stream))
+
+
+def profile_mixed(runner, step: MixedStep) -> None:
+    """--mixed: wall times of the mixed step and of its parts alone, host times, and the per-op
+    tables of the three (module docstring)."""
+    mixed, decode, chunk = step.mixed, step.decode, step.chunk
+    rows, context = decode.num_seqs, int(decode.context_lens[0])
+    prompt_len = int(chunk.context_lens[0])
+    what = (f"{rows} decode rows at context {context} + a chunk of {chunk.num_tokens} tokens ending a "
+            f"{prompt_len}-token prompt ({prompt_len - chunk.num_tokens} cached)")
+    print(f"\nmixed step: {what}; {mixed.num_tokens} tokens, {mixed.num_seqs} sequences, one prefill-kind "
+          f"forward (eager)")
+    t_mixed, t_chunk = time_prefill(runner, mixed), time_prefill(runner, chunk)
+    eager, graph = time_steps(runner, decode, replay=False), time_steps(runner, decode, replay=True)
+    graph_gpu = graph_gpu_time(runner, decode)
+    print(f"{'step':<52} {'wall ms':>9}")
+    print(f"{'mixed (eager, prefill-kind)':<52} {t_mixed * 1e3:>9.2f}")
+    print(f"{f'decode rows alone, batch {rows}: graph replay':<52} {graph * 1e3:>9.2f}  "
+          f"(graph GPU {graph_gpu * 1e3:.2f} ms; eager {eager * 1e3:.2f} ms)")
+    print(f"{f'chunk alone, 1 x {chunk.num_tokens} tokens (eager, prefill)':<52} {t_chunk * 1e3:>9.2f}")
+    print(f"{'decode graph + chunk alone':<52} {(graph + t_chunk) * 1e3:>9.2f}  "
+          f"(mixed - that: {(t_mixed - graph - t_chunk) * 1e3:+.2f} ms)")
+    build = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        ForwardBatch.build(*step.build_args, runner.engine_cfg.block_size, is_prefill=True)
+        build.append(time.perf_counter() - t0)
+    print(f"\nhost: ForwardBatch.build of the mixed step {np.median(build) * 1e3:.3f} ms (the scheduler's "
+          f"forward_batch also slices each sequence's new tokens)")
+    print(f"{'eager forward (medians)':<40} {'stage ms':>9} {'enqueue ms':>11} {'stream ms':>10}")
+    for name, batch in (("mixed", mixed), ("chunk alone", chunk)):
+        stage, enqueue, stream = forward_host_times(runner, batch)
+        print(f"{name:<40} {stage * 1e3:>9.3f} {enqueue * 1e3:>11.3f} {stream * 1e3:>10.3f}")
+    print_ops(per_op_times(runner, mixed), f"the mixed step ({what})")
+    print_ops(per_op_times(runner, decode), f"the decode rows alone (one decode step, batch {rows} at context {context})")
+    print_ops(per_op_times(runner, chunk), f"the chunk alone (one prefill step, {chunk.num_tokens} tokens after "
+                                          f"{prompt_len - chunk.num_tokens} cached)")
 
 
 def graph_times(runner, batch) -> tuple[float, float]:
