@@ -342,8 +342,8 @@ def profile_mixed(runner, step: MixedStep) -> None:
     print(f"\nmixed step: {what}; {mixed.num_tokens} tokens, {mixed.num_seqs} sequences, one prefill-kind "
           f"forward (eager)")
     t_mixed, t_chunk = time_prefill(runner, mixed), time_prefill(runner, chunk)
-    eager, graph = time_steps(runner, decode, replay=False), time_steps(runner, decode, replay=True)
-    graph_gpu = graph_gpu_time(runner, decode)
+    eager = time_steps(runner, decode, replay=False)
+    graph, graph_gpu = graph_times(runner, decode)
     print(f"{'step':<52} {'wall ms':>9}")
     print(f"{'mixed (eager, prefill-kind)':<52} {t_mixed * 1e3:>9.2f}")
     print(f"{f'decode rows alone, batch {rows}: graph replay':<52} {graph * 1e3:>9.2f}  "
