@@ -130,3 +130,33 @@ def test_every_launch_matches_its_kernel(family, fused_decode):
             assert layer == [embedding, *FUSED_LAYER[family] * L, "gemv_prenormed_bf16"], layer
         else:
             assert layer[0] == embedding and layer.count(ROPE[family]) == L and layer.count(norm) == 2 * L + 1
+
+
+@pytest.mark.parametrize("family", sorted(FUSED_LAYER))
+def test_mixed_step_gives_its_decode_rows_the_decode_attention(family):
+    """A mixed step (the scheduler's decode rows first, then prompt chunks) launches, in each
+    layer, attention_decode over its decode rows and attention_prefill over the chunks alone:
+    the prefill launch's per-row inputs start at row D (query_start, context_lens and the block
+    tables' row D at this step's width); a prefill step without leading one-token rows launches
+    only attention_prefill, as before."""
+    config = _configs()[family]
+    fake = _fake(config, fused_decode=True)
+    mixed = ForwardBatch.build([[7], [8], list(range(1, 12))], [12, 30, 40], [[5], [6, 7], [8, 9, 10]], 16,
+                               is_prefill=True)
+    shape = StepShape.of(mixed)
+    assert (shape.decode_rows, shape.max_query_len, shape.table_width) == (2, 11, 3)
+    calls, bank = fake.ops.library.calls, fake.model.inputs[0]
+    calls.clear()
+    fake.model.forward(shape)
+    attention = [(name, args) for name, args in calls if name.startswith("attention_")]
+    pairs = list(zip(_attention(config, "decode"), _attention(config, "prefill")))
+    assert [name for name, _ in attention] == [name for pair in pairs for name in pair]
+    for name, args in attention:
+        pointers = {int(a) for a in args if not isinstance(a, float)}
+        if name.startswith("attention_prefill"):
+            assert {int(bank.query_start) + 8, int(bank.context_lens) + 8,
+                    int(bank.block_tables) + 4 * 2 * 3} <= pointers, name
+    only_one_token = StepShape.of(ForwardBatch.build([[7], [8]], [12, 30], [[5], [6, 7]], 16, is_prefill=True))
+    assert (only_one_token.decode_rows, only_one_token.max_query_len) == (2, 1)
+    prompt = StepShape.of(ForwardBatch.build([list(range(1, 12)), [3]], [11, 30], [[5], [6, 7]], 16, is_prefill=True))
+    assert (prompt.decode_rows, prompt.max_query_len) == (0, 11)

@@ -102,8 +102,7 @@ class InputBanks:
         self.arena.upload_inputs(end, bank, self.upload_stream)
         self._inputs_uploaded.record(self.upload_stream)
         self.stream.wait_for_event(self._inputs_uploaded)
-        return StepShape(num_tokens=R if R > S else T, num_seqs=R, is_prefill=batch.is_prefill,
-                         max_query_len=int(np.diff(batch.query_start).max()), bank=bank)
+        return StepShape.of(batch, num_tokens=R if R > S else T, num_seqs=R, bank=bank)
 
     def _token_inputs_end(self, num_tokens: int) -> int:
         """Where a prefill step's upload ends: past the first num_tokens of every prefill

@@ -18,8 +18,12 @@ Prefill-kind steps run this layer; so does decode with EngineConfig(fused_decode
 layer the guide follows chapter by chapter. A prefill-kind step's rows need not start a prompt:
 a row is any sequence's new tokens at the end of its context (ForwardBatch), so a cached
 prefix, a prompt chunk and a mixed step's decode row (one token, its whole context in the cache)
-are the same to every launch: rope_write_kv writes each token's K/V at its slot, and
-attention_prefill reads positions 0..p of each row through its block table.
+are the same to every launch but the attention: rope_write_kv writes each token's K/V at its
+slot, and attention_prefill reads positions 0..p of each row through its block table, while the
+step's leading one-token rows (the scheduler puts a mixed step's decode rows first:
+StepShape.decode_rows) go through attention_decode as in a decode step: its grid splits a long
+context over many blocks and serves a GQA group per block, where a prefill tile would hold one
+query row and walk the whole context alone, once per query head.
 
 The fused decode layer (_decode_layer_fused, the default for decode steps of at most 8
 sequences, where every projection runs on our GEMV). A batch-1 decode step moves little data per
@@ -66,6 +70,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.gpu.arena import INPUT_BANKS, TOKEN_INPUTS, Arena
@@ -84,8 +90,25 @@ class StepShape:
     num_tokens: int
     num_seqs: int
     is_prefill: bool
-    max_query_len: int = 1
+    max_query_len: int = 1     # a prefill-kind step: the longest row past its decode_rows
     bank: int = 0              # the arena input bank this step's inputs were uploaded into
+    decode_rows: int = 0       # a prefill-kind step: its leading one-token rows (a mixed step's
+                               # decode rows), whose attention is attention_decode's
+    table_width: int = 0       # the block tables' row stride this step (with decode_rows)
+
+    @classmethod
+    def of(cls, batch, *, num_tokens: int | None = None, num_seqs: int | None = None, bank: int = 0) -> StepShape:
+        """A ForwardBatch's shape. In a prefill-kind step the leading rows of one token (the
+        scheduler puts a mixed step's decode rows first) are decode_rows, and max_query_len is
+        that of the rows after them."""
+        q_lens = np.diff(batch.query_start)
+        one = q_lens == 1
+        decode_rows = (len(one) if one.all() else int(np.argmin(one))) if batch.is_prefill else 0
+        rest = q_lens[decode_rows:]
+        return cls(num_tokens=batch.num_tokens if num_tokens is None else num_tokens,
+                   num_seqs=batch.num_seqs if num_seqs is None else num_seqs, is_prefill=batch.is_prefill,
+                   max_query_len=int(rest.max()) if len(rest) else 1, bank=bank, decode_rows=decode_rows,
+                   table_width=int(batch.block_tables.shape[1]))
 
 
 @dataclass(frozen=True)
@@ -293,8 +316,21 @@ class LlamaModel(TensorParallelLayers):
                      num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
                      block_size=self.kv.block_size, scale=self.scale, window=c.layer_window(layer))
         if step.is_prefill:
-            self.ops.attention_prefill(self.attn_out, self.qkv, self.qkv_width, *paged, inputs.query_start,
-                                       inputs.context_lens, max_query_len=step.max_query_len, **shape)
+            # a mixed step: its decode rows (rows 0 .. D - 1, token t = row t) through the split
+            # decode attention, as in a decode step; the prompt rows after them through the
+            # prefill tiles, the per-row inputs read from row D on (attention_prefill's query_start
+            # holds token indices, so q and out stay whole)
+            D = step.decode_rows
+            if D:
+                self.ops.attention_decode(self.attn_out, self.partial_out, self.partial_ml, self.split_counters,
+                                          self.qkv, self.qkv_width, *paged, inputs.context_lens,
+                                          **{**shape, "num_seqs": D})
+            if D < step.num_seqs:
+                self.ops.attention_prefill(self.attn_out, self.qkv, self.qkv_width, self.kv.k(layer), self.kv.v(layer),
+                                           int(inputs.block_tables) + 4 * D * step.table_width,
+                                           inputs.block_table_width, int(inputs.query_start) + 4 * D,
+                                           int(inputs.context_lens) + 4 * D,
+                                           max_query_len=step.max_query_len, **{**shape, "num_seqs": step.num_seqs - D})
         else:
             self.ops.attention_decode(self.attn_out, self.partial_out, self.partial_ml, self.split_counters,
                                       self.qkv, self.qkv_width, *paged, inputs.context_lens, **shape)
