@@ -14,6 +14,7 @@ import site
 from pathlib import Path
 
 from tinyvllm.errors import GPUUnavailableError
+from tinyvllm.gpu.driver import load_enqueue_library
 
 # cublasOperation_t, cudaDataType_t, cublasComputeType_t, cublasGemmAlgo_t (cublas_api.h, library_types.h)
 OP_N, OP_T = 0, 1
@@ -45,11 +46,12 @@ def _candidate_paths() -> list[str]:
     return paths + ([found] if found else []) + names
 
 
-def load_libcublas() -> ctypes.CDLL:
+def load_libcublas() -> ctypes.PyDLL:
+    """libcublas, its calls keeping the GIL (driver.load_enqueue_library says why)."""
     errors = []
     for path in _candidate_paths():
         try:
-            return ctypes.CDLL(path)
+            return load_enqueue_library(path)
         except OSError as e:
             errors.append(f"{path}: {e}")
     raise GPUUnavailableError("libcublas not found (looked in $CUDA_HOME/lib64, /usr/local/cuda/lib64, "

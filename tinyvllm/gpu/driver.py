@@ -71,9 +71,20 @@ CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 
+def load_enqueue_library(path: str) -> ctypes.PyDLL:
+    """A CUDA library whose calls keep the GIL (ctypes.PyDLL, not CDLL). Launches, cuBLAS calls and
+    graph launches only enqueue work (microseconds); a CDLL call releases the GIL and must win it
+    back, and while the server's event loop thread is busy that wait is up to the interpreter's
+    switch interval (5 ms) per call. An eager prefill-kind step makes ~180 such calls: on one
+    x86-64 core (2026-12-07), 180 CDLL calls beside one busy Python thread took 32 ms, as PyDLL calls 0.07 ms.
+    The calls that do wait for the GPU (stream and event synchronize) are PyCUDA's, which release
+    the GIL."""
+    return ctypes.PyDLL(path)
+
+
 @functools.lru_cache(maxsize=1)
-def libcuda() -> ctypes.CDLL:
-    lib = ctypes.CDLL("libcuda.so.1")
+def libcuda() -> ctypes.PyDLL:
+    lib = load_enqueue_library("libcuda.so.1")
     vp, pvp, i32 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int
     lib.cuModuleLoadData.argtypes = [pvp, ctypes.c_char_p]
     lib.cuModuleGetFunction.argtypes = [pvp, vp, ctypes.c_char_p]
