@@ -33,6 +33,10 @@ staging their inputs (runner._stage_inputs), of enqueueing the forward's launche
 events around it: near the per-op sum where the GPU is the bottleneck, near the enqueue time
 where the host's launches are); then the per-op tables of the three. Add --batch ROWS to
 keep the rest of the run short.
+--shared-prefix N adds, for each --batch size, the graph GPU time of the same decode step whose
+sequences share the physical KV blocks of their first N tokens (what the prefix cache makes of a
+common system prompt: bench's prefix workload shares 1,024), and the per-op table of the largest:
+how much of the prefix's reads the L2 already serves, the gain a cascade kernel has left.
 """
 from __future__ import annotations
 
@@ -49,9 +53,14 @@ from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 
 
-def decode_batch(num_seqs: int, context: int, block_size: int, rng) -> ForwardBatch:
+def decode_batch(num_seqs: int, context: int, block_size: int, rng, shared_tokens: int = 0) -> ForwardBatch:
+    """num_seqs decode rows at context `context`, each with its own KV blocks but for the first
+    shared_tokens // block_size, which are the same physical blocks in every table (a prompt
+    prefix the prefix cache shares, as in bench's prefix workload)."""
     blocks = -(-context // block_size)
-    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(num_seqs)]
+    shared = min(shared_tokens // block_size, blocks)
+    own = blocks - shared
+    tables = [list(range(shared)) + list(range(shared + i * own, shared + (i + 1) * own)) for i in range(num_seqs)]
     tokens = [[int(t)] for t in rng.integers(0, 1000, num_seqs)]
     return ForwardBatch.build(tokens, [context] * num_seqs, tables, block_size, is_prefill=False)
 
@@ -218,6 +227,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--prefill", type=int, nargs=2, default=[16, 512], metavar=("PROMPTS", "LEN"))
+    ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                    help="also time the decode steps with the first N context tokens in blocks shared by all rows")
     ap.add_argument("--mixed", type=int, nargs=4, default=None, metavar=("ROWS", "CONTEXT", "CHUNK", "PROMPT_LEN"),
                     help="also profile a mixed step: ROWS decode rows at CONTEXT beside a CHUNK-token chunk "
                          "ending a PROMPT_LEN-token prompt (its start cached), and its two parts alone")
@@ -273,6 +284,8 @@ def main() -> None:
         leave_one_out(runner, profile_batch)
     big = decode_batch(max(args.batch), args.context, runner.engine_cfg.block_size, rng)
     print_ops(per_op_times(runner, big), f"one decode step, batch {big.num_seqs}")
+    if args.shared_prefix:
+        shared_prefix(runner, args.batch, args.context, args.shared_prefix, rng)
     prompts, plen = args.prefill
     prefill = prefill_batch(prompts, plen, runner.engine_cfg.block_size, rng)
     t = time_prefill(runner, prefill)
@@ -281,6 +294,20 @@ def main() -> None:
     if mixed is not None:
         profile_mixed(runner, mixed)
     runner.close()
+
+
+def shared_prefix(runner, batch_sizes, context: int, shared_tokens: int, rng) -> None:
+    """--shared-prefix: each batch size's decode graph GPU time with private blocks and with the
+    first shared_tokens tokens in blocks common to every row, then the per-op table of the largest."""
+    block_size = runner.engine_cfg.block_size
+    print(f"\ndecode steps at context {context}, the first {shared_tokens} tokens private or shared by every row:")
+    print(f"{'batch':>6} {'private GPU ms':>15} {'shared GPU ms':>14} {'shared / private':>17}")
+    for s in batch_sizes:
+        private = graph_gpu_time(runner, decode_batch(s, context, block_size, rng))
+        shared = graph_gpu_time(runner, decode_batch(s, context, block_size, rng, shared_tokens))
+        print(f"{s:>6} {private * 1e3:>15.3f} {shared * 1e3:>14.3f} {shared / private:>17.3f}")
+    big = decode_batch(max(batch_sizes), context, block_size, rng, shared_tokens)
+    print_ops(per_op_times(runner, big), f"one decode step, batch {big.num_seqs}, {shared_tokens} tokens shared")
 
 
 def prefill_batch(num_prompts: int, length: int, block_size: int, rng) -> ForwardBatch:

@@ -168,3 +168,17 @@ def test_the_numpy_backend_runs_the_mixed_step_as_its_parts(tiny_model_dir):
     runner.kv_cache = before.copy()
     ids = runner.execute(m, SamplingBatch.greedy(m.num_seqs))
     np.testing.assert_array_equal(ids, mixed_logits.argmax(axis=1))
+
+
+def test_shared_prefix_decode_batch_shares_only_the_prefix_blocks():
+    """--shared-prefix: the first N // block_size blocks are one set of physical blocks in every
+    table, every later block is a row's own, and ForwardBatch sees the shared run as a common
+    prefix (the cascade rule's 256 tokens and 8 sequences are met here)."""
+    b = bench.decode_batch(8, 300, 16, np.random.default_rng(0), shared_tokens=260)
+    tables = b.block_tables
+    assert (tables[:, :16] == np.arange(16)).all()
+    own = tables[:, 16:19]
+    assert len(np.unique(own)) == own.size and own.min() >= 16
+    assert b.common_prefix_blocks == 16
+    private = bench.decode_batch(8, 300, 16, np.random.default_rng(0))
+    assert len(np.unique(private.block_tables)) == private.block_tables.size
