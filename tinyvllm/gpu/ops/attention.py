@@ -80,8 +80,9 @@ class AttentionOps(OpsBase):
         first of them. Grid: (sequences x kv heads, 1, splits); one block per GQA group of
         decode_block(head_dim) threads and dynamic shared memory (its cp.async rings). The
         kernel issues its first K/V copies, all rows but each sequence's newest, before it waits
-        for the kernel before it (attention_decode.cu's header: early K/V), so its launches must
-        be decode steps', where that row is the only one a still-running kernel writes."""
+        for the kernel before it (attention_decode.cu's header: early K/V), so its sequences must
+        be decode rows (a decode step's, or a mixed step's leading ones), whose newest row is
+        the only one of theirs a still-running kernel writes."""
         splits = splits or self.decode_splits(num_seqs, num_kv_heads)
         if not 1 <= splits <= MAX_DECODE_SPLITS:
             raise ValueError(f"attention_decode: splits must be in 1..{MAX_DECODE_SPLITS}, got {splits}")
