@@ -76,9 +76,9 @@ def load_enqueue_library(path: str) -> ctypes.PyDLL:
     graph launches only enqueue work (microseconds); a CDLL call releases the GIL and must win it
     back, and while the server's event loop thread is busy that wait is up to the interpreter's
     switch interval (5 ms) per call. An eager prefill-kind step makes ~180 such calls: on one
-    x86-64 core (2026-12-07), 180 CDLL calls beside one busy Python thread took 32 ms, as PyDLL calls 0.07 ms.
-    The calls that do wait for the GPU (stream and event synchronize) are PyCUDA's, which release
-    the GIL."""
+    x86-64 core (2026-12-07), 180 CDLL calls beside one busy Python thread took 32 ms, as PyDLL
+    calls 0.07 ms (the server's mixed load gained 2.6 %: perf-notes). The calls that do wait for
+    the GPU (stream and event synchronize) are PyCUDA's, which release the GIL."""
     return ctypes.PyDLL(path)
 
 
