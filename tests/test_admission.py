@@ -78,3 +78,26 @@ def test_docs_limits_table_is_the_limits_table():
     text = DOCS.read_text()
     rows = re.findall(r"^\| `([^`]+)` \| (.+?) \| (.+?) \| (.+?) \|$", text, re.M)
     assert rows == [(lim.field, lim.low, lim.high, lim.why) for lim in limits.LIMITS]
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([1, True], "a token-id prompt must be a list of integers"),
+    ([1, 2.0], "a token-id prompt must be a list of integers"),
+    ([5, "6"], "a token-id prompt must be a list of integers"),
+    ([-1, 2], re.escape(f"prompt token ids must be in [0, {VOCAB})")),
+    ([5, VOCAB], re.escape(f"prompt token ids must be in [0, {VOCAB})")),
+    ([], "prompt is empty"),
+])
+def test_token_id_prompts_are_checked_on_every_path(engine, prompt, message):
+    """A plain list of ints takes intake.prompt_ids' fast path (C-level type and range checks),
+    anything else the general one; both refuse the same prompts with the same error, and keep
+    the ids they accept unchanged (a tuple and a numpy array go the general path)."""
+    import numpy as np
+
+    from tinyvllm.engine.intake import prompt_ids
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.add_request("bad", prompt, params())
+    assert not engine.has_unfinished_requests()
+    ids = [0, 17, VOCAB - 1]
+    for form in (ids, tuple(ids), np.array(ids, np.int64)):
+        assert prompt_ids(form, engine.tokenizer, VOCAB, None) == (None, ids)

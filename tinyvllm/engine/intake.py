@@ -52,6 +52,13 @@ def prompt_ids(prompt, tokenizer: Tokenizer, vocab_size: int,
             raise InvalidRequestError("prompt is empty")
         check_text(prompt, "prompt", max_prompt_bytes)
         return prompt, tokenizer.encode(prompt, add_special_tokens=True)
+    if type(prompt) is list and prompt and set(map(type, prompt)) == {int}:
+        # the server's token-id prompts (2-4k ids a request under load, parsed from JSON: plain
+        # ints): type and range checked by C loops, ~0.1 ms for 3k ids against ~0.4 ms for the
+        # general path's three Python passes, on the engine thread every step that admits one
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
+        return None, list(prompt)
     if isinstance(prompt, (list, tuple, np.ndarray)):
         ids = [int(t) for t in prompt] if all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt) else None
