@@ -58,7 +58,8 @@ def test_steps_queue_on_the_stream_and_wait_blocks_until_the_device_end():
     start = time.perf_counter()
     steps = [runner.launch(decode_batch([5, 9]), PLAIN) for _ in range(3)]
     launched = time.perf_counter()
-    assert launched - start < 0.02, "launch() returns at once (no enqueue cost here)"
+    # launch() returns at once (no enqueue cost here): well before the first step's 40 ms device end
+    assert launched - start < 0.04, "launch() returns at once (no enqueue cost here)"
     r = runner.records
     assert r[0].device_start == pytest.approx(r[0].enqueue_start)     # idle stream: starts at once
     for a, b in zip(r, r[1:]):
@@ -72,7 +73,7 @@ def test_steps_queue_on_the_stream_and_wait_blocks_until_the_device_end():
     assert r[2].wait_called < r[2].device_end <= r[2].woke
     t = time.perf_counter()
     first = steps[0].wait()                                          # long done: no wait
-    assert time.perf_counter() - t < 0.005 and r[0].woke >= r[0].device_end
+    assert time.perf_counter() - t < 0.02 and r[0].woke >= r[0].device_end   # no 40 ms sleep
     assert steps[0].wait() is first                                  # the same ids every call
 
     time.sleep(0.03)                          # the stream runs dry; the next step starts at its launch
