@@ -408,7 +408,6 @@ def deliver_after_launch(engine_loop, runner: SimulatedGpuRunner) -> None:
     steps, where it holds the GIL the engine thread needs to schedule and launch. The outputs of
     a step are read before the next step is applied (its launch and its wait come first), so
     they are what they would have been. Failure paths are not reordered (a probe, not a fix)."""
-    from tinyvllm.server.request_stream import snapshot
     engine, held = engine_loop.engine, []
     step, has_unfinished, mark = engine.step, engine.has_unfinished_requests, runner.mark
 
@@ -418,16 +417,7 @@ def deliver_after_launch(engine_loop, runner: SimulatedGpuRunner) -> None:
 
     def flush():
         while held:
-            deliveries = []
-            for out in held.pop(0):
-                stream = engine_loop._streams.get(out.request_id)
-                if stream is None:
-                    continue
-                event = snapshot(out)
-                if event.finished:
-                    del engine_loop._streams[out.request_id]
-                deliveries.append((stream, event))
-            engine_loop._deliver(deliveries)
+            engine_loop._deliver_outputs(held.pop(0))
 
     def unfinished():
         busy = has_unfinished()

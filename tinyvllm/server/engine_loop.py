@@ -243,6 +243,11 @@ class EngineLoop:
         self.consecutive_failures = 0
         if self.stats_listeners:     # before delivery: a client that saw its answer finds it counted
             self._stats.append(self.engine.last_step_stats)
+        self._deliver_outputs(outputs)
+
+    def _deliver_outputs(self, outputs) -> None:
+        """Snapshot a step's RequestOutputs and hand them to their streams' handlers at once; a
+        finished request's stream is forgotten here."""
         deliveries = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
