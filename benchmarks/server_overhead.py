@@ -17,8 +17,7 @@ simulated GPU's busy fraction and the GPU's idle time a step (the host gap).
 
 Probes of the host side (flags): --gil-releases N (a launch lets go of the GIL N times, as the
 CUDA runner's PyCUDA copies and event waits do), --switch-interval-ms (the interpreter's GIL
-switch interval), --deliver-after-launch (each step's outputs go to the event loop after the
-next step's launch, not before it: a reordered engine loop, deliver_after_launch).
+switch interval).
 
 Runners (--runner):
   simulated  SimulatedGpuRunner: behaves like a CUDA stream with an H100 running Llama-3.2-1B
@@ -364,8 +363,8 @@ class EnginePhases:
         engine, mark = engine_loop.engine, self.mark
         step, deliver, apply = engine.step, engine_loop._deliver, engine_loop._apply
 
-        def timed_step():
-            outputs = step()
+        def timed_step(**kw):
+            outputs = step(**kw)
             mark("step returned")
             return outputs
 
@@ -398,39 +397,6 @@ class EnginePhases:
             lines.append(f"{'':<46}{1e3 * wall / steps:7.2f} {1e3 * cpu / steps:7.2f} "
                          f"{1e3 * (wall - cpu) / steps:7.2f} {n:6d}  {name}")
         return "\n".join(lines)
-
-
-def deliver_after_launch(engine_loop, runner: SimulatedGpuRunner) -> None:
-    """--deliver-after-launch, a probe of a reordered engine loop: each step's outputs are
-    snapshotted and handed to the event loop only once the next step has been enqueued (or is
-    waited for, or the engine has nothing left to run), so that the event loop's burst of work
-    a step (its SSE writes) runs while the device computes instead of in the gap between two
-    steps, where it holds the GIL the engine thread needs to schedule and launch. The outputs of
-    a step are read before the next step is applied (its launch and its wait come first), so
-    they are what they would have been. Failure paths are not reordered (a probe, not a fix)."""
-    engine, held = engine_loop.engine, []
-    step, has_unfinished, mark = engine.step, engine.has_unfinished_requests, runner.mark
-
-    def held_step():
-        held.append(step())
-        return []
-
-    def flush():
-        while held:
-            engine_loop._deliver_outputs(held.pop(0))
-
-    def unfinished():
-        busy = has_unfinished()
-        if not busy:
-            flush()
-        return busy
-
-    def marked(name):
-        if mark:
-            mark(name)
-        if name in ("enqueued", "wait"):
-            flush()
-    engine.step, engine.has_unfinished_requests, runner.mark = held_step, unfinished, marked
 
 
 def thread_cpu(thread: threading.Thread) -> float:
@@ -526,8 +492,6 @@ def serve_and_load(args) -> tuple[RunResult, str]:
     phases.install(engine_loop)
     if args.runner == "simulated":
         runner.mark = phases.mark
-        if args.deliver_after_launch:
-            deliver_after_launch(engine_loop, runner)
     engine_profile, loop_profile = ThreadProfile(args.profile), ThreadProfile(args.profile)
     engine_loop._thread._target = engine_profile.wrap(engine_loop._thread._target)
 
@@ -672,7 +636,7 @@ def describe(args) -> str:
 # settings a row's label names when they differ from the defaults
 TABLE_FLAGS = ("runner", "workload", "step_ms", "max_num_batched_tokens", "max_num_seqs",
                "no_stats", "no_prefix_caching", "no_async_scheduling", "device_scale", "launch_us",
-               "launches", "graph_enqueue_ms", "gil_releases", "deliver_after_launch", "switch_interval_ms", "log_requests", "num_requests",
+               "launches", "graph_enqueue_ms", "gil_releases", "switch_interval_ms", "log_requests", "num_requests",
                "concurrency", "max_tokens")
 
 # --sweep: one run (a child process each) per line, the flags after the default's
@@ -683,7 +647,6 @@ SWEEP = [
     ["--no-stats"],
     ["--switch-interval-ms", "0.5"],
     ["--gil-releases", "2"],
-    ["--deliver-after-launch"],
     ["--device-scale", "0"],
 ]
 
@@ -713,9 +676,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gil-releases", type=int, default=0,
                     help="GIL-releasing calls a launch makes (time.sleep(0) each; the CUDA runner's "
                          "_stage_inputs makes 2 through PyCUDA, the launches through CDLL made ~180)")
-    ap.add_argument("--deliver-after-launch", action="store_true",
-                    help="probe: hand each step's outputs to the event loop after the next step's "
-                         "launch (deliver_after_launch)")
     ap.add_argument("--switch-interval-ms", type=float, default=0.0,
                     help="sys.setswitchinterval for the server process (0: Python's 5 ms)")
     ap.add_argument("--step-ms", type=float, default=0.0, help="--runner instant: sleep per step")

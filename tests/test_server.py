@@ -328,7 +328,7 @@ def test_engine_exception_fails_requests_with_500_and_loop_keeps_serving(served,
     engine = served.engine_loop.engine
     real_step = engine.step
 
-    def step_that_fails_once():
+    def step_that_fails_once(**_):
         engine.step = real_step           # engine thread: the next step is a normal one
         raise RuntimeError("injected engine failure")
 

@@ -167,9 +167,9 @@ def test_gauges_while_a_request_runs_and_an_abort_is_counted(served):
     engine_loop = served.engine_loop
     real_step = engine_loop.engine.step
 
-    def slow_step():             # 200 steps of at least 20 ms: still running when scraped
+    def slow_step(**kw):         # 200 steps of at least 20 ms: still running when scraped
         time.sleep(0.02)
-        return real_step()
+        return real_step(**kw)
 
     engine_loop.call(lambda e: setattr(e, "step", slow_step)).result(10)
     try:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -186,10 +187,12 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     # -- the loop ----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, after_launch: Callable[[], None] | None = None) -> list[RequestOutput]:
         """One scheduler step (decode rows, prompt chunks, or both: engine/scheduler.py). -> one RequestOutput per
         request that got a new token or finished. Raises EngineDeadError (see the module
-        docstring) when the step failed for no one request's fault."""
+        docstring) when the step failed for no one request's fault. after_launch, if given, is
+        called once the step is on the device (or found nothing to run), before the host waits
+        for it: the server hands the step before's outputs to its event loop there."""
         if self.dead:
             raise EngineDeadError(f"the engine is dead ({self.dead}); restart it")
         stats = self.stats
@@ -205,6 +208,8 @@ class LLMEngine:
                 stats.step_started(batch)
             if pending is not None and self.async_scheduling:
                 self.step_ahead.launch_after(batch, rows)
+            if after_launch is not None:
+                after_launch()
             tokens = pending.wait() if pending is not None else None
             if rows is not None:             # a step launched ahead: the rows still running
                 tokens = tokens[rows]

@@ -6,6 +6,12 @@ The engine is not thread-safe, and batching only happens if every request goes t
     wait until there is work -> apply queued commands (add / abort / call) -> engine.step()
     -> hand each RequestOutput to the asyncio queue of the handler that owns that request
 
+A step's outputs are handed over from inside the NEXT engine.step(), right after it has launched
+its step (its after_launch hook), or before the thread sleeps idle: the event loop, woken by
+them, then writes its streams while the device computes, instead of holding the GIL while the
+engine thread schedules and launches (benchmarks/server_overhead.py, perf-notes: the GPU's idle
+time a step sat there).
+
 Handlers (on the asyncio event loop) never touch the engine: they append a command under a
 condition variable, which also wakes the thread when it sleeps idle (no busy spin), and read
 `StreamEvent`s from their RequestStream. The engine thread hands over a whole step at once (one
@@ -64,6 +70,7 @@ class EngineLoop:
         self._commands: collections.deque[_Command] = collections.deque()
         self._wakeup = threading.Condition()
         self._streams: dict[str, RequestStream] = {}   # live requests; engine thread only
+        self._held: list = []     # the last step's RequestOutputs, handed over after the next launch
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tinyvllm-engine", daemon=True)
         self.consecutive_failures = 0
@@ -173,6 +180,8 @@ class EngineLoop:
     def _run(self) -> None:
         log.info("engine loop started")
         while True:
+            if self._held and not self.engine.has_unfinished_requests():
+                self._deliver_held()          # no next launch to wait for
             with self._wakeup:
                 while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
                     self._wakeup.wait()
@@ -182,6 +191,7 @@ class EngineLoop:
             for command in commands:
                 self._apply(command)
             if stopping:
+                self._deliver_held()
                 self._fail_all(ServerShuttingDown("the server is shutting down"))
                 break
             if self.engine.has_unfinished_requests():
@@ -218,8 +228,9 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(after_launch=self._deliver_held)
         except EngineDeadError as e:
+            self._deliver_held()      # the step before's outputs are whole
             # The engine cannot run another step (a CUDA error: the context is lost). Fail
             # everything in flight now, refuse what comes next, turn /health red and ask the
             # server to exit non-zero so that a supervisor restarts it: never a half-working server.
@@ -233,6 +244,7 @@ class EngineLoop:
                 self.on_dead(self.dead)
             return
         except Exception as e:
+            self._deliver_held()
             self.consecutive_failures += 1
             log.exception("engine.step() failed; failing the %d requests in flight",
                           len(self._streams))
@@ -243,7 +255,11 @@ class EngineLoop:
         self.consecutive_failures = 0
         if self.stats_listeners:     # before delivery: a client that saw its answer finds it counted
             self._stats.append(self.engine.last_step_stats)
-        self._deliver_outputs(outputs)
+        self._held = outputs
+
+    def _deliver_held(self) -> None:
+        held, self._held = self._held, []
+        self._deliver_outputs(held)
 
     def _deliver_outputs(self, outputs) -> None:
         """Snapshot a step's RequestOutputs and hand them to their streams' handlers at once; a
