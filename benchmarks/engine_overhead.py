@@ -65,13 +65,19 @@ class InstantRunner(ModelRunner):
 
     def execute(self, batch, sampling) -> np.ndarray:
         start = time.perf_counter()
-        last = batch.last_token_indices
-        h = batch.token_ids[last].astype(np.int64) * 7919 + batch.positions[last].astype(np.int64) * 104729
-        lo, hi = OUTPUT_TOKEN_IDS
-        tokens = (h % (hi - lo) + lo).astype(np.int32)
+        tokens = next_tokens(batch)
         self.last_batch = (batch.is_prefill, batch.num_seqs)
         self.seconds += time.perf_counter() - start
         return tokens
+
+
+def next_tokens(batch) -> np.ndarray:
+    """InstantRunner's token: a hash of each sequence's last new token and its position (an
+    ordinary Llama 3 token, never EOS)."""
+    last = batch.last_token_indices
+    h = batch.token_ids[last].astype(np.int64) * 7919 + batch.positions[last].astype(np.int64) * 104729
+    lo, hi = OUTPUT_TOKEN_IDS
+    return (h % (hi - lo) + lo).astype(np.int32)
 
 
 def model_dir() -> Path:

@@ -28,7 +28,7 @@ Runners (--runner):
              simulated stream: it starts at max(its enqueue start, the previous step's device
              end). PendingStep.wait() sleeps until that device end, releasing the GIL as a CUDA
              synchronize does, so the engine thread wins the GIL back behind the event loop
-             exactly as it would on the GPU machine.
+             exactly as it would beside a real GPU.
   instant    engine_overhead.InstantRunner, sleeping --step-ms a step (GIL released): the
              server's own ceiling when the model costs (next to) nothing.
 
@@ -117,7 +117,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))          # this checkout's tinyvllm
 sys.path.insert(0, str(HERE))
 
-from engine_overhead import OUTPUT_TOKEN_IDS, InstantRunner, model_dir  # noqa: E402
+from engine_overhead import InstantRunner, model_dir, next_tokens  # noqa: E402
 
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch  # noqa: E402
 from tinyvllm.engine.model_runner import ModelRunner, PendingStep, with_mask_resolved  # noqa: E402
@@ -149,7 +149,7 @@ class DeviceModel:
             ms = (self.decode_fixed_ms + 1e-3 * self.decode_seq_us * len(c)
                   + 1e-6 * self.context_token_ns * int(c.sum()))
             return 1e-3 * ms * self.device_scale
-        decode_rows = leading_decode_rows(q)
+        decode_rows = batch.leading_decode_rows
         qp, cp = q[decode_rows:], c[decode_rows:]
         pairs = int((qp * (cp - qp) + qp * (qp + 1) // 2).sum())
         ms = (self.prefill_fixed_ms + 1e-3 * self.prefill_token_us * int(q.sum())
@@ -161,22 +161,6 @@ class DeviceModel:
         if batch.is_prefill:
             return 1e-6 * self.launch_us * self.launches
         return 1e-3 * self.graph_enqueue_ms
-
-
-def leading_decode_rows(q_lens: np.ndarray) -> int:
-    """The number of one-token rows leading a prefill-kind batch: its decode rows (the scheduler
-    puts them first; the CUDA runner sends them through attention_decode, StepShape.of)."""
-    long_rows = np.flatnonzero(q_lens != 1)
-    return int(long_rows[0]) if len(long_rows) else len(q_lens)
-
-
-def next_tokens(batch: ForwardBatch) -> np.ndarray:
-    """InstantRunner's token: a hash of each sequence's last new token and its position (an
-    ordinary Llama 3 token, never EOS)."""
-    last = batch.last_token_indices
-    h = batch.token_ids[last].astype(np.int64) * 7919 + batch.positions[last].astype(np.int64) * 104729
-    lo, hi = OUTPUT_TOKEN_IDS
-    return (h % (hi - lo) + lo).astype(np.int32)
 
 
 def burn(seconds: float) -> None:

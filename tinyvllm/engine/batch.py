@@ -74,6 +74,16 @@ class ForwardBatch:
         return dataclasses.replace(self, token_ids=ids, fed_rows=None)
 
     @property
+    def leading_decode_rows(self) -> int:
+        """A prefill-kind batch's leading one-token rows: a mixed step's decode rows, which the
+        scheduler puts first (the CUDA backend sends them through the decode attention kernel);
+        0 for a decode batch."""
+        if not self.is_prefill:
+            return 0
+        longer = np.flatnonzero(np.diff(self.query_start) != 1)
+        return int(longer[0]) if len(longer) else self.num_seqs
+
+    @property
     def last_token_indices(self) -> np.ndarray:
         """Flat index of each sequence's last new token: the rows whose logits are needed."""
         return self.query_start[1:] - 1
@@ -153,7 +163,13 @@ def common_prefix_blocks(block_tables: np.ndarray, context_lens, block_size: int
     tables is published, below every holder's num_cached_tokens, never rewritten)."""
     if len(context_lens) == 0:
         return 0
-    return _shared_columns(block_tables, int(np.min(context_lens) - 1) // block_size)
+    return _shared_columns(block_tables, _prefix_limit(context_lens, block_size))
+
+
+def _prefix_limit(context_lens, block_size: int) -> int:
+    """The most leading blocks a decode batch may share: full, and before every sequence's newest
+    token ((shortest context - 1) // block_size)."""
+    return int(np.min(context_lens) - 1) // block_size
 
 
 def _shared_columns(block_tables: np.ndarray, limit: int) -> int:
@@ -173,7 +189,7 @@ def cascade_prefix_blocks(block_tables: np.ndarray, context_lens, block_size: in
     comparison costs ~15 us of host time on a 2-core x86-64 CPU, numpy 2.4)."""
     if len(context_lens) < CASCADE_MIN_SEQS:
         return 0
-    limit = int(np.min(context_lens) - 1) // block_size
+    limit = _prefix_limit(context_lens, block_size)
     if limit * block_size < CASCADE_MIN_PREFIX_TOKENS:
         return 0
     blocks = _shared_columns(block_tables, limit)

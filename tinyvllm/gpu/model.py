@@ -101,10 +101,8 @@ class StepShape:
         """A ForwardBatch's shape. In a prefill-kind step the leading rows of one token (the
         scheduler puts a mixed step's decode rows first) are decode_rows, and max_query_len is
         that of the rows after them."""
-        q_lens = np.diff(batch.query_start)
-        one = q_lens == 1
-        decode_rows = (len(one) if one.all() else int(np.argmin(one))) if batch.is_prefill else 0
-        rest = q_lens[decode_rows:]
+        decode_rows = batch.leading_decode_rows
+        rest = np.diff(batch.query_start)[decode_rows:]
         return cls(num_tokens=batch.num_tokens if num_tokens is None else num_tokens,
                    num_seqs=batch.num_seqs if num_seqs is None else num_seqs, is_prefill=batch.is_prefill,
                    max_query_len=int(rest.max()) if len(rest) else 1, bank=bank, decode_rows=decode_rows,
