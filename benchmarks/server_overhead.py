@@ -14,6 +14,7 @@ simulated GPU's busy fraction and the GPU's idle time a step (the host gap).
     python benchmarks/server_overhead.py --sweep                      # SWEEP's variants, a row each
     python benchmarks/server_overhead.py --variant= --variant=--no-stats --rounds 3   # an A/B
     python benchmarks/server_overhead.py --runner instant --workload uniform --step-ms 2
+    python benchmarks/server_overhead.py --runner cuda               # on a GPU: the same, measured
 
 Probes of the host side (flags): --gil-releases N (a launch lets go of the GIL N times, as the
 CUDA runner's PyCUDA copies and event waits do), --switch-interval-ms (the interpreter's GIL
@@ -31,6 +32,10 @@ Runners (--runner):
              exactly as it would beside a real GPU.
   instant    engine_overhead.InstantRunner, sleeping --step-ms a step (GIL released): the
              server's own ceiling when the model costs (next to) nothing.
+  cuda       the real CudaRunner on a GPU, Llama-3.2-1B preset (or --model DIR) as gpu_pass.sh
+             load-mixed serves it (max_model_len 8192, gpu_memory_utilization 0.8); CudaTimeline
+             times each step with two CUDA events on the stream, so the table's GPU busy, host
+             gap and device ms are measured, not modeled: where the real server's time goes.
 
 Workloads (--workload): mixed is load_server.py --workload mixed (half the streams decode 512
 tokens from 64-256-token prompts, the other half send 2,048-4,096-token prompts with 16-32
@@ -93,6 +98,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import dataclasses
 import io
 import json
 import logging
@@ -275,6 +281,66 @@ class SleepyRunner(InstantRunner):
         return super().execute(batch, sampling)
 
 
+class CudaTimeline:
+    """--runner cuda: the real CudaRunner's steps as StepRecords, timed on the device. Each launch
+    is bracketed by two CUDA events on the runner's stream (the first completes when the stream
+    reaches the step: after the step before, or at its enqueue if the stream was idle), its
+    wait() by host clocks; EnginePhases marks the launch, enqueue end, wait and wake as the
+    simulated runner does. Event times become perf_counter times through one reference event
+    recorded on the idle stream after the run."""
+
+    def __init__(self, runner, mark=None):
+        import pycuda.driver as cuda
+        self.cuda, self.runner, self.mark = cuda, runner, mark
+        self.steps: list[tuple[StepRecord, object, object]] = []
+        launch = runner.launch
+
+        def timed_launch(batch: ForwardBatch, sampling: SamplingBatch, *a, **kw) -> PendingStep:
+            with runner.device.active():
+                start = cuda.Event()
+                if self.mark:
+                    self.mark("launch")
+                t0, cpu = time.perf_counter(), time.thread_time()
+                start.record(runner.stream)
+                pending = launch(batch, sampling, *a, **kw)
+                end = cuda.Event()
+                end.record(runner.stream)
+            t1 = time.perf_counter()
+            if self.mark:
+                self.mark("enqueued")
+            record = StepRecord(batch.is_prefill, batch.num_seqs, batch.num_tokens, t0, t1, 0.0, 0.0, 0.0, cpu)
+            self.steps.append((record, start, end))
+            finish = pending._finish
+
+            def timed_finish():
+                if self.mark:
+                    self.mark("wait")
+                record.wait_called = time.perf_counter()
+                tokens = finish()
+                record.woke, record.cpu_at_wake = time.perf_counter(), time.thread_time()
+                if self.mark:
+                    self.mark("woke")
+                return tokens
+            if finish is not None:
+                pending._finish = timed_finish
+            return pending
+        runner.launch = timed_launch
+
+    @property
+    def records(self) -> list[StepRecord]:
+        """Every step so far with its device start, end and time filled in (synchronizes)."""
+        with self.runner.device.active():
+            ref = self.cuda.Event()
+            ref.record(self.runner.stream)
+            ref.synchronize()
+            now = time.perf_counter()
+            for record, start, end in self.steps:
+                record.device_start = now - start.time_till(ref) / 1e3
+                record.device_end = now - end.time_till(ref) / 1e3
+                record.device_s = record.device_end - record.device_start
+        return [r for r, _, _ in self.steps]
+
+
 def long_context_model_dir() -> Path:
     """The `tiny` preset (engine_overhead.model_dir) with Llama-3.2-1B's max_position_embeddings
     (131,072): the mixed load's 4,096-token prompts need more than the preset's 4,096. The other
@@ -291,6 +357,17 @@ def long_context_model_dir() -> Path:
         tmp = out / "config.json.tmp"
         tmp.write_text(json.dumps(config, indent=1))
         tmp.replace(out / "config.json")
+    return out
+
+
+def cuda_model_dir(model: str | None) -> Path:
+    """--runner cuda's model: `model`, or the Llama-3.2-1B preset the GPU load runs serve."""
+    if model:
+        return Path(model)
+    out = Path("/tmp/tinyvllm-models/llama-3.2-1b")
+    if not (out / "config.json").is_file():
+        from tinyvllm.checkpoint.model_writer import write_model
+        write_model(out, preset="llama-3.2-1b", seed=0)
     return out
 
 
@@ -454,19 +531,25 @@ def serve_and_load(args) -> tuple[RunResult, str]:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     log_path = args.server_log or os.path.join(tempfile.mkdtemp(prefix="server-overhead-"), "server.log")
     logging.config.dictConfig(logging_config(log_path))
+    runner = None
     if args.runner == "simulated":
         runner = SimulatedGpuRunner(DeviceModel(device_scale=args.device_scale, launch_us=args.launch_us,
                                                 launches=args.launches,
                                                 graph_enqueue_ms=args.graph_enqueue_ms),
                                     args.num_kv_blocks, args.gil_releases)
         model = long_context_model_dir()
+    elif args.runner == "cuda":
+        model = cuda_model_dir(args.model)
     else:
         runner, model = SleepyRunner(args.step_ms / 1e3), model_dir()
-    engine_options = {"runner": runner, "device": "cpu", "max_num_seqs": args.max_num_seqs,
+    engine_options = {"runner": runner, "device": "cuda" if args.runner == "cuda" else "cpu",
+                      "max_num_seqs": args.max_num_seqs,
                       "max_num_batched_tokens": args.max_num_batched_tokens,
                       "enable_prefix_caching": not args.no_prefix_caching}
-    if args.runner == "simulated":
+    if args.runner in ("simulated", "cuda"):
         engine_options["max_model_len"] = MAX_MODEL_LEN
+    if args.runner == "cuda":
+        engine_options["gpu_memory_utilization"] = 0.8       # as gpu_pass.sh load-mixed serves
     if args.no_async_scheduling:
         engine_options["async_scheduling"] = False
     app, engine_loop = build_server(ServeOptions(
@@ -476,6 +559,8 @@ def serve_and_load(args) -> tuple[RunResult, str]:
     phases.install(engine_loop)
     if args.runner == "simulated":
         runner.mark = phases.mark
+    elif args.runner == "cuda":
+        runner = CudaTimeline(engine_loop.engine.runner, phases.mark)
     engine_profile, loop_profile = ThreadProfile(args.profile), ThreadProfile(args.profile)
     engine_loop._thread._target = engine_profile.wrap(engine_loop._thread._target)
 
@@ -538,8 +623,12 @@ def serve_and_load(args) -> tuple[RunResult, str]:
             print(proc.stderr[-4000:], file=sys.stderr)
         result.returncode = proc.returncode
         result.load = json.load(open(out)).get("summary", {}) if os.path.exists(out) else {}
-    if args.runner == "simulated":
-        result.timeline = timeline_stats(runner.records[first_step:])
+    if args.runner in ("simulated", "cuda"):
+        records = runner.records[first_step:]
+        result.timeline = timeline_stats(records)
+        if args.steps_out:
+            with open(args.steps_out, "w") as f:
+                json.dump([dataclasses.asdict(r) for r in records], f)
         result.phases = phases.table(max(len(runner.records) - first_step, 1))
     if scrapes:
         print(f"{len(scrapes)} scrapes of /metrics, {statistics.mean(s for s, _ in scrapes) * 1e3:.1f} ms "
@@ -637,7 +726,10 @@ SWEEP = [
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runner", choices=["simulated", "instant"], default="simulated")
+    ap.add_argument("--runner", choices=["simulated", "instant", "cuda"], default="simulated")
+    ap.add_argument("--model", default=None,
+                    help="--runner cuda: the model directory (default: the llama-3.2-1b preset, made in "
+                         "/tmp/tinyvllm-models if absent)")
     ap.add_argument("--workload", choices=["mixed", "uniform"], default="mixed")
     ap.add_argument("--num-requests", type=int, default=None, help="default: 64 mixed, 256 uniform")
     ap.add_argument("--concurrency", type=int, default=64)
@@ -676,6 +768,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--server-log", default=None, help="the server's log file (default: a temporary one)")
     ap.add_argument("--label", default=None, help="the row's name in the table")
     ap.add_argument("--json", default=None, help="write this run's row (RunResult) as JSON here")
+    ap.add_argument("--steps-out", default=None, help="write every measured step's StepRecord as JSON here")
     ap.add_argument("--sweep", action="store_true",
                     help="run the default and each variant of SWEEP in a child process; one table")
     ap.add_argument("--variant", action="append", default=[], metavar="FLAGS",

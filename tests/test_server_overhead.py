@@ -176,3 +176,45 @@ def test_the_engine_runs_on_it_with_async_scheduling(tiny_model_dir):
     assert sim_tokens == ref_tokens and all(len(t) == 12 for t in sim_tokens.values())
     records = sim_engine.runner.records
     assert all(a.device_end <= b.device_start for a, b in zip(records, records[1:]))
+
+
+def test_cuda_timeline_times_steps_by_their_events(monkeypatch):
+    """--runner cuda's CudaTimeline, over a fake pycuda: each launch is bracketed by two events on
+    the runner's stream, wait() by host clocks, and event times land on the host clock through
+    the reference event (a step's device span is its events' span)."""
+    import contextlib
+    import types
+    clock = {"t": 100.0}                       # the fake device's clock, ms
+
+    class Event:
+        def record(self, stream):
+            self.at = clock["t"]
+            clock["t"] += 2.5                  # each recorded point is 2.5 ms of device time later
+
+        def time_till(self, other):
+            return other.at - self.at
+
+        def synchronize(self):
+            pass
+    fake = types.ModuleType("pycuda.driver")
+    fake.Event = Event
+    monkeypatch.setitem(sys.modules, "pycuda", types.ModuleType("pycuda"))
+    monkeypatch.setitem(sys.modules, "pycuda.driver", fake)
+
+    class Runner:
+        stream = object()
+        device = types.SimpleNamespace(active=contextlib.nullcontext)
+
+        def launch(self, batch, sampling):
+            return PendingStep(lambda: np.arange(batch.num_seqs, dtype=np.int32))
+    from tinyvllm.engine.model_runner import PendingStep
+    runner, marks = Runner(), []
+    timeline = bench.CudaTimeline(runner, marks.append)
+    steps = [runner.launch(decode_batch([40, 50]), PLAIN), runner.launch(prefill_batch([[1, 2, 3]]), PLAIN)]
+    assert [s.wait().tolist() for s in steps] == [[0, 1], [0]]
+    assert marks == ["launch", "enqueued", "launch", "enqueued", "wait", "woke", "wait", "woke"]
+    records = timeline.records
+    assert [(r.is_prefill, r.num_seqs, r.num_tokens) for r in records] == [(False, 2, 2), (True, 1, 3)]
+    assert [round(r.device_s * 1e3, 6) for r in records] == [2.5, 2.5]          # start -> end events
+    assert round((records[1].device_start - records[0].device_end) * 1e3, 6) == 2.5
+    assert all(r.woke >= r.wait_called >= r.enqueue_end >= r.enqueue_start for r in records)
