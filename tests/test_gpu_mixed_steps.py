@@ -42,7 +42,7 @@ def _run(model_dir, requests, **options):
                        max_model_len=128, **options)
     try:
         finals, log = run_engine(engine, requests, every=2)
-        decode_only = sum(not is_prefill for is_prefill, _, _ in log.steps) + engine.step_ahead.num_launched
+        decode_only = sum(not is_prefill for is_prefill, _, _ in log.steps)
         return {k: list(v.token_ids) for k, v in finals.items()}, log, decode_only, engine.num_preemptions
     finally:
         engine.close()
@@ -65,13 +65,13 @@ def test_mixed_steps_on_cuda_give_each_request_its_tokens_alone(reference, tiny_
 
 
 def test_mixed_steps_on_cuda_with_and_without_async_scheduling(reference, tiny_model_dir):
-    """Decode steps launched ahead (fed ids read on the device) between mixed ones: the same
+    """Steps launched ahead, mixed ones among them (their decode rows' ids read on the device): the same
     greedy tokens as sync scheduling on the same device, up to a near-tie (arrivals are admitted
     a step later under async scheduling, so batches are made up differently)."""
     refm, prompts = reference
     requests = _requests(prompts)
     sync, sync_log, _, _ = _run(tiny_model_dir, requests, num_kv_blocks=64, async_scheduling=False)
     ahead, ahead_log, _, _ = _run(tiny_model_dir, requests, num_kv_blocks=64, async_scheduling=True)
-    assert sync_log.num_mixed > 0 and ahead_log.num_mixed > 0
+    assert sync_log.num_mixed > 0 and ahead_log.num_mixed > 0 and ahead_log.mixed_ahead > 0
     for rid, p, _ in requests:
         assert_same_greedy(refm, p, ahead[rid], sync[rid], f"request {rid}")

@@ -19,12 +19,14 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 class StepLog:
-    """Wraps a scheduler's schedule(): per scheduled step, (is_prefill, decode rows, prompt rows
-    with their scheduled token counts). Decode rows are the batch's sequences that were running
-    before it was scheduled."""
+    """Wraps a scheduler's schedule() (and, given one, a StepAhead's launches): per step, (is_prefill,
+    decode rows, prompt rows with their scheduled token counts). Decode rows are the batch's
+    sequences that were running before it was scheduled. `ahead` counts the steps launched
+    ahead and the mixed ones among them."""
 
-    def __init__(self, scheduler):
+    def __init__(self, scheduler, step_ahead=None):
         self.steps = []
+        self.ahead = self.mixed_ahead = 0
         schedule = scheduler.schedule
 
         def logged():
@@ -36,6 +38,21 @@ class StepLog:
                 self.steps.append((batch.is_prefill, decode, prompt))
             return batch
         scheduler.schedule = logged
+        if step_ahead is not None:
+            launch = step_ahead._launch
+
+            def logged_ahead(batch, rows):
+                before = set(scheduler.running)
+                launched = launch(batch, rows)
+                if launched is not None:
+                    ahead, _, scheduled = launched
+                    decode = [s for s in ahead.seqs if s in before]
+                    prompt = [(s, n) for s, n in zip(ahead.seqs, scheduled) if s not in before]
+                    self.steps.append((ahead.is_prefill, decode, prompt))
+                    self.ahead += 1
+                    self.mixed_ahead += bool(decode and prompt)
+                return launched
+            step_ahead._launch = logged_ahead
 
     @property
     def num_mixed(self) -> int:
@@ -179,7 +196,7 @@ def engine_prompts(n, seed=0):
 
 def run_engine(engine, requests, every=2):
     """requests: [(id, prompt, params)], one added every `every` steps -> {id: final output}."""
-    log = StepLog(engine.scheduler)
+    log = StepLog(engine.scheduler, engine.step_ahead)
     finals, step, pending = {}, 0, list(requests)
     while pending or engine.has_unfinished_requests():
         if pending and step % every == 0:
@@ -216,7 +233,8 @@ def test_engine_greedy_with_mixed_steps_equals_each_request_alone(tiny_model_dir
 
 def test_engine_async_scheduling_with_mixed_steps_gives_the_sync_outputs(tiny_model_dir):
     """Async scheduling through ModelRunner.launch's default (the step runs when waited for, fed
-    ids resolved on the host): decode steps go ahead between the mixed ones."""
+    ids resolved on the host): steps go ahead, mixed ones (decode rows fed, prompt chunks
+    beside them) among them."""
     prompts = engine_prompts(8, seed=2)
     requests = [(str(i), p, SamplingParams(max_tokens=6 + i, **GREEDY)) for i, p in enumerate(prompts)]
     requests += [(f"s{i}", p, SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True))
@@ -227,6 +245,7 @@ def test_engine_async_scheduling_with_mixed_steps_gives_the_sync_outputs(tiny_mo
         finals[mode], log = run_engine(engine, requests, every=3)
         assert log.num_mixed > 0
         assert (engine.step_ahead.num_launched > 0) == mode
+        assert (log.mixed_ahead > 0) == mode
     assert {k: v.token_ids for k, v in finals[True].items()} == {k: v.token_ids for k, v in finals[False].items()}
 
 

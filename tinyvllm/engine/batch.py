@@ -258,19 +258,20 @@ class SamplingBatch:
                    edits=edits, logprobs=lp, token_mask=token_mask)
 
     @classmethod
-    def from_sequences(cls, seqs, eos_token_ids=(), tokens_ahead: int = 0) -> SamplingBatch:
+    def from_sequences(cls, seqs, eos_token_ids=(), tokens_ahead: int | np.ndarray = 0) -> SamplingBatch:
         """The step's sampling inputs for these sequences (ScheduledBatch.sampling_batch).
         Rows that use no penalty, bias or min_tokens add nothing to `edits`; a batch where
         none does has edits None, and then the runner launches exactly the plain sampler.
-        tokens_ahead: tokens each sequence will have generated before this step that are not
-        in its token_ids yet (async scheduling's step launched ahead; rows that samples_ahead
-        only, the constrained ones' mask then a PendingTokenMask)."""
+        tokens_ahead: tokens each sequence (an int: every one) will have generated before this
+        step that are not in its token_ids yet (async scheduling's step launched ahead; rows
+        that samples_ahead only, the constrained ones' mask then a PendingTokenMask)."""
         p = [s.params for s in seqs]
         states = [s.sampler_state for s in seqs]
         plain = states.count(PLAIN) == len(states)
-        if tokens_ahead and not plain and not all(samples_ahead(s) for s in seqs):
+        ahead = bool(np.any(tokens_ahead))
+        if ahead and not plain and not all(samples_ahead(s) for s in seqs):
             raise ValueError("only plain-sampling rows can be sampled ahead of their last token")
-        if plain or tokens_ahead:        # the common step: plain sampling only (or masked ahead)
+        if plain or ahead:               # the common step: plain sampling only (or masked ahead)
             # built here with one numpy call per array, not through build()'s generic
             # conversions: this runs every step (with one other change it took the engine's host
             # time per step from 76-86 to 61-65 us: benchmarks/engine_overhead.py, CPU, 2026-12-03,
@@ -280,8 +281,8 @@ class SamplingBatch:
                        top_k=np.array([x.top_k for x in p], np.int32),
                        top_p=np.array([x.top_p for x in p], np.float32),
                        seed=np.array([s.seed for s in seqs], np.uint64),
-                       step=np.array([len(s.token_ids) - s.num_prompt_tokens + tokens_ahead for s in seqs],
-                                     np.int32),
+                       step=np.array([len(s.token_ids) - s.num_prompt_tokens for s in seqs], np.int32)
+                       + np.asarray(tokens_ahead, np.int32),
                        min_p=np.zeros(len(p), np.float32),
                        token_mask=None if plain else PendingTokenMask(seqs))
         min_p = [x.min_p for x in p]

@@ -125,6 +125,15 @@ class BlockManager:
             return []
         return seq.block_hashes[len(cached):(seq.num_tokens - 1) // self.block_size]
 
+    def block_hashes_between(self, seq: Sequence, start: int, end: int) -> list[bytes]:
+        """The hashes of the sequence's full blocks that tokens [start, end) complete (a step's
+        prompt chunk: the blocks it will publish); [] when caching is off."""
+        if not self.enable_caching:
+            return []
+        first, last = start // self.block_size, min(end, seq.num_tokens) // self.block_size
+        self._hash_blocks(seq, last)
+        return seq.block_hashes[first:last]
+
     def publish(self, seq: Sequence) -> None:
         """Publish the sequence's full blocks whose K/V are computed (after each prefill step, when
         decode moves into a new block, and when the sequence lets its blocks go). A block whose
@@ -210,6 +219,16 @@ class BlockManager:
         self.publish(seq)                     # the block the previous step filled
         self._append(seq, self._take_free())
         return True
+
+    def drop_last_block(self, seq: Sequence) -> None:
+        """Undo the try_append_slot that gave the sequence its last block (a step launched ahead
+        that was not launched after all): the block, never written, goes back to the front of
+        the free queue."""
+        block = seq.block_table.pop()
+        self._holders[block].remove(seq)
+        self.tables[seq.block_table_row, len(seq.block_table)] = -1
+        self._free[block] = None
+        self._free.move_to_end(block, last=False)
 
     def free(self, seq: Sequence) -> None:
         """Let go of all of a sequence's blocks (finish, abort, preemption), publishing its full

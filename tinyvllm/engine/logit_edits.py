@@ -168,15 +168,20 @@ def _state_without_edits(seq) -> str:
     return NO_EDITS if p.min_p or p.logprobs is not None or seq.constraint is not None else PLAIN
 
 
+def sampler_state(seq, eos_token_ids=()):
+    """seq.sampler_state, made on first use."""
+    if seq.sampler_state is None:
+        seq.sampler_state = (SequenceEdits(seq, eos_token_ids) if SequenceEdits.wanted(seq)
+                             else _state_without_edits(seq))
+    return seq.sampler_state
+
+
 def step_edits(seqs, eos_token_ids=()) -> LogitEdits | None:
     """The step's LogitEdits: each sequence's kept entries (SequenceEdits, made on first use),
     copied once into the batch with its row; None when no sequence has any."""
     blocks, rows = [], []
     for i, seq in enumerate(seqs):
-        state = seq.sampler_state
-        if state is None:
-            state = seq.sampler_state = (SequenceEdits(seq, eos_token_ids) if SequenceEdits.wanted(seq)
-                                         else _state_without_edits(seq))
+        state = sampler_state(seq, eos_token_ids)
         if state is PLAIN or state is NO_EDITS:
             continue
         state.sync(seq)

@@ -29,6 +29,7 @@ and a prompt longer than the budget is chunked alone.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -131,28 +132,80 @@ class Scheduler:
         """Prompt work for up to `budget` tokens from the head of the waiting queue -> its
         sequences, num_scheduled_tokens set; those that end their prompt move to running.
         chunk_alone: a prompt longer than the budget left is chunked only as the step's one row."""
-        seqs: list[Sequence] = []
-        in_flight: set[bytes] = set()        # hashes of the full blocks this step computes
+        chunks = self._prompt_chunks(budget, chunk_alone)
+        for seq, tokens in chunks:
+            seq.num_scheduled_tokens = tokens
+        return [seq for seq, _ in chunks]
+
+    def prompts_wait_for(self, in_flight: dict[Sequence, int], budget: int, admissible) -> bool:
+        """Whether a step launched ahead of the one in flight (engine/step_ahead.py) must leave
+        the waiting queue alone: a waiting sequence it could admit is one `admissible` refuses,
+        or starts with blocks that the step in flight computes (in_flight: its rows and their
+        scheduled tokens). That sequence is then scheduled once the step is applied, as
+        without the step ahead. Changes nothing."""
+        bm, computing = self.block_manager, set()
+        for seq, tokens in in_flight.items():
+            computing.update(bm.block_hashes_between(seq, seq.num_cached_tokens, seq.num_cached_tokens + tokens))
+        room = min(budget, self.config.max_num_seqs - len(self.running))
+        for seq in itertools.islice(self.waiting, max(room, 0)):     # those it could admit
+            if not admissible(seq):
+                return True
+            if computing and (uncached := bm.uncached_block_hashes(seq, bm.cached_prefix(seq))) \
+                    and uncached[0] in computing:
+                return True
+        return False
+
+    def schedule_prompts_ahead(self, budget: int, in_flight: dict[Sequence, int]) -> list[tuple[Sequence, int]]:
+        """The prompt chunks of a step launched ahead of the one in flight, by schedule()'s rule
+        (prompts_wait_for said it may): a chunk goes on after the in-flight step's tokens.
+        -> [(sequence, tokens)]; num_scheduled_tokens is left alone (the step in flight's until
+        it is applied)."""
+        return self._prompt_chunks(budget, False, in_flight)
+
+    def unschedule_prompts(self, chunks: list[tuple[Sequence, int]], had_blocks: set[Sequence]) -> None:
+        """Undo schedule_prompts_ahead (its step could not be built): sequences it admitted give
+        their blocks back (and the prefix-cache counts their admission added) and return to the
+        head of the waiting queue in their order."""
+        stats = self.block_manager.prefix_cache_stats
+        for seq, _ in reversed(chunks):
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.remove(seq)
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
+            if seq not in had_blocks:
+                if self.block_manager.enable_caching:
+                    stats.requests -= 1
+                    stats.queries -= seq.num_tokens
+                    stats.hits -= seq.num_cached_tokens
+                self.block_manager.free(seq)
+
+    def _prompt_chunks(self, budget: int, chunk_alone: bool,
+                       in_flight: dict[Sequence, int] | None = None) -> list[tuple[Sequence, int]]:
+        """schedule()'s prompt rule (module docstring) -> [(sequence, tokens)]; the sequences are
+        admitted (blocks allocated, moved to running when the chunk ends the prompt)."""
+        chunks: list[tuple[Sequence, int]] = []
+        computing: set[bytes] = set()        # hashes of the full blocks this step computes
         while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             cached = self.block_manager.cached_prefix(seq)          # its prefix-cache hit, if new
             uncached = self.block_manager.uncached_block_hashes(seq, cached)
-            if uncached and uncached[0] in in_flight:
+            if uncached and uncached[0] in computing:
                 break       # an earlier sequence computes its next blocks now: cached next step
-            remaining = seq.num_tokens - seq.num_cached_tokens - len(cached) * self.block_manager.block_size
-            if (chunk_alone and remaining > budget and seqs) or not self.block_manager.can_allocate(seq, cached):
+            done = seq.num_cached_tokens + (in_flight or {}).get(seq, 0)
+            remaining = seq.num_tokens - done - len(cached) * self.block_manager.block_size
+            if (chunk_alone and remaining > budget and chunks) or not self.block_manager.can_allocate(seq, cached):
                 break
             self.block_manager.allocate(seq, cached)               # starts it after the cached tokens
-            in_flight.update(uncached)
-            seq.num_scheduled_tokens = min(remaining, budget)
-            budget -= seq.num_scheduled_tokens
-            seqs.append(seq)
-            if seq.num_scheduled_tokens < remaining:
+            computing.update(uncached)
+            tokens = min(remaining, budget)
+            budget -= tokens
+            chunks.append((seq, tokens))
+            if tokens < remaining:
                 break                        # a chunk: the sequence stays at the queue's head
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-        return seqs
+        return chunks
 
     def _schedule_decode(self) -> list[Sequence]:
         """A token for every running sequence, oldest first, preempting where blocks run out
