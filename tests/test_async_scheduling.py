@@ -16,6 +16,7 @@ from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 from tinyvllm.engine.llm_engine import LLMEngine
 from tinyvllm.engine.model_runner import ModelRunner
 from tinyvllm.engine.sampling_params import SamplingParams
+from tinyvllm.engine.step_ahead import StepAhead
 
 OPTIONS = dict(device="cpu", block_size=4, max_num_seqs=8, max_model_len=48)
 
@@ -184,3 +185,36 @@ def test_fed_tokens_are_the_previous_steps_sampled_ids():
     assert first.wait().tolist() == [11, 21, 31]
     with pytest.raises(ValueError, match="step launched before"):
         EchoRunner().launch(fed, SamplingBatch.greedy(3))
+
+
+def test_prompt_chunks_go_ahead_beside_decode_rows(tiny_model_dir):
+    """A prompt longer than the token budget, arriving while another request decodes, is chunked
+    over several steps; under async scheduling those mixed steps are launched ahead too (each
+    chunk after the one still in flight, the decoding row's id fed from it) and every request
+    gets sync scheduling's outputs (its steps are sync's, a call later: the requests arrived
+    while a step was on its way)."""
+    rng = np.random.default_rng(7)
+    long_prompt = [int(t) for t in rng.integers(1000, 100000, 30)]
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    script = {0: [("add", "decoding", prompts(1, seed=8)[0], SamplingParams(max_tokens=14, **greedy))],
+              2: [("add", "long", long_prompt, SamplingParams(max_tokens=5, **greedy)),
+                  ("add", "sampled", prompts(2, seed=9)[1],
+                   SamplingParams(max_tokens=6, temperature=0.9, top_k=20, seed=3))]}
+    small_budget = dict(max_num_batched_tokens=8)
+    _, sync_finals, _ = run(tiny_model_dir, script, async_scheduling=False, **small_budget)
+    chunks_ahead = []
+    launch = StepAhead._launch
+
+    def logged(self, batch, rows):
+        launched = launch(self, batch, rows)
+        if launched is not None:
+            chunks_ahead.extend((s.request_id, n) for s, n in zip(launched[0].seqs, launched[2]) if n > 1)
+        return launched
+    StepAhead._launch = logged
+    try:
+        _, async_finals, _ = run(tiny_model_dir, script, async_scheduling=True, **small_budget)
+    finally:
+        StepAhead._launch = launch
+    assert_same_outputs(async_finals, sync_finals)
+    long_chunks = [n for rid, n in chunks_ahead if rid == "long"]
+    assert len(long_chunks) >= 3 and sum(long_chunks) == len(long_prompt), long_chunks   # each chunk went ahead
