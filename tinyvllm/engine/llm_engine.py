@@ -208,6 +208,8 @@ class LLMEngine:
                 stats.step_started(batch)
             if pending is not None and self.async_scheduling:
                 self.step_ahead.launch_after(batch, rows)
+                if stats is not None and self.step_ahead.launched is not None and self.step_ahead.launched[0].is_prefill:
+                    stats.prompts_scheduled(self.step_ahead.launched[0].seqs)
             if after_launch is not None:
                 after_launch()
             tokens = pending.wait() if pending is not None else None

@@ -111,6 +111,13 @@ class StatsCollector:
                 tokens += seq.num_scheduled_tokens
             self._scheduled_tokens = tokens
 
+    def prompts_scheduled(self, seqs) -> None:
+        """Prompt rows scheduled now into a step launched ahead (engine/step_ahead.py): their
+        time in the queue ends here, not when that step is reported on."""
+        now = time.perf_counter()
+        for seq in seqs:
+            self._scheduled_at.setdefault(seq, now)
+
     def _note_preempted(self) -> None:
         """The sequences the scheduler just sent back to the queue, with their last token's time."""
         for t, seqs in [(self._decoded_at, self._decoded), *self._admitted]:
