@@ -61,18 +61,18 @@ class StepAhead:
         self.requests = requests                  # the engine's unfinished requests, by id
         self.launched: tuple[ScheduledBatch, PendingStep, list[int]] | None = None   # + tokens a row
         self.launched_mask: PendingTokenMask | None = None   # its constrained rows' mask, to come
-        self.num_launched = 0                     # decode steps launched ahead ...
+        self.num_launched = 0                     # steps launched ahead ...
         self.num_rows_thrown_away = 0             # ... and their rows whose sequence finished meanwhile
 
     def launch_after(self, batch: ScheduledBatch, rows: np.ndarray | None) -> None:
-        """Launch the decode step after `batch` (a decode step or a prefill, launched, not read
-        back yet), where it can go ahead; where it cannot, it is scheduled as usual once `batch`
-        is applied. rows: the row of each of batch's sequences in its launched step (None: its
-        own order)."""
+        """Launch the step after `batch` (launched, not read back yet) where it can go ahead (the
+        module docstring); where it cannot, it is scheduled as usual once `batch` is applied.
+        rows: the row of each of batch's sequences in its launched step (None: its own order)."""
         self.launched_mask = None
         self.launched = self._launch(batch, rows)
 
     def _launch(self, batch: ScheduledBatch, rows: np.ndarray | None):
+        """-> (the step's batch, its pending step, each row's scheduled tokens), or None."""
         scheduler = self.scheduler
         if scheduler.waiting and scheduler.config.scheduling == "static":
             return None       # static batches: the waiting batch starts once the running one ends
