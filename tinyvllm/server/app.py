@@ -166,7 +166,8 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
         prompts = body.prompts()
         vocab = engine.model_config.vocab_size
         for prompt in prompts:
-            if isinstance(prompt, list) and any(not 0 <= t < vocab for t in prompt):
+            # min/max: C loops over a long id list (this runs on the event loop); intake.py checks alike
+            if isinstance(prompt, list) and prompt and (min(prompt) < 0 or max(prompt) >= vocab):
                 raise RequestValueError(f"prompt token ids must be in [0, {vocab})", "prompt")
         params = body.sampling_params(default_max_tokens=16,  # OpenAI's default for completions
                                       defaults=engine.default_sampling_fields)
