@@ -216,6 +216,8 @@ BAD_COMPLETIONS = {
     "max_tokens 0": {"model": MODEL_NAME, "prompt": "x", "max_tokens": 0},
     "empty prompt": {"model": MODEL_NAME, "prompt": ""},
     "token id out of vocab": {"model": MODEL_NAME, "prompt": [1, 10**9]},
+    "negative token id": {"model": MODEL_NAME, "prompt": [-1, 5]},
+    "token id out of vocab in a batch": {"model": MODEL_NAME, "prompt": [[1, 2], [3, 10**9]]},
     "prompt beyond context": {"model": MODEL_NAME, "prompt": "hello " * 400},
     "logprobs above 20": {"model": MODEL_NAME, "prompt": "x", "logprobs": 21},
 }
