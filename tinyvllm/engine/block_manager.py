@@ -220,6 +220,17 @@ class BlockManager:
         self._append(seq, self._take_free())
         return True
 
+    def undo_allocate(self, seq: Sequence) -> None:
+        """Undo allocate() of a sequence whose tokens were never computed (a step launched ahead
+        that was not launched after all): its blocks go back, and so do the prefix-cache counts
+        its admission added."""
+        if self.enable_caching:
+            stats = self.prefix_cache_stats
+            stats.requests -= 1
+            stats.queries -= seq.num_tokens
+            stats.hits -= seq.num_cached_tokens       # its cached prefix, all it holds computed
+        self.free(seq)
+
     def drop_last_block(self, seq: Sequence) -> None:
         """Undo the try_append_slot that gave the sequence its last block (a step launched ahead
         that was not launched after all): the block, never written, goes back to the front of

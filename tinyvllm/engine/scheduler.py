@@ -166,18 +166,13 @@ class Scheduler:
         """Undo schedule_prompts_ahead (its step could not be built): sequences it admitted give
         their blocks back (and the prefix-cache counts their admission added) and return to the
         head of the waiting queue in their order."""
-        stats = self.block_manager.prefix_cache_stats
         for seq, _ in reversed(chunks):
             if seq.status is SequenceStatus.RUNNING:
                 self.running.remove(seq)
                 seq.status = SequenceStatus.WAITING
                 self.waiting.appendleft(seq)
             if seq not in had_blocks:
-                if self.block_manager.enable_caching:
-                    stats.requests -= 1
-                    stats.queries -= seq.num_tokens
-                    stats.hits -= seq.num_cached_tokens
-                self.block_manager.free(seq)
+                self.block_manager.undo_allocate(seq)
 
     def _prompt_chunks(self, budget: int, chunk_alone: bool,
                        in_flight: dict[Sequence, int] | None = None) -> list[tuple[Sequence, int]]:

@@ -105,15 +105,13 @@ class StatsCollector:
             self._scheduled_tokens = len(batch.seqs)
             self._cohorts = [(t, sum(s.status is RUNNING for s in seqs)) for t, seqs in self._admitted]
         else:
-            now, tokens = time.perf_counter(), 0
-            for seq in batch.seqs:
-                self._scheduled_at.setdefault(seq, now)
-                tokens += seq.num_scheduled_tokens
-            self._scheduled_tokens = tokens
+            self.prompts_scheduled(batch.seqs)
+            self._scheduled_tokens = sum(seq.num_scheduled_tokens for seq in batch.seqs)
 
     def prompts_scheduled(self, seqs) -> None:
-        """Prompt rows scheduled now into a step launched ahead (engine/step_ahead.py): their
-        time in the queue ends here, not when that step is reported on."""
+        """The rows of a prefill-kind step, scheduled now: their time in the queue ends here (a
+        step launched ahead, engine/step_ahead.py, calls it at its launch, not when that step is
+        reported on)."""
         now = time.perf_counter()
         for seq in seqs:
             self._scheduled_at.setdefault(seq, now)

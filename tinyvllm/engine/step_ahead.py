@@ -84,8 +84,8 @@ class StepAhead:
             return None                  # its next sampler inputs depend on this step's token
         decode = [s for s in decode if not self.output_processor.ends_by_length(s, len(s.token_ids) + 1)]
         bm, block_size = self.block_manager, self.block_manager.block_size
-        needing = sum(len(s.token_ids) + 1 > len(s.block_table) * block_size for s in decode)
-        if needing > bm.num_free_blocks:
+        grown = [s for s in decode if len(s.token_ids) + 1 > len(s.block_table) * block_size]   # need a block
+        if len(grown) > bm.num_free_blocks:
             return None                  # the scheduler's preemption decides, next step
         # the step in flight's rows: the blocks they fill are being computed, and a prompt chunk
         # (its sequence still waiting, at the head) goes on after its tokens
@@ -95,8 +95,7 @@ class StepAhead:
             return None
         if not decode and not scheduler.waiting:
             return None
-        grown = [s for s in decode if len(s.token_ids) + 1 > len(s.block_table) * block_size]
-        for seq in decode:
+        for seq in grown:
             bm.try_append_slot(seq, len(seq.token_ids) + 1)
         had_blocks = {s for s in scheduler.waiting if s.block_table}
         chunks = scheduler.schedule_prompts_ahead(budget, in_flight) if scheduler.waiting else []

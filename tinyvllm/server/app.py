@@ -18,8 +18,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tinyvllm.engine.intake import check_token_ids
 from tinyvllm.engine.stats import StatsLogger
-from tinyvllm.errors import InvalidRequestError, RequestValueError
+from tinyvllm.errors import InvalidRequestError
 from tinyvllm.server import responses as R
 from tinyvllm.server.encoding import PromptEncoder
 from tinyvllm.server.engine_loop import EngineFailure, EngineLoop
@@ -166,9 +167,8 @@ def build_app(engine_loop: EngineLoop, settings: ServerSettings) -> FastAPI:
         prompts = body.prompts()
         vocab = engine.model_config.vocab_size
         for prompt in prompts:
-            # min/max: C loops over a long id list (this runs on the event loop); intake.py checks alike
-            if isinstance(prompt, list) and prompt and (min(prompt) < 0 or max(prompt) >= vocab):
-                raise RequestValueError(f"prompt token ids must be in [0, {vocab})", "prompt")
+            if isinstance(prompt, list) and prompt:
+                check_token_ids(prompt, vocab)
         params = body.sampling_params(default_max_tokens=16,  # OpenAI's default for completions
                                       defaults=engine.default_sampling_fields)
         await prepare.check_constraint(params, body)
