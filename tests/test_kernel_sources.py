@@ -118,3 +118,36 @@ def test_launch_attributes_reach_the_driver_in_cuda_h_layout(monkeypatch):
     with pytest.raises(driver.CudaDriverError, match=r"launch of k grid \(0, 1, 1\) block \(32, 1, 1\) "
                                                      r"failed: invalid argument \(CUresult 1\)"):
         capable.launch((0, 1, 1), (32, 1, 1), 0, (5, -3), pdl=True)
+
+
+def test_launch_packs_each_argument_at_its_own_pointer(monkeypatch):
+    """Kernel.launch packs the arguments into one buffer: each params[i] must point at argument i
+    in its C type (pointer, int, unsigned, float, uint64), aligned as the C parameter would be;
+    arena views pass as pointers; a wrong value is a TypeError naming the kernel."""
+    import ctypes
+
+    from tinyvllm.gpu import driver, kernels
+    seen = []
+    ctypes_of = {"P": ctypes.c_void_p, "i": ctypes.c_int32, "I": ctypes.c_uint32, "f": ctypes.c_float,
+                 "Q": ctypes.c_uint64}
+
+    class FakeCuda:
+        def cuLaunchKernelEx(self, config, handle, params, extra):
+            seen.append([ctypes.cast(params[i], ctypes.POINTER(ctypes_of[c]))[0] for i, c in enumerate(signature)])
+            assert all(params[i] % ctypes.sizeof(ctypes_of[c]) == 0 for i, c in enumerate(signature))
+            return 0
+
+    class View:
+        def __index__(self):
+            return 0x7F00_0000_1230
+
+    monkeypatch.setattr(driver, "libcuda", lambda: FakeCuda())
+    signature = "PiIfPQfiP"
+    kernel = kernels.Kernel("k", ctypes.c_void_p(1), signature, True)
+    args = (View(), -7, 2**32 - 1, 0.375, 0x1000, 2**64 - 1, -2.5, 2**31 - 1, 0)
+    kernel.launch((1, 1, 1), (32, 1, 1), 0, args)
+    kernel.launch((1, 1, 1), (32, 1, 1), 0, args[:4] + (0x2000,) + args[5:])   # the buffer is reused
+    expected = [0x7F00_0000_1230, -7, 2**32 - 1, 0.375, 0x1000, 2**64 - 1, -2.5, 2**31 - 1, None]
+    assert seen[0] == expected and seen[1] == expected[:4] + [0x2000] + expected[5:]
+    with pytest.raises(TypeError, match="kernel k"):
+        kernel.launch((1, 1, 1), (32, 1, 1), 0, args[:1] + (2**31,) + args[2:])
