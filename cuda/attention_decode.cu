@@ -34,6 +34,21 @@
 // K/V rows sit in it with their 16-byte chunks XOR-swizzled by (row % 8), so the 8 rows an
 // ldmatrix phase reads fall in distinct banks.
 //
+// Cascade suffix (attention_cascade.cu's header). Two optional pointers, both nullable:
+//   first_position  one device int for the batch: each sequence attends to positions
+//                   max(first_position, its window's first) .. ctx - 1 only (never past ctx: a
+//                   range left empty gives l = 0, out = 0). A cascade step sets it to the shared
+//                   prefix's length, which attention_cascade_prefix reads once for every sequence;
+//                   it is read from device memory (the arena's cascade_prefix_len, a host upload
+//                   like context_lens) so that one captured decode graph serves every prefix
+//                   length, 0 included. nullptr: from 0, as without cascade.
+//   lse_out         [num_seqs, num_q_heads] fp32: the base-2 log-sum-exp of the scaled scores
+//                   attended to, lse = m + log2(l) with m and l as kept here (scores times
+//                   scale * log2(e)), i.e. the natural log-sum-exp times log2(e); -inf where the
+//                   range is empty. Written by the one-split path and by the merging block.
+// With `out` normalised, (out, lse) is the partial (o, m, l) of reference/cascade.py up to its
+// scale: o / l = out and l 2^m = 2^lse, which is all its exact merge needs.
+//
 // PDL-aware: launched with programmatic stream serialization; every attention block lets the
 // consumer launch at once and waits for the producer after issuing its first K/V copies (below).
 //
@@ -130,9 +145,10 @@ __device__ __forceinline__ float ex2(float x) {   // 2^x; 2^-inf = 0
 template <int HEAD_DIM, int GROUP, bool WINDOWED>
 __device__ __forceinline__ void decode_attention(
     bf16* out, float* __restrict__ partial_out, float* __restrict__ partial_ml,
-    int* __restrict__ split_counters, const bf16* q, int q_row_stride, const bf16* k_cache,
+    int* __restrict__ split_counters, float* lse_out, const bf16* q, int q_row_stride, const bf16* k_cache,
     const bf16* v_cache, const int* __restrict__ block_tables, const int* __restrict__ block_table_width,
-    const int* __restrict__ context_lens, int block_size, int num_kv_heads, float scale, int window) {
+    const int* __restrict__ context_lens, const int* __restrict__ first_position, int block_size,
+    int num_kv_heads, float scale, int window) {
     static_assert(GROUP >= 1 && GROUP <= 8, "the query heads of a group are one MMA n-tile of 8");
     constexpr int BLOCK_THREADS = decode_threads(HEAD_DIM), BLOCK_WARPS = BLOCK_THREADS / 32;
     constexpr int MIN_SPLIT = BLOCK_WARPS * STEP;    // a split gives every warp at least one step
@@ -159,8 +175,10 @@ __device__ __forceinline__ void decode_attention(
     const int ctx = context_lens[seq];
     // The positions read: first .. ctx - 1; a sliding layer's window (WINDOWED, window > 0) starts
     // at ctx - window (the query at ctx - 1 sees its last `window` positions, its own included),
-    // and the splits cut that span only, beginning in the window's first block.
-    const int first = WINDOWED && window > 0 && ctx > window ? ctx - window : 0;
+    // a cascade suffix at *first_position (header), and the splits cut that span only, beginning
+    // in its first block. first = ctx leaves no position: every warp has 0 steps.
+    int first = WINDOWED && window > 0 && ctx > window ? ctx - window : 0;
+    if (first_position != nullptr) first = min(max(first, *first_position), ctx);
     const int span = ctx - first;
     const int wanted = span <= ONE_SPLIT_TOKENS
         ? 1 : max(1, min(min((int)gridDim.z, MAX_SPLITS), (span + MIN_SPLIT - 1) / MIN_SPLIT));
@@ -371,6 +389,8 @@ __device__ __forceinline__ void decode_attention(
         const int head = kv_head * GROUP + g;
         if (num_splits == 1) {
             out[((size_t)seq * num_q_heads + head) * HEAD_DIM + d] = __float2bfloat16(l > 0.0f ? acc / l : 0.0f);
+            if (lse_out != nullptr && d == 0)
+                lse_out[(size_t)seq * num_q_heads + head] = l > 0.0f ? m + log2f(l) : -CUDART_INF_F;
         } else {
             // a fixed stride of MAX_SPLITS per (sequence, head): sequences split differently
             // (their contexts differ) must never share workspace rows
@@ -405,6 +425,8 @@ __device__ __forceinline__ void decode_attention(
         const float w = ml.x == -CUDART_INF_F ? 0.0f : ex2(ml.x - m);
         const float den = warp_sum(w * ml.y);
         if (lane < num_splits) weights[g * MAX_SPLITS + lane] = den > 0.0f ? w / den : 0.0f;
+        if (lse_out != nullptr && lane == 0)
+            lse_out[(size_t)seq * num_q_heads + kv_head * GROUP + g] = den > 0.0f ? m + log2f(den) : -CUDART_INF_F;
     }
     __syncthreads();
     // ... then each thread sums 4 output dims over a slice of the splits, MERGE_UNROLL partials
@@ -469,27 +491,28 @@ __device__ __forceinline__ void decode_attention(
 
 // Kernels: attention_decode_d{D}_g{G} over the whole context, attention_decode_window_d{D}_g{G}
 // over the last `window` positions (0: the whole context), a sliding layer's (its own
-// instantiations, so the full-context kernels' code has no window in it).
+// instantiations, so the full-context kernels' code has no window in it). lse_out and
+// first_position may be null (header: cascade suffix).
 #define DECODE_ATTENTION_KERNEL(D, G)                                                            \
     extern "C" __global__ void __launch_bounds__(decode_threads(D)) attention_decode_d##D##_g##G( \
-        bf16* out, float* partial_out, float* partial_ml, int* split_counters, const bf16* q,    \
-        int q_row_stride, const bf16* k_cache, const bf16* v_cache, const int* block_tables,     \
-        const int* block_table_width, const int* context_lens, int block_size, int num_kv_heads, \
-        float scale) {                                                                           \
-        decode_attention<D, G, false>(out, partial_out, partial_ml, split_counters, q,           \
+        bf16* out, float* partial_out, float* partial_ml, int* split_counters, float* lse_out,   \
+        const bf16* q, int q_row_stride, const bf16* k_cache, const bf16* v_cache,               \
+        const int* block_tables, const int* block_table_width, const int* context_lens,          \
+        const int* first_position, int block_size, int num_kv_heads, float scale) {              \
+        decode_attention<D, G, false>(out, partial_out, partial_ml, split_counters, lse_out, q,  \
                                       q_row_stride, k_cache, v_cache, block_tables,              \
-                                      block_table_width, context_lens, block_size, num_kv_heads, \
-                                      scale, 0);                                                 \
+                                      block_table_width, context_lens, first_position,           \
+                                      block_size, num_kv_heads, scale, 0);                       \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(decode_threads(D)) attention_decode_window_d##D##_g##G( \
-        bf16* out, float* partial_out, float* partial_ml, int* split_counters, const bf16* q,    \
-        int q_row_stride, const bf16* k_cache, const bf16* v_cache, const int* block_tables,     \
-        const int* block_table_width, const int* context_lens, int block_size, int num_kv_heads, \
-        float scale, int window) {                                                               \
-        decode_attention<D, G, true>(out, partial_out, partial_ml, split_counters, q,            \
+        bf16* out, float* partial_out, float* partial_ml, int* split_counters, float* lse_out,   \
+        const bf16* q, int q_row_stride, const bf16* k_cache, const bf16* v_cache,               \
+        const int* block_tables, const int* block_table_width, const int* context_lens,          \
+        const int* first_position, int block_size, int num_kv_heads, float scale, int window) {  \
+        decode_attention<D, G, true>(out, partial_out, partial_ml, split_counters, lse_out, q,   \
                                      q_row_stride, k_cache, v_cache, block_tables,               \
-                                     block_table_width, context_lens, block_size, num_kv_heads,  \
-                                     scale, window);                                             \
+                                     block_table_width, context_lens, first_position,            \
+                                     block_size, num_kv_heads, scale, window);                   \
     }
 // head_dim x group: Llama 3.2 1B is (64, 4), 3B (128, 3), 3.1 8B (128, 4), the tiny preset (64, 2);
 // Qwen2.5 0.5B (64, 7), 1.5B (128, 6), 3B (128, 8), 7B (128, 7); Qwen3 0.6B-1.7B (128, 2), 4B-8B

@@ -36,17 +36,21 @@ def test_signatures_match_the_c_parameter_lists():
         family = "^" + bf16_kernel.replace("gemv_", "gemv_quant_", 1).replace("_bf16", "_\\w+$")
         assert quant[family] == sig[:w_at + 1] + "P" + sig[w_at + 1:], family
     (full, sig), (window, window_sig) = kernel_signatures("attention_decode.cu").items()   # macro-made families
-    assert re.match(full, "attention_decode_d64_g4") and sig == "PPPPPiPPPPPiif"
+    # out, the split workspace and counters, lse_out, q, q_row_stride, the paged inputs, first_position, ...
+    assert re.match(full, "attention_decode_d64_g4") and sig == "PPPPPPiPPPPPPiif"
     assert re.match(window, "attention_decode_window_d256_g4") and window_sig == sig + "i"    # + the window
     assert not re.match(full, "attention_decode_window_d64_g4")
     (full, sig), (window, window_sig) = kernel_signatures("attention_prefill.cu").items()
     assert re.match(full, "attention_prefill_d256") and window_sig == sig + "i" and sig == "PPiPPPPPPiiif"
+    # out, lse, q, q_row_stride, k, v, block_tables, prefix_len, num_seqs, block_size, kv heads, group, scale
+    [(cascade, cascade_sig)] = kernel_signatures("attention_cascade.cu").items()
+    assert re.match(cascade, "attention_cascade_prefix_d128") and cascade_sig == "PPPiPPPPiiiif"
 
 
 def test_attention_instantiations_are_read_from_the_sources():
     """The head shapes the model may ask for are the .cu files' instantiation lines."""
     assert {(64, 4), (128, 8), (64, 7), (256, 4)} <= ops.DECODE_SHAPES and (256, 3) not in ops.DECODE_SHAPES
-    assert ops.PREFILL_HEAD_DIMS == (64, 128, 256)
+    assert ops.PREFILL_HEAD_DIMS == (64, 128, 256) and ops.CASCADE_HEAD_DIMS == (64, 128, 256)
     assert ops.attention_kernels_missing(128, 32, 8) is None
     assert "head_dim 96 with 4 query heads" in ops.attention_kernels_missing(96, 32, 8)
 
@@ -59,6 +63,8 @@ def test_constants_are_read_with_their_dependencies():
     assert kernel_constants("sampling.cu")["NUM_WARPS"] == kernel_constants("sampling.cu")["SAMPLE_THREADS"] // 32
     for table, names in ((ops.EMBEDDING, ["THREADS"]), (ops.RMS_NORM, ["THREADS"]), (ops.ROPE, ["THREADS"]),
                          (ops.SILU, ["THREADS"]), (ops.PREFILL, ["BLOCK_Q", "THREADS"]), (ops.DECODE, ["THREADS"]),
+                         (ops.CASCADE, ["BLOCK_Q", "THREADS", "TILE_K", "WIDE_TILE_K", "WIDE_HEAD_DIM", "STAGES",
+                                        "ROW_PAD"]),
                          (ops.GEMV, ["ROWS_PER_CTA", "STEP_K", "RING_STEPS", "RING_BYTES_PER_WARP", "MAX_K_WARPS"]),
                          (ops.SAMPLING, ["SAMPLE_THREADS", "EDIT_THREADS", "EDIT_WORDS", "MAX_TOP_LOGPROBS"])):
         for name in names:

@@ -28,6 +28,12 @@ call. The launchers live by kernel family, beside the .cu files they launch:
     attention_decode.cu   attention_decode_window_d*_g* (the same shapes)
                                            attention attention_decode(window=)  kernels.paged_attention(window)
                                                                                                            test_gpu_attention_families::test_attention_decode_families
+    attention_decode.cu   attention_decode_d*_g* as cascade's suffix (first_position=, lse_out=)
+                                           attention attention_decode(first_position=, lse_out=)  cascade.attention_partial (its o / l, m + log l)
+                                                                                                           test_gpu_cascade::test_decode_suffix_and_lse
+    attention_cascade.cu  attention_cascade_prefix_d{64,128,256}
+                                           attention attention_cascade_prefix()  cascade.cascade_paged_attention, kernels.paged_attention
+                                                                                                           test_gpu_cascade::test_cascade_decode
     gemv.cu       gemv_bf16                gemv     gemv(), via linear()   kernels.linear                  test_gpu_gemv
     gemv.cu       gemv_residual_norm_bf16  gemv     gemv_residual_norm()   kernels.linear, rms_norm_operand  test_gpu_fused::test_handed_over_norm
     gemv.cu       gemv_prenormed_rope_kv_bf16
@@ -80,6 +86,8 @@ fused decode layer's GEMVs are launches of their own kernels.
 from __future__ import annotations
 
 from tinyvllm.gpu.ops.attention import (
+    CASCADE,
+    CASCADE_HEAD_DIMS,
     DECODE,
     DECODE_SHAPES,
     MAX_DECODE_SPLITS,
@@ -94,9 +102,9 @@ from tinyvllm.gpu.ops.rowwise import EMBEDDING, RMS_NORM, ROPE, SILU, RowwiseOps
 from tinyvllm.gpu.ops.sampling import MAX_ARGMAX_SLICES, SAMPLING, SamplingOps
 from tinyvllm.gpu.ops.tensor_parallel import TENSOR_PARALLEL, TensorParallelOps
 
-__all__ = ["GpuOps", "EMBEDDING", "RMS_NORM", "ROPE", "SILU", "PREFILL", "DECODE", "GEMV", "SAMPLING", "QGEMV",
-           "TENSOR_PARALLEL", "DECODE_SHAPES", "PREFILL_HEAD_DIMS", "MAX_DECODE_SPLITS", "MAX_ARGMAX_SLICES", "GEMV_MAX_ROWS",
-           "attention_kernels_missing"]
+__all__ = ["GpuOps", "EMBEDDING", "RMS_NORM", "ROPE", "SILU", "PREFILL", "DECODE", "CASCADE", "GEMV", "SAMPLING",
+           "QGEMV", "TENSOR_PARALLEL", "DECODE_SHAPES", "PREFILL_HEAD_DIMS", "CASCADE_HEAD_DIMS", "MAX_DECODE_SPLITS",
+           "MAX_ARGMAX_SLICES", "GEMV_MAX_ROWS", "attention_kernels_missing"]
 
 
 class GpuOps(RowwiseOps, AttentionOps, GemvOps, QuantGemvOps, SamplingOps, TensorParallelOps):

@@ -1,6 +1,8 @@
-"""The launchers of the two attention kernels: prefill over query tiles on the tensor cores
-(attention_prefill.cu) and decode split over the context (attention_decode.cu). Each has a
-full-context kernel and, for sliding-window layers (ModelConfig.layer_window), a window one."""
+"""The launchers of the attention kernels: prefill over query tiles on the tensor cores
+(attention_prefill.cu), decode split over the context (attention_decode.cu), and cascade
+decode's shared-prefix part (attention_cascade.cu), which merges into decode's output. Prefill
+and decode each have a full-context kernel and, for sliding-window layers
+(ModelConfig.layer_window), a window one; cascade serves full-context layers only."""
 from __future__ import annotations
 
 import math
@@ -10,21 +12,24 @@ from tinyvllm.gpu.ops.launch import OpsBase
 
 PREFILL = kernel_constants("attention_prefill.cu")
 DECODE = kernel_constants("attention_decode.cu")
+CASCADE = kernel_constants("attention_cascade.cu")
 # (head_dim, query heads per kv head) of every decode kernel, and the prefill kernels' head dims:
 # the instantiation lines of the .cu files
 DECODE_SHAPES = frozenset((int(d), int(g)) for d, g in kernel_instances("attention_decode.cu", "DECODE_ATTENTION_KERNEL"))
 PREFILL_HEAD_DIMS = tuple(int(args[0]) for args in kernel_instances("attention_prefill.cu", "PREFILL_ATTENTION_KERNEL"))
+CASCADE_HEAD_DIMS = tuple(int(args[0]) for args in kernel_instances("attention_cascade.cu", "CASCADE_PREFIX_KERNEL"))
 MAX_DECODE_SPLITS = DECODE["MAX_SPLITS"]   # flash-decoding splits per sequence; the arena sizes its workspace by it
 
 
 def attention_kernels_missing(head_dim: int, num_q_heads: int, num_kv_heads: int) -> str | None:
     """Why no attention kernels serve this head shape (None: they do), checked before the GPU starts."""
     group = num_q_heads // num_kv_heads
-    if head_dim in PREFILL_HEAD_DIMS and (head_dim, group) in DECODE_SHAPES:
+    if head_dim in PREFILL_HEAD_DIMS and head_dim in CASCADE_HEAD_DIMS and (head_dim, group) in DECODE_SHAPES:
         return None
     built = ", ".join(f"{d}/{g}" for d, g in sorted(DECODE_SHAPES))
     return (f"no attention kernels for head_dim {head_dim} with {group} query heads per kv head (built, "
-            f"head_dim/group: {built}; prefill head_dim {', '.join(map(str, PREFILL_HEAD_DIMS))})")
+            f"head_dim/group: {built}; prefill head_dim {', '.join(map(str, PREFILL_HEAD_DIMS))}; "
+            f"cascade head_dim {', '.join(map(str, CASCADE_HEAD_DIMS))})")
 
 
 def decode_block(head_dim: int) -> tuple[int, int]:
@@ -33,6 +38,14 @@ def decode_block(head_dim: int) -> tuple[int, int]:
     wide = head_dim >= DECODE["WIDE_HEAD_DIM"]
     threads = DECODE["WIDE_THREADS"] if wide else DECODE["THREADS"]
     return threads, (DECODE["WIDE_SMEM_BYTES_PER_DIM"] if wide else DECODE["SMEM_BYTES_PER_DIM"]) * head_dim
+
+
+def cascade_block(head_dim: int) -> tuple[int, int]:
+    """(threads, dynamic shared bytes) of a cascade prefix block: attention_cascade.cu's
+    cascade_smem_bytes (STAGES K and V tiles of padded rows; WIDE_TILE_K keys a tile from
+    WIDE_HEAD_DIM on)."""
+    keys = CASCADE["WIDE_TILE_K"] if head_dim >= CASCADE["WIDE_HEAD_DIM"] else CASCADE["TILE_K"]
+    return CASCADE["THREADS"], CASCADE["STAGES"] * 2 * keys * (head_dim + CASCADE["ROW_PAD"]) * 2
 
 
 def _window_arg(window: int | None) -> tuple:
@@ -73,7 +86,7 @@ class AttentionOps(OpsBase):
                          k_cache, v_cache, block_tables, block_table_width, context_lens, *,
                          num_seqs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                          block_size: int, scale: float, splits: int | None = None,
-                         window: int | None = None) -> None:
+                         window: int | None = None, first_position=0, lse_out=0) -> None:
         """One query token per sequence over its paged context, split over the context; the last
         split to finish merges; scores times `scale`. window (a sliding layer's; None or 0: the
         whole context): only the last `window` positions are read, from the block holding the
@@ -82,7 +95,12 @@ class AttentionOps(OpsBase):
         kernel issues its first K/V copies, all rows but each sequence's newest, before it waits
         for the kernel before it (attention_decode.cu's header: early K/V), so its sequences must
         be decode rows (a decode step's, or a mixed step's leading ones), whose newest row is
-        the only one of theirs a still-running kernel writes."""
+        the only one of theirs a still-running kernel writes.
+
+        Cascade's suffix (attention_decode.cu's header), both device pointers, 0 for none:
+        first_position, one int32 the kernel reads (a shared prefix's length): every sequence
+        attends from that position on; lse_out, fp32 [num_seqs, num_q_heads]: the base-2
+        log-sum-exp of what each (sequence, head) attended to (-inf for nothing)."""
         splits = splits or self.decode_splits(num_seqs, num_kv_heads)
         if not 1 <= splits <= MAX_DECODE_SPLITS:
             raise ValueError(f"attention_decode: splits must be in 1..{MAX_DECODE_SPLITS}, got {splits}")
@@ -92,6 +110,30 @@ class AttentionOps(OpsBase):
                   else f"attention_decode_d{head_dim}_g{group}")
         threads, shared = decode_block(head_dim)
         self._launch(kernel, (num_seqs * num_kv_heads, 1, splits), threads, out, partial_out,
-                     partial_ml, split_counters, q, q_row_stride, k_cache, v_cache, block_tables,
-                     block_table_width, context_lens, block_size, num_kv_heads, scale, *extra,
+                     partial_ml, split_counters, lse_out, q, q_row_stride, k_cache, v_cache, block_tables,
+                     block_table_width, context_lens, first_position, block_size, num_kv_heads, scale, *extra,
                      shared_bytes=shared)
+
+    def attention_cascade_prefix(self, out, lse, q, q_row_stride: int, k_cache, v_cache, block_tables,
+                                 prefix_len, *, num_seqs: int, num_q_heads: int, num_kv_heads: int,
+                                 head_dim: int, block_size: int, scale: float) -> None:
+        """Cascade decode's shared-prefix part, launched right after attention_decode(first_position=
+        prefix_len, lse_out=lse) on the same buffers: every sequence's query heads against the first
+        *prefix_len positions of block_tables row 0 (the blocks every row shares), merged into
+        `out` with attention_decode's (out, lse); *prefix_len = 0: nothing (decode read whole
+        contexts). prefix_len is a device pointer (one int32), so a captured graph serves every
+        prefix. Grid: (query tiles of BLOCK_Q rows out of num_seqs * group, kv heads), fixed by the
+        batch size; cascade_block(head_dim) threads and dynamic shared memory. It copies prefix K/V
+        before it waits for attention_decode (attention_cascade.cu's header): no kernel of the
+        step may write the prefix's rows."""
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"attention_cascade_prefix: block_size must be a power of two, got {block_size}")
+        if head_dim not in CASCADE_HEAD_DIMS:
+            raise ValueError(f"attention_cascade_prefix: no kernel for head_dim {head_dim} "
+                             f"(built: {', '.join(map(str, CASCADE_HEAD_DIMS))})")
+        group = num_q_heads // num_kv_heads
+        threads, shared = cascade_block(head_dim)
+        grid = (math.ceil(num_seqs * group / CASCADE["BLOCK_Q"]), num_kv_heads)
+        self._launch(f"attention_cascade_prefix_d{head_dim}", grid, threads, out, lse, q, q_row_stride,
+                     k_cache, v_cache, block_tables, prefix_len, num_seqs, block_size, num_kv_heads, group,
+                     scale, shared_bytes=shared)
