@@ -35,8 +35,11 @@ where the host's launches are); then the per-op tables of the three. Add --batch
 keep the rest of the run short.
 --shared-prefix N adds, for each --batch size, the graph GPU time of the same decode step whose
 sequences share the physical KV blocks of their first N tokens (what the prefix cache makes of a
-common system prompt: bench's prefix workload shares 1,024), and the per-op table of the largest:
-how much of the prefix's reads the L2 already serves, the gain a cascade kernel has left.
+common system prompt: bench's prefix workload shares 1,024), and the per-op table of the largest.
+Where the batch qualifies for cascade attention (at least 8 rows and 256 shared tokens: engine/
+batch.py) the shared step runs it (attention_decode from the prefix's end, then
+attention_cascade_prefix): the table shows both, and the ratio what cascade gains over private
+blocks whose prefix reads the L2 partly serves.
 """
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ LIVE_TOGETHER = [
     ("hidden", "act"), ("hidden", "final_normed"), ("normed", "qkv"), ("normed", "gate_up"),
     ("qkv", "attn_out"), ("gate_up", "act"), ("final_normed", "logits"),
     ("attn_out", "decode_partial_out"), ("decode_partial_out", "decode_partial_ml"),
+    ("attn_out", "decode_lse"), ("qkv", "decode_lse"),        # cascade: decode -> the prefix kernel's merge
 ]
 
 

@@ -3,7 +3,8 @@ LlamaModel.forward and GpuOps launchers over test_trace.py's fake runner (addres
 device), with a kernel library that looks each launched kernel up in the cuda/*.cu sources and
 checks its arguments against the kernel's C signature (count and kind), its block size and its
 shared memory. Prefill (cuBLAS) and decode at batch 1 and 3, on the fused decode layer and on
-the nine-launch one; and which kernels each family's layer launches."""
+the nine-launch one; which kernels each family's layer launches; and cascade attention's two
+launches in the decode steps that may share a prefix."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,9 +32,10 @@ class _CheckedLaunches:
     def __init__(self):
         self.launched: list[str] = []
         self.calls: list[tuple[str, tuple]] = []
+        self.grids: list[tuple[int, int, int]] = []      # each call's grid, in order
 
     def function(self, name):
-        sig, launched, calls = _signature(name), self.launched, self.calls
+        sig, launched, calls, grids = _signature(name), self.launched, self.calls, self.grids
 
         class Kernel:
             max_dynamic_shared_bytes = MAX_SHARED
@@ -52,13 +54,14 @@ class _CheckedLaunches:
                 assert shared_bytes <= MAX_SHARED, (name, shared_bytes)
                 launched.append(name)
                 calls.append((name, args))
+                grids.append(grid)
         return Kernel
 
 
-def _fake(config: ModelConfig, fused_decode: bool):
+def _fake(config: ModelConfig, fused_decode: bool, max_num_seqs: int = 4):
     from test_trace import _FakeCudaRunner
-    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
-                                                fused_decode=fused_decode))
+    fake = _FakeCudaRunner(config, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+                                                max_model_len=256, fused_decode=fused_decode))
     fake.ops.library = _CheckedLaunches()
     return fake
 
@@ -160,3 +163,65 @@ def test_mixed_step_gives_its_decode_rows_the_decode_attention(family):
     assert (only_one_token.decode_rows, only_one_token.max_query_len) == (2, 1)
     prompt = StepShape.of(ForwardBatch.build([list(range(1, 12)), [3]], [11, 30], [[5], [6, 7]], 16, is_prefill=True))
     assert (prompt.decode_rows, prompt.max_query_len) == (0, 11)
+
+
+@pytest.mark.parametrize("seqs", [8, 12], ids=["fused-8", "nine-launch-12"])
+@pytest.mark.parametrize("family", sorted(FUSED_LAYER))
+def test_cascade_decode_launches(family, seqs):
+    """A decode step of at least CASCADE_MIN_SEQS sequences gives every full-context layer
+    cascade's two launches (gpu/model.py's cascades()), sliding layers the plain decode kernel:
+    attention_decode reading the bank's cascade_prefix_len as first_position and writing
+    decode_lse, then attention_cascade_prefix merging into attn_out with that lse, the prefix
+    read through the bank's block tables (row 0) up to cascade_prefix_len, one block per 64
+    query rows of a kv head. Smaller decode steps (the batch-1 graph's) and prefill-kind steps
+    launch no cascade kernel and pass null for both pointers."""
+    from tinyvllm.engine.batch import CASCADE_MIN_SEQS
+    from tinyvllm.gpu.kernels import waits_for_producer
+    from tinyvllm.gpu.ops import CASCADE
+    assert seqs >= CASCADE_MIN_SEQS and waits_for_producer("attention_cascade.cu")     # launched with PDL
+    config = _configs()[family]
+    fake = _fake(config, fused_decode=True, max_num_seqs=16)
+    model, library, bank = fake.model, fake.ops.library, fake.model.inputs[0]
+    prefix_len, lse, attn_out = int(bank.cascade_prefix_len), int(model.decode_lse), int(model.attn_out)
+    group = config.num_attention_heads // config.num_key_value_heads
+    decode = ForwardBatch.build([[7]] * seqs, [40] * seqs, [[5, 6, 7]] * seqs, 16, is_prefill=False)
+    assert model.fused(StepShape.of(decode)) == (seqs <= 8)
+    library.calls.clear()
+    library.grids.clear()
+    _step(fake, decode)
+    attention = [(name, args, grid) for (name, args), grid in zip(library.calls, library.grids)
+                 if name.startswith("attention_")]
+    want = []
+    for layer, name in enumerate(_attention(config, "decode")):
+        want.append(name)
+        if not config.layer_window(layer):
+            want.append(f"attention_cascade_prefix_d{config.head_dim}")
+    assert [name for name, _, _ in attention] == want
+    for i, (name, args, grid) in enumerate(attention):
+        params = [p.split()[-1].lstrip("*") for p in _parameters(name)]
+        arg = dict(zip(params, args))
+        if name.startswith("attention_cascade_prefix"):
+            assert attention[i - 1][0].startswith("attention_decode_d"), "right after a full-context decode"
+            assert int(arg["out"]) == attn_out and int(arg["lse"]) == lse and int(arg["prefix_len"]) == prefix_len
+            assert int(arg["block_tables"]) == int(bank.block_tables) and arg["num_seqs"] == seqs
+            assert arg["group"] == group and int(arg["q"]) == int(model.qkv)
+            assert grid == (-(-seqs * group // CASCADE["BLOCK_Q"]), config.num_key_value_heads, 1)
+        elif "_window_" in name:
+            assert int(arg["first_position"]) == 0 and int(arg["lse_out"]) == 0
+        else:
+            assert int(arg["first_position"]) == prefix_len and int(arg["lse_out"]) == lse
+    for batch in (ForwardBatch.build([[7]] * 3, [40] * 3, [[5, 6, 7]] * 3, 16, is_prefill=False),
+                  ForwardBatch.build([[7]] * seqs, [40] * seqs, [[5, 6, 7]] * seqs, 16, is_prefill=True)):
+        library.calls.clear()
+        fake.model.forward(StepShape.of(batch))
+        assert not any(name.startswith("attention_cascade") for name, _ in library.calls)
+        for name, args in library.calls:
+            if name.startswith("attention_decode"):
+                arg = dict(zip([p.split()[-1].lstrip("*") for p in _parameters(name)], args))
+                assert int(arg["first_position"]) == 0 and int(arg["lse_out"]) == 0
+
+
+def _parameters(name: str) -> tuple[str, ...]:
+    from tinyvllm.gpu.kernels import kernel_parameters
+    filename, key = find_kernel(name)
+    return kernel_parameters(filename)[key]

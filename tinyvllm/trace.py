@@ -38,7 +38,7 @@ TWIN_OF = {
     "apply_rope": "rope_kv.cu::rope_write_kv (rotation)",
     "write_kv": "rope_kv.cu::rope_write_kv (paged K/V write)",
     "paged_attention": "attention_prefill.cu / attention_decode.cu",
-    "cascade_paged_attention": "attention_decode.cu (the CUDA backend has no cascade kernel yet)",
+    "cascade_paged_attention": "attention_decode.cu (from the prefix's end) + attention_cascade.cu (prefix, merge)",
     "silu_mul": "activation.cu::silu_mul",
 }
 CUBLAS_NAMES = {"transa": {0: "CUBLAS_OP_N", 1: "CUBLAS_OP_T"}, "transb": {0: "CUBLAS_OP_N", 1: "CUBLAS_OP_T"},

@@ -91,6 +91,9 @@ ACTIVATIONS = [
     BufferSpec("decode_partial_out", lambda d: (d.seqs, d.heads, MAX_DECODE_SPLITS, d.head_dim), F32, "decode_partial_out"),
     BufferSpec("decode_partial_ml", lambda d: (d.seqs, d.heads, MAX_DECODE_SPLITS, 2), F32, "decode_partial_ml"),
     BufferSpec("decode_split_counters", lambda d: (d.seqs, d.kv_heads), I32, "decode_split_counters"),
+    # cascade decode (attention_cascade.cu): the suffix's base-2 log-sum-exp per (sequence, query
+    # head), from attention_decode to the prefix kernel's merge
+    BufferSpec("decode_lse", lambda d: (d.seqs, d.heads), F32, "decode_lse"),
     # the sampler's argmax pass split over blocks (sampling.cu): each slice's max / index / flag
     BufferSpec("argmax_partials", lambda d: (d.seqs, MAX_ARGMAX_SLICES, 4), I32, "argmax_partials"),
     BufferSpec("argmax_slice_counters", lambda d: (d.seqs,), I32, "argmax_slice_counters"),
@@ -118,6 +121,9 @@ INPUTS = [
     BufferSpec("min_p", lambda d: (d.seqs,), F32, "min_p"),
     BufferSpec("seeds", lambda d: (d.seqs,), U64, "seeds"),
     BufferSpec("steps", lambda d: (d.seqs,), I32, "steps"),
+    # a decode step's shared prefix in positions (ForwardBatch.common_prefix_blocks * block_size;
+    # 0: none), which the cascade kernels read: one int, so one graph serves every prefix
+    BufferSpec("cascade_prefix_len", lambda d: (1,), I32, "cascade_prefix_len"),
     BufferSpec("block_table_width", lambda d: (1,), I32, "block_table_width"),
     BufferSpec("block_tables", lambda d: (d.seqs, d.blocks_per_seq), I32, "block_tables"),
     *(BufferSpec(name, lambda d: (d.tokens,), I32, name) for name in TOKEN_INPUTS),

@@ -28,7 +28,7 @@ class InputBanks:
     buffers; _stage_inputs() writes a batch into the mirror and uploads it into the next bank."""
 
     def _init_input_banks(self) -> None:
-        """Needs self.arena, self.dims and self.stream. The inputs' copy stream; the last
+        """Needs self.arena, self.dims, self.kv_cache and self.stream. The inputs' copy stream; the last
         upload's end (the mirror is free again, and the stream may run the step); per bank the
         point on the stream after which no step reads it, a page-locked buffer for its step's ids
         (mapped into the device) and the event of their arrival."""
@@ -88,6 +88,7 @@ class InputBanks:
                                 ("top_p", 1.0), ("min_p", 0.0), ("seeds", 0), ("steps", 0)):
                 h(name)[S:R] = value
             h("last_token_idx")[S:R] = np.arange(S, R)
+        h("cascade_prefix_len")[0] = self._cascade_prefix_len(batch)
         h("block_table_width")[0] = width
         # packed with this batch's width (the kernels read the width from the arena), so the
         # upload stops right after the rows in use
@@ -103,6 +104,20 @@ class InputBanks:
         self._inputs_uploaded.record(self.upload_stream)
         self.stream.wait_for_event(self._inputs_uploaded)
         return StepShape.of(batch, num_tokens=R if R > S else T, num_seqs=R, bank=bank)
+
+    def _cascade_prefix_len(self, batch: ForwardBatch) -> int:
+        """The positions of the batch's shared prefix (common_prefix_blocks whole blocks), which
+        the cascade kernels read from the bank (gpu/model.py); 0 for none. The kernels take it
+        as given, so a prefix that no decode batch can have is refused here: it must lie
+        before every sequence's newest position (that row is written during the step)."""
+        blocks = batch.common_prefix_blocks
+        if not blocks:
+            return 0
+        prefix_len = blocks * self.kv_cache.block_size
+        if batch.is_prefill or blocks > batch.block_tables.shape[1] or prefix_len >= int(batch.context_lens.min()):
+            raise ValueError(f"common_prefix_blocks {blocks} is not a shared prefix of this batch: cascade "
+                             "takes decode batches whose prefix lies before every sequence's newest position")
+        return prefix_len
 
     def _token_inputs_end(self, num_tokens: int) -> int:
         """Where a prefill step's upload ends: past the first num_tokens of every prefill

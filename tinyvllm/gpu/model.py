@@ -46,6 +46,13 @@ the bits of rms_norm then linear). The embedding gather hands the first layer's 
 row's greedy argmax key as it stores the logits (cleared by the embedding), so the sampler reads
 one word per row instead of the row (head_argmax_for); docs/perf-notes.md has what it gave.
 
+Cascade attention (docs/engine.md; cascades()): in a decode step of at least CASCADE_MIN_SEQS
+sequences a full-context layer's attention is two launches, attention_decode from the shared
+prefix's end (first_position) keeping each row's log-sum-exp (decode_lse), then
+attention_cascade_prefix, which reads the prefix once for all rows and merges into attn_out. The
+prefix length is the input bank's cascade_prefix_len (ForwardBatch.common_prefix_blocks *
+block_size, 0 when the batch shares none), so one decode graph serves both kinds of step.
+
 The o GEMV's k-split stays at most half an SM per CTA (ops.gemv_k_warps' beside_attention): its
 CTAs are then resident under PDL beside the attention's few blocks, weights in hand when it ends.
 
@@ -73,6 +80,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tinyvllm.config import ModelConfig
+from tinyvllm.engine.batch import CASCADE_MIN_SEQS
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.gpu.arena import INPUT_BANKS, TOKEN_INPUTS, Arena
 from tinyvllm.gpu.device_weights import DeviceWeights
@@ -80,6 +88,9 @@ from tinyvllm.gpu.kv_cache import DeviceKVCache
 from tinyvllm.gpu.ops import GpuOps, attention_kernels_missing
 from tinyvllm.gpu.tp_layer import TensorParallelLayers
 from tinyvllm.reference.kernels import bf16_round
+
+# attention_cascade_prefix's keyword arguments, out of _attention's shape
+CASCADE_SHAPE = ("num_seqs", "num_q_heads", "num_kv_heads", "head_dim", "block_size", "scale")
 
 
 @dataclass(frozen=True)
@@ -127,6 +138,7 @@ class BankInputs:
     last_token_idx: int
     block_tables: int
     block_table_width: int
+    cascade_prefix_len: int     # a decode step's shared prefix in positions (0: none)
 
     @classmethod
     def of(cls, arena: Arena, bank: int) -> BankInputs:
@@ -134,7 +146,7 @@ class BankInputs:
         return cls({prefill: TokenInputs(*(v(prefix + name) for name in TOKEN_INPUTS))
                     for prefill, prefix in ((True, ""), (False, "decode_"))},
                    v("query_start"), v("context_lens"), v("last_token_idx"), v("block_tables"),
-                   v("block_table_width"))
+                   v("block_table_width"), v("cascade_prefix_len"))
 
 
 class LlamaModel(TensorParallelLayers):
@@ -160,6 +172,7 @@ class LlamaModel(TensorParallelLayers):
         self.proj_out = v("proj_out")         # o's and down's products before their norms (Gemma 3)
         self.partial_out, self.partial_ml = v("decode_partial_out"), v("decode_partial_ml")
         self.split_counters = v("decode_split_counters")
+        self.decode_lse = v("decode_lse")     # cascade: the suffix's log-sum-exp for the prefix's merge
         self.inputs = [BankInputs.of(arena, bank) for bank in range(INPUT_BANKS)]   # by StepShape.bank
         self.sampled_ids = v("sampled_ids")   # async scheduling's fed ids
         self.norm_row_ss = v("norm_row_ss")   # the handed-over norm's sums of squares
@@ -329,6 +342,24 @@ class LlamaModel(TensorParallelLayers):
                                            inputs.block_table_width, int(inputs.query_start) + 4 * D,
                                            int(inputs.context_lens) + 4 * D,
                                            max_query_len=step.max_query_len, **{**shape, "num_seqs": step.num_seqs - D})
-        else:
+        elif not self.cascades(step, layer):
             self.ops.attention_decode(self.attn_out, self.partial_out, self.partial_ml, self.split_counters,
                                       self.qkv, self.qkv_width, *paged, inputs.context_lens, **shape)
+        else:
+            # cascade (module docstring): each sequence's own positions from the shared prefix's
+            # end, then the prefix once for all of them, merged into attn_out; both read the
+            # prefix length from the bank (0: whole contexts, and the prefix kernel does nothing)
+            self.ops.attention_decode(self.attn_out, self.partial_out, self.partial_ml, self.split_counters,
+                                      self.qkv, self.qkv_width, *paged, inputs.context_lens, **shape,
+                                      first_position=inputs.cascade_prefix_len, lse_out=self.decode_lse)
+            self.ops.attention_cascade_prefix(self.attn_out, self.decode_lse, self.qkv, self.qkv_width,
+                                              self.kv.k(layer), self.kv.v(layer), inputs.block_tables,
+                                              inputs.cascade_prefix_len, **{k: shape[k] for k in CASCADE_SHAPE})
+
+    def cascades(self, step: StepShape, layer: int) -> bool:
+        """Whether this layer's attention in this step is cascade's two launches: decode steps of
+        at least CASCADE_MIN_SEQS sequences (a smaller batch never shares: engine/batch.py's
+        rule), on layers without a sliding window (as reference/model.py). Whether the step's
+        batch shares a prefix is on the device (cascade_prefix_len), so a graph holds both
+        launches either way; smaller graphs (batch 1 among them) hold neither."""
+        return not step.is_prefill and step.num_seqs >= CASCADE_MIN_SEQS and not self.cfg.layer_window(layer)
