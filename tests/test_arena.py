@@ -19,6 +19,10 @@ LIVE_TOGETHER = [
     ("qkv", "attn_out"), ("gate_up", "act"), ("final_normed", "logits"),
     ("attn_out", "decode_partial_out"), ("decode_partial_out", "decode_partial_ml"),
     ("attn_out", "decode_lse"), ("qkv", "decode_lse"),        # cascade: decode -> the prefix kernel's merge
+    # the prefix kernel reads q, out and lse while it stores and merges its split partials
+    *((name, ws) for name in ("qkv", "attn_out", "decode_lse", "cascade_split_counters")
+      for ws in ("cascade_partial_o", "cascade_partial_ml")),
+    ("cascade_partial_o", "cascade_partial_ml"),
 ]
 
 

@@ -172,17 +172,21 @@ def test_cascade_decode_launches(family, seqs):
     cascade's two launches (gpu/model.py's cascades()), sliding layers the plain decode kernel:
     attention_decode reading the bank's cascade_prefix_len as first_position and writing
     decode_lse, then attention_cascade_prefix merging into attn_out with that lse, the prefix
-    read through the bank's block tables (row 0) up to cascade_prefix_len, one block per 64
-    query rows of a kv head. Smaller decode steps (the batch-1 graph's) and prefill-kind steps
-    launch no cascade kernel and pass null for both pointers."""
+    read through the bank's block tables (row 0) up to cascade_prefix_len, its split partials
+    and counters the arena's cascade_* buffers; grid: one block per 64 query rows of a kv head
+    per prefix split, cascade_splits() of them (132 SMs: 16 at these batches). Smaller decode
+    steps (the batch-1 graph's) and prefill-kind steps launch no cascade kernel and pass null
+    for both pointers."""
     from tinyvllm.engine.batch import CASCADE_MIN_SEQS
     from tinyvllm.gpu.kernels import waits_for_producer
-    from tinyvllm.gpu.ops import CASCADE
+    from tinyvllm.gpu.ops import CASCADE, MAX_CASCADE_SPLITS
     assert seqs >= CASCADE_MIN_SEQS and waits_for_producer("attention_cascade.cu")     # launched with PDL
     config = _configs()[family]
     fake = _fake(config, fused_decode=True, max_num_seqs=16)
     model, library, bank = fake.model, fake.ops.library, fake.model.inputs[0]
     prefix_len, lse, attn_out = int(bank.cascade_prefix_len), int(model.decode_lse), int(model.attn_out)
+    workspace = [int(fake.arena.view(name)) for name in ("cascade_partial_o", "cascade_partial_ml",
+                                                         "cascade_split_counters")]
     group = config.num_attention_heads // config.num_key_value_heads
     decode = ForwardBatch.build([[7]] * seqs, [40] * seqs, [[5, 6, 7]] * seqs, 16, is_prefill=False)
     assert model.fused(StepShape.of(decode)) == (seqs <= 8)
@@ -205,7 +209,11 @@ def test_cascade_decode_launches(family, seqs):
             assert int(arg["out"]) == attn_out and int(arg["lse"]) == lse and int(arg["prefix_len"]) == prefix_len
             assert int(arg["block_tables"]) == int(bank.block_tables) and arg["num_seqs"] == seqs
             assert arg["group"] == group and int(arg["q"]) == int(model.qkv)
-            assert grid == (-(-seqs * group // CASCADE["BLOCK_Q"]), config.num_key_value_heads, 1)
+            assert [int(arg[p]) for p in ("partial_o", "partial_ml", "split_counters")] == workspace
+            tiles = -(-seqs * group // CASCADE["BLOCK_Q"]) * config.num_key_value_heads
+            splits = min(-(-2 * 132 // tiles), MAX_CASCADE_SPLITS)
+            assert splits == fake.ops.cascade_splits(seqs, config.num_attention_heads, config.num_key_value_heads)
+            assert grid == (-(-seqs * group // CASCADE["BLOCK_Q"]), config.num_key_value_heads, splits)
         elif "_window_" in name:
             assert int(arg["first_position"]) == 0 and int(arg["lse_out"]) == 0
         else:

@@ -42,9 +42,10 @@ def test_signatures_match_the_c_parameter_lists():
     assert not re.match(full, "attention_decode_window_d64_g4")
     (full, sig), (window, window_sig) = kernel_signatures("attention_prefill.cu").items()
     assert re.match(full, "attention_prefill_d256") and window_sig == sig + "i" and sig == "PPiPPPPPPiiif"
-    # out, lse, q, q_row_stride, k, v, block_tables, prefix_len, num_seqs, block_size, kv heads, group, scale
+    # out, lse, the split partials (o, ml) and counters, q, q_row_stride, k, v, block_tables, prefix_len,
+    # num_seqs, block_size, kv heads, group, scale
     [(cascade, cascade_sig)] = kernel_signatures("attention_cascade.cu").items()
-    assert re.match(cascade, "attention_cascade_prefix_d128") and cascade_sig == "PPPiPPPPiiiif"
+    assert re.match(cascade, "attention_cascade_prefix_d128") and cascade_sig == "PPPPPPiPPPPiiiif"
 
 
 def test_attention_instantiations_are_read_from_the_sources():
@@ -64,7 +65,7 @@ def test_constants_are_read_with_their_dependencies():
     for table, names in ((ops.EMBEDDING, ["THREADS"]), (ops.RMS_NORM, ["THREADS"]), (ops.ROPE, ["THREADS"]),
                          (ops.SILU, ["THREADS"]), (ops.PREFILL, ["BLOCK_Q", "THREADS"]), (ops.DECODE, ["THREADS"]),
                          (ops.CASCADE, ["BLOCK_Q", "THREADS", "TILE_K", "WIDE_TILE_K", "WIDE_HEAD_DIM", "STAGES",
-                                        "ROW_PAD"]),
+                                        "ROW_PAD", "MAX_SPLITS", "MIN_SPLIT_KEYS"]),
                          (ops.GEMV, ["ROWS_PER_CTA", "STEP_K", "RING_STEPS", "RING_BYTES_PER_WARP", "MAX_K_WARPS"]),
                          (ops.SAMPLING, ["SAMPLE_THREADS", "EDIT_THREADS", "EDIT_WORDS", "MAX_TOP_LOGPROBS"])):
         for name in names:

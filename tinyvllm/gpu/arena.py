@@ -36,7 +36,15 @@ from typing import Callable
 import numpy as np
 
 from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.gpu.ops import GEMV, GEMV_MAX_ROWS, MAX_ARGMAX_SLICES, MAX_DECODE_SPLITS
+from tinyvllm.gpu.ops import (
+    CASCADE,
+    GEMV,
+    GEMV_MAX_ROWS,
+    MAX_ARGMAX_SLICES,
+    MAX_CASCADE_SPLITS,
+    MAX_DECODE_SPLITS,
+    cascade_q_tiles,
+)
 
 ALIGN = 256                      # bytes; cuBLAS and 16-byte vector loads are happy with this
 INPUT_BANKS = 2                  # device copies of the inputs region, used by steps in turn
@@ -67,6 +75,11 @@ class ArenaDims:
                    kv_heads=model.num_key_value_heads, head_dim=model.head_dim, blocks_per_seq=engine.max_blocks_per_seq(model))
 
 
+def _cascade_tiles(d: ArenaDims) -> int:
+    """attention_cascade_prefix's (q tile, kv head) pairs at the most sequences a step holds."""
+    return cascade_q_tiles(d.seqs, d.heads, d.kv_heads) * d.kv_heads
+
+
 @dataclass(frozen=True)
 class BufferSpec:
     name: str
@@ -94,6 +107,14 @@ ACTIVATIONS = [
     # cascade decode (attention_cascade.cu): the suffix's base-2 log-sum-exp per (sequence, query
     # head), from attention_decode to the prefix kernel's merge
     BufferSpec("decode_lse", lambda d: (d.seqs, d.heads), F32, "decode_lse"),
+    # the prefix kernel's split partials per (q tile x kv head, split, row): they live inside its
+    # launch, attention_decode's inside its own, and a kernel touches them only after its PDL
+    # wait, so the two share bytes; and its counters (per q tile x kv head, reset by the kernel)
+    BufferSpec("cascade_partial_o", lambda d: (_cascade_tiles(d), MAX_CASCADE_SPLITS, CASCADE["BLOCK_Q"], d.head_dim),
+               F32, "decode_partial_out"),
+    BufferSpec("cascade_partial_ml", lambda d: (_cascade_tiles(d), MAX_CASCADE_SPLITS, CASCADE["BLOCK_Q"], 2),
+               F32, "decode_partial_ml"),
+    BufferSpec("cascade_split_counters", lambda d: (_cascade_tiles(d),), I32, "cascade_split_counters"),
     # the sampler's argmax pass split over blocks (sampling.cu): each slice's max / index / flag
     BufferSpec("argmax_partials", lambda d: (d.seqs, MAX_ARGMAX_SLICES, 4), I32, "argmax_partials"),
     BufferSpec("argmax_slice_counters", lambda d: (d.seqs,), I32, "argmax_slice_counters"),
@@ -248,8 +269,8 @@ class Arena:
         self.layout = layout
         self._allocation = drv.mem_alloc(layout.total_bytes)
         base = int(self._allocation)
-        # zeroed once: attention_decode's split counters and the sampler's slice counters must
-        # start at 0 (each kernel resets its own)
+        # zeroed once: attention_decode's and attention_cascade_prefix's split counters and the
+        # sampler's slice counters must start at 0 (each kernel resets its own)
         drv.memset_d8(base, 0, layout.total_bytes)
         self.base = base
         self.inputs_ptrs = [base + layout.inputs_offset(b) for b in range(INPUT_BANKS)]

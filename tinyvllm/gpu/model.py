@@ -173,6 +173,8 @@ class LlamaModel(TensorParallelLayers):
         self.partial_out, self.partial_ml = v("decode_partial_out"), v("decode_partial_ml")
         self.split_counters = v("decode_split_counters")
         self.decode_lse = v("decode_lse")     # cascade: the suffix's log-sum-exp for the prefix's merge
+        # cascade: the prefix kernel's split partials and counters
+        self.cascade_workspace = (v("cascade_partial_o"), v("cascade_partial_ml"), v("cascade_split_counters"))
         self.inputs = [BankInputs.of(arena, bank) for bank in range(INPUT_BANKS)]   # by StepShape.bank
         self.sampled_ids = v("sampled_ids")   # async scheduling's fed ids
         self.norm_row_ss = v("norm_row_ss")   # the handed-over norm's sums of squares
@@ -352,8 +354,8 @@ class LlamaModel(TensorParallelLayers):
             self.ops.attention_decode(self.attn_out, self.partial_out, self.partial_ml, self.split_counters,
                                       self.qkv, self.qkv_width, *paged, inputs.context_lens, **shape,
                                       first_position=inputs.cascade_prefix_len, lse_out=self.decode_lse)
-            self.ops.attention_cascade_prefix(self.attn_out, self.decode_lse, self.qkv, self.qkv_width,
-                                              self.kv.k(layer), self.kv.v(layer), inputs.block_tables,
+            self.ops.attention_cascade_prefix(self.attn_out, self.decode_lse, *self.cascade_workspace, self.qkv,
+                                              self.qkv_width, self.kv.k(layer), self.kv.v(layer), inputs.block_tables,
                                               inputs.cascade_prefix_len, **{k: shape[k] for k in CASCADE_SHAPE})
 
     def cascades(self, step: StepShape, layer: int) -> bool:

@@ -33,7 +33,8 @@ call. The launchers live by kernel family, beside the .cu files they launch:
                                                                                                            test_gpu_cascade::test_decode_suffix_and_lse
     attention_cascade.cu  attention_cascade_prefix_d{64,128,256}
                                            attention attention_cascade_prefix()  cascade.cascade_paged_attention, kernels.paged_attention
-                                                                                                           test_gpu_cascade::test_cascade_decode
+                                                                                                           test_gpu_cascade::test_cascade_decode,
+                                                                                                           test_cascade_prefix_splits
     gemv.cu       gemv_bf16                gemv     gemv(), via linear()   kernels.linear                  test_gpu_gemv
     gemv.cu       gemv_residual_norm_bf16  gemv     gemv_residual_norm()   kernels.linear, rms_norm_operand  test_gpu_fused::test_handed_over_norm
     gemv.cu       gemv_prenormed_rope_kv_bf16
@@ -90,11 +91,13 @@ from tinyvllm.gpu.ops.attention import (
     CASCADE_HEAD_DIMS,
     DECODE,
     DECODE_SHAPES,
+    MAX_CASCADE_SPLITS,
     MAX_DECODE_SPLITS,
     PREFILL,
     PREFILL_HEAD_DIMS,
     AttentionOps,
     attention_kernels_missing,
+    cascade_q_tiles,
 )
 from tinyvllm.gpu.ops.gemv import GEMV, GEMV_MAX_ROWS, GemvOps
 from tinyvllm.gpu.ops.quant_gemv import QGEMV, QuantGemvOps
@@ -104,7 +107,7 @@ from tinyvllm.gpu.ops.tensor_parallel import TENSOR_PARALLEL, TensorParallelOps
 
 __all__ = ["GpuOps", "EMBEDDING", "RMS_NORM", "ROPE", "SILU", "PREFILL", "DECODE", "CASCADE", "GEMV", "SAMPLING",
            "QGEMV", "TENSOR_PARALLEL", "DECODE_SHAPES", "PREFILL_HEAD_DIMS", "CASCADE_HEAD_DIMS", "MAX_DECODE_SPLITS",
-           "MAX_ARGMAX_SLICES", "GEMV_MAX_ROWS", "attention_kernels_missing"]
+           "MAX_CASCADE_SPLITS", "MAX_ARGMAX_SLICES", "GEMV_MAX_ROWS", "attention_kernels_missing", "cascade_q_tiles"]
 
 
 class GpuOps(RowwiseOps, AttentionOps, GemvOps, QuantGemvOps, SamplingOps, TensorParallelOps):

@@ -19,6 +19,7 @@ DECODE_SHAPES = frozenset((int(d), int(g)) for d, g in kernel_instances("attenti
 PREFILL_HEAD_DIMS = tuple(int(args[0]) for args in kernel_instances("attention_prefill.cu", "PREFILL_ATTENTION_KERNEL"))
 CASCADE_HEAD_DIMS = tuple(int(args[0]) for args in kernel_instances("attention_cascade.cu", "CASCADE_PREFIX_KERNEL"))
 MAX_DECODE_SPLITS = DECODE["MAX_SPLITS"]   # flash-decoding splits per sequence; the arena sizes its workspace by it
+MAX_CASCADE_SPLITS = CASCADE["MAX_SPLITS"]   # prefix splits per q tile; the arena sizes its workspace by it
 
 
 def attention_kernels_missing(head_dim: int, num_q_heads: int, num_kv_heads: int) -> str | None:
@@ -46,6 +47,11 @@ def cascade_block(head_dim: int) -> tuple[int, int]:
     WIDE_HEAD_DIM on)."""
     keys = CASCADE["WIDE_TILE_K"] if head_dim >= CASCADE["WIDE_HEAD_DIM"] else CASCADE["TILE_K"]
     return CASCADE["THREADS"], CASCADE["STAGES"] * 2 * keys * (head_dim + CASCADE["ROW_PAD"]) * 2
+
+
+def cascade_q_tiles(num_seqs: int, num_q_heads: int, num_kv_heads: int) -> int:
+    """The prefix kernel's q tiles per kv head: BLOCK_Q of the num_seqs * group rows each."""
+    return math.ceil(num_seqs * (num_q_heads // num_kv_heads) / CASCADE["BLOCK_Q"])
 
 
 def _window_arg(window: int | None) -> tuple:
@@ -114,26 +120,42 @@ class AttentionOps(OpsBase):
                      block_table_width, context_lens, first_position, block_size, num_kv_heads, scale, *extra,
                      shared_bytes=shared)
 
-    def attention_cascade_prefix(self, out, lse, q, q_row_stride: int, k_cache, v_cache, block_tables,
-                                 prefix_len, *, num_seqs: int, num_q_heads: int, num_kv_heads: int,
-                                 head_dim: int, block_size: int, scale: float) -> None:
+    def cascade_splits(self, num_seqs: int, num_q_heads: int, num_kv_heads: int) -> int:
+        """The prefix splits of attention_cascade_prefix's grid: enough CTAs (q tiles x kv heads x
+        splits) to fill the GPU about twice, at most MAX_CASCADE_SPLITS. It depends on the batch
+        size only, as a captured graph needs; the kernel cuts the prefix it finds into at most that
+        many splits of at least MIN_SPLIT_KEYS keys (attention_cascade.cu's header: splits)."""
+        tiles = cascade_q_tiles(num_seqs, num_q_heads, num_kv_heads) * num_kv_heads
+        return max(1, min(math.ceil(2 * self.num_sms / tiles), MAX_CASCADE_SPLITS))
+
+    def attention_cascade_prefix(self, out, lse, partial_o, partial_ml, split_counters, q, q_row_stride: int,
+                                 k_cache, v_cache, block_tables, prefix_len, *, num_seqs: int, num_q_heads: int,
+                                 num_kv_heads: int, head_dim: int, block_size: int, scale: float,
+                                 splits: int | None = None) -> None:
         """Cascade decode's shared-prefix part, launched right after attention_decode(first_position=
         prefix_len, lse_out=lse) on the same buffers: every sequence's query heads against the first
         *prefix_len positions of block_tables row 0 (the blocks every row shares), merged into
         `out` with attention_decode's (out, lse); *prefix_len = 0: nothing (decode read whole
         contexts). prefix_len is a device pointer (one int32), so a captured graph serves every
-        prefix. Grid: (query tiles of BLOCK_Q rows out of num_seqs * group, kv heads), fixed by the
-        batch size; cascade_block(head_dim) threads and dynamic shared memory. It copies prefix K/V
-        before it waits for attention_decode (attention_cascade.cu's header): no kernel of the
-        step may write the prefix's rows."""
+        prefix. Grid: (q tiles of BLOCK_Q rows out of num_seqs * group, kv heads, splits), fixed by
+        the batch size (splits: cascade_splits() unless given); cascade_block(head_dim) threads and
+        dynamic shared memory. With several splits each stores its partial to partial_o
+        ([tiles, splits, BLOCK_Q, head_dim] fp32, tiles = q tiles x kv heads) and partial_ml
+        ([tiles, splits, BLOCK_Q, 2]), and the last to finish a tile merges them (split_counters
+        [tiles] int32, zero before the first launch, left at zero). It copies prefix K/V before it
+        waits for attention_decode (attention_cascade.cu's header): no kernel of the step may write
+        the prefix's rows."""
         if block_size < 1 or block_size & (block_size - 1):
             raise ValueError(f"attention_cascade_prefix: block_size must be a power of two, got {block_size}")
         if head_dim not in CASCADE_HEAD_DIMS:
             raise ValueError(f"attention_cascade_prefix: no kernel for head_dim {head_dim} "
                              f"(built: {', '.join(map(str, CASCADE_HEAD_DIMS))})")
+        splits = splits or self.cascade_splits(num_seqs, num_q_heads, num_kv_heads)
+        if not 1 <= splits <= MAX_CASCADE_SPLITS:
+            raise ValueError(f"attention_cascade_prefix: splits must be in 1..{MAX_CASCADE_SPLITS}, got {splits}")
         group = num_q_heads // num_kv_heads
         threads, shared = cascade_block(head_dim)
-        grid = (math.ceil(num_seqs * group / CASCADE["BLOCK_Q"]), num_kv_heads)
-        self._launch(f"attention_cascade_prefix_d{head_dim}", grid, threads, out, lse, q, q_row_stride,
-                     k_cache, v_cache, block_tables, prefix_len, num_seqs, block_size, num_kv_heads, group,
-                     scale, shared_bytes=shared)
+        grid = (cascade_q_tiles(num_seqs, num_q_heads, num_kv_heads), num_kv_heads, splits)
+        self._launch(f"attention_cascade_prefix_d{head_dim}", grid, threads, out, lse, partial_o, partial_ml,
+                     split_counters, q, q_row_stride, k_cache, v_cache, block_tables, prefix_len, num_seqs,
+                     block_size, num_kv_heads, group, scale, shared_bytes=shared)
