@@ -22,7 +22,7 @@ from test_gpu_engine import assert_same_greedy
 from test_gpu_kernels import BF16_TOL, _sync
 
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
-from tinyvllm.gpu.ops import DECODE_SHAPES, MAX_DECODE_SPLITS
+from tinyvllm.gpu.ops import CASCADE, DECODE_SHAPES, MAX_CASCADE_SPLITS, MAX_DECODE_SPLITS, cascade_q_tiles
 from tinyvllm.reference.cascade import attention_partial, cascade_paged_attention
 from tinyvllm.reference.kernels import gather_kv, paged_attention
 
@@ -54,10 +54,12 @@ def shared_prefix_case(rng, hq, hkv, d, bs, prefix_blocks, own_lens):
     return batch, to_bf16(rng.standard_normal((len(own_lens), hq, d))), k_cache, v_cache
 
 
-def launch_cascade(gpu, batch, q, k_cache, v_cache, prefix_len: int, *, prefix=True, splits=None):
-    """attention_decode from prefix_len (its lse kept) and, with prefix, attention_cascade_prefix
-    after it on the same stream, every output and workspace poisoned first -> (out, lse,
-    counters) on the host."""
+def launch_cascade(gpu, batch, q, k_cache, v_cache, prefix_len: int, *, prefix=True, splits=None,
+                   prefix_splits=None):
+    """attention_decode from prefix_len (its lse kept; splits: its grid's) and, with prefix,
+    attention_cascade_prefix after it on the same stream (prefix_splits: its grid's; None: the
+    launcher's), every output and workspace poisoned first -> (out, lse, decode's split counters,
+    the prefix kernel's) on the host."""
     from gpu_helpers import BF16, DeviceArray
     S, hq, d = q.shape
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
@@ -65,6 +67,10 @@ def launch_cascade(gpu, batch, q, k_cache, v_cache, prefix_len: int, *, prefix=T
     part_out = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, d), np.float32)
     part_ml = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, 2), np.float32)
     counters = DeviceArray(np.zeros((S, hkv), np.int32))
+    tiles = cascade_q_tiles(S, hq, hkv) * hkv
+    prefix_o = DeviceArray.poisoned((tiles, MAX_CASCADE_SPLITS, CASCADE["BLOCK_Q"], d), np.float32)
+    prefix_ml = DeviceArray.poisoned((tiles, MAX_CASCADE_SPLITS, CASCADE["BLOCK_Q"], 2), np.float32)
+    prefix_counters = DeviceArray(np.zeros(tiles, np.int32))
     d_q, d_k, d_v, d_tables, d_width, d_ctx, d_prefix = (DeviceArray(a) for a in (
         q, k_cache, v_cache, batch.block_tables, np.array([batch.block_tables.shape[1]], np.int32),
         batch.context_lens, np.array([prefix_len], np.int32)))
@@ -72,9 +78,20 @@ def launch_cascade(gpu, batch, q, k_cache, v_cache, prefix_len: int, *, prefix=T
     gpu.attention_decode(out, part_out, part_ml, counters, d_q, hq * d, d_k, d_v, d_tables, d_width, d_ctx,
                          **shape, splits=splits, first_position=d_prefix, lse_out=lse)
     if prefix:
-        gpu.attention_cascade_prefix(out, lse, d_q, hq * d, d_k, d_v, d_tables, d_prefix, **shape)
+        gpu.attention_cascade_prefix(out, lse, prefix_o, prefix_ml, prefix_counters, d_q, hq * d, d_k, d_v,
+                                     d_tables, d_prefix, **shape, splits=prefix_splits)
     _sync()
-    return out.get().astype(np.float32), lse.get(), counters.get()
+    return out.get().astype(np.float32), lse.get(), counters.get(), prefix_counters.get()
+
+
+def prefix_splits_used(prefix_len: int, head_dim: int, grid_splits: int) -> int:
+    """The splits attention_cascade_prefix cuts a prefix into on a grid of grid_splits
+    (attention_cascade.cu's header: splits): tiles of TILE_K keys (WIDE_TILE_K from WIDE_HEAD_DIM
+    on), at least MIN_SPLIT_KEYS a split, none empty."""
+    tile = CASCADE["WIDE_TILE_K"] if head_dim >= CASCADE["WIDE_HEAD_DIM"] else CASCADE["TILE_K"]
+    tiles = -(-prefix_len // tile)
+    per_split = max(CASCADE["MIN_SPLIT_KEYS"] // tile, -(-tiles // grid_splits))
+    return -(-tiles // per_split)
 
 
 def lse_bound(q, k, scale: float) -> float:
@@ -124,7 +141,7 @@ def test_decode_suffix_and_lse(gpu, rng, hq, hkv, d, splits):
         lens = own[1:] if prefix_blocks == 0 else own       # no sequence of no position at all
         batch, q, kc, vc = shared_prefix_case(rng, hq, hkv, d, bs, prefix_blocks, lens)
         first, scale = prefix_blocks * bs, d ** -0.5
-        out, lse, counters = launch_cascade(gpu, batch, q, kc, vc, first, prefix=False, splits=splits)
+        out, lse, counters, _ = launch_cascade(gpu, batch, q, kc, vc, first, prefix=False, splits=splits)
         np.testing.assert_array_equal(counters, 0)
         for i, n in enumerate(lens):
             ctx = int(batch.context_lens[i])
@@ -158,8 +175,9 @@ def test_cascade_decode(gpu, rng, d, group, batch_size):
     own = [0, 1, 700, *rng.integers(0, 301, batch_size - 3)]
     batch, q, kc, vc = shared_prefix_case(rng, hq, hkv, d, bs, prefix_blocks, list(rng.permutation(own)))
     scale = d ** -0.5
-    out, _, counters = launch_cascade(gpu, batch, q, kc, vc, prefix_blocks * bs)
+    out, _, counters, prefix_counters = launch_cascade(gpu, batch, q, kc, vc, prefix_blocks * bs)
     np.testing.assert_array_equal(counters, 0)
+    np.testing.assert_array_equal(prefix_counters, 0)
     twin = cascade_paged_attention(q, kc, vc, batch, scale, prefix_blocks)
     plain = paged_attention(q, kc, vc, batch, scale)
     for i in range(batch.num_seqs):
@@ -167,12 +185,60 @@ def test_cascade_decode(gpu, rng, d, group, batch_size):
         assert rel_err(out[i], twin[i]) < BF16_TOL, what
         assert rel_err(out[i], plain[i]) < BF16_TOL, what
     # no prefix this step: the prefix kernel leaves out and lse as attention_decode wrote them
-    with_prefix_launch, lse, _ = launch_cascade(gpu, batch, q, kc, vc, 0)
-    alone, lse_alone, _ = launch_cascade(gpu, batch, q, kc, vc, 0, prefix=False)
+    with_prefix_launch, lse, _, _ = launch_cascade(gpu, batch, q, kc, vc, 0)
+    alone, lse_alone, _, _ = launch_cascade(gpu, batch, q, kc, vc, 0, prefix=False)
     np.testing.assert_array_equal(with_prefix_launch, alone)
     np.testing.assert_array_equal(lse, lse_alone)
     for i in range(batch.num_seqs):
         assert rel_err(alone[i], plain[i]) < BF16_TOL
+
+
+SPLIT_SHAPES = [(64, 4, 8), (128, 8, 2), (256, 2, 2)]     # (head_dim, group, kv heads)
+# shared prefixes in blocks of 16: none; 48 keys (one tile: one split whatever the grid); 208 (a
+# few splits, fewer than a grid of MAX_CASCADE_SPLITS has); 1,040 (the last tile 16 keys at
+# TILE_K 64); 2,992 (every split of a grid of MAX_CASCADE_SPLITS, the last tile partial)
+SPLIT_PREFIX_BLOCKS = [0, 3, 13, 65, 187]
+
+
+@pytest.mark.parametrize("prefix_splits", [1, 2, MAX_CASCADE_SPLITS, None])
+@pytest.mark.parametrize("d,group,hkv", SPLIT_SHAPES)
+def test_cascade_prefix_splits(gpu, rng, d, group, hkv, prefix_splits):
+    """attention_cascade_prefix on a grid of 1 split (the direct merge), 2, MAX_CASCADE_SPLITS
+    and the launcher's own (cascade_splits), over prefixes of 0 to 2,992 positions, among them
+    ones shorter than the grid's splits (its surplus CTAs leave, one split merging directly or a
+    few through the workspace): 37 sequences (q tiles of 64 rows, the last partial) with 0..300
+    positions of their own, against reference/cascade.py and plain paged attention; the split
+    counters back at 0; a second launch bit-identical to the first (the split that merges is
+    whichever finishes last, yet the sums are in split order); prefix 0 leaves attention_decode's
+    out and lse bit for bit."""
+    from gpu_helpers import rel_err
+    hq, bs, scale, seqs = hkv * group, 16, d ** -0.5, 37
+    grid_splits = prefix_splits or gpu.cascade_splits(seqs, hq, hkv)
+    used = {}
+    for prefix_blocks in SPLIT_PREFIX_BLOCKS:
+        own = [1, 300, *rng.integers(0 if prefix_blocks else 1, 301, seqs - 2)]
+        batch, q, kc, vc = shared_prefix_case(rng, hq, hkv, d, bs, prefix_blocks, list(rng.permutation(own)))
+        prefix_len = prefix_blocks * bs
+        used[prefix_len] = prefix_splits_used(prefix_len, d, grid_splits) if prefix_len else 0
+        out, lse, counters, prefix_counters = launch_cascade(gpu, batch, q, kc, vc, prefix_len,
+                                                             prefix_splits=prefix_splits)
+        np.testing.assert_array_equal(counters, 0)
+        np.testing.assert_array_equal(prefix_counters, 0)
+        if prefix_len == 0:
+            alone, lse_alone, _, _ = launch_cascade(gpu, batch, q, kc, vc, 0, prefix=False)
+            np.testing.assert_array_equal(out, alone)
+            np.testing.assert_array_equal(lse, lse_alone)
+        twin = cascade_paged_attention(q, kc, vc, batch, scale, prefix_blocks)
+        plain = paged_attention(q, kc, vc, batch, scale)
+        for i in range(seqs):
+            what = f"sequence {i}: prefix {prefix_len} in {used[prefix_len]} of {grid_splits} splits"
+            assert rel_err(out[i], twin[i]) < BF16_TOL, what
+            assert rel_err(out[i], plain[i]) < BF16_TOL, what
+        again, _, _, _ = launch_cascade(gpu, batch, q, kc, vc, prefix_len, prefix_splits=prefix_splits)
+        np.testing.assert_array_equal(again, out)
+    print(f"prefix splits used on a grid of {grid_splits}: {used}")
+    if grid_splits == MAX_CASCADE_SPLITS:
+        assert used[48] == 1 and 1 < used[208] < grid_splits and used[2992] == grid_splits, used
 
 
 def _copy_blocks(runner, cfg, pairs) -> None:
