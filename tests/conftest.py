@@ -68,6 +68,16 @@ def gpu(gpu_ops):
 
 
 @pytest.fixture
+def small_cascade_rule(monkeypatch):
+    """vLLM's cascade rule (256 shared tokens, 8 sequences) in place of the engine's measured one
+    (engine/batch.py: 1,024 and 96), so that tests take cascade attention with a few sequences
+    over a short prefix."""
+    from tinyvllm.engine import batch
+    monkeypatch.setattr(batch, "CASCADE_MIN_PREFIX_TOKENS", 256)
+    monkeypatch.setattr(batch, "CASCADE_MIN_SEQS", 8)
+
+
+@pytest.fixture
 def rng():
     """Fresh random inputs on every run; the seed is printed so a failure can be reproduced."""
     import numpy as np

@@ -52,9 +52,9 @@ def test_common_prefix_counts_shared_full_blocks_before_each_newest_token():
     assert common_prefix_blocks(np.zeros((0, 1), np.int32), [], bs) == 0
 
 
-def test_cascade_is_taken_from_8_sequences_sharing_256_tokens():
+def test_cascade_is_taken_from_the_rules_sequences_and_prefix():
     bs = 16
-    blocks = batch_module.CASCADE_MIN_PREFIX_TOKENS // bs                    # 16 blocks
+    blocks = batch_module.CASCADE_MIN_PREFIX_TOKENS // bs
     seqs = batch_module.CASCADE_MIN_SEQS
 
     def tables(shared, n):
@@ -63,13 +63,13 @@ def test_cascade_is_taken_from_8_sequences_sharing_256_tokens():
 
     at = (blocks * bs + 1) * np.ones(seqs, np.int32)       # the newest token just after the prefix
     assert cascade_prefix_blocks(tables(blocks, seqs), at, bs) == blocks
-    assert cascade_prefix_blocks(tables(blocks, seqs), at - 1, bs) == 0         # only 15 complete
-    assert cascade_prefix_blocks(tables(blocks - 1, seqs), at + 40, bs) == 0    # only 240 shared
-    assert cascade_prefix_blocks(tables(blocks, seqs - 1), at[1:], bs) == 0     # 7 sequences
+    assert cascade_prefix_blocks(tables(blocks, seqs), at - 1, bs) == 0         # one block short complete
+    assert cascade_prefix_blocks(tables(blocks - 1, seqs), at + 40, bs) == 0    # one block short shared
+    assert cascade_prefix_blocks(tables(blocks, seqs - 1), at[1:], bs) == 0     # one sequence short
     assert cascade_prefix_blocks(tables(blocks + 3, seqs), at + 3 * bs, bs) == blocks + 3
 
 
-def test_decode_batches_carry_their_cascade_prefix_and_prefill_batches_none():
+def test_decode_batches_carry_their_cascade_prefix_and_prefill_batches_none(small_cascade_rule):
     bs, n, shared = 16, 8, 17
     own = [[1000 + 4 * i + j for j in range(4)] for i in range(n)]
     tables = [list(range(shared)) + o for o in own]
@@ -256,7 +256,8 @@ def shared_prompt_run(model_dir, prompts, max_tokens):
 
 
 @pytest.mark.parametrize("model", ["tiny", "gemma3"])
-def test_engine_takes_cascade_on_a_shared_prompt_with_the_same_tokens(model, tiny_model_dir, monkeypatch):
+def test_engine_takes_cascade_on_a_shared_prompt_with_the_same_tokens(model, tiny_model_dir, monkeypatch,
+                                                                    small_cascade_rule):
     """10 requests sharing a 272-token prompt prefix (17 blocks of 16), then 1..45 tokens of their
     own: prefix caching gives them the same 17 physical blocks, and every decode step of 8 or
     more of them runs cascade attention over those blocks in every layer without a sliding

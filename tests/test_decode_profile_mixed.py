@@ -170,10 +170,10 @@ def test_the_numpy_backend_runs_the_mixed_step_as_its_parts(tiny_model_dir):
     np.testing.assert_array_equal(ids, mixed_logits.argmax(axis=1))
 
 
-def test_shared_prefix_decode_batch_shares_only_the_prefix_blocks():
+def test_shared_prefix_decode_batch_shares_only_the_prefix_blocks(small_cascade_rule):
     """--shared-prefix: the first N // block_size blocks are one set of physical blocks in every
     table, every later block is a row's own, and ForwardBatch sees the shared run as a common
-    prefix (the cascade rule's 256 tokens and 8 sequences are met here)."""
+    prefix (vLLM's cascade rule, 256 tokens and 8 sequences, met here)."""
     b = bench.decode_batch(8, 300, 16, np.random.default_rng(0), shared_tokens=260)
     tables = b.block_tables
     assert (tables[:, :16] == np.arange(16)).all()

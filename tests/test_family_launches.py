@@ -167,7 +167,7 @@ def test_mixed_step_gives_its_decode_rows_the_decode_attention(family):
 
 @pytest.mark.parametrize("seqs", [8, 12], ids=["fused-8", "nine-launch-12"])
 @pytest.mark.parametrize("family", sorted(FUSED_LAYER))
-def test_cascade_decode_launches(family, seqs):
+def test_cascade_decode_launches(family, seqs, small_cascade_rule):
     """A decode step of at least CASCADE_MIN_SEQS sequences gives every full-context layer
     cascade's two launches (gpu/model.py's cascades()), sliding layers the plain decode kernel:
     attention_decode reading the bank's cascade_prefix_len as first_position and writing

@@ -305,7 +305,7 @@ def shared_and_private_greedy(runner, vocab: int, block_size: int, copy_blocks, 
     return [prefix + own for own in owns], runs
 
 
-def test_greedy_tokens_with_cascade_equal_those_over_private_copies(tiny_model_dir):
+def test_greedy_tokens_with_cascade_equal_those_over_private_copies(tiny_model_dir, small_cascade_rule):
     """12 sequences behind a shared 640-token prefix (40 blocks of 16) with 1..600 tokens of their
     own, decoded greedily for 24 steps through the runner's decode graph of 16 (4 padded rows):
     once over the shared blocks (common_prefix_blocks 40: cascade in every layer) and once over

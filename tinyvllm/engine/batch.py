@@ -137,21 +137,24 @@ class ForwardBatch:
 
 
 # ---- cascade attention: when a decode batch reads its common prefix once ------------------------
-# The rule is vLLM V1's (vllm/v1/attention/backends/flash_attn.py: use_cascade_attention; the
-# prefix it is given: gpu_model_runner.py's _compute_cascade_attn_prefix_len, which likewise
+# The rule has vLLM V1's shape (vllm/v1/attention/backends/flash_attn.py: use_cascade_attention;
+# the prefix it is given: gpu_model_runner.py's _compute_cascade_attn_prefix_len, which likewise
 # caps it at the shortest computed context and rounds it down to whole blocks):
-#   * a common prefix of at least CASCADE_MIN_PREFIX_TOKENS (256) tokens,
-#   * at least CASCADE_MIN_SEQS (8) sequences;
-# below either, vLLM's comments call cascade attention "probably not worth" using, and both
-# numbers arbitrary, to be tuned; they are taken here as they are.
+#   * a common prefix of at least CASCADE_MIN_PREFIX_TOKENS tokens,
+#   * at least CASCADE_MIN_SEQS sequences;
+# vLLM's numbers (256 and 8, which its comments call arbitrary) are replaced by where this
+# engine's kernels pay, timed on the 1B preset (benchmarks/decode_profile.py --shared-prefix,
+# decode graph GPU time with the prefix shared against main's plain decode attention over the
+# same shared blocks; H100, 2026-12-07): a 1,024-token prefix at context 1,300 gains 2 % at 96
+# sequences, 4 % at 128, 8 % at 192, 12 % at 256, and loses 1 % at 64; a 512-token prefix at
+# context 800 loses 1-6 % at 64-256 sequences, a 256-token one 5-10 % at 8-32.
 # vLLM's further test for GQA decode batches (a rough model of FlashAttention's 128 x 128 tiles
-# and CTA waves against FlashDecoding's) is left out: it models that library's kernels, not
-# cuda/attention_decode.cu, and a rule for this engine's kernel should come from timing it.
+# and CTA waves against FlashDecoding's) is left out: it models that library's kernels.
 # vLLM also turns cascade off for sliding-window models; here a sliding-window layer simply
 # takes the per-sequence attention (reference/model.py), so a model mixing both kinds of layer
 # still shares the prefix in its global layers.
-CASCADE_MIN_PREFIX_TOKENS = 256
-CASCADE_MIN_SEQS = 8
+CASCADE_MIN_PREFIX_TOKENS = 1024
+CASCADE_MIN_SEQS = 96
 
 
 def common_prefix_blocks(block_tables: np.ndarray, context_lens, block_size: int) -> int:

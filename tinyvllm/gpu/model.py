@@ -80,7 +80,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tinyvllm.config import ModelConfig
-from tinyvllm.engine.batch import CASCADE_MIN_SEQS
+from tinyvllm.engine import batch as batch_rules
 from tinyvllm.errors import TinyVLLMError
 from tinyvllm.gpu.arena import INPUT_BANKS, TOKEN_INPUTS, Arena
 from tinyvllm.gpu.device_weights import DeviceWeights
@@ -363,5 +363,7 @@ class LlamaModel(TensorParallelLayers):
         at least CASCADE_MIN_SEQS sequences (a smaller batch never shares: engine/batch.py's
         rule), on layers without a sliding window (as reference/model.py). Whether the step's
         batch shares a prefix is on the device (cascade_prefix_len), so a graph holds both
-        launches either way; smaller graphs (batch 1 among them) hold neither."""
-        return not step.is_prefill and step.num_seqs >= CASCADE_MIN_SEQS and not self.cfg.layer_window(layer)
+        launches either way; smaller graphs (batch 1 among them) hold neither. The rule is read at
+        each call (graphs capture it), so tests can lower it."""
+        return (not step.is_prefill and step.num_seqs >= batch_rules.CASCADE_MIN_SEQS
+                and not self.cfg.layer_window(layer))
