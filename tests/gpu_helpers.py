@@ -72,7 +72,7 @@ def shuffled_block_tables(rng, context_lens, block_size, num_blocks=None):
 def decode_layer(runner, fused: bool):
     """The runner's decode steps on the fused layer (True) or the nine-launch one (False) inside
     the block, as EngineConfig.fused_decode would set them; the runner's own choice after."""
-    from tinyvllm.gpu.model import StepShape
+    from tinyvllm.gpu.step_shape import StepShape
     was = runner.ops.fused_decode
     runner.ops.fused_decode = fused
     try:

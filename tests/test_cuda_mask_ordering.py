@@ -52,7 +52,7 @@ import numpy as np
 import pycuda.driver as drv
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 from tinyvllm.gpu.cuda_runner import CudaRunner
-from tinyvllm.gpu.model import StepShape
+from tinyvllm.gpu.step_shape import StepShape
 from tinyvllm.gpu.step_sampling import GrowingBuffers
 from tinyvllm.gpu.structured_ops import TokenMaskStage
 from tinyvllm.structured.mask import PendingTokenMask, TokenMask

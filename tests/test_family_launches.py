@@ -14,7 +14,7 @@ import pytest
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.gpu.kernels import find_kernel, kernel_signatures
-from tinyvllm.gpu.model import StepShape
+from tinyvllm.gpu.step_shape import StepShape
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
 MAX_SHARED = 227 * 1024            # an H100's dynamic shared memory per block

@@ -49,7 +49,7 @@ def teacher_forced_ids(family: str, fused_decode: bool, block_size: int) -> list
     from tinyvllm.config import EngineConfig, ModelConfig
     from tinyvllm.engine.batch import ForwardBatch
     from tinyvllm.gpu.cuda_runner import CudaRunner
-    from tinyvllm.gpu.model import StepShape
+    from tinyvllm.gpu.step_shape import StepShape
     cases = golden(family)["cases"]
     config = ModelConfig.from_pretrained(FIXTURES / family)
     runner = CudaRunner(config, load_weights(FIXTURES / family, config),

@@ -11,7 +11,7 @@ import pytest
 from tinyvllm.config import ModelConfig
 from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.errors import ModelLoadError
-from tinyvllm.gpu.model import StepShape
+from tinyvllm.gpu.step_shape import StepShape
 
 FIXTURE = Path(__file__).parent / "fixtures" / "families" / "smollm3"
 # a SmolLM3-3B-shaped config.json (transformers 4.x form, no_rope_layers left to its interval)

@@ -13,7 +13,7 @@ from test_family_launches import _configs, _fake
 
 from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.errors import ConfigError
-from tinyvllm.gpu.model import StepShape
+from tinyvllm.gpu.step_shape import StepShape
 from tinyvllm.gpu.tp_layer import TensorParallelRank
 from tinyvllm.parallel.sharding import rank_config, rank_shards
 

@@ -17,8 +17,9 @@ from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 from tinyvllm.gpu.arena import INPUT_BANKS, ArenaDims, ArenaLayout, round_up
 from tinyvllm.gpu.cublas import Cublas
 from tinyvllm.gpu.device_weights import DeviceWeights, device_tensor_itemsize, device_tensor_shapes, device_weight_bytes
-from tinyvllm.gpu.model import LlamaModel, StepShape
+from tinyvllm.gpu.model import LlamaModel
 from tinyvllm.gpu.ops import GpuOps
+from tinyvllm.gpu.step_shape import StepShape
 from tinyvllm.trace import TracingRunner
 
 

@@ -44,9 +44,10 @@ from tinyvllm.gpu.driver import CudaDevice
 from tinyvllm.gpu.input_banks import InputBanks
 from tinyvllm.gpu.kernels import KernelLibrary
 from tinyvllm.gpu.kv_cache import DeviceKVCache, num_blocks_to_allocate
-from tinyvllm.gpu.model import LlamaModel, StepShape
+from tinyvllm.gpu.model import LlamaModel
 from tinyvllm.gpu.ops import GpuOps
 from tinyvllm.gpu.step_sampling import StepSampling
+from tinyvllm.gpu.step_shape import StepShape
 
 log = logging.getLogger("tinyvllm.gpu")
 GiB = 2**30

@@ -15,7 +15,7 @@ import time
 from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.gpu.arena import INPUT_BANKS
 from tinyvllm.gpu.graphs import CudaGraph
-from tinyvllm.gpu.model import StepShape
+from tinyvllm.gpu.step_shape import StepShape
 
 log = logging.getLogger("tinyvllm.gpu")
 GiB = 2**30

@@ -20,7 +20,7 @@ import pycuda.driver as drv
 
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
 from tinyvllm.gpu.arena import INPUT_BANKS, TOKEN_INPUTS
-from tinyvllm.gpu.model import StepShape
+from tinyvllm.gpu.step_shape import StepShape
 
 
 class InputBanks:

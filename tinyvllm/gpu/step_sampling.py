@@ -28,7 +28,7 @@ import pycuda.driver as drv
 
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch, StepLogprobs
 from tinyvllm.engine.model_runner import PendingStep
-from tinyvllm.gpu.model import StepShape
+from tinyvllm.gpu.step_shape import StepShape
 from tinyvllm.gpu.structured_ops import TokenMaskStage
 from tinyvllm.structured.mask import PendingTokenMask
 
