@@ -145,24 +145,6 @@ __host__ __device__ constexpr int cascade_smem_bytes(int head_dim) {
     return STAGES * 2 * cascade_tile_keys(head_dim) * (head_dim + ROW_PAD) * 2;
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ float ex2(float x) {   // 2^x; 2^-inf = +0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {   // lo -> the lower 16 bits
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
-__device__ __forceinline__ uint32_t load_u32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
 // The (sequence, query head) index of tile row `row` of kv head kv_head: into q's heads, lse, out.
 __device__ __forceinline__ int row_pair(int row, int kv_head, int group, int num_q_heads) {
@@ -326,30 +308,14 @@ __device__ __forceinline__ void cascade_prefix(
                 for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                alpha[r] = ex2((row_max[r] - mx) * scale_log2);      // 0 on the first tile
+                alpha[r] = fast_exp2((row_max[r] - mx) * scale_log2);      // 0 on the first tile
                 offset[r] = mx * scale_log2;
                 row_max[r] = mx;
                 row_sum[r] *= alpha[r];
             }
-#pragma unroll
-            for (int n = 0; n < NO; ++n) {
-                o[n][0] *= alpha[0];
-                o[n][1] *= alpha[0];
-                o[n][2] *= alpha[1];
-                o[n][3] *= alpha[1];
-            }
-            uint32_t p[NT / 2][4];   // P as A fragments, one per 16 keys: n-tile 2j -> a0 a1, 2j+1 -> a2 a3
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-                const float p0 = ex2(fmaf(s[n][0], scale_log2, -offset[0]));
-                const float p1 = ex2(fmaf(s[n][1], scale_log2, -offset[0]));
-                const float p2 = ex2(fmaf(s[n][2], scale_log2, -offset[1]));
-                const float p3 = ex2(fmaf(s[n][3], scale_log2, -offset[1]));
-                row_sum[0] += p0 + p1;
-                row_sum[1] += p2 + p3;
-                p[n / 2][(n & 1) * 2] = pack_bf16(p0, p1);
-                p[n / 2][(n & 1) * 2 + 1] = pack_bf16(p2, p3);
-            }
+            rescale_rows(o, alpha);
+            uint32_t p[NT / 2][4];   // P as A fragments for P @ V (common.cuh's softmax_to_fragments)
+            softmax_to_fragments(s, scale_log2, offset, row_sum, p);
 #pragma unroll
             for (int j = 0; j < NT / 2; ++j) {
 #pragma unroll
@@ -385,13 +351,13 @@ __device__ __forceinline__ void cascade_prefix(
 #pragma unroll
             for (int n = 0; n < NO; ++n) suffix[n] = *reinterpret_cast<const __nv_bfloat162*>(dst + 8 * n);
             const float m = fmaxf(m_p[r], lse_s);                 // finite: m_p is
-            const float w_p = ex2(m_p[r] - m), w_s = ex2(lse_s - m);
+            const float w_p = fast_exp2(m_p[r] - m), w_s = fast_exp2(lse_s - m);
             const float inv = 1.0f / (row_sum[r] * w_p + w_s);    // the sum >= 1: the larger max's own term
 #pragma unroll
             for (int n = 0; n < NO; ++n) {
                 const float2 sx = __bfloat1622float2(suffix[n]);
                 *reinterpret_cast<uint32_t*>(dst + 8 * n) =
-                    pack_bf16((o[n][2 * r] * w_p + sx.x * w_s) * inv, (o[n][2 * r + 1] * w_p + sx.y * w_s) * inv);
+                    pack_bf16x2((o[n][2 * r] * w_p + sx.x * w_s) * inv, (o[n][2 * r + 1] * w_p + sx.y * w_s) * inv);
             }
         }
         return;
@@ -445,14 +411,14 @@ __device__ __forceinline__ void cascade_prefix(
         float m = lse_s;
 #pragma unroll
         for (int s = 0; s < MAX_SPLITS; ++s) m = fmaxf(m, ml[s].x);     // finite: every split's is
-        float den = ex2(lse_s - m);
+        float den = fast_exp2(lse_s - m);
 #pragma unroll
-        for (int s = 0; s < MAX_SPLITS; ++s) den = fmaf(ml[s].y, ex2(ml[s].x - m), den);
+        for (int s = 0; s < MAX_SPLITS; ++s) den = fmaf(ml[s].y, fast_exp2(ml[s].x - m), den);
         const float inv = 1.0f / den;       // den >= 1: the term of the largest max is
 #pragma unroll
         for (int s = 0; s < MAX_SPLITS; ++s)
-            if (s < num_splits) weight[s * BLOCK_Q + i] = ex2(ml[s].x - m) * inv;
-        weight[MAX_SPLITS * BLOCK_Q + i] = ex2(lse_s - m) * inv;
+            if (s < num_splits) weight[s * BLOCK_Q + i] = fast_exp2(ml[s].x - m) * inv;
+        weight[MAX_SPLITS * BLOCK_Q + i] = fast_exp2(lse_s - m) * inv;
     }
     __syncthreads();
     // Each thread sums MERGE_QUADS quads (4 dims of one row) over the splits in split order, the
@@ -487,8 +453,8 @@ __device__ __forceinline__ void cascade_prefix(
             const uint2 raw = *reinterpret_cast<const uint2*>(dst);   // attention_decode's out_s
             const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
             const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-            *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16(fmaf(w, lo.x, acc[u].x), fmaf(w, lo.y, acc[u].y)),
-                                                        pack_bf16(fmaf(w, hi.x, acc[u].z), fmaf(w, hi.y, acc[u].w)));
+            *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16x2(fmaf(w, lo.x, acc[u].x), fmaf(w, lo.y, acc[u].y)),
+                                                        pack_bf16x2(fmaf(w, hi.x, acc[u].z), fmaf(w, hi.y, acc[u].w)));
         }
     }
 }

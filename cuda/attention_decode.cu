@@ -132,15 +132,6 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
     asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
     return y;
 }
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
-__device__ __forceinline__ float ex2(float x) {   // 2^x; 2^-inf = 0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
 
 template <int HEAD_DIM, int GROUP, bool WINDOWED>
 __device__ __forceinline__ void decode_attention(
@@ -315,13 +306,13 @@ __device__ __forceinline__ void decode_attention(
         }
         // Token 0 of every step is valid, so the new maxima are finite; alpha = 0 on the first step.
         const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-        const float alpha0 = ex2(m0 - n0), alpha1 = ex2(m1 - n1);
+        const float alpha0 = fast_exp2(m0 - n0), alpha1 = fast_exp2(m1 - n1);
         m0 = n0;
         m1 = n1;
-        const float p0 = ex2(s[0] - n0), p1 = ex2(s[1] - n1), p2 = ex2(s[2] - n0), p3 = ex2(s[3] - n1);
+        const float p0 = fast_exp2(s[0] - n0), p1 = fast_exp2(s[1] - n1), p2 = fast_exp2(s[2] - n0), p3 = fast_exp2(s[3] - n1);
         l0 = l0 * alpha0 + (p0 + p2);
         l1 = l1 * alpha1 + (p1 + p3);
-        const uint32_t pf[2] = {movmatrix_trans(pack_bf16(p0, p1)), movmatrix_trans(pack_bf16(p2, p3))};
+        const uint32_t pf[2] = {movmatrix_trans(pack_bf16x2(p0, p1)), movmatrix_trans(pack_bf16x2(p2, p3))};
 #pragma unroll
         for (int t = 0; t < DSTEPS; ++t) {
             o[t][0] *= alpha0;
@@ -382,7 +373,7 @@ __device__ __forceinline__ void decode_attention(
 #pragma unroll
         for (int w = 0; w < BLOCK_WARPS; ++w) {
             const float mw = warp_m[w * GROUP + g];
-            const float weight = mw == -CUDART_INF_F ? 0.0f : ex2(mw - m);   // a warp with no tokens
+            const float weight = mw == -CUDART_INF_F ? 0.0f : fast_exp2(mw - m);   // a warp with no tokens
             acc += weight * warp_o[(w * GROUP + g) * HEAD_DIM + d];
             l += weight * warp_l[w * GROUP + g];
         }
@@ -422,7 +413,7 @@ __device__ __forceinline__ void decode_attention(
         float2 ml = make_float2(-CUDART_INF_F, 0.0f);
         if (lane < num_splits) ml = __ldcg(reinterpret_cast<const float2*>(partial_ml) + base + lane);
         const float m = warp_max(ml.x);
-        const float w = ml.x == -CUDART_INF_F ? 0.0f : ex2(ml.x - m);
+        const float w = ml.x == -CUDART_INF_F ? 0.0f : fast_exp2(ml.x - m);
         const float den = warp_sum(w * ml.y);
         if (lane < num_splits) weights[g * MAX_SPLITS + lane] = den > 0.0f ? w / den : 0.0f;
         if (lse_out != nullptr && lane == 0)

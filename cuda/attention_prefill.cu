@@ -55,28 +55,9 @@ constexpr int BLOCK_Q = WARPS * 16;  // query rows per CTA: 16 per warp, one mma
 constexpr int BLOCK_K = 64;          // keys per K/V tile
 constexpr int SMEM_PAD = 8;          // bf16 added to each shared K/V row (16 bytes)
 
-// volatile + memory: the same shared address is read every tile; it must not be hoisted or merged
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
 
-__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {  // lo -> the lower 16 bits
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
 
-__device__ __forceinline__ uint32_t load_u32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
 template <int D, int TILE_K, bool WINDOWED>
 __device__ __forceinline__ void prefill_attention(
@@ -236,25 +217,9 @@ __device__ __forceinline__ void prefill_attention(
             row_max[r] = new_max[r];
             row_sum[r] *= alpha[r];
         }
-#pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            o[n][0] *= alpha[0];
-            o[n][1] *= alpha[0];
-            o[n][2] *= alpha[1];
-            o[n][3] *= alpha[1];
-        }
-        uint32_t p[NT / 2][4];  // P as A fragments, one per 16 keys: n-tile 2j -> a0 a1, 2j+1 -> a2 a3
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            const float p0 = fast_exp2(fmaf(s[n][0], scale_log2, -offset[0]));
-            const float p1 = fast_exp2(fmaf(s[n][1], scale_log2, -offset[0]));
-            const float p2 = fast_exp2(fmaf(s[n][2], scale_log2, -offset[1]));
-            const float p3 = fast_exp2(fmaf(s[n][3], scale_log2, -offset[1]));
-            row_sum[0] += p0 + p1;
-            row_sum[1] += p2 + p3;
-            p[n / 2][(n & 1) * 2] = pack_bf16(p0, p1);
-            p[n / 2][(n & 1) * 2 + 1] = pack_bf16(p2, p3);
-        }
+        rescale_rows(o, alpha);
+        uint32_t p[NT / 2][4];   // P as A fragments for P @ V (common.cuh's softmax_to_fragments)
+        softmax_to_fragments(s, scale_log2, offset, row_sum, p);
 
         cp_async_wait<0>();
         __syncthreads();  // V[kt] is in; every warp is done with K[kt]
@@ -283,8 +248,8 @@ __device__ __forceinline__ void prefill_attention(
     bf16* out1 = out0 + 8 * out_row;
 #pragma unroll
     for (int n = 0; n < NO; ++n) {
-        if (ok0) *reinterpret_cast<uint32_t*>(out0 + 8 * n) = pack_bf16(o[n][0] * inv0, o[n][1] * inv0);
-        if (ok1) *reinterpret_cast<uint32_t*>(out1 + 8 * n) = pack_bf16(o[n][2] * inv1, o[n][3] * inv1);
+        if (ok0) *reinterpret_cast<uint32_t*>(out0 + 8 * n) = pack_bf16x2(o[n][0] * inv0, o[n][1] * inv0);
+        if (ok1) *reinterpret_cast<uint32_t*>(out1 + 8 * n) = pack_bf16x2(o[n][2] * inv1, o[n][3] * inv1);
     }
 }
 

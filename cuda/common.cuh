@@ -240,3 +240,54 @@ __device__ __forceinline__ float gelu_tanh_times(float gate, float up) {
     const float v = __fmul_rn(0.7978845608028654f, __fadd_rn(gate, cube));
     return __fmul_rn(__fdividef(gate, __fadd_rn(1.0f, __expf(__fmul_rn(-2.0f, v)))), up);
 }
+
+// ---- tensor-core attention tiles (attention_prefill.cu, attention_cascade.cu) ----------------
+// ldmatrix: volatile + memory: the same shared address is read every tile; it must not be hoisted
+// or merged.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+// 2^x on the SFU (ex2.approx.ftz); 2^-inf = +0, which a softmax's first tile relies on.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ uint32_t load_u32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// One key tile of the online softmax on an m16n8k16 tile of query rows: each lane holds rows g
+// and g + 8 (lane = 4 g + t). rescale_rows multiplies the output accumulators o[n] (c0 c1: row
+// g, c2 c3: row g + 8) by the rows' alpha = 2^(old max - new max); softmax_to_fragments turns
+// the scores s[n] into p = 2^(s * scale_log2 - offset) (offset: the row's new max times
+// scale_log2), adds them to the rows' sums, and packs them as bf16 A fragments for P @ V, one
+// per 16 keys: n-tile 2j -> a0 a1 of p[j], 2j + 1 -> a2 a3.
+template <int NO>
+__device__ __forceinline__ void rescale_rows(float (&o)[NO][4], const float alpha[2]) {
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+        o[n][0] *= alpha[0];
+        o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1];
+        o[n][3] *= alpha[1];
+    }
+}
+template <int NT>
+__device__ __forceinline__ void softmax_to_fragments(const float (&s)[NT][4], float scale_log2, const float offset[2],
+                                                     float row_sum[2], uint32_t (&p)[NT / 2][4]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const float p0 = fast_exp2(fmaf(s[n][0], scale_log2, -offset[0]));
+        const float p1 = fast_exp2(fmaf(s[n][1], scale_log2, -offset[0]));
+        const float p2 = fast_exp2(fmaf(s[n][2], scale_log2, -offset[1]));
+        const float p3 = fast_exp2(fmaf(s[n][3], scale_log2, -offset[1]));
+        row_sum[0] += p0 + p1;
+        row_sum[1] += p2 + p3;
+        p[n / 2][(n & 1) * 2] = pack_bf16x2(p0, p1);
+        p[n / 2][(n & 1) * 2 + 1] = pack_bf16x2(p2, p3);
+    }
+}
