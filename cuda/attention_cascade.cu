@@ -278,18 +278,7 @@ __device__ __forceinline__ void cascade_prefix(
         if (kt + 3 < tiles) find_slots(kt + 3);         // in flight under the maths below
         if (active) {
             float s[NT][4];
-#pragma unroll
-            for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-            for (int c = 0; c < DK; ++c) {
-#pragma unroll
-                for (int j = 0; j < NT / 2; ++j) {
-                    uint32_t b[4];
-                    ldmatrix_x4(b, k_frag + stage * STAGE_BYTES + (16 * j * ROW + 16 * c) * 2);
-                    mma_bf16(s[2 * j], qf[c][0], qf[c][1], qf[c][2], qf[c][3], b[0], b[1]);
-                    mma_bf16(s[2 * j + 1], qf[c][0], qf[c][1], qf[c][2], qf[c][3], b[2], b[3]);
-                }
-            }
+            score_tile<NT, DK, ROW>(s, qf, k_frag + stage * STAGE_BYTES);
             if (k0 + TK > prefix_len) {          // the prefix's last tile: keys past its end
 #pragma unroll
                 for (int n = 0; n < NT; ++n) {

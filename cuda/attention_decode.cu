@@ -118,14 +118,6 @@ __device__ __forceinline__ void st_shared16(uint32_t dst, const uint4& v) {
                  : "memory");
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t r[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t r[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-}
 // the 8 x 8 bf16 block held one b32 per lane (row lane/4, columns 2*(lane%4) + {0, 1}), transposed
 __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
     uint32_t y;
@@ -289,7 +281,7 @@ __device__ __forceinline__ void decode_attention(
         for (int t = 0; t < DSTEPS; ++t) {
             const int row = lane % 16, chunk = 2 * t + lane / 16;
             uint32_t a[4];
-            ldmatrix_x4(k_tile + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4), a);
+            ldmatrix_x4(a, k_tile + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4));
             mma_bf16(s, a[0], a[1], a[2], a[3], qf[t][0], qf[t][1]);
         }
         const int tok = step_begin(i) + lane / 4;
@@ -321,7 +313,7 @@ __device__ __forceinline__ void decode_attention(
             o[t][3] *= alpha1;
             const int row = lane % 8 + (lane / 16) * 8, chunk = 2 * t + (lane / 8) % 2;
             uint32_t a[4];
-            ldmatrix_x4_trans(v_tile + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4), a);
+            ldmatrix_x4_trans(a, v_tile + row * ROW_BYTES + ((chunk ^ (row & 7)) << 4));
             mma_bf16(o[t], a[0], a[1], a[2], a[3], pf[0], pf[1]);
         }
         __syncwarp();   // every lane is done with this stage before it is refilled

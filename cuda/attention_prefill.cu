@@ -164,18 +164,7 @@ __device__ __forceinline__ void prefill_attention(
         if (kt + 1 < num_tiles) find_slots(k0 + TILE_K);
 
         float s[NT][4];
-#pragma unroll
-        for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-        for (int c = 0; c < DK; ++c) {
-#pragma unroll
-            for (int j = 0; j < NT / 2; ++j) {
-                uint32_t b[4];
-                ldmatrix_x4(b, k_frag + (16 * j * ROW + 16 * c) * 2);
-                mma_bf16(s[2 * j], qf[c][0], qf[c][1], qf[c][2], qf[c][3], b[0], b[1]);
-                mma_bf16(s[2 * j + 1], qf[c][0], qf[c][1], qf[c][2], qf[c][3], b[2], b[3]);
-            }
-        }
+        score_tile<NT, DK, ROW>(s, qf, k_frag);
         if (k0 + TILE_K - 1 > tile_first_pos) {  // some key of this tile is later than some row
 #pragma unroll
             for (int n = 0; n < NT; ++n) {

@@ -260,6 +260,26 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 __device__ __forceinline__ uint32_t load_u32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
+// S = Q K^T for one key tile: s[n] (zeroed here) over NT n-tiles of 8 keys, the query rows' A
+// fragments qf held in registers (DK of them, 16 head dims each) and the tile's keys in shared
+// memory, key row r at k_frag + 2 * (ROW * r + 16 c) for head-dim chunk c (the lane's ldmatrix
+// address of the first 16 keys is k_frag; ROW: the tile's row stride in bf16).
+template <int NT, int DK, int ROW>
+__device__ __forceinline__ void score_tile(float (&s)[NT][4], const uint32_t (&qf)[DK][4], uint32_t k_frag) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < DK; ++c) {
+#pragma unroll
+        for (int j = 0; j < NT / 2; ++j) {
+            uint32_t b[4];
+            ldmatrix_x4(b, k_frag + (16 * j * ROW + 16 * c) * 2);
+            mma_bf16(s[2 * j], qf[c][0], qf[c][1], qf[c][2], qf[c][3], b[0], b[1]);
+            mma_bf16(s[2 * j + 1], qf[c][0], qf[c][1], qf[c][2], qf[c][3], b[2], b[3]);
+        }
+    }
+}
+
 // One key tile of the online softmax on an m16n8k16 tile of query rows: each lane holds rows g
 // and g + 8 (lane = 4 g + t). rescale_rows multiplies the output accumulators o[n] (c0 c1: row
 // g, c2 c3: row g + 8) by the rows' alpha = 2^(old max - new max); softmax_to_fragments turns
