@@ -130,13 +130,7 @@ __device__ __forceinline__ void prefill_attention(
     {
         const bf16* q0 = q + (size_t)(q_begin + (ok0 ? r0 : 0)) * q_row_stride + head * D + 2 * t;
         const bf16* q1 = q + (size_t)(q_begin + (ok1 ? r1 : 0)) * q_row_stride + head * D + 2 * t;
-#pragma unroll
-        for (int c = 0; c < DK; ++c) {
-            qf[c][0] = ok0 ? load_u32(q0 + 16 * c) : 0u;
-            qf[c][1] = ok1 ? load_u32(q1 + 16 * c) : 0u;
-            qf[c][2] = ok0 ? load_u32(q0 + 16 * c + 8) : 0u;
-            qf[c][3] = ok1 ? load_u32(q1 + 16 * c + 8) : 0u;
-        }
+        load_q_fragments(qf, q0, q1, ok0, ok1);
     }
 
     // ldmatrix row addresses of this lane (matrix lane / 8, row lane % 8 of it):

@@ -260,6 +260,21 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 __device__ __forceinline__ uint32_t load_u32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
+// The A fragments of a 16-row tile of queries for all DK chunks of 16 head dims: rows g (from q0)
+// and g + 8 (from q1) of the lane, each pointer at the row's head start + 2t; a row that is not
+// there (ok0 / ok1 false) is zeros.
+template <int DK>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&qf)[DK][4], const bf16* q0, const bf16* q1, bool ok0,
+                                                 bool ok1) {
+#pragma unroll
+    for (int c = 0; c < DK; ++c) {
+        qf[c][0] = ok0 ? load_u32(q0 + 16 * c) : 0u;
+        qf[c][1] = ok1 ? load_u32(q1 + 16 * c) : 0u;
+        qf[c][2] = ok0 ? load_u32(q0 + 16 * c + 8) : 0u;
+        qf[c][3] = ok1 ? load_u32(q1 + 16 * c + 8) : 0u;
+    }
+}
+
 // S = Q K^T for one key tile: s[n] (zeroed here) over NT n-tiles of 8 keys, the query rows' A
 // fragments qf held in registers (DK of them, 16 head dims each) and the tile's keys in shared
 // memory, key row r at k_frag + 2 * (ROW * r + 16 c) for head-dim chunk c (the lane's ldmatrix
