@@ -12,7 +12,15 @@ from quant_reference import exact_dequantize
 
 from tinyvllm.checkpoint.gguf import unpermute_rope_rows
 from tinyvllm.errors import ModelLoadError
-from tinyvllm.quant.block_format import QuantizedWeight, linear
+from tinyvllm.quant.block_format import (
+    FACTORED_FORMATS,
+    GEMV_MAX_ROWS,
+    QuantizedWeight,
+    factored_error_bound,
+    linear,
+    linear_dequantized,
+    linear_factored,
+)
 from tinyvllm.quant.gguf_file import BLOCK_FORMATS, read_gguf_weights
 
 FORMATS = list(BLOCK_FORMATS.values())
@@ -148,9 +156,54 @@ def test_quantized_linear_multiplies_by_the_bf16_weights(fmt):
     x32 = np.random.default_rng(6).standard_normal((3, k)).astype(np.float32)
     x = x32.astype(BF16).astype(np.float64)
     bound = gamma(k, U32) * (np.abs(x) @ np.abs(w_bf16).T)
-    twin = linear(x32, qweight)
+    twin = linear_dequantized(x32, qweight)
     assert (np.abs(twin - x @ w_bf16.T) <= bound).all()
-    np.testing.assert_array_equal(twin, linear(x.astype(np.float32), qweight))
+    np.testing.assert_array_equal(twin, linear_dequantized(x.astype(np.float32), qweight))
+
+
+NIBBLE_FORMATS = [BLOCK_FORMATS[name] for name in FACTORED_FORMATS]
+
+
+@pytest.mark.parametrize("fmt", NIBBLE_FORMATS, ids=list(FACTORED_FORMATS))
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_factored_linear_is_the_exact_product_within_its_float32_bound(fmt, seed):
+    """The decode GEMV's twin of a nibble format (w = a c + b factored out of each block's dot
+    product, no weight rounded) against the exact float64 product of the exact block values and
+    bf16(X): within factored_error_bound (L roundings of at most 2^-23 of the total of the terms
+    |a| (128 + c) |x| and |b - 128 a| |x|). With random fp16 scales and mins (subnormal, zero and
+    30x among them) and k up to 2,048."""
+    rng = np.random.default_rng(seed)
+    k = fmt.block_elements * int(rng.integers(1, 9))
+    raw = random_raw(fmt, 40, k, seed=seed)
+    qweight = QuantizedWeight.from_raw(fmt, (40, k), raw, "w")
+    x32 = (rng.standard_normal((GEMV_MAX_ROWS, k)) * rng.choice([1.0, 1e-3, 50.0], (GEMV_MAX_ROWS, 1))).astype(np.float32)
+    x = x32.astype(BF16).astype(np.float64)
+    exact = x @ exact_dequantize(fmt, raw, (40, k)).T
+    twin = linear_factored(x32, qweight)
+    assert twin.dtype == np.float32 and twin.shape == (GEMV_MAX_ROWS, 40)
+    bound = factored_error_bound(x32, qweight)
+    assert (np.abs(twin - exact) <= bound).all()
+    np.testing.assert_array_equal(linear(x32, qweight), twin)        # m <= 8: the GEMV's twin
+
+
+@pytest.mark.parametrize("fmt", NIBBLE_FORMATS, ids=list(FACTORED_FORMATS))
+def test_factored_linear_against_the_dequantizing_one(fmt):
+    """The factored twin and the dequantizing one differ by the bf16 rounding of every weight
+    (at most 2^-9 |w| each: sum 2^-9 |w| |x|) plus each one's float32 error: the dequantizing
+    sum's gamma_k sum |x w_bf16| (|w_bf16| <= (1 + 2^-8) |w|) and factored_error_bound. Above
+    GEMV_MAX_ROWS rows linear() is the dequantizing twin (prefill's dequantize-then-GEMM)."""
+    k = fmt.block_elements * 8
+    raw = random_raw(fmt, 64, k, seed=21)
+    qweight = QuantizedWeight.from_raw(fmt, (64, k), raw, "w")
+    x32 = np.random.default_rng(22).standard_normal((GEMV_MAX_ROWS + 1, k)).astype(np.float32)
+    x = np.abs(x32.astype(BF16).astype(np.float64))
+    w = np.abs(exact_dequantize(fmt, raw, (64, k)))
+    rounding = 2.0 ** -9 * (x @ w.T) + gamma(k, U32) * (1 + 2.0 ** -8) * (x @ w.T)
+    new, old = linear_factored(x32, qweight), linear_dequantized(x32, qweight)
+    assert (np.abs(new - old) <= rounding + factored_error_bound(x32, qweight)).all()
+    assert not np.array_equal(new, old)                       # the weights' bf16 rounding is gone
+    np.testing.assert_array_equal(linear(x32, qweight), old)
+    np.testing.assert_array_equal(linear(x32[:GEMV_MAX_ROWS], qweight), new[:GEMV_MAX_ROWS])
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)

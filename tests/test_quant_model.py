@@ -159,7 +159,8 @@ def test_a_quantized_embedding_dequantizes_the_rows_looked_up(name):
 def test_fused_groups_of_every_kind(rng):
     """concat_rows: blocks of one format stack into one QuantizedWeight, mixed formats into a
     RowStack, FP8 parts into one Fp8Weight with a scale per row; each fused linear equals its
-    parts' linears side by side, bit for bit."""
+    parts' linears side by side, bit for bit (a mixed group's parts dequantized, as its GPU kind
+    EXPANDED computes them)."""
     x = rng.normal(size=(3, 256)).astype(np.float32)
     q4k, q6k, q8 = (QuantizedWeight(BLOCK_FORMATS[n], (r, 256), random_raw(BLOCK_FORMATS[n], r, 256, seed=s))
                     for n, r, s in (("Q4_K", 16, 1), ("Q6_K", 8, 2), ("Q8_0", 8, 3)))
@@ -171,8 +172,11 @@ def test_fused_groups_of_every_kind(rng):
            for r, s in ((16, 0.5), (8, 0.25))]
     fused_fp8 = concat_rows(fp8, ["q", "k"])
     assert fused_fp8.per_channel and fused_fp8.scale.tolist() == [0.5] * 16 + [0.25] * 8
-    for fused, parts in ((same, [q8, q8]), (mixed, [q4k, q4k, q6k]), (fused_fp8, fp8)):
+    for fused, parts in ((same, [q8, q8]), (fused_fp8, fp8)):
         np.testing.assert_array_equal(linear(x, fused), np.concatenate([linear(x, p) for p in parts], axis=1))
+    # a mixed group is the GPU's EXPANDED kind, which rounds every weight to bf16 (no factored GEMV)
+    np.testing.assert_array_equal(linear(x, mixed), np.concatenate(
+        [block_format.linear_dequantized(x, p) for p in (q4k, q4k, q6k)], axis=1))
     np.testing.assert_array_equal(linear(x, q8), block_format.linear(x, q8))
     with pytest.raises(ModelLoadError, match="mixes FP8 and unquantized parts"):
         concat_rows([fp8[0], np.zeros((8, 256), BF16)], ["q", "k"])

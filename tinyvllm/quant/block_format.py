@@ -19,7 +19,12 @@ gguf_kquants.py give each format's formula):
   3. One bf16 rounding (nearest even) of that float32 value: the weight the tensor cores read.
      No bf16 subnormal occurs: every dequantized value is 0 or a multiple of 2^-24 (the fp16
      quantum), far above bf16's 2^-126.
-linear() then multiplies bf16 activations by those bf16 weights with float32 accumulation.
+linear_dequantized() then multiplies bf16 activations by those bf16 weights with float32
+accumulation: prefill's dequantize-then-GEMM, and the decode GEMV of Q8_0, Q6_K and mixed groups.
+The decode GEMV of the nibble formats (Q4_0, Q4_1, Q4_K) rounds no weight: it factors each
+32-weight block's affine map w = a * c + b out of the dot product (linear_factored), so its result
+is the exact product up to float32 roundings (factored_error_bound). linear() picks the twin of
+the path the GPU takes for a batch of m rows.
 """
 from __future__ import annotations
 
@@ -115,12 +120,95 @@ class QuantizedWeight:
         return self.format.dequantize_bf16(self.blocks, self.shape)
 
 
+# the decode GEMV's largest batch (gpu/ops/quant_gemv.py's QGEMV_MAX_ROWS): linear() at m <= this
+# is the GEMV's twin, above it prefill's dequantize-then-GEMM twin
+GEMV_MAX_ROWS = 8
+# the nibble formats whose GEMV factors each 32-weight block's affine map out of the dot product
+FACTORED_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
+CODE_BIAS = 128                          # the GEMV feeds code c as the bf16 value 128 + c (exact)
+
+
 def linear(x: np.ndarray, weight: QuantizedWeight) -> np.ndarray:
-    """Y[m, n] = bf16(X)[m, k] @ W_bf16[n, k]^T in float32: the twin of the dequantizing GEMV.
-    X is rounded to bf16 (the activations live in bf16 on the GPU), W is dequantized as the
-    module docstring states (one float32 value, one bf16 rounding), the products of two bf16
-    values are exact in float32 and summed in float32."""
+    """Y[m, n] = X[m, k] . W[n, k] in float32: the twin of the GPU path that runs it. m <= 8 on
+    a nibble format is the decode GEMV's factored product (linear_factored); anything else
+    dequantizes (linear_dequantized: prefill's dequantize-then-GEMM, and the GEMV of the other
+    formats, which rounds each weight to bf16 in registers)."""
+    if np.ndim(x) == 2 and np.shape(x)[0] <= GEMV_MAX_ROWS and weight.format.name in FACTORED_FORMATS:
+        return linear_factored(x, weight)
+    return linear_dequantized(x, weight)
+
+
+def linear_dequantized(x: np.ndarray, weight: QuantizedWeight) -> np.ndarray:
+    """Y[m, n] = bf16(X)[m, k] @ W_bf16[n, k]^T in float32. X is rounded to bf16 (the activations
+    live in bf16 on the GPU), W is dequantized as the module docstring states (one float32 value,
+    one bf16 rounding), the products of two bf16 values are exact in float32 and summed in float32."""
     return bf16_as_f32(np.asarray(x, np.float32).astype(BF16)) @ bf16_as_f32(weight.dequantize_bf16()).T
+
+
+def affine_blocks(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A nibble-format weight as 32-weight blocks w = a * c + b: (codes uint8 [n, nb, 32],
+    a and b float32 [n, nb]), nb = k / 32, each weight exactly a * c + b. Q4_0: (d, -8 d);
+    Q4_1: (d, m); Q4_K per sub-block: (d * sc, -(dmin * mn)); all exact in float32."""
+    n, k = weight.shape
+    name = weight.format.name
+    blocks = weight.format.blocks(weight.blocks, weight.shape)
+    if name == "Q4_K":
+        from tinyvllm.quant.gguf_kquants import q4_k_fields
+        codes, step, offset = q4_k_fields(blocks)
+        return codes.reshape(n, k // 32, 32), step.reshape(n, -1), -offset.reshape(n, -1)
+    d = fp16_at(blocks, 0)[:, 0]
+    if name == "Q4_0":
+        codes, b = low_then_high_nibbles(blocks[:, 2:18]), np.float32(-8) * d
+    elif name == "Q4_1":
+        codes, b = low_then_high_nibbles(blocks[:, 4:20]), fp16_at(blocks, 2)[:, 0]
+    else:
+        raise ValueError(f"{name}: not a format the GEMV factors ({', '.join(FACTORED_FORMATS)})")
+    return codes.reshape(n, k // 32, 32), d.reshape(n, -1), b.reshape(n, -1)
+
+
+def linear_factored(x: np.ndarray, weight: QuantizedWeight) -> np.ndarray:
+    """Y[m, n] in float32 as the decode GEMV (cuda/gemv_quant.cu) computes a nibble format:
+    with the block's affine map factored out of the dot product, never rounding a weight.
+    Per 32-weight block (w = a * c + b, affine_blocks):
+        P = fl32(sum (128 + c) * x)       the tensor cores' sum; each product is exact (8 x 8 bits)
+        S = fl32(sum x)                   the block's sum of bf16(X)
+        bias = fl32(b - 128 * a)          (128 * a exact; Q4_0's -136 * d exact too)
+        Y += a * P + bias * S             over the blocks, in float32
+    so sum w * x = a * sum c x + b * sum x holds up to float32 roundings only (factored_error_bound),
+    where the dequantizing formula rounds every weight to bf16 (2^-9 of |w| each)."""
+    xb = bf16_as_f32(np.asarray(x, np.float32).astype(BF16))
+    codes, a, b = affine_blocks(weight)
+    m, nb = xb.shape[0], codes.shape[1]
+    xblocks = xb.reshape(m, nb, 32)
+    biased = codes.astype(np.float32) + np.float32(CODE_BIAS)
+    p = np.einsum("nbk,mbk->mnb", biased, xblocks, dtype=np.float32)
+    s = xblocks.sum(axis=2, dtype=np.float32)                              # [m, nb]
+    bias = (b - np.float32(CODE_BIAS) * a).astype(np.float32)
+    return (np.einsum("nb,mnb->mn", a, p, dtype=np.float32)
+            + np.einsum("nb,mb->mn", bias, s, dtype=np.float32)).astype(np.float32)
+
+
+def factored_error_bound(x: np.ndarray, weight: QuantizedWeight) -> np.ndarray:
+    """float64 [m, n]: a bound on |Y - E| for Y any float32 evaluation of linear_factored's formula
+    (any order of its sums: the twin's, or the kernel's MMA fragments, k-split and fold) and E the
+    exact sum_k w_k * bf16(x_k) (w the exact block value a * c + b).
+    Every rounded quantity along the way is a partial sum of the terms
+        |a| (128 + c_k) |x_k|   and   |bias| |x_k|          (M: their total over k)
+    and each result passes through at most L = 31 (a block's P or S) + 1 (bias, the products a * P
+    and bias * S) + 2 nb (the fold over nb blocks) + 16 (the k-split's partial tiles) + 2 roundings,
+    each at most u of a value at most M: |Y - E| <= L u M (1 + L u). u = 2^-23, twice float32's
+    unit roundoff, covers the tensor cores' adds, which truncate instead of rounding to nearest.
+    Two such evaluations (the kernel and its twin) differ by at most twice this."""
+    xb = np.abs(bf16_as_f32(np.asarray(x, np.float32).astype(BF16)).astype(np.float64))
+    codes, a, b = affine_blocks(weight)
+    m, nb = xb.shape[0], codes.shape[1]
+    xblocks = xb.reshape(m, nb, 32)
+    bias = np.abs((b - np.float32(CODE_BIAS) * a).astype(np.float64))
+    total = (np.einsum("nb,nbk,mbk->mn", np.abs(a.astype(np.float64)), codes + float(CODE_BIAS), xblocks)
+             + np.einsum("nb,mb->mn", bias, xblocks.sum(axis=2)))
+    steps = 31 + 1 + 2 * nb + 16 + 2
+    u = 2.0 ** -23
+    return steps * u * total * (1 + steps * u)
 
 
 def bf16_as_f32(a: np.ndarray) -> np.ndarray:

@@ -8,7 +8,8 @@
                       keeps attn_v in Q6_K beside Q4_K q and k)
 
 linear() dispatches to each kind's twin (the GPU kernel it stands for): a float array as the
-reference model's float32 matmul, the quantized kinds as fp8.linear / block_format.linear.
+reference model's float32 matmul, the quantized kinds as fp8.linear / block_format.linear (a
+RowStack's parts as block_format.linear_dequantized: its GEMV rounds each weight to bf16).
 concat_rows() fuses a group into one weight; embedding_rows() reads only the looked-up rows of
 an embedding table (a Q8_0 token_embd dequantizes 1 row per token, not the whole table).
 """
@@ -52,8 +53,8 @@ def linear(x: np.ndarray, weight) -> np.ndarray:
         return block_format.linear(x, weight)
     if isinstance(weight, Fp8Weight):
         return fp8.linear(x, weight)
-    if isinstance(weight, RowStack):
-        return np.concatenate([linear(x, part) for part in weight.parts], axis=1)
+    if isinstance(weight, RowStack):    # the GPU's EXPANDED kind: each weight rounded to bf16
+        return np.concatenate([block_format.linear_dequantized(x, part) for part in weight.parts], axis=1)
     return np.asarray(x, np.float32) @ np.asarray(weight, np.float32).T
 
 
