@@ -16,8 +16,33 @@
 //   mma pair: within one pair every lane with the same t holds matching physical k in A and B, so
 //   the pair sums matching products only, whichever 8 k of its chunk the group covers.
 //
-// The dequantization in registers (every value exact up to the one bf16 rounding the numpy twins
-// state: quant/fp8.py, quant/block_format.py):
+// The nibble kinds' factored product (Q4_0, Q4_1, Q4_K; twin: quant/block_format.py's
+// linear_factored, bound: factored_error_bound). A block of 32 weights is w = a * c + b (Q4_0:
+// (d, -8 d), Q4_1: (d, m), Q4_K per sub-block: (d * sc, -(dmin * mn))), so
+//     sum_k w_k x_k = a * sum_k (128 + c_k) x_k + (b - 128 a) * sum_k x_k.
+// The raw codes go to the tensor cores as the bf16 value 128 + c (one PRMT + one LOP3 a pair:
+// 0x4300 | c is 128 + c exactly, bf16's ulp at 128 being 1; the products (128 + c) x are exact in
+// fp32), each block's pair of mma k-steps into a fresh fragment P, beside a pair with A = 1 giving
+// the block's X sums S; then acc += a * P + fl32(b - 128 a) * S. No weight is rounded to bf16;
+// the result is the exact product up to fp32 roundings. Why 128 + c and not c: subtracting 128
+// (or 136: c - 8) in bf16 is exact too but costs one HADD2 a pair, 32 a lane-step, and buys only
+// smaller fp32 partial sums (the bias's cancellation costs ~4 of fp32's 24 bits, against the 8
+// of the bf16 rounding it replaces); Q4_0 would then skip S, the other two not.
+// To give one block to one mma pair, a step's 4 lanes t of a row group read one block each in
+// turn: lane (g, t) copies its 16 bytes to slot position 8 t + g (block-major: the 8-byte reads
+// of one block by lanes (g, t) then hit 32 distinct banks) and reads group t of block b (8 codes:
+// the low nibbles of bytes 0..7, 8..15, the high ones of 0..7, 8..15 for t = 0..3) with X quad t of
+// the lane (g, b) that copied the block's X; the scale entries of lane (g, b) likewise.
+// SASS of the plain Q4_1 kernel's main loop (cuobjdump -sass, backward branch to its target;
+// copies and ring waits included): 390 instructions a lane-step dequantizing to bf16 (64 I2FP,
+// 64 FFMA, 64 SHF, 56 LOP3, 32 F2FP, 8 HMMA), 319 factored (72 LOP3, 32 PRMT, 40 FFMA, 16 HMMA,
+// 17 LDS); Q4_0 453 -> 322, Q4_K 386 -> 306; bf16's gemv.cu ~20 for a quarter of the weights.
+// Q8_0 (231) could factor its d the same way (int8 codes as bf16: exact, |q| <= 128 needs 8
+// bits) and save its 32 FMUL + 16 F2FP; not done here.
+//
+// The dequantization in registers of the other kinds (every value exact up to the one bf16
+// rounding the numpy twins state: quant/fp8.py, quant/block_format.py's linear_dequantized), and
+// of every kind in prefill's dequant_<kind>:
 //   FP8    e4m3 -> f16 (cvt, exact) -> f32 -> bf16 (exact: 3 mantissa bits, exponents 2^-9 .. 2^8).
 //          The row's scale multiplies the fp32 sum once, after the dot product.
 //   Q8_0   bf16(d * q)              d: the block's fp16 scale, q: int8 (the product exact in f32)
@@ -215,6 +240,58 @@ __device__ __forceinline__ uint4 dequant_group(int j, const uint4& w, const Bloc
     }
 }
 
+// Four 4-bit codes (bytes 0..3 of `word`, each code in its byte's low nibble) -> two bf16 pairs
+// holding 128 + c exactly (module header): PRMT spreads bytes (0, 1) and (2, 3) to the halves,
+// one LOP3 keeps the nibbles and ors in 0x4300 (bf16 128, whose ulp is 1).
+__device__ __forceinline__ uint2 biased_codes4(uint32_t word) {
+    return {(__byte_perm(word, 0u, 0x3120u) & 0x000F000Fu) | 0x43004300u,
+            (__byte_perm(word, 0u, 0x3322u) & 0x000F000Fu) | 0x43004300u};
+}
+
+// A nibble block's affine map w = a * c + b as the fold's (a, bias = fl32(b - 128 a)) from the
+// lane's scale words: Q4_0 (d, -136 d: exact), Q4_1 (d, fmaf(-128, d, m)), Q4_K (a, fmaf(-128, a, b)).
+template <Fmt F>
+__device__ __forceinline__ BlockScale factored_scale(const uint32_t* words, int entry, int block) {
+    if constexpr (F == Fmt::q4_k) {
+        const BlockScale s = f32_scale<F>(words + 2 * entry);
+        return {s.d, __fmaf_rn(-128.f, s.d, s.m)};
+    } else {
+        const BlockScale s = block_scale<F>(words[entry], block);
+        return {s.d, F == Fmt::q4_0 ? -136.f * s.d : __fmaf_rn(-128.f, s.d, s.m)};
+    }
+}
+
+// One lane-step of a nibble kind (module header, "The nibble kinds' factored product"): for each of
+// the step's 4 blocks b, lane (g, t) takes group t of block b of rows row_a + g and row_b + g (8
+// codes: nibble half t / 2 of bytes 8 (t % 2) .. + 7, as bf16 128 + c) and X quad t of the same block
+// (X row g, written by lane (g, b)), so one mma pair sums one block of 32 into a fresh fragment;
+// a second pair with A = 1 gives the block's X sums in the same fragment shape. Then
+// acc += a * P + bias * S per row and X row: the block's affine map applied once, in fp32.
+template <Fmt F>
+__device__ __forceinline__ void factored_step(float acc[4], const uint4* slot, int g, int t) {
+    using Q = Format<F>;
+    const uint2* w2 = reinterpret_cast<const uint2*>(slot);
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(slot + (2 + Q::X_QUADS) * 32);
+    const int shift = 4 * (t >> 1);
+    const uint4 ones = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};   // bf16 1.0 pairs
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+        const uint2 wp = w2[2 * (8 * b + g) + (t & 1)], wq = w2[2 * (32 + 8 * b + g) + (t & 1)];
+        const uint2 p0 = biased_codes4(wp.x >> shift), p1 = biased_codes4(wp.y >> shift);
+        const uint2 q0 = biased_codes4(wq.x >> shift), q1 = biased_codes4(wq.y >> shift);
+        const uint4 x = slot[(2 + t) * 32 + 4 * g + b];
+        float blk[4] = {0.f, 0.f, 0.f, 0.f}, sum[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_pair(blk, uint4{p0.x, p0.y, p1.x, p1.y}, uint4{q0.x, q0.y, q1.x, q1.y}, x);
+        mma_pair(sum, ones, ones, x);
+        // the scale entries of lane (g, b), which copied this block's (rows p and q: 32 entries apart)
+        const BlockScale sp = factored_scale<F>(words, 4 * g + b, b), sq = factored_scale<F>(words, 32 + 4 * g + b, b);
+        acc[0] = __fmaf_rn(sp.m, sum[0], __fmaf_rn(sp.d, blk[0], acc[0]));
+        acc[1] = __fmaf_rn(sp.m, sum[1], __fmaf_rn(sp.d, blk[1], acc[1]));
+        acc[2] = __fmaf_rn(sq.m, sum[2], __fmaf_rn(sq.d, blk[2], acc[2]));
+        acc[3] = __fmaf_rn(sq.m, sum[3], __fmaf_rn(sq.d, blk[3], acc[3]));
+    }
+}
+
 // y, x, and the epilogue's arguments as gemv.cu's gemv_body takes them (MODE, EPI, QKV_BIAS the
 // same); wq: the codes / quants plane; wscale: FP8's fp32 [n] (applied to each output's sum in the
 // epilogue, before the handed-over norm's inv_rms) or the blocks' scales plane (module header).
@@ -271,8 +348,9 @@ __device__ __forceinline__ void gemv_quant_body(void* __restrict__ y, const bf16
         const int kc = lane_k(i);
         const bool in = kc < k;
         const size_t at = Q::NIBBLES ? (size_t)kc / 2 : (size_t)kc;
-        ring_copy(slot + lane, w0 + (in && w_ok0 ? at : 0), in && w_ok0 ? 16 : 0);
-        ring_copy(slot + 32 + lane, w1 + (in && w_ok1 ? at : 0), in && w_ok1 ? 16 : 0);
+        const int pos = Q::NIBBLES ? 8 * t + g : lane;   // nibbles: block-major (factored_step)
+        ring_copy(slot + pos, w0 + (in && w_ok0 ? at : 0), in && w_ok0 ? 16 : 0);
+        ring_copy(slot + 32 + pos, w1 + (in && w_ok1 ? at : 0), in && w_ok1 ? 16 : 0);
         if constexpr (Q::F32_SCALES) {   // after the quads: row 0's entries, then row 1's
             uint32_t* words = reinterpret_cast<uint32_t*>(slot + (2 + Q::X_QUADS) * 32);
             const int word = kc / Q::SCALE_K * Q::WORDS;
@@ -324,6 +402,15 @@ __device__ __forceinline__ void gemv_quant_body(void* __restrict__ y, const bf16
     for (int i = 0; i < my_steps; ++i) {
         if (i >= RING_STEPS) cp_async_wait<RING_STEPS - 1>();
         const uint4* slot = slot_of(i);
+        if constexpr (Q::NIBBLES) {
+            factored_step<F>(acc, slot, g, t);
+            if (i + RING_STEPS < my_steps) {
+                copy_w(i + RING_STEPS);
+                copy_x(i + RING_STEPS);
+            }
+            cp_async_commit();
+            continue;
+        }
         const uint4 p = slot[lane], q = slot[32 + lane];
         BlockScale sp{}, sq{};
         if constexpr (Q::F32_SCALES) {
