@@ -5,7 +5,10 @@ Q4_K / Q6_K blocks with random quants, sub-block scales and mins, and finite fp1
 normal, subnormal, zero, negative; EXPANDED: a fused group of parts in different GGUF formats):
   * gemv_quant_<kind> vs the kind's twin linear (quant/fp8.py: fl32(bf16(X) . q) * scale;
     quant/block_format.py: bf16(X) @ bf16(dequant(W))^T), both sums of the same exact products
-    (bf16 x bf16 is exact in fp32), in different orders. Tolerance, relative (Frobenius):
+    (bf16 x bf16 is exact in fp32), in different orders. Q4_0 / Q4_1 / Q4_K instead against the
+    factored twin (block_format.linear_factored: each block's affine map applied to its sum of
+    raw-code products), elementwise within twice factored_error_bound (_close). The others' tolerance,
+    relative (Frobenius):
       fp32 Y: FP32_TOL = 1e-4, the bf16 GEMV's (test_gpu_gemv.py): reordering K <= 8192 fp32 sums
               of random-signed terms moves the result by ~sqrt(K) * 2^-24 of its terms' scale;
       bf16 Y: that plus 2^-8, the bf16 rounding of each output (8 significant bits: relative error
@@ -32,7 +35,13 @@ import numpy as np
 import pytest
 
 from tinyvllm.quant import fp8, weight_kinds
-from tinyvllm.quant.block_format import BF16, QuantizedWeight
+from tinyvllm.quant.block_format import (
+    BF16,
+    FACTORED_FORMATS,
+    QuantizedWeight,
+    factored_error_bound,
+    linear_factored,
+)
 from tinyvllm.quant.gguf_kquants import Q4_K, Q6_K
 from tinyvllm.quant.gguf_legacy import Q4_0, Q4_1, Q8_0
 
@@ -99,14 +108,35 @@ def _guarded_y(m: int, n: int, out_dtype: str, y0):
     return buf, DeviceArray(buf), dtype
 
 
-def _check(d_y, buf, m, want, out_dtype):
-    import pycuda.driver as drv
+def _factored(w) -> bool:
+    """A weight whose GEMV factors each block's affine map (block_format.linear_factored)."""
+    return isinstance(w, QuantizedWeight) and w.format.name in FACTORED_FORMATS
+
+
+def _close(got, want, out_dtype, w=None, x=None, scale=1.0) -> None:
+    """got against the twin's want. A factored kind's GEMV (w, x given) and its twin are two fp32
+    evaluations of one formula: elementwise within twice factored_error_bound (times `scale`,
+    the head's inv_rms), plus 2^-23 |want| for an accumulate's or a scale's own rounding, plus a
+    bf16 output's rounding (2^-9 of |got| <= |want| + that bound; 2^-8 kept for margin). Any other
+    kind: the relative Frobenius tolerances (FP32_TOL, BF16_TOL)."""
     from gpu_helpers import rel_err
+    got = np.asarray(got, np.float32)
+    if w is not None and _factored(w) and x is not None:
+        bound = 2 * scale * factored_error_bound(np.asarray(x, np.float32), w) + 2.0**-23 * np.abs(want)
+        if out_dtype == "bfloat16":
+            bound = bound + 2.0**-8 * (np.abs(want) + bound)
+        assert (np.abs(got - want) <= bound).all(), np.max(np.abs(got - want) / np.maximum(bound, 1e-30))
+    else:
+        assert rel_err(got, want) < (BF16_TOL if out_dtype == "bfloat16" else FP32_TOL)
+
+
+def _check(d_y, buf, m, want, out_dtype, w=None, x=None):
+    import pycuda.driver as drv
     drv.Context.synchronize()
     got = d_y.get()
     np.testing.assert_array_equal(np.stack([got[0], got[m + 1]]).view(np.uint8),
                                   np.stack([buf[0], buf[m + 1]]).view(np.uint8), err_msg="wrote outside Y[0:m]")
-    assert rel_err(got[1:m + 1].astype(np.float32), want) < (BF16_TOL if out_dtype == "bfloat16" else FP32_TOL)
+    _close(got[1:m + 1], want, out_dtype, w, x)
 
 
 def _x(rng, m, k):
@@ -134,7 +164,7 @@ def test_gemv_quant(gpu_ops, rng, kind, n, k):
                 want = _twin(w, x.astype(np.float32))
                 if accumulate:
                     want = want + buf[1:m + 1].astype(np.float32)
-                _check(d_y, buf, m, want, out_dtype)
+                _check(d_y, buf, m, want, out_dtype, w, x)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -146,7 +176,7 @@ def test_gemv_quant_split_k(gpu_ops, rng, kind, k_warps):
     buf, d_y, _ = _guarded_y(5, 130, "float32", None)
     gpu_ops.gemv(d_y.ptr + 130 * 4, d_x, _matrix(kind, 130, 1536, d_q, d_s), 5, 130, 1536, out_dtype="float32",
                  k_warps=k_warps)
-    _check(d_y, buf, 5, _twin(w, x.astype(np.float32)), "float32")
+    _check(d_y, buf, 5, _twin(w, x.astype(np.float32)), "float32", w, x)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -190,9 +220,11 @@ def test_quant_linear_large_m(gpu_ops, rng, kind, scratch):
                              out_dtype="float32")
         if kind == "FP8" and scratch:
             want = x.astype(np.float32) @ fp8_scaled_bf16(d_q.host, d_s.host, n, k).astype(np.float32).T
-        else:
+        elif scratch or not _factored(w):
             want = _twin(w, x.astype(np.float32))
-        _check(d_y, buf, m, want + y0, "float32")
+        else:    # the GEMV over X's rows 8 at a time: the factored twin on each chunk
+            want = np.concatenate([linear_factored(x[r:r + 8].astype(np.float32), w) for r in range(0, m, 8)])
+        _check(d_y, buf, m, want + y0, "float32", *((w, x) if not scratch else ()))
     finally:
         gpu_ops.use_dequant_scratch(0, 0)
 
@@ -227,7 +259,7 @@ def test_quant_residual_norm(gpu_ops, rng, kind, k, inner):
     bound; normed = bf16(hidden * norm_w) bit for bit; each CTA's sum of its 16 columns' squares
     within 4 u of float64 (a 16-term fp32 sum of exact squares)."""
     import pycuda.driver as drv
-    from gpu_helpers import DeviceArray, rel_err, to_bf16
+    from gpu_helpers import DeviceArray, to_bf16
     from test_gpu_fused import _bits, _norm_weight
     for m in (1, 5, 8):
         w, d_q, d_s = _weight(kind, k, inner, rng)
@@ -243,7 +275,7 @@ def test_quant_residual_norm(gpu_ops, rng, kind, k, inner):
         drv.Context.synchronize()
         got = hidden.get()
         np.testing.assert_array_equal(_bits(got), _bits(reference.get()), err_msg="hidden != gemv(accumulate)")
-        assert rel_err(got.astype(np.float32), _twin(w, x.astype(np.float32)) + h0.astype(np.float32)) < BF16_TOL
+        _close(got, _twin(w, x.astype(np.float32)) + h0.astype(np.float32), "bfloat16", w, x)
         got32 = got.astype(np.float32)
         np.testing.assert_array_equal(_bits(normed.get()[:m]), _bits((got32 * norm_w.astype(np.float32)).astype(BF16)))
         squares = (got32.astype(np.float64) ** 2).reshape(m, k // 16, 16).sum(axis=2)
@@ -258,7 +290,7 @@ def test_quant_prenormed_head(gpu_ops, rng, kind):
     bf16; inv_rms from the producer's fp32 row sums with fast rsqrt and division (a few ulp, inside
     FP32_TOL)."""
     import pycuda.driver as drv
-    from gpu_helpers import DeviceArray, rel_err
+    from gpu_helpers import DeviceArray
     from test_gpu_fused import _handed_over
 
     from tinyvllm.reference import kernels as ref
@@ -270,7 +302,8 @@ def test_quant_prenormed_head(gpu_ops, rng, kind):
         stored, norm_w, normed, row_ss = _handed_over(gpu_ops, rng, m, k, None)
         x64 = stored.astype(np.float64)
         inv_rms = 1 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + EPS)
-        want = inv_rms * _twin(w, ref.rms_norm_operand(stored, norm_w).astype(np.float32))
+        operand = ref.rms_norm_operand(stored, norm_w).astype(np.float32)
+        want = inv_rms * _twin(w, operand)
         for out_dtype, dtype in (("float32", np.float32), ("bfloat16", BF16)):
             y = DeviceArray.poisoned((m + 1, n), dtype)
             keys = DeviceArray(np.zeros(m + 1, np.uint64))
@@ -280,7 +313,7 @@ def test_quant_prenormed_head(gpu_ops, rng, kind):
             drv.Context.synchronize()
             got = y.get().astype(np.float32)
             assert np.all(np.isnan(got[m])), "wrote past row m"
-            assert rel_err(got[:m], want) < (FP32_TOL if fp32 else BF16_TOL)
+            _close(got[:m], want, out_dtype, w, operand, scale=inv_rms)
             if fp32:
                 np.testing.assert_array_equal(keys.get()[:m], head_argmax_keys(got[:m]))
 
