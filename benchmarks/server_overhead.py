@@ -11,6 +11,7 @@ simulated GPU's busy fraction and the GPU's idle time a step (the host gap).
     python benchmarks/server_overhead.py                              # the mixed load, H100 model
     python benchmarks/server_overhead.py --max-num-batched-tokens 2048 --no-stats
     python benchmarks/server_overhead.py --profile                    # cProfile both server threads
+    python benchmarks/server_overhead.py --profile engine             # one of them (Python 3.12+)
     python benchmarks/server_overhead.py --sweep                      # SWEEP's variants, a row each
     python benchmarks/server_overhead.py --variant= --variant=--no-stats --rounds 3   # an A/B
     python benchmarks/server_overhead.py --runner instant --workload uniform --step-ms 2
@@ -483,6 +484,8 @@ class ThreadProfile:
         return run
 
     def report(self, name: str, top: int) -> str:
+        if self.profile is None:
+            return ""
         out = []
         for key in ("cumulative", "tottime"):
             s = io.StringIO()
@@ -561,7 +564,8 @@ def serve_and_load(args) -> tuple[RunResult, str]:
         runner.mark = phases.mark
     elif args.runner == "cuda":
         runner = CudaTimeline(engine_loop.engine.runner, phases.mark)
-    engine_profile, loop_profile = ThreadProfile(args.profile), ThreadProfile(args.profile)
+    engine_profile = ThreadProfile(args.profile in ("both", "engine"))
+    loop_profile = ThreadProfile(args.profile in ("both", "loop"))
     engine_loop._thread._target = engine_profile.wrap(engine_loop._thread._target)
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -637,7 +641,7 @@ def serve_and_load(args) -> tuple[RunResult, str]:
     profiles = ""
     if args.profile:
         profiles = (engine_profile.report("engine thread", args.top)
-                    + loop_profile.report("event loop thread", args.top))
+                    + loop_profile.report("event loop thread", args.top))   # "" for a thread not profiled
     return result, profiles
 
 
@@ -756,9 +760,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sys.setswitchinterval for the server process (0: Python's 5 ms)")
     ap.add_argument("--step-ms", type=float, default=0.0, help="--runner instant: sleep per step")
     ap.add_argument("--timeout", type=float, default=300.0)
-    ap.add_argument("--profile", action="store_true",
-                    help="cProfile the engine thread and the event loop thread (top --top each, "
-                         "by cumulative and by own time); slows both")
+    ap.add_argument("--profile", nargs="?", const="both", choices=["both", "engine", "loop"], default=None,
+                    help="cProfile the engine thread, the event loop thread or both (top --top each, by "
+                         "cumulative and by own time); slows them. Python 3.12+ runs one cProfile at a time "
+                         "in a process, so there: engine or loop")
     ap.add_argument("--profile-client", action="store_true", help="cProfile the load client too")
     ap.add_argument("--client-procs", type=int, default=1, help="uniform: load_server.py --client-procs")
     ap.add_argument("--top", type=int, default=25, help="rows of each profile to print")
@@ -817,7 +822,12 @@ def sweep(argv: list[str], variants: list[list[str]], rounds: int) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.profile == "both" and sys.version_info >= (3, 12):
+        parser.error("--profile both: Python 3.12+ runs one cProfile at a time in a process "
+                     "(a second one fails with 'Another profiling tool is already active'); "
+                     "use --profile engine or --profile loop")
     if args.sweep or args.variant:
         base = strip_sweep_flags(argv)
         variants = [v.split() for v in args.variant] if args.variant else SWEEP

@@ -218,3 +218,17 @@ def test_cuda_timeline_times_steps_by_their_events(monkeypatch):
     assert [round(r.device_s * 1e3, 6) for r in records] == [2.5, 2.5]          # start -> end events
     assert round((records[1].device_start - records[0].device_end) * 1e3, 6) == 2.5
     assert all(r.woke >= r.wait_called >= r.enqueue_end >= r.enqueue_start for r in records)
+
+
+def test_profile_flag_names_its_threads_and_refuses_both_where_python_runs_one_profiler(monkeypatch, capsys):
+    """--profile alone is both server threads; --profile engine / loop one of them. Python 3.12+
+    runs one cProfile at a time in a process (a second enable() raises "Another profiling tool is
+    already active"), so there --profile both is one clear usage error naming the choices."""
+    parser = bench.build_parser()
+    assert parser.parse_args(["--profile"]).profile == "both"
+    assert parser.parse_args(["--profile", "engine"]).profile == "engine"
+    assert parser.parse_args([]).profile is None
+    monkeypatch.setattr(sys, "version_info", (3, 12, 0, "final", 0))
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--profile"])
+    assert exit_.value.code == 2 and "--profile engine or --profile loop" in capsys.readouterr().err
