@@ -75,6 +75,8 @@ tests call); the numpy twins of the nine-launch sequence are reference/model.py'
 """
 from __future__ import annotations
 
+import functools
+
 from tinyvllm.config import ModelConfig
 from tinyvllm.engine import batch as batch_rules
 from tinyvllm.errors import TinyVLLMError
@@ -269,6 +271,8 @@ class LlamaModel(TensorParallelLayers):
         shape = dict(num_seqs=step.num_seqs, num_q_heads=c.num_attention_heads,
                      num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
                      block_size=self.kv.block_size, scale=self.scale, window=c.layer_window(layer))
+        decode = functools.partial(self.ops.attention_decode, self.attn_out, self.partial_out, self.partial_ml,
+                                   self.split_counters, self.qkv, self.qkv_width, *paged, inputs.context_lens)
         if step.is_prefill:
             # a mixed step: its decode rows (rows 0 .. D - 1, token t = row t) through the split
             # decode attention, as in a decode step; the prompt rows after them through the
@@ -276,9 +280,7 @@ class LlamaModel(TensorParallelLayers):
             # holds token indices, so q and out stay whole)
             D = step.decode_rows
             if D:
-                self.ops.attention_decode(self.attn_out, self.partial_out, self.partial_ml, self.split_counters,
-                                          self.qkv, self.qkv_width, *paged, inputs.context_lens,
-                                          **{**shape, "num_seqs": D})
+                decode(**{**shape, "num_seqs": D})
             if D < step.num_seqs:
                 self.ops.attention_prefill(self.attn_out, self.qkv, self.qkv_width, self.kv.k(layer), self.kv.v(layer),
                                            int(inputs.block_tables) + 4 * D * step.table_width,
@@ -286,15 +288,12 @@ class LlamaModel(TensorParallelLayers):
                                            int(inputs.context_lens) + 4 * D,
                                            max_query_len=step.max_query_len, **{**shape, "num_seqs": step.num_seqs - D})
         elif not self.cascades(step, layer):
-            self.ops.attention_decode(self.attn_out, self.partial_out, self.partial_ml, self.split_counters,
-                                      self.qkv, self.qkv_width, *paged, inputs.context_lens, **shape)
+            decode(**shape)
         else:
             # cascade (module docstring): each sequence's own positions from the shared prefix's
             # end, then the prefix once for all of them, merged into attn_out; both read the
             # prefix length from the bank (0: whole contexts, and the prefix kernel does nothing)
-            self.ops.attention_decode(self.attn_out, self.partial_out, self.partial_ml, self.split_counters,
-                                      self.qkv, self.qkv_width, *paged, inputs.context_lens, **shape,
-                                      first_position=inputs.cascade_prefix_len, lse_out=self.decode_lse)
+            decode(**shape, first_position=inputs.cascade_prefix_len, lse_out=self.decode_lse)
             self.ops.attention_cascade_prefix(self.attn_out, self.decode_lse, *self.cascade_workspace, self.qkv,
                                               self.qkv_width, self.kv.k(layer), self.kv.v(layer), inputs.block_tables,
                                               inputs.cascade_prefix_len, **{k: shape[k] for k in CASCADE_SHAPE})
