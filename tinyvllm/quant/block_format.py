@@ -120,8 +120,8 @@ class QuantizedWeight:
         return self.format.dequantize_bf16(self.blocks, self.shape)
 
 
-# the decode GEMV's largest batch (gpu/ops/quant_gemv.py's QGEMV_MAX_ROWS): linear() at m <= this
-# is the GEMV's twin, above it prefill's dequantize-then-GEMM twin
+# the quantized decode GEMV's largest batch (gpu/ops/quant_gemv.py takes it from here): linear() at
+# m <= this is the GEMV's twin, above it prefill's dequantize-then-GEMM twin
 GEMV_MAX_ROWS = 8
 # the nibble formats whose GEMV factors each 32-weight block's affine map out of the dot product
 FACTORED_FORMATS = ("Q4_0", "Q4_1", "Q4_K")

@@ -23,9 +23,9 @@ import math
 from tinyvllm.gpu.kernels import kernel_constants
 from tinyvllm.gpu.ops.launch import OpsBase
 from tinyvllm.gpu.quant_weights import QuantMatrix
+from tinyvllm.quant.block_format import GEMV_MAX_ROWS as QGEMV_MAX_ROWS  # the twin picks its formula by it
 
 QGEMV = kernel_constants("gemv_quant.cu")
-QGEMV_MAX_ROWS = 8
 QGEMV_WARPS_PER_SM = 32          # the doubling rule's one-wave budget, as gemv.py's
 QGEMV_MIN_STEPS_PER_WARP = 1
 DEQUANT_THREADS = 256
