@@ -50,7 +50,7 @@ def _sync():
 
 def _freqs(d: int):
     from tinyvllm.checkpoint.model_writer import preset_config
-    from tinyvllm.config import rope_inv_freq
+    from tinyvllm.rope import rope_inv_freq
     return rope_inv_freq(dataclasses.replace(preset_config("llama-3.2-1b"), head_dim=d))
 
 

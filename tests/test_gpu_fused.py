@@ -184,7 +184,7 @@ def test_handed_over_norm(gpu, rng, k, inter, hq, hkv, d, m, k_warps, producer):
     from gpu_helpers import BF16, DeviceArray
 
     from tinyvllm.checkpoint.model_writer import preset_config
-    from tinyvllm.config import rope_inv_freq
+    from tinyvllm.rope import rope_inv_freq
     stored, norm_w, normed, row_ss = _handed_over(gpu, rng, m, k, k_warps, producer)
     prenormed = (row_ss, EPS)
     # gate_up + silu, and its chain

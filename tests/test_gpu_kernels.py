@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from tinyvllm.config import rope_inv_freq
 from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.reference import kernels as ref
+from tinyvllm.rope import rope_inv_freq
 
 pytestmark = pytest.mark.gpu
 BF16_TOL = 1e-2

@@ -6,8 +6,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tinyvllm.config import LinearRopeScaling, ModelConfig, RopeScaling, rope_inv_freq
+from tinyvllm.config import LinearRopeScaling, ModelConfig, RopeScaling
 from tinyvllm.errors import ModelLoadError
+from tinyvllm.rope import rope_inv_freq
 
 # config.json of Qwen/Qwen3-0.6B, Qwen/Qwen2.5-0.5B-Instruct, mistralai/Mistral-7B-Instruct-v0.3
 # and google/gemma-3-1b-it as published (transformers 4.x)

@@ -164,6 +164,24 @@ def test_quantized_linear_multiplies_by_the_bf16_weights(fmt):
 NIBBLE_FORMATS = [BLOCK_FORMATS[name] for name in FACTORED_FORMATS]
 
 
+def test_the_factored_formats_are_the_affine_ones():
+    """The GEMV factors exactly the formats that define an affine map a * c + b per 32 weights."""
+    assert {f.name for f in FORMATS if f.affine is not None} == set(FACTORED_FORMATS)
+
+
+@pytest.mark.parametrize("fmt", NIBBLE_FORMATS, ids=list(FACTORED_FORMATS))
+def test_affine_map_gives_the_decoded_values(fmt):
+    """A nibble format's affine view (codes 0..15, a, b per 32 weights) evaluated in float32 is its
+    decode, value for value (a * c exact, the sum rounded once, as the decode rounds)."""
+    raw = random_raw(fmt, 24, fmt.block_elements * 4, seed=5)
+    blocks = fmt.blocks(raw, (24, fmt.block_elements * 4))
+    codes, a, b = fmt.affine(blocks)
+    assert codes.dtype == np.uint8 and codes.max() <= 15 and codes.shape[2] == 32
+    assert a.dtype == b.dtype == np.float32 and a.shape == b.shape == codes.shape[:2]
+    values = a[:, :, None] * codes.astype(np.float32) + b[:, :, None]
+    np.testing.assert_array_equal(values.reshape(len(blocks), -1), fmt.decode(blocks))
+
+
 @pytest.mark.parametrize("fmt", NIBBLE_FORMATS, ids=list(FACTORED_FORMATS))
 @pytest.mark.parametrize("seed", [11, 12, 13])
 def test_factored_linear_is_the_exact_product_within_its_float32_bound(fmt, seed):

@@ -8,10 +8,11 @@ import pytest
 
 from tinyvllm.checkpoint.model_writer import PRESETS
 from tinyvllm.checkpoint.weights import load_weights
-from tinyvllm.config import ModelConfig, rope_inv_freq
+from tinyvllm.config import ModelConfig
 from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.reference.kernels import apply_rope, bf16_round, embedding, paged_attention, rms_norm, silu_mul, write_kv
 from tinyvllm.reference.model import ReferenceModel
+from tinyvllm.rope import rope_inv_freq
 
 
 @pytest.fixture(scope="module")

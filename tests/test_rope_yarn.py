@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tinyvllm.config import EngineConfig, ModelConfig, YarnRopeScaling, rope_inv_freq
+from tinyvllm.config import EngineConfig, ModelConfig, YarnRopeScaling
 from tinyvllm.errors import ModelLoadError, TinyVLLMError
+from tinyvllm.rope import rope_inv_freq
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}

@@ -24,10 +24,9 @@ from tinyvllm.model_family import (
     language_model_config,
 )
 from tinyvllm.quant.quant_config import QuantConfig, parse_quantization_config
-from tinyvllm.rope import rope_inv_freq
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling", "LinearRopeScaling", "YarnRopeScaling",
-           "EngineConfig", "rope_inv_freq"]
+           "EngineConfig"]
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES.values())
 

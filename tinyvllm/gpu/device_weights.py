@@ -28,10 +28,11 @@ import ml_dtypes
 import numpy as np
 
 from tinyvllm.checkpoint import weight_names as names
-from tinyvllm.config import ModelConfig, rope_inv_freq
+from tinyvllm.config import ModelConfig
 from tinyvllm.gpu.arena import round_up
 from tinyvllm.gpu.quant_weights import QuantMatrix, dequantized_table, pack_planes
 from tinyvllm.hf_config import FULL, SLIDING
+from tinyvllm.rope import rope_inv_freq
 
 
 @dataclass(frozen=True)

@@ -44,12 +44,16 @@ class BlockFormat:
     """One GGUF block type: `block_elements` consecutive weights of a row stored in
     `block_bytes` bytes. `fp16_fields` are the byte offsets of the block's fp16 fields (scales
     and mins), checked for finiteness at load. `decode` turns [n, block_bytes] uint8 blocks into
-    [n, block_elements] float32 values (step 2 of the module docstring), vectorised over blocks."""
+    [n, block_elements] float32 values (step 2 of the module docstring), vectorised over blocks.
+    `affine` (the nibble formats, whose decode GEMV factors: linear_factored) turns them into
+    their 32-weight groups as codes and an exact affine map per group, w = a * c + b: (codes
+    uint8 [n, groups, 32], a and b float32 [n, groups])."""
     name: str
     block_elements: int
     block_bytes: int
     fp16_fields: tuple[int, ...]
     decode: Callable[[np.ndarray], np.ndarray]
+    affine: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
 
     def row_bytes(self, cols: int) -> int:
         return cols // self.block_elements * self.block_bytes
@@ -146,24 +150,15 @@ def linear_dequantized(x: np.ndarray, weight: QuantizedWeight) -> np.ndarray:
 
 
 def affine_blocks(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A nibble-format weight as 32-weight blocks w = a * c + b: (codes uint8 [n, nb, 32],
-    a and b float32 [n, nb]), nb = k / 32, each weight exactly a * c + b. Q4_0: (d, -8 d);
-    Q4_1: (d, m); Q4_K per sub-block: (d * sc, -(dmin * mn)); all exact in float32."""
+    """A nibble-format weight as 32-weight blocks w = a * c + b (its format's `affine`): (codes
+    uint8 [n, nb, 32], a and b float32 [n, nb]), nb = k / 32, each weight exactly a * c + b.
+    Q4_0: (d, -8 d); Q4_1: (d, m); Q4_K per sub-block: (d * sc, -(dmin * mn)); all exact in float32."""
     n, k = weight.shape
-    name = weight.format.name
-    blocks = weight.format.blocks(weight.blocks, weight.shape)
-    if name == "Q4_K":
-        from tinyvllm.quant.gguf_kquants import q4_k_fields
-        codes, step, offset = q4_k_fields(blocks)
-        return codes.reshape(n, k // 32, 32), step.reshape(n, -1), -offset.reshape(n, -1)
-    d = fp16_at(blocks, 0)[:, 0]
-    if name == "Q4_0":
-        codes, b = low_then_high_nibbles(blocks[:, 2:18]), np.float32(-8) * d
-    elif name == "Q4_1":
-        codes, b = low_then_high_nibbles(blocks[:, 4:20]), fp16_at(blocks, 2)[:, 0]
-    else:
-        raise ValueError(f"{name}: not a format the GEMV factors ({', '.join(FACTORED_FORMATS)})")
-    return codes.reshape(n, k // 32, 32), d.reshape(n, -1), b.reshape(n, -1)
+    fmt = weight.format
+    if fmt.affine is None:
+        raise ValueError(f"{fmt.name}: not a format the GEMV factors ({', '.join(FACTORED_FORMATS)})")
+    codes, a, b = fmt.affine(fmt.blocks(weight.blocks, weight.shape))
+    return codes.reshape(n, k // 32, 32), a.reshape(n, -1), b.reshape(n, -1)
 
 
 def linear_factored(x: np.ndarray, weight: QuantizedWeight) -> np.ndarray:

@@ -83,5 +83,10 @@ def _decode_q6_k(blocks: np.ndarray) -> np.ndarray:
     return (step[:, :, None] * quants.astype(np.float32)).reshape(len(blocks), SUPER_BLOCK)   # exact
 
 
-Q4_K = BlockFormat("Q4_K", SUPER_BLOCK, 144, fp16_fields=(0, 2), decode=_decode_q4_k)
+def _affine_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    codes, step, offset = q4_k_fields(blocks)
+    return codes, step, -offset
+
+
+Q4_K = BlockFormat("Q4_K", SUPER_BLOCK, 144, fp16_fields=(0, 2), decode=_decode_q4_k, affine=_affine_q4_k)
 Q6_K = BlockFormat("Q6_K", SUPER_BLOCK, 210, fp16_fields=(208,), decode=_decode_q6_k)

@@ -43,6 +43,15 @@ def _decode_q4_1(blocks: np.ndarray) -> np.ndarray:
     return d * codes + m                      # d * codes is exact: the sum rounds once
 
 
+def _affine_q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = fp16_at(blocks, 0)
+    return low_then_high_nibbles(blocks[:, 2:18])[:, None, :], d, np.float32(-8) * d   # -8 d exact
+
+
+def _affine_q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return low_then_high_nibbles(blocks[:, 4:20])[:, None, :], fp16_at(blocks, 0), fp16_at(blocks, 2)
+
+
 Q8_0 = BlockFormat("Q8_0", BLOCK, 34, fp16_fields=(0,), decode=_decode_q8_0)
-Q4_0 = BlockFormat("Q4_0", BLOCK, 18, fp16_fields=(0,), decode=_decode_q4_0)
-Q4_1 = BlockFormat("Q4_1", BLOCK, 20, fp16_fields=(0, 2), decode=_decode_q4_1)
+Q4_0 = BlockFormat("Q4_0", BLOCK, 18, fp16_fields=(0,), decode=_decode_q4_0, affine=_affine_q4_0)
+Q4_1 = BlockFormat("Q4_1", BLOCK, 20, fp16_fields=(0, 2), decode=_decode_q4_1, affine=_affine_q4_1)

@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from tinyvllm.checkpoint import weight_names as names
-from tinyvllm.config import ModelConfig, rope_inv_freq
+from tinyvllm.config import ModelConfig
 from tinyvllm.engine.batch import ForwardBatch
 from tinyvllm.hf_config import LAYER_TYPES
 from tinyvllm.quant.weight_kinds import is_quantized
@@ -28,6 +28,7 @@ from tinyvllm.reference.kernels import (
     silu_mul,
     write_kv,
 )
+from tinyvllm.rope import rope_inv_freq
 
 
 def held(weight):
