@@ -19,9 +19,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from tinyvllm.checkpoint.gguf_tensors import read_gguf_weights
 from tinyvllm.quant.block_format import BF16, QuantizedWeight
 from tinyvllm.quant.fp8 import quantize_per_channel
-from tinyvllm.quant.gguf_file import read_gguf_weights
 
 
 class Stats:

@@ -22,7 +22,7 @@ from tinyvllm.checkpoint.weights import BF16, TensorSpec
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError
 from tinyvllm.quant.block_format import QuantizedWeight
-from tinyvllm.quant.gguf_file import BLOCK_FORMATS
+from tinyvllm.quant.weight_kinds import BLOCK_FORMATS
 
 SEED = 3
 TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnew lines", "numbers 1234567 and 3.14159",

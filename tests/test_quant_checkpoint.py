@@ -1,6 +1,6 @@
 """FP8 checkpoints: quantization_config parsing (tinyvllm/quant/quant_config.py), one error naming
 each field that cannot be honoured; F8_E4M3 checkpoints written by the safetensors package itself
-loaded by load_weights with each weight paired with its scale (tinyvllm/quant/fp8_checkpoint.py),
+loaded by load_weights with each weight paired with its scale (tinyvllm/checkpoint/fp8_weights.py),
 and every broken checkpoint one error naming the tensor; `--quantization fp8` at load."""
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from tinyvllm.checkpoint.fp8_weights import linear_groups
 from tinyvllm.checkpoint.weight_names import EMBED, fused_layer
 from tinyvllm.checkpoint.weights import load_weights
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError
 from tinyvllm.quant.fp8 import E4M3, Fp8Weight, quantize_per_channel
-from tinyvllm.quant.fp8_checkpoint import linear_groups
 from tinyvllm.quant.quant_config import QuantConfig, online_fp8, parse_quantization_config
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

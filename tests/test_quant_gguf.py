@@ -11,6 +11,7 @@ import pytest
 from quant_reference import exact_dequantize
 
 from tinyvllm.checkpoint.gguf import unpermute_rope_rows
+from tinyvllm.checkpoint.gguf_tensors import read_gguf_weights
 from tinyvllm.errors import ModelLoadError
 from tinyvllm.quant.block_format import (
     FACTORED_FORMATS,
@@ -21,7 +22,7 @@ from tinyvllm.quant.block_format import (
     linear_dequantized,
     linear_factored,
 )
-from tinyvllm.quant.gguf_file import BLOCK_FORMATS, read_gguf_weights
+from tinyvllm.quant.weight_kinds import BLOCK_FORMATS
 
 FORMATS = list(BLOCK_FORMATS.values())
 IDS = list(BLOCK_FORMATS)

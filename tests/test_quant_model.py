@@ -24,8 +24,13 @@ from tinyvllm.errors import ModelLoadError  # noqa: E402
 from tinyvllm.quant import block_format  # noqa: E402
 from tinyvllm.quant.block_format import QuantizedWeight  # noqa: E402
 from tinyvllm.quant.fp8 import Fp8Weight  # noqa: E402
-from tinyvllm.quant.gguf_file import BLOCK_FORMATS  # noqa: E402
-from tinyvllm.quant.weight_kinds import RowStack, bytes_by_kind, concat_rows, linear  # noqa: E402
+from tinyvllm.quant.weight_kinds import (  # noqa: E402
+    BLOCK_FORMATS,  # noqa: E402
+    RowStack,
+    bytes_by_kind,
+    concat_rows,
+    linear,
+)
 from tinyvllm.reference.kernels import embedding  # noqa: E402
 from tinyvllm.reference.model import ReferenceModel  # noqa: E402
 

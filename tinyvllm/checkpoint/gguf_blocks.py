@@ -25,10 +25,11 @@ import numpy as np
 
 from tinyvllm.checkpoint.default_model import converted_once, tinyvllm_home
 from tinyvllm.checkpoint.gguf_header import GGUF_MAGIC, open_gguf
+from tinyvllm.checkpoint.gguf_tensors import FLOAT_TYPES, tensor_weight
 from tinyvllm.config import ModelConfig
 from tinyvllm.errors import ModelLoadError
 from tinyvllm.quant.block_format import QuantizedWeight
-from tinyvllm.quant.gguf_file import BLOCK_FORMATS, FLOAT_TYPES, tensor_weight
+from tinyvllm.quant.weight_kinds import BLOCK_FORMATS
 
 
 def is_gguf_file(model: str | Path | None) -> bool:

@@ -201,10 +201,10 @@ def load_weights(model_dir: str | Path, config: ModelConfig,
     over the memory-mapped files; fp16/fp32 ones are converted. Tensors the model does not use
     (rotary inv_freq, lm_head of a tied model) are ignored. A checkpoint whose config.json
     declares FP8 weights, or `quantization="fp8"` (EngineConfig.quantization), gives Fp8Weight
-    for the quantized linears (tinyvllm/quant/fp8_checkpoint.py)."""
+    for the quantized linears (checkpoint/fp8_weights.py)."""
     reader = CheckpointReader(model_dir)
     if config.quantization is not None or quantization is not None:
-        from tinyvllm.quant.fp8_checkpoint import load_fp8_weights
+        from tinyvllm.checkpoint.fp8_weights import load_fp8_weights
         return load_fp8_weights(reader, config, quantization)
     return {name: as_bf16(reader.get(name, shape, why=UNQUANTIZED))
             for name, shape in expected_shapes(config).items()}

@@ -1,15 +1,14 @@
 """Quantized weights: the numpy twins of every stored format and of the quantized linear.
+(Reading them from files is checkpoint/'s: gguf_tensors.py, fp8_weights.py.)
 
     block_format.py    what GGUF's block formats share: BlockFormat, QuantizedWeight, linear()
     gguf_legacy.py     Q8_0, Q4_0, Q4_1 (32-weight blocks)
     gguf_kquants.py    Q4_K, Q6_K (256-weight super-blocks)
-    gguf_file.py       a GGUF file's tensors as blocks (nothing dequantized)
     fp8.py             e4m3 codes with per-channel or per-tensor float32 scales, linear()
     quant_config.py    config.json's quantization_config -> QuantConfig
-    fp8_checkpoint.py  FP8 weights at load: an FP8 checkpoint's weights paired with their scales,
-                       or a bf16 checkpoint quantized per channel (--quantization fp8)
-    weight_kinds.py    the weight kinds a loaded model holds; linear / embedding rows / fused
-                       groups over any of them (what the reference model calls)
+    weight_kinds.py    the weight kinds a loaded model holds (and the GGUF block formats by type
+                       name); linear / embedding rows / fused groups over any of them (what the
+                       reference model calls)
     llama_cpp_twin.py  llama.cpp's 8-bit activation rounding and block dot products, and the
                        near-tie bound of a comparison with llama.cpp derived from them
 """

@@ -21,12 +21,16 @@ import numpy as np
 
 from tinyvllm.errors import ModelLoadError
 from tinyvllm.quant import block_format, fp8
-from tinyvllm.quant.block_format import QuantizedWeight
+from tinyvllm.quant.block_format import BlockFormat, QuantizedWeight
 from tinyvllm.quant.fp8 import Fp8Weight
+from tinyvllm.quant.gguf_kquants import Q4_K, Q6_K
+from tinyvllm.quant.gguf_legacy import Q4_0, Q4_1, Q8_0
 
 # the quantized kinds (kind_name) the CUDA kernels read: cuda/gemv_quant.cu (and a RowStack of
 # the GGUF ones, read as one matrix: gpu/quant_weights.py's EXPANDED)
 GPU_KINDS = ("FP8", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# the GGUF block types kept as blocks, by their GGUF type name
+BLOCK_FORMATS: dict[str, BlockFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)}
 
 
 @dataclass(frozen=True, eq=False)          # arrays inside: compared by identity

@@ -4,14 +4,14 @@ per output channel (`--quantization fp8`, EngineConfig.quantization).
 What an FP8 checkpoint stores for a quantized linear layer M (vLLM's "fp8" serialisation and
 compressed-tensors' float-quantized format alike; config.json's quantization_config says which
 linears, tinyvllm/quant/quant_config.py):
-    M.weight        F8_E4M3  [rows, cols]    one e4m3 code per weight (fp8.py's layout)
+    M.weight        F8_E4M3  [rows, cols]    one e4m3 code per weight (quant/fp8.py's layout)
     M.weight_scale  F32 (or BF16 / F16)      [] or [1]: per tensor;  [rows] or [rows, 1]: per channel
     M.input_scale   present only with static activation scales, which are refused
 W[r, c] ~ weight[r, c] * scale[r] (or the one scale). Other tensors (embedding, norms, ignored
 linears) are ordinary float tensors, loaded as bf16. The files are read by
-checkpoint/weights.py's one safetensors reader (F8_E4M3 is in its dtype table).
+weights.py's one safetensors reader (F8_E4M3 is in its dtype table).
 
-The engine fuses q/k/v and gate/up into one matrix each (checkpoint/weight_names.py); a fused
+The engine fuses q/k/v and gate/up into one matrix each (weight_names.py); a fused
 group is FP8 in all its parts or in none (an ignore list that splits a group is an error, as in
 vLLM), and per-tensor scales of a group become per-channel rows when the parts are stacked
 (tinyvllm/quant/weight_kinds.py::concat_rows). lm_head is quantized only when the checkpoint
@@ -110,7 +110,7 @@ def load_fp8_weights(reader, config: ModelConfig,
 def quantize_linears(weights: dict[str, np.ndarray], config: ModelConfig,
                      qconfig: QuantConfig) -> dict[str, np.ndarray | Fp8Weight]:
     """Every layer linear that `qconfig` quantizes -> Fp8Weight, one scale per output row
-    (fp8.py::quantize_per_channel); the embedding, norms and lm_head stay as they are."""
+    (quant/fp8.py::quantize_per_channel); the embedding, norms and lm_head stay as they are."""
     out: dict[str, np.ndarray | Fp8Weight] = dict(weights)
     for group in linear_groups(config):
         for name in group:

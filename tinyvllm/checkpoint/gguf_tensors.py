@@ -1,12 +1,12 @@
 """A GGUF file's tensors as they are stored: block-quantized matrices as QuantizedWeight (a view
 of the memory-mapped blocks, nothing dequantized), float tensors as arrays.
 
-The file is opened through checkpoint/gguf_header.py (every count and offset checked first) and
+The file is opened through gguf_header.py (every count and offset checked first) and
 read with the `gguf` package's GGUFReader, whose tensors carry `tensor_type`, `shape` (ggml order:
 innermost dimension first, so a [rows, cols] matrix is listed as [cols, rows]) and `data` (for a
 block type: uint8 [rows, row_bytes]). Names stay llama.cpp's (blk.N.attn_q.weight, ...); mapping
 them to Hugging Face names and undoing llama.cpp's q/k row order (a permutation of whole rows, so
-of whole block rows too) is checkpoint/gguf.py's.
+of whole block rows too) is gguf.py's. The block formats are quant/'s (weight_kinds.BLOCK_FORMATS).
 """
 from __future__ import annotations
 
@@ -17,11 +17,9 @@ import numpy as np
 
 from tinyvllm.checkpoint.gguf_header import open_gguf
 from tinyvllm.errors import ModelLoadError
-from tinyvllm.quant.block_format import BlockFormat, QuantizedWeight
-from tinyvllm.quant.gguf_kquants import Q4_K, Q6_K
-from tinyvllm.quant.gguf_legacy import Q4_0, Q4_1, Q8_0
+from tinyvllm.quant.block_format import QuantizedWeight
+from tinyvllm.quant.weight_kinds import BLOCK_FORMATS
 
-BLOCK_FORMATS: dict[str, BlockFormat] = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)}
 FLOAT_TYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
                "BF16": np.dtype(ml_dtypes.bfloat16)}
 
