@@ -17,6 +17,7 @@ from tinyvllm.quant.block_format import (
     FACTORED_FORMATS,
     GEMV_MAX_ROWS,
     QuantizedWeight,
+    affine_blocks,
     factored_error_bound,
     linear,
     linear_dequantized,
@@ -165,22 +166,30 @@ def test_quantized_linear_multiplies_by_the_bf16_weights(fmt):
 NIBBLE_FORMATS = [BLOCK_FORMATS[name] for name in FACTORED_FORMATS]
 
 
-def test_the_factored_formats_are_the_affine_ones():
-    """The GEMV factors exactly the formats that define an affine map a * c + b per 32 weights."""
-    assert {f.name for f in FORMATS if f.affine is not None} == set(FACTORED_FORMATS)
+def test_the_factored_formats_are_the_nibble_ones():
+    """The GEMV factors exactly the formats whose fields mark their quants as 4-bit codes."""
+    assert {f.name for f in FORMATS if f.nibble_offset is not None} == set(FACTORED_FORMATS)
 
 
-@pytest.mark.parametrize("fmt", NIBBLE_FORMATS, ids=list(FACTORED_FORMATS))
-def test_affine_map_gives_the_decoded_values(fmt):
-    """A nibble format's affine view (codes 0..15, a, b per 32 weights) evaluated in float32 is its
-    decode, value for value (a * c exact, the sum rounded once, as the decode rounds)."""
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_fields_are_the_integer_form_of_the_decode(fmt):
+    """A format's fields (q, a, b per sub-block) are integers within the format's code range and
+    float32 steps and mins with which fl32(a * q + b) is the decode bit for bit (zero's sign
+    included), and a nibble format's factored view (codes 0..15, b - offset * a) gives the same
+    values."""
     raw = random_raw(fmt, 24, fmt.block_elements * 4, seed=5)
-    blocks = fmt.blocks(raw, (24, fmt.block_elements * 4))
-    codes, a, b = fmt.affine(blocks)
-    assert codes.dtype == np.uint8 and codes.max() <= 15 and codes.shape[2] == 32
-    assert a.dtype == b.dtype == np.float32 and a.shape == b.shape == codes.shape[:2]
-    values = a[:, :, None] * codes.astype(np.float32) + b[:, :, None]
-    np.testing.assert_array_equal(values.reshape(len(blocks), -1), fmt.decode(blocks))
+    weight = QuantizedWeight.from_raw(fmt, (24, fmt.block_elements * 4), raw, "w")
+    blocks = fmt.blocks(raw, weight.shape)
+    q, a, b = fmt.fields(blocks)
+    assert q.dtype == np.int8 and a.dtype == b.dtype == np.float32 and a.shape == b.shape == q.shape[:2]
+    assert q.shape[1] * q.shape[2] == fmt.block_elements
+    values = a[:, :, None] * q.astype(np.float32) + b[:, :, None]
+    np.testing.assert_array_equal(values.reshape(weight.shape).view(np.uint32), weight.dequantize().view(np.uint32))
+    if fmt.nibble_offset is not None:
+        codes, fa, fb = affine_blocks(weight)
+        assert codes.dtype == np.uint8 and codes.max() <= 15
+        factored = fa[:, :, None] * codes.astype(np.float32) + fb[:, :, None]
+        np.testing.assert_array_equal(factored.reshape(weight.shape), weight.dequantize())
 
 
 @pytest.mark.parametrize("fmt", NIBBLE_FORMATS, ids=list(FACTORED_FORMATS))

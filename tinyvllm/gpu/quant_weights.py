@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tinyvllm.errors import ModelLoadError
-from tinyvllm.quant.block_format import BF16, QuantizedWeight, bf16_as_f32, fp16_at, low_then_high_nibbles
+from tinyvllm.quant.block_format import BF16, QuantizedWeight, bf16_as_f32
 from tinyvllm.quant.fp8 import E4M3, Fp8Weight
 from tinyvllm.quant.gguf_kquants import q4_k_fields, q6_k_fields
 from tinyvllm.quant.weight_kinds import GPU_KINDS, RowStack, kind_name
@@ -106,23 +106,7 @@ def expanded_fields(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np
     per 16 weights, each value its format's twin's exactly: a * q is exact in every format (the
     twins' step 2); b = -0 where the format has no min, so a * q + b is a * q, zero's sign kept."""
     rows, cols = weight.shape
-    blocks, name = _blocks(weight), weight.format.name
-    no_min = np.float32(-0.0)
-    if name == "Q4_K":
-        codes, step, offset = q4_k_fields(blocks)
-        q, a, b = codes.astype(np.int8), step, -offset
-    elif name == "Q6_K":
-        q, a = q6_k_fields(blocks)
-        b = np.full_like(a, no_min)
-    else:                                  # the legacy blocks of 32: d at byte 0
-        d = fp16_at(blocks, 0)
-        if name == "Q8_0":
-            q = np.ascontiguousarray(blocks[:, 2:34]).view(np.int8)
-        else:
-            codes = low_then_high_nibbles(blocks[:, 2:18] if name == "Q4_0" else blocks[:, 4:20]).astype(np.int8)
-            q = codes - np.int8(8) if name == "Q4_0" else codes
-        b = fp16_at(blocks, 2) if name == "Q4_1" else np.full_like(d, no_min)
-        a = d
+    q, a, b = weight.format.fields(_blocks(weight))      # the format's integer form (block_format.py)
     per_entry = q.size // a.size // EXPANDED_GROUP      # a K-quant's sub-block or a block: 1 or 2 groups of 16
     a, b = (np.repeat(v.reshape(-1), per_entry) for v in (a, b))
     return q.reshape(rows, cols), a.reshape(rows, -1).astype(np.float32), b.reshape(rows, -1).astype(np.float32)

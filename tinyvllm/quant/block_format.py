@@ -43,17 +43,25 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 class BlockFormat:
     """One GGUF block type: `block_elements` consecutive weights of a row stored in
     `block_bytes` bytes. `fp16_fields` are the byte offsets of the block's fp16 fields (scales
-    and mins), checked for finiteness at load. `decode` turns [n, block_bytes] uint8 blocks into
-    [n, block_elements] float32 values (step 2 of the module docstring), vectorised over blocks.
-    `affine` (the nibble formats, whose decode GEMV factors: linear_factored) turns them into
-    their 32-weight groups as codes and an exact affine map per group, w = a * c + b: (codes
-    uint8 [n, groups, 32], a and b float32 [n, groups])."""
+    and mins), checked for finiteness at load. `fields` reads [n, block_bytes] uint8 blocks as
+    their integer form, the one place that knows the block's bytes: (q int8 [n, S, E], a and b
+    float32 [n, S]) for its S sub-blocks of E weights, each weight exactly fl32(a * q + b) (step
+    2 of the module docstring: a * q exact; b the min, or -0 where the format has none, so that
+    a * q + b is a * q with zero's sign kept). decode(), the GEMV's EXPANDED upload
+    (gpu/quant_weights.py) and llama.cpp's twin read blocks through it. `nibble_offset` marks the
+    nibble formats, whose decode GEMV factors (linear_factored): q = c - nibble_offset for the
+    4-bit code c."""
     name: str
     block_elements: int
     block_bytes: int
     fp16_fields: tuple[int, ...]
-    decode: Callable[[np.ndarray], np.ndarray]
-    affine: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+    fields: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+    nibble_offset: int | None = None
+
+    def decode(self, blocks: np.ndarray) -> np.ndarray:
+        """[n, block_bytes] uint8 -> [n, block_elements] float32: fl32(a * q + b) per weight."""
+        q, a, b = self.fields(blocks)
+        return (a[:, :, None] * q.astype(np.float32) + b[:, :, None]).reshape(len(blocks), self.block_elements)
 
     def row_bytes(self, cols: int) -> int:
         return cols // self.block_elements * self.block_bytes
@@ -150,14 +158,17 @@ def linear_dequantized(x: np.ndarray, weight: QuantizedWeight) -> np.ndarray:
 
 
 def affine_blocks(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A nibble-format weight as 32-weight blocks w = a * c + b (its format's `affine`): (codes
-    uint8 [n, nb, 32], a and b float32 [n, nb]), nb = k / 32, each weight exactly a * c + b.
+    """A nibble-format weight as 32-weight blocks w = a * c + b of its 4-bit codes c (its format's
+    fields with q = c - nibble_offset): (codes uint8 [n, nb, 32], a and b float32 [n, nb]), nb =
+    k / 32, each weight exactly a * c + b.
     Q4_0: (d, -8 d); Q4_1: (d, m); Q4_K per sub-block: (d * sc, -(dmin * mn)); all exact in float32."""
     n, k = weight.shape
     fmt = weight.format
-    if fmt.affine is None:
+    if fmt.nibble_offset is None:
         raise ValueError(f"{fmt.name}: not a format the GEMV factors ({', '.join(FACTORED_FORMATS)})")
-    codes, a, b = fmt.affine(fmt.blocks(weight.blocks, weight.shape))
+    q, a, b = fmt.fields(fmt.blocks(weight.blocks, weight.shape))
+    codes = (q.astype(np.int16) + fmt.nibble_offset).astype(np.uint8)
+    b = b - np.float32(fmt.nibble_offset) * a          # a * (c - off) + b = a * c + (b - off * a); off * a exact
     return codes.reshape(n, k // 32, 32), a.reshape(n, -1), b.reshape(n, -1)
 
 

@@ -72,21 +72,15 @@ def q6_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return quants, fp16_at(blocks, 208) * scales
 
 
-def _decode_q4_k(blocks: np.ndarray) -> np.ndarray:
+def _fields_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     codes, step, offset = q4_k_fields(blocks)
-    # step * code is exact: the subtraction rounds once
-    return (step[:, :, None] * codes.astype(np.float32) - offset[:, :, None]).reshape(len(blocks), SUPER_BLOCK)
+    return codes.astype(np.int8), step, -offset          # step * code exact: adding -offset rounds once
 
 
-def _decode_q6_k(blocks: np.ndarray) -> np.ndarray:
+def _fields_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     quants, step = q6_k_fields(blocks)
-    return (step[:, :, None] * quants.astype(np.float32)).reshape(len(blocks), SUPER_BLOCK)   # exact
+    return quants, step, np.full_like(step, np.float32(-0.0))   # step * quant exact: no min
 
 
-def _affine_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    codes, step, offset = q4_k_fields(blocks)
-    return codes, step, -offset
-
-
-Q4_K = BlockFormat("Q4_K", SUPER_BLOCK, 144, fp16_fields=(0, 2), decode=_decode_q4_k, affine=_affine_q4_k)
-Q6_K = BlockFormat("Q6_K", SUPER_BLOCK, 210, fp16_fields=(208,), decode=_decode_q6_k)
+Q4_K = BlockFormat("Q4_K", SUPER_BLOCK, 144, fp16_fields=(0, 2), fields=_fields_q4_k, nibble_offset=0)
+Q6_K = BlockFormat("Q6_K", SUPER_BLOCK, 210, fp16_fields=(208,), fields=_fields_q6_k)

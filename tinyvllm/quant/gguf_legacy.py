@@ -25,33 +25,25 @@ from tinyvllm.quant.block_format import BlockFormat, fp16_at, low_then_high_nibb
 BLOCK = 32
 
 
-def _decode_q8_0(blocks: np.ndarray) -> np.ndarray:
+NO_MIN = np.float32(-0.0)
+
+
+def _fields_q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     d = fp16_at(blocks, 0)
-    q = np.ascontiguousarray(blocks[:, 2:34]).view(np.int8).astype(np.float32)
-    return d * q
+    return np.ascontiguousarray(blocks[:, 2:34]).view(np.int8)[:, None, :], d, np.full_like(d, NO_MIN)
 
 
-def _decode_q4_0(blocks: np.ndarray) -> np.ndarray:
+def _fields_q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     d = fp16_at(blocks, 0)
-    codes = low_then_high_nibbles(blocks[:, 2:18]).astype(np.float32)
-    return d * (codes - np.float32(8))
+    q = low_then_high_nibbles(blocks[:, 2:18]).astype(np.int8) - np.int8(8)
+    return q[:, None, :], d, np.full_like(d, NO_MIN)
 
 
-def _decode_q4_1(blocks: np.ndarray) -> np.ndarray:
-    d, m = fp16_at(blocks, 0), fp16_at(blocks, 2)
-    codes = low_then_high_nibbles(blocks[:, 4:20]).astype(np.float32)
-    return d * codes + m                      # d * codes is exact: the sum rounds once
+def _fields_q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # d * c is exact: the sum with m rounds once
+    return low_then_high_nibbles(blocks[:, 4:20]).astype(np.int8)[:, None, :], fp16_at(blocks, 0), fp16_at(blocks, 2)
 
 
-def _affine_q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    d = fp16_at(blocks, 0)
-    return low_then_high_nibbles(blocks[:, 2:18])[:, None, :], d, np.float32(-8) * d   # -8 d exact
-
-
-def _affine_q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return low_then_high_nibbles(blocks[:, 4:20])[:, None, :], fp16_at(blocks, 0), fp16_at(blocks, 2)
-
-
-Q8_0 = BlockFormat("Q8_0", BLOCK, 34, fp16_fields=(0,), decode=_decode_q8_0)
-Q4_0 = BlockFormat("Q4_0", BLOCK, 18, fp16_fields=(0,), decode=_decode_q4_0, affine=_affine_q4_0)
-Q4_1 = BlockFormat("Q4_1", BLOCK, 20, fp16_fields=(0, 2), decode=_decode_q4_1, affine=_affine_q4_1)
+Q8_0 = BlockFormat("Q8_0", BLOCK, 34, fp16_fields=(0,), fields=_fields_q8_0)
+Q4_0 = BlockFormat("Q4_0", BLOCK, 18, fp16_fields=(0,), fields=_fields_q4_0, nibble_offset=8)
+Q4_1 = BlockFormat("Q4_1", BLOCK, 20, fp16_fields=(0, 2), fields=_fields_q4_1, nibble_offset=0)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tinyvllm.quant.block_format import QuantizedWeight, fp16_at, low_then_high_nibbles
+from tinyvllm.quant.block_format import QuantizedWeight
 
 BLOCK = 32
 
@@ -59,19 +59,12 @@ def integer_form(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.nd
     """A Q8_0 / Q4_0 / Q4_1 matrix as (integer codes [n, k/32, 32] (Q4_0's minus 8), d [n, k/32],
     m [n, k/32] or None), in the float32 values llama.cpp's dot products read."""
     n, k = weight.shape
-    blocks = weight.blocks.reshape(-1, weight.format.block_bytes)
     name = weight.format.name
-    if name == "Q8_0":
-        codes = np.ascontiguousarray(blocks[:, 2:34]).view(np.int8).astype(np.float32)
-    elif name == "Q4_0":
-        codes = low_then_high_nibbles(blocks[:, 2:18]).astype(np.float32) - np.float32(8)
-    elif name == "Q4_1":
-        codes = low_then_high_nibbles(blocks[:, 4:20]).astype(np.float32)
-    else:
+    if name not in ("Q8_0", "Q4_0", "Q4_1"):
         raise ValueError(f"no twin of llama.cpp's {name} dot product (K-quants pair with Q8_K)")
-    d = fp16_at(blocks, 0).reshape(n, k // BLOCK)
-    m = fp16_at(blocks, 2).reshape(n, k // BLOCK) if name == "Q4_1" else None
-    return codes.reshape(n, k // BLOCK, BLOCK), d, m
+    q, d, m = weight.format.fields(weight.blocks.reshape(-1, weight.format.block_bytes))   # d, m: [blocks, 1]
+    return (q.astype(np.float32).reshape(n, k // BLOCK, BLOCK), d.reshape(n, k // BLOCK),
+            m.reshape(n, k // BLOCK) if name == "Q4_1" else None)
 
 
 def llama_cpp_linear(x: np.ndarray, weight, bias=None) -> np.ndarray:
