@@ -2,7 +2,7 @@
 # One GPU-machine pass: the GEMV and fused-GEMV tests first (the decode layer is built on them, so
 # a failure there explains most later ones), then every other GPU test, then the benchmarks named.
 # Logs go to $OUT (or ./gpu-pass-logs); summary.log collects the headline lines.
-#   usage: benchmarks/gpu_pass.sh [tests] [gemv-bench] [attn-bench] [profile] [profile-loo] [bench] [bench-hf] [latency-ab] [tree-ab] [server-load] [soak] [smollm2] [vllm-site] [bench-vllm] [load-mixed]
+#   usage: benchmarks/gpu_pass.sh [tests | tests-1 tests-2] [gemv-bench] [attn-bench] [profile] [profile-loo] [bench] [bench-hf] [latency-ab] [tree-ab] [server-load] [soak] [smollm2] [vllm-site] [bench-vllm] [load-mixed]
 # (server-load, load-mixed and soak need the server extra: fastapi, uvicorn, pydantic, prometheus_client;
 # bench-vllm and load-mixed need vLLM in /tmp/vsite: the vllm-site step, docs/device-runs.md)
 set -u
@@ -56,6 +56,29 @@ for step in $steps; do
       log "gpu tests rc=$?: $(tail -1 "$OUT/gpu-tests.log")"
       grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -20 | tee -a "$OUT/summary.log"
       grep -hE "per-step|near-tie|mismatches" "$OUT/gpu-tests.log" | tee -a "$OUT/summary.log" ;;
+    tests-1|tests-2)
+      # the GPU tests in two halves of about equal test counts (the GEMV and fused-GEMV files lead
+      # the first), each within one ten-minute command: the whole set takes longer than that
+      part=${step#tests-}
+      files=$(python3 -m pytest -m gpu -q --co -p no:cacheprovider tests 2>/dev/null | python3 -c '
+import sys
+lead = ["tests/test_gpu_gemv.py", "tests/test_gpu_fused.py"]
+counts = {}
+for line in sys.stdin:
+    if "::" in line:
+        name = line.split("::")[0]
+        counts[name] = counts.get(name, 0) + 1
+order = [f for f in lead if f in counts] + sorted(f for f in counts if f not in lead)
+half, seen, first = sum(counts.values()) / 2, 0, []
+for f in order:
+    if seen >= half:
+        break
+    first.append(f)
+    seen += counts[f]
+print(" ".join(first if sys.argv[1] == "1" else [f for f in order if f not in first]))' "$part")
+      timeout 540 python3 -m pytest -m gpu -q -s -rfE -p no:cacheprovider $files > "$OUT/gpu-tests-$part.log" 2>&1
+      log "gpu tests, half $part rc=$?: $(tail -1 "$OUT/gpu-tests-$part.log")"
+      grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests-$part.log" | head -20 | tee -a "$OUT/summary.log" ;;
     gemv-bench)
       timeout 120 python3 benchmarks/gemv_bench.py > "$OUT/gemv-bench.log" 2>&1
       log "gemv bench rc=$?"; tail -12 "$OUT/gemv-bench.log" | tee -a "$OUT/summary.log" ;;
