@@ -135,6 +135,9 @@ def test_default_sampling_params_come_from_generation_config(llm, tiny_model_dir
     assert LLM(str(tiny_model_dir), generation_config="vllm", **OPTIONS).get_default_sampling_params() == SamplingParams()
     with pytest.raises(TinyVLLMError, match="no generation_config.json there"):
         LLM(str(tiny_model_dir), generation_config=str(tmp_path / "nowhere"), **OPTIONS)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1.0}))
+    with pytest.raises(TinyVLLMError, match=r"generation_config.json: its sampling defaults are not usable: .*temperature"):
+        LLM(str(tiny_model_dir), generation_config=str(tmp_path), **OPTIONS)
 
 
 def test_llm_argument_errors(tiny_model_dir, tmp_path):

@@ -7,11 +7,13 @@ generation_config option:
 
 Of the file's fields only those vLLM takes are used (get_diff_sampling_param): temperature,
 top_p, top_k, min_p, repetition_penalty, and max_new_tokens as max_tokens. A missing file means
-no defaults; a field whose value SamplingParams refuses is an error at start-up, naming the file."""
+no defaults; a field whose value the engine's check (SamplingParams) refuses is an error at
+start-up, naming the file."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 from tinyvllm.errors import ModelLoadError, TinyVLLMError
 
@@ -20,9 +22,10 @@ FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min
           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def default_sampling_fields(model_dir: str | Path, option: str = "auto") -> dict:
-    """The SamplingParams fields the generation config sets (may be empty)."""
-    from tinyvllm.engine.sampling_params import SamplingParams
+def default_sampling_fields(model_dir: str | Path, option: str = "auto",
+                            check: Callable[..., object] | None = None) -> dict:
+    """The SamplingParams fields the generation config sets (may be empty); `check(**fields)`
+    (the engine passes SamplingParams) raising a TinyVLLMError makes them an error naming the file."""
     if option == "vllm":
         return {}
     if option == "auto":
@@ -41,8 +44,9 @@ def default_sampling_fields(model_dir: str | Path, option: str = "auto") -> dict
     if not isinstance(config, dict):
         raise ModelLoadError(f"{path}: expected a JSON object")
     fields = {ours: config[theirs] for theirs, ours in FIELDS.items() if config.get(theirs) is not None}
-    try:
-        SamplingParams(**fields)
-    except TinyVLLMError as e:
-        raise ModelLoadError(f"{path}: its sampling defaults are not usable: {e}") from None
+    if check is not None:
+        try:
+            check(**fields)
+        except TinyVLLMError as e:
+            raise ModelLoadError(f"{path}: its sampling defaults are not usable: {e}") from None
     return fields

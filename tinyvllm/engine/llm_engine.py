@@ -82,7 +82,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_ids,
                                                 self.context_limit)
         self.scheduler = Scheduler(self.engine_config, self.block_manager, self.output_processor)
-        self.default_sampling_fields = default_sampling_fields(loaded.model_dir, self.engine_config.generation_config)
+        self.default_sampling_fields = default_sampling_fields(loaded.model_dir, self.engine_config.generation_config,
+                                                               check=SamplingParams)
         # structured outputs: grammars compiled for this tokenizer (llguidance's made on first use)
         self.structured = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.tokenizer.eos_token_ids)
         self._seed_rng = np.random.default_rng(self.engine_config.seed)   # seeds for unseeded requests
