@@ -37,6 +37,7 @@ import numpy as np
 from tinyvllm.errors import ModelLoadError
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+NO_MIN = np.float32(-0.0)        # a format's b where it has no min: a * q + b is then a * q, zero's sign kept
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tinyvllm.quant.block_format import BlockFormat, fp16_at
+from tinyvllm.quant.block_format import NO_MIN, BlockFormat, fp16_at
 
 SUPER_BLOCK = 256
 
@@ -79,7 +79,7 @@ def _fields_q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 def _fields_q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     quants, step = q6_k_fields(blocks)
-    return quants, step, np.full_like(step, np.float32(-0.0))   # step * quant exact: no min
+    return quants, step, np.full_like(step, NO_MIN)     # step * quant exact: no min
 
 
 Q4_K = BlockFormat("Q4_K", SUPER_BLOCK, 144, fp16_fields=(0, 2), fields=_fields_q4_k, nibble_offset=0)

@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from tinyvllm.quant.block_format import BlockFormat, fp16_at, low_then_high_nibbles
+from tinyvllm.quant.block_format import NO_MIN, BlockFormat, fp16_at, low_then_high_nibbles
 
 BLOCK = 32
-
-
-NO_MIN = np.float32(-0.0)
 
 
 def _fields_q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
