@@ -2,7 +2,7 @@
 # One GPU-machine pass: the GEMV and fused-GEMV tests first (the decode layer is built on them, so
 # a failure there explains most later ones), then every other GPU test, then the benchmarks named.
 # Logs go to $OUT (or ./gpu-pass-logs); summary.log collects the headline lines.
-#   usage: benchmarks/gpu_pass.sh [tests | tests-1 tests-2] [gemv-bench] [attn-bench] [profile] [profile-loo] [bench] [bench-hf] [latency-ab] [tree-ab] [server-load] [soak] [smollm2] [vllm-site] [bench-vllm] [load-mixed]
+#   usage: benchmarks/gpu_pass.sh [tests | tests-1 tests-2] [gemv-bench] [attn-bench] [profile] [profile-loo] [bench] [bench-hf] [latency-ab] [tree-ab] [kernel-ab] [server-load] [soak] [smollm2] [vllm-site] [bench-vllm] [load-mixed]
 # (server-load, load-mixed and soak need the server extra: fastapi, uvicorn, pydantic, prometheus_client;
 # bench-vllm and load-mixed need vLLM in /tmp/vsite: the vllm-site step, docs/device-runs.md)
 set -u
@@ -259,6 +259,29 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
           log "latency [$tree] rc=$?: $(grep -E '^latency' "$OUT/bench-tree-ab.log" | tr -s ' ' | paste -sd';')"
         done
       done ;;
+    kernel-ab)
+      # as tree-ab for a change to cuda/ alone: the kernel files that differ from BASE_REV (a
+      # commit) are swapped in place between rounds, so both sides compile from the same paths and
+      # PyCUDA's cache serves every unchanged file (a second tree compiles all of them, ~70 s);
+      # BENCH_FLAGS: more `bench` flags (e.g. --quantization=fp8); the checkout's files are restored
+      base=${BASE_REV:?kernel-ab needs BASE_REV=commit}
+      if [ -n "$(git diff --name-only "$base" -- . ':!cuda' ':!docs' ':!*.md')" ]; then
+        log "kernel-ab: files outside cuda/ differ from $base; use tree-ab"
+      else
+        changed=$(git diff --name-only "$base" -- cuda); keep=$(mktemp -d)
+        for f in $changed; do cp "$f" "$keep/$(basename "$f")"; done
+        for round in $(seq "${ROUNDS:-3}"); do
+          for side in base this; do
+            for f in $changed; do
+              if [ $side = base ]; then git show "$base:$f" > "$f"; else cp "$keep/$(basename "$f")" "$f"; fi
+            done
+            timeout 150 python3 -m tinyvllm bench ${MODEL:+--model "$MODEL"} --workload latency ${BENCH_FLAGS:-} \
+              > "$OUT/bench-kernel-ab.log" 2>&1
+            log "latency [$side ${BENCH_FLAGS:-}] rc=$?: $(grep -E '^latency' "$OUT/bench-kernel-ab.log" | tr -s ' ' | paste -sd';')"
+          done
+        done
+        for f in $changed; do cp "$keep/$(basename "$f")" "$f"; done
+      fi ;;
     latency-ab)
       # batch-1 latency alternating the settings under test (AB="cfg ...", each "default" or bench
       # flags joined by +), so drift hits every setting alike; MODEL=dir as above
