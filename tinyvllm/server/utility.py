@@ -87,7 +87,8 @@ def add_utility_routes(app: FastAPI, engine_loop, metrics, check_model, chat_pro
     tokenizer, vocab = engine.tokenizer, engine.model_config.vocab_size
     context_limit = engine.engine_config.context_limit(engine.model_config)
 
-    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    for method in ("GET", "POST"):   # a route a method: each gets its own OpenAPI operation id
+        app.add_api_route("/ping", health, methods=[method])
 
     @app.get("/version")
     async def version():
