@@ -7,6 +7,7 @@ mask's numpy twin against a per-token loop; greedy constrained decoding against 
 model's logits masked by a fresh matcher; the errors."""
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -66,11 +67,23 @@ def test_seeded_samples_parse_validate_and_stop(llm, schema):
 
 
 def test_whitespace_is_allowed_when_asked(llm):
+    """disable_any_whitespace=False lets the grammar take whitespace between JSON tokens. Every
+    output, stopped or cut at max_tokens (free whitespace often uses them up), is the schema's
+    document with whitespace added: removed (no string of this schema holds any), what is left is
+    one of the compact documents the schema allows, or the start of one."""
     so = SO(json=TAGS, disable_any_whitespace=False)
-    for out in llm.generate(["x"] * 3, [constrained(so, s, max_tokens=60) for s in range(3)], use_tqdm=False):
-        o = out.outputs[0]
-        if o.finish_reason == "stop":                 # free whitespace may use up max_tokens
+    compact_docs = {json.dumps(list(c), separators=(",", ":"))
+                    for n in range(2, 5) for c in itertools.product(("red", "green", "blue"), repeat=n)}
+    outs = [out.outputs[0] for out in
+            llm.generate(["x"] * 3, [constrained(so, s, max_tokens=60) for s in range(3)], use_tqdm=False)]
+    assert any(re.search(r"\s", o.text) for o in outs)          # the whitespace was taken
+    for o in outs:
+        compact = "".join(o.text.split())
+        if o.finish_reason == "stop":
+            assert compact in compact_docs
             jsonschema.validate(json.loads(o.text), TAGS)
+        else:
+            assert o.finish_reason == "length" and any(doc.startswith(compact) for doc in compact_docs)
 
 
 def test_regex_choice_grammar_and_json_object(llm):
