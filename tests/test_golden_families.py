@@ -102,11 +102,15 @@ def test_numpy_reproduces_every_golden_id(family, engine):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_text_is_transformers_decoding(family):
-    """Where every id matched, the streamed text is transformers' decode (special tokens skipped)."""
+    """Where every id matched, the streamed text is transformers' decode (special tokens skipped);
+    at least one case of each family matches (the near-tie flips the test above allows are few)."""
     fixture = golden(family)
+    compared = 0
     for case, out in zip(fixture["cases"], numpy_outputs(family, "default")):
         if list(out.outputs[0].token_ids) == case["generated_ids"]:
             assert out.outputs[0].text == case["text"], case["name"]
+            compared += 1
+    assert compared >= 1, f"{family}: no case's ids matched the golden run, so no text was compared"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
