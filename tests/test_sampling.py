@@ -1,4 +1,4 @@
-"""The numpy sampling twin (tinyvllm/sampling.py): the definition the CUDA kernel must match."""
+"""The numpy sampling twin (tinyvllm/reference/sampling.py): the definition the CUDA kernel must match."""
 from __future__ import annotations
 
 import math

@@ -2,7 +2,7 @@
 [layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim] bf16.
 
 Per layer, K and V are each a [num_blocks * block_size, kv_heads, head_dim] array indexed by slot
-(block * block_size + offset), the layout tinyvllm/batch.py describes and the kernels read.
+(block * block_size + offset), the layout tinyvllm/engine/batch.py describes and the kernels read.
 """
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ class ReferenceModel:
         # prints them); None (the default) costs one attribute test per call
         self.observer = None
         # linear(x, w, bias=None): every projection's twin; a study of another engine's rounding
-        # swaps it (tinyvllm/quant/llama_cpp_rounding.py)
+        # swaps it (tinyvllm/quant/llama_cpp_twin.py::llama_cpp_linear)
         self.linear = linear
         # tensor parallelism (tinyvllm/parallel/numpy_ranks.py): a rank's model holds shards of
         # the split weights; all_reduce sums its partial results with the other ranks' (the
