@@ -50,7 +50,7 @@ HUGE_PROMPT_BYTES = [0]  # the longest prompt text the server admits, from the o
 # a greedy mismatch is explained where the fp32 top-2 gap is under NOISE_RATIO times the largest
 # logit error of the bf16 numpy twin (round_bf16=True: bf16 where the GPU stores it) on the first
 # NOISE_SAMPLES mismatching sequences: the floor of any bf16 engine on this model, measured, as
-# tests/gpu_helpers.py's STEP_NOISE_RATIO (a random-weight 1B model's is ~1.1 logits, SmolLM2's far less)
+# tests/test_gpu_model.py's STEP_NOISE_RATIO (a random-weight 1B model's is ~1.1 logits, SmolLM2's far less)
 NOISE_RATIO, NOISE_SAMPLES = 2.0, 3
 BAD_BODIES = [           # (description, body or raw bytes): each must get a 4xx
     ("temperature -1", {"temperature": -1}), ("top_p 0", {"top_p": 0}), ("max_tokens 0", {"max_tokens": 0}),

@@ -373,7 +373,7 @@ struct LogitEdit {
     float bias, rep, freq, pres;
     int unused;
 };
-static_assert(sizeof(LogitEdit) == EDIT_WORDS * 4, "LogitEdit must match engine/batch.py's packing");
+static_assert(sizeof(LogitEdit) == EDIT_WORDS * 4, "LogitEdit must match engine/logit_edits.py's packing");
 
 extern "C" __global__ void __launch_bounds__(EDIT_THREADS)
 apply_logit_edits(float* __restrict__ logits,           // [rows, vocab], edited in place
