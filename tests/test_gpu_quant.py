@@ -37,7 +37,6 @@ import pytest
 from tinyvllm.quant import fp8, weight_kinds
 from tinyvllm.quant.block_format import (
     BF16,
-    FACTORED_FORMATS,
     QuantizedWeight,
     factored_error_bound,
     linear_factored,
@@ -110,7 +109,7 @@ def _guarded_y(m: int, n: int, out_dtype: str, y0):
 
 def _factored(w) -> bool:
     """A weight whose GEMV factors each block's affine map (block_format.linear_factored)."""
-    return isinstance(w, QuantizedWeight) and w.format.name in FACTORED_FORMATS
+    return isinstance(w, QuantizedWeight) and w.format.nibble_offset is not None
 
 
 def _close(got, want, out_dtype, w=None, x=None, scale=1.0) -> None:

@@ -14,7 +14,6 @@ from tinyvllm.checkpoint.gguf import unpermute_rope_rows
 from tinyvllm.checkpoint.gguf_tensors import read_gguf_weights
 from tinyvllm.errors import ModelLoadError
 from tinyvllm.quant.block_format import (
-    FACTORED_FORMATS,
     GEMV_MAX_ROWS,
     QuantizedWeight,
     affine_blocks,
@@ -163,18 +162,19 @@ def test_quantized_linear_multiplies_by_the_bf16_weights(fmt):
     np.testing.assert_array_equal(twin, linear_dequantized(x.astype(np.float32), qweight))
 
 
-NIBBLE_FORMATS = [BLOCK_FORMATS[name] for name in FACTORED_FORMATS]
+NIBBLE_FORMATS = [f for f in FORMATS if f.nibble_offset is not None]
+NIBBLE_IDS = [f.name for f in NIBBLE_FORMATS]
 
 
-def test_the_factored_formats_are_the_nibble_ones():
-    """The GEMV factors exactly the formats whose fields mark their quants as 4-bit codes."""
-    assert {f.name for f in FORMATS if f.nibble_offset is not None} == set(FACTORED_FORMATS)
+def test_the_nibble_formats_are_the_kernels():
+    """The twin factors exactly the formats the GEMV kernel factors (gemv_quant.cu's
+    Format::NIBBLES: q4_0, q4_1, q4_k)."""
+    assert NIBBLE_IDS == ["Q4_0", "Q4_1", "Q4_K"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_fields_are_the_integer_form_of_the_decode(fmt):
-    """A format's fields (q, a, b per sub-block) are integers within the format's code range and
-    float32 steps and mins with which fl32(a * q + b) is the decode bit for bit (zero's sign
+    """A format's fields (q, a, b per sub-block) are int8 codes and float32 steps and mins with which fl32(a * q + b) is the decode bit for bit (zero's sign
     included), and a nibble format's factored view (codes 0..15, b - offset * a) gives the same
     values."""
     raw = random_raw(fmt, 24, fmt.block_elements * 4, seed=5)
@@ -192,7 +192,7 @@ def test_fields_are_the_integer_form_of_the_decode(fmt):
         np.testing.assert_array_equal(factored.reshape(weight.shape), weight.dequantize())
 
 
-@pytest.mark.parametrize("fmt", NIBBLE_FORMATS, ids=list(FACTORED_FORMATS))
+@pytest.mark.parametrize("fmt", NIBBLE_FORMATS, ids=NIBBLE_IDS)
 @pytest.mark.parametrize("seed", [11, 12, 13])
 def test_factored_linear_is_the_exact_product_within_its_float32_bound(fmt, seed):
     """The decode GEMV's twin of a nibble format (w = a c + b factored out of each block's dot
@@ -214,7 +214,7 @@ def test_factored_linear_is_the_exact_product_within_its_float32_bound(fmt, seed
     np.testing.assert_array_equal(linear(x32, qweight), twin)        # m <= 8: the GEMV's twin
 
 
-@pytest.mark.parametrize("fmt", NIBBLE_FORMATS, ids=list(FACTORED_FORMATS))
+@pytest.mark.parametrize("fmt", NIBBLE_FORMATS, ids=NIBBLE_IDS)
 def test_factored_linear_against_the_dequantizing_one(fmt):
     """The factored twin and the dequantizing one differ by the bf16 rounding of every weight
     (at most 2^-9 |w| each: sum 2^-9 |w| |x|) plus each one's float32 error: the dequantizing

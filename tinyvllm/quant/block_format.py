@@ -136,8 +136,6 @@ class QuantizedWeight:
 # the quantized decode GEMV's largest batch (gpu/ops/quant_gemv.py takes it from here): linear() at
 # m <= this is the GEMV's twin, above it prefill's dequantize-then-GEMM twin
 GEMV_MAX_ROWS = 8
-# the nibble formats whose GEMV factors each 32-weight block's affine map out of the dot product
-FACTORED_FORMATS = ("Q4_0", "Q4_1", "Q4_K")
 CODE_BIAS = 128                          # the GEMV feeds code c as the bf16 value 128 + c (exact)
 
 
@@ -146,7 +144,7 @@ def linear(x: np.ndarray, weight: QuantizedWeight) -> np.ndarray:
     a nibble format is the decode GEMV's factored product (linear_factored); anything else
     dequantizes (linear_dequantized: prefill's dequantize-then-GEMM, and the GEMV of the other
     formats, which rounds each weight to bf16 in registers)."""
-    if np.ndim(x) == 2 and np.shape(x)[0] <= GEMV_MAX_ROWS and weight.format.name in FACTORED_FORMATS:
+    if np.ndim(x) == 2 and np.shape(x)[0] <= GEMV_MAX_ROWS and weight.format.nibble_offset is not None:
         return linear_factored(x, weight)
     return linear_dequantized(x, weight)
 
@@ -166,7 +164,7 @@ def affine_blocks(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.n
     n, k = weight.shape
     fmt = weight.format
     if fmt.nibble_offset is None:
-        raise ValueError(f"{fmt.name}: not a format the GEMV factors ({', '.join(FACTORED_FORMATS)})")
+        raise ValueError(f"{fmt.name}: not a nibble format, the only ones the GEMV factors")
     q, a, b = fmt.fields(fmt.blocks(weight.blocks, weight.shape))
     codes = (q.astype(np.int16) + fmt.nibble_offset).astype(np.uint8)
     b = b - np.float32(fmt.nibble_offset) * a          # a * (c - off) + b = a * c + (b - off * a); off * a exact
