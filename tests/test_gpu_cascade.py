@@ -22,7 +22,7 @@ from test_gpu_engine import assert_same_greedy
 from test_gpu_kernels import BF16_TOL, _sync
 
 from tinyvllm.engine.batch import ForwardBatch, SamplingBatch
-from tinyvllm.gpu.ops import CASCADE, DECODE_SHAPES, MAX_CASCADE_SPLITS, MAX_DECODE_SPLITS, cascade_q_tiles
+from tinyvllm.gpu.ops import CASCADE, DECODE_SHAPES, MAX_CASCADE_SPLITS, MAX_DECODE_SPLITS, cascade_tiles
 from tinyvllm.reference.cascade import attention_partial, cascade_paged_attention
 from tinyvllm.reference.kernels import gather_kv, paged_attention
 
@@ -67,7 +67,7 @@ def launch_cascade(gpu, batch, q, k_cache, v_cache, prefix_len: int, *, prefix=T
     part_out = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, d), np.float32)
     part_ml = DeviceArray.poisoned((S, hq, MAX_DECODE_SPLITS, 2), np.float32)
     counters = DeviceArray(np.zeros((S, hkv), np.int32))
-    tiles = cascade_q_tiles(S, hq, hkv) * hkv
+    tiles = cascade_tiles(S, hq, hkv)
     prefix_o = DeviceArray.poisoned((tiles, MAX_CASCADE_SPLITS, CASCADE["BLOCK_Q"], d), np.float32)
     prefix_ml = DeviceArray.poisoned((tiles, MAX_CASCADE_SPLITS, CASCADE["BLOCK_Q"], 2), np.float32)
     prefix_counters = DeviceArray(np.zeros(tiles, np.int32))

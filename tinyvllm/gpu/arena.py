@@ -43,7 +43,7 @@ from tinyvllm.gpu.ops import (
     MAX_ARGMAX_SLICES,
     MAX_CASCADE_SPLITS,
     MAX_DECODE_SPLITS,
-    cascade_q_tiles,
+    cascade_tiles,
 )
 
 ALIGN = 256                      # bytes; cuBLAS and 16-byte vector loads are happy with this
@@ -77,7 +77,7 @@ class ArenaDims:
 
 def _cascade_tiles(d: ArenaDims) -> int:
     """attention_cascade_prefix's (q tile, kv head) pairs at the most sequences a step holds."""
-    return cascade_q_tiles(d.seqs, d.heads, d.kv_heads) * d.kv_heads
+    return cascade_tiles(d.seqs, d.heads, d.kv_heads)
 
 
 @dataclass(frozen=True)

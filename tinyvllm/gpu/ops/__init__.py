@@ -97,7 +97,7 @@ from tinyvllm.gpu.ops.attention import (
     PREFILL_HEAD_DIMS,
     AttentionOps,
     attention_kernels_missing,
-    cascade_q_tiles,
+    cascade_tiles,
 )
 from tinyvllm.gpu.ops.gemv import GEMV, GEMV_MAX_ROWS, GemvOps
 from tinyvllm.gpu.ops.quant_gemv import QGEMV, QuantGemvOps
@@ -107,7 +107,7 @@ from tinyvllm.gpu.ops.tensor_parallel import TENSOR_PARALLEL, TensorParallelOps
 
 __all__ = ["GpuOps", "EMBEDDING", "RMS_NORM", "ROPE", "SILU", "PREFILL", "DECODE", "CASCADE", "GEMV", "SAMPLING",
            "QGEMV", "TENSOR_PARALLEL", "DECODE_SHAPES", "PREFILL_HEAD_DIMS", "CASCADE_HEAD_DIMS", "MAX_DECODE_SPLITS",
-           "MAX_CASCADE_SPLITS", "MAX_ARGMAX_SLICES", "GEMV_MAX_ROWS", "attention_kernels_missing", "cascade_q_tiles"]
+           "MAX_CASCADE_SPLITS", "MAX_ARGMAX_SLICES", "GEMV_MAX_ROWS", "attention_kernels_missing", "cascade_tiles"]
 
 
 class GpuOps(RowwiseOps, AttentionOps, GemvOps, QuantGemvOps, SamplingOps, TensorParallelOps):

@@ -54,6 +54,11 @@ def cascade_q_tiles(num_seqs: int, num_q_heads: int, num_kv_heads: int) -> int:
     return math.ceil(num_seqs * (num_q_heads // num_kv_heads) / CASCADE["BLOCK_Q"])
 
 
+def cascade_tiles(num_seqs: int, num_q_heads: int, num_kv_heads: int) -> int:
+    """The prefix kernel's (q tile, kv head) pairs: its CTAs a split, and its workspace's rows."""
+    return cascade_q_tiles(num_seqs, num_q_heads, num_kv_heads) * num_kv_heads
+
+
 def _window_arg(window: int | None) -> tuple:
     """The window kernels' extra argument (a window of 0 or None: the full-context kernel, none)."""
     if window is not None and window < 0:
@@ -125,7 +130,7 @@ class AttentionOps(OpsBase):
         splits) to fill the GPU about twice, at most MAX_CASCADE_SPLITS. It depends on the batch
         size only, as a captured graph needs; the kernel cuts the prefix it finds into at most that
         many splits of at least MIN_SPLIT_KEYS keys (attention_cascade.cu's header: splits)."""
-        tiles = cascade_q_tiles(num_seqs, num_q_heads, num_kv_heads) * num_kv_heads
+        tiles = cascade_tiles(num_seqs, num_q_heads, num_kv_heads)
         return max(1, min(math.ceil(2 * self.num_sms / tiles), MAX_CASCADE_SPLITS))
 
     def attention_cascade_prefix(self, out, lse, partial_o, partial_ml, split_counters, q, q_row_stride: int,
