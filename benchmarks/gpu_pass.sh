@@ -267,6 +267,8 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
       base=${BASE_REV:?kernel-ab needs BASE_REV=commit}
       if [ -n "$(git diff --name-only "$base" -- . ':!cuda' ':!docs' ':!*.md')" ]; then
         log "kernel-ab: files outside cuda/ differ from $base; use tree-ab"
+      elif [ -n "$(git diff --diff-filter=ADRCT --name-only "$base" -- cuda)" ]; then
+        log "kernel-ab: kernel files added, removed or renamed since $base; use tree-ab"
       else
         changed=$(git diff --name-only "$base" -- cuda); keep=$(mktemp -d)
         for f in $changed; do cp "$f" "$keep/$(basename "$f")"; done
