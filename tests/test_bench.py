@@ -184,8 +184,9 @@ def test_compare_hf_on_cpu(tiny_model_dir, tmp_path, capsys):
 
 
 def test_table_on_a_gpu_shows_fractions_of_the_floor_and_the_peers_ratios():
-    """The GPU-only parts of the table, from a report built by hand: the floor, each engine's
-    fraction of it, and tinyvllm's ratio to HF and to vLLM on every tok/s row."""
+    """The GPU-only parts of the table, from a report built by hand: the floors (batch 1's and a
+    workload's bytes floor), each engine's fraction of them, and tinyvllm's ratio to HF and to vLLM
+    on every tok/s row."""
     from tinyvllm.bench.report import BenchReport, format_table
     report = BenchReport(date="d", git_commit="abc", engine_config={},
                          device={"kind": "cuda", "name": "NVIDIA H100", "copy_bandwidth_GBps": 3000.0,
@@ -198,7 +199,7 @@ def test_table_on_a_gpu_shows_fractions_of_the_floor_and_the_peers_ratios():
                WorkloadResult("hf", 1, 128, 256, decode_tok_s=12.0).finish(20.0),
                WorkloadResult("vllm", 1, 128, 256, decode_tok_s=480.0).finish(0.6))
     report.add(batch64, WorkloadResult("tinyvllm", 64, 8192, 8192).finish(0.25), None,
-               WorkloadResult("vllm", 64, 8192, 8192).finish(0.5))
+               WorkloadResult("vllm", 64, 8192, 8192).finish(0.5), floor_output_tok_s=65_536.0)
     skipped = WorkloadResult("hf", 256, note="skipped: estimated 300 s, 100 s left of --hf-max-seconds")
     cut = WorkloadResult("vllm", 256, note="cut off: --vllm-max-seconds 900 ran out")
     report.add(throughput, WorkloadResult("tinyvllm", 256, 1000, 100_000, preemptions=0).finish(4.0), skipped, cut)
@@ -219,6 +220,9 @@ def test_table_on_a_gpu_shows_fractions_of_the_floor_and_the_peers_ratios():
     assert cells[("latency", "bandwidth floor tok/s")] == ["1,200"]
     assert cells[("latency", "fraction of the floor")] == ["80.0%", "1.0%", "", "40.0%"]     # no ratio of ratios
     assert cells[("batch64", "output tok/s")] == ["32,768", "", "", "16,384", "2.00x"]
+    assert cells[("batch64", "bytes floor output tok/s")] == ["65,536"]
+    assert cells[("batch64", "fraction of the floor")] == ["50.0%", "", "", "25.0%"]
+    assert not any(w == "throughput" and "floor" in m for w, m in cells)      # none given: no rows
     assert cells[("throughput", "output tok/s")] == ["25,000", "skipped", "", "cut off"]
     assert "HF throughput: skipped: estimated 300 s" in table
     assert "vLLM throughput: cut off: --vllm-max-seconds 900 ran out" in table

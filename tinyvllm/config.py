@@ -82,6 +82,12 @@ class ModelConfig:
         return v * h + L * per_layer + h + lm_head
 
     @property
+    def decode_parameters(self) -> int:
+        """The parameters a decode step reads: all but an untied embedding table, of which it
+        gathers only its tokens' rows (a tied one is the LM head, read whole)."""
+        return self.num_parameters - (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
+
+    @property
     def max_context(self) -> int:
         """The longest context the model serves: max_position_embeddings, or with YaRN the original
         context times its factor (the length it was stretched to; vLLM derives it so)."""

@@ -3,8 +3,9 @@
 when they ran).
 
 No absolute targets: a tok/s figure means little without its card. What holds on any card is
-in the table instead: batch-1 decode as a fraction of the bandwidth floor measured on the machine
-at hand (bench/machine.py), and tinyvllm's ratio to each peer run beside it on the same card."""
+in the table instead: each rate as a fraction of its floor on the machine at hand (batch-1 decode:
+the bandwidth floor of bench/machine.py's copy bandwidth; the other workloads: bench/floor.py's
+bytes floor), and tinyvllm's ratio to each peer run beside it on the same card."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,17 +29,18 @@ class BenchReport:
     vllm: dict | None = None           # vLLM's version, its LLM options, its start-up time
 
     def add(self, spec: WorkloadSpec, tinyvllm: WorkloadResult, hf: WorkloadResult | None = None,
-            vllm: WorkloadResult | None = None) -> None:
+            vllm: WorkloadResult | None = None, floor_output_tok_s: float | None = None) -> None:
+        """floor_output_tok_s: the workload's bytes floor (bench/floor.py); batch 1's is the device's."""
         ours = dataclasses.asdict(tinyvllm)
         peers = {"hf": dataclasses.asdict(hf) if hf else None, "vllm": dataclasses.asdict(vllm) if vllm else None}
         entry = self.workloads[spec.name] = {
             "spec": dataclasses.asdict(spec), "standard": spec == WORKLOADS[spec.name], "tinyvllm": ours,
             **peers, "ratios": {key: rate_ratios(ours, peer) for key, peer in peers.items() if peer}}
-        if spec.name == "latency":
-            floor = entry["floor_tok_s"] = self.device.get("floor_tok_s")
-            entry["fraction_of_floor"] = {
-                name: result["decode_tok_s"] / floor if floor and result and result["decode_tok_s"] else None
-                for name, result in (("tinyvllm", ours), *peers.items())}
+        rate = "decode_tok_s" if spec.name == "latency" else "output_tok_s"
+        floor = entry["floor_tok_s"] = self.device.get("floor_tok_s") if spec.name == "latency" else floor_output_tok_s
+        entry["fraction_of_floor"] = {
+            name: result[rate] / floor if floor and result and result[rate] else None
+            for name, result in (("tinyvllm", ours), *peers.items())}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
@@ -89,19 +91,24 @@ def table_rows(report: BenchReport) -> list[tuple[str, ...]]:
             continue
         value = entry["tinyvllm"].get(key)
         rows.append((workload, label, show(value, fmt), *peer_cells(entry, key, value, fmt)))
-        if (workload, key) == ("latency", "decode_tok_s"):
-            rows += floor_rows(entry)
         if (workload, key) == ("prefix", "output_tok_s"):
             rows += prefix_rows(entry["tinyvllm"])
+        if key in ("decode_tok_s", "output_tok_s"):
+            rows += floor_rows(workload, entry)
     return rows
 
 
-def floor_rows(latency: dict) -> list[tuple[str, ...]]:
-    """The bandwidth floor, and each engine's batch-1 decode as a fraction of it."""
-    fraction = latency["fraction_of_floor"]
-    peers = [cell for peer, _ in PEERS for cell in (show(fraction.get(peer), "{:.1%}") if latency[peer] else "", "")]
-    return [("latency", "bandwidth floor tok/s", show(latency["floor_tok_s"], "rate"), *[""] * 2 * len(PEERS)),
-            ("latency", "fraction of the floor", show(fraction["tinyvllm"], "{:.1%}"), *peers)]
+def floor_rows(workload: str, entry: dict) -> list[tuple[str, ...]]:
+    """The workload's floor (batch 1: the bandwidth floor; the others: the bytes floor of
+    bench/floor.py), and each engine's rate as a fraction of it; none where no floor was measured
+    (on a CPU, or a report without one)."""
+    if workload != "latency" and entry.get("floor_tok_s") is None:
+        return []
+    fraction = entry["fraction_of_floor"]
+    peers = [cell for peer, _ in PEERS for cell in (show(fraction.get(peer), "{:.1%}") if entry[peer] else "", "")]
+    label = "bandwidth floor tok/s" if workload == "latency" else "bytes floor output tok/s"
+    return [(workload, label, show(entry["floor_tok_s"], "rate"), *[""] * 2 * len(PEERS)),
+            (workload, "fraction of the floor", show(fraction["tinyvllm"], "{:.1%}"), *peers)]
 
 
 def prefix_rows(on: dict) -> list[tuple[str, ...]]:
@@ -126,7 +133,7 @@ def describe(report: BenchReport) -> str:
     bandwidth = device["copy_bandwidth_GBps"]
     copy = f", copy bandwidth {bandwidth:,.0f} GB/s (read + write)" if bandwidth else ""
     return (f"{device['name']}{copy}; {model['path']}: {model['num_parameters'] / 1e9:.3f} B "
-            f"parameters, {model['weight_bytes'] / 1e9:.2f} GB bf16; commit {report.git_commit or 'n/a'}")
+            f"parameters, {model['weight_bytes'] / 1e9:.2f} GB of weights a decode step; commit {report.git_commit or 'n/a'}")
 
 
 def show(value, fmt: str) -> str:

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from tinyvllm.bench import vllm
+from tinyvllm.bench.floor import floor_output_tok_s
 from tinyvllm.bench.hf import HFBench, check_available
 from tinyvllm.bench.machine import device_info, git_commit
 from tinyvllm.bench.options import BenchOptions
@@ -158,7 +159,7 @@ def run_bench(opts: BenchOptions, out=None):
         git_commit=git_commit(), device=report_device,
         model={"path": str(model_dir), "preset": None if opts.model else opts.preset,
                "num_parameters": model_config.num_parameters,
-               "weight_bytes": report_device.pop("weight_bytes", None) or model_config.num_parameters * 2},
+               "weight_bytes": report_device.pop("weight_bytes", None) or model_config.decode_parameters * 2},
         engine_config=engine_config)
     bandwidth = report.device.get("copy_bandwidth_GBps")
     report.device["floor_tok_s"] = bandwidth * 1e9 / report.model["weight_bytes"] if bandwidth else None
@@ -169,7 +170,9 @@ def run_bench(opts: BenchOptions, out=None):
         theirs, report.vllm = vllm.run_vllm_workloads(model_dir, specs, opts.seed, opts.max_len,
                                                       opts.vllm_site, opts.vllm_max_seconds)
     for spec in specs:
-        report.add(spec, ours[spec.name], hf.get(spec.name), theirs.get(spec.name))
+        floor = floor_output_tok_s(spec, opts.seed, model_config, report.model["weight_bytes"], bandwidth * 1e9) \
+            if bandwidth and spec.name != "latency" else None
+        report.add(spec, ours[spec.name], hf.get(spec.name), theirs.get(spec.name), floor_output_tok_s=floor)
     out.write(format_table(report))
     if opts.json_path:
         Path(opts.json_path).write_text(report.to_json())
