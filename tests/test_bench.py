@@ -247,3 +247,12 @@ def test_prefix_table_shows_cache_on_against_off():
                    "prefix cache hit rate          | 85.0%", "greedy outputs, cache on = off | yes"):
         assert needle in table, needle
     assert json.loads(report.to_json())["workloads"]["prefix"]["tinyvllm"]["cache_off"]["ttft_ms"] == 900.0
+
+
+def test_a_tensor_parallel_report_names_its_gpus():
+    """With N ranks the floors count N cards' bandwidth, and the table's first line says so."""
+    from tinyvllm.bench.report import BenchReport, format_table
+    report = BenchReport(date="d", git_commit="abc", engine_config={},
+                         device={"kind": "cuda", "name": "NVIDIA H100", "copy_bandwidth_GBps": 3000.0, "gpus": 2,
+                                 "floor_tok_s": 2400.0}, model={"path": "/m", "num_parameters": 1, "weight_bytes": 2})
+    assert "copy bandwidth 3,000 GB/s (read + write) x 2 GPUs" in format_table(report).splitlines()[0]

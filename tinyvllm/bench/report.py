@@ -132,6 +132,8 @@ def describe(report: BenchReport) -> str:
     device, model = report.device, report.model
     bandwidth = device["copy_bandwidth_GBps"]
     copy = f", copy bandwidth {bandwidth:,.0f} GB/s (read + write)" if bandwidth else ""
+    if device.get("gpus", 1) > 1:
+        copy += f" x {device['gpus']} GPUs (tensor parallel; the floors count them all)"
     return (f"{device['name']}{copy}; {model['path']}: {model['num_parameters'] / 1e9:.3f} B "
             f"parameters, {model['weight_bytes'] / 1e9:.2f} GB of weights a decode step; commit {report.git_commit or 'n/a'}")
 

@@ -161,7 +161,10 @@ def run_bench(opts: BenchOptions, out=None):
                "num_parameters": model_config.num_parameters,
                "weight_bytes": report_device.pop("weight_bytes", None) or model_config.decode_parameters * 2},
         engine_config=engine_config)
-    bandwidth = report.device.get("copy_bandwidth_GBps")
+    # the floors' bandwidth: every GPU's (each rank reads its share of the weights and K/V; the
+    # ranks' cards taken as alike, device 0 measured)
+    gpus = report.device["gpus"] = engine_config.get("tensor_parallel_size") or 1
+    bandwidth = report.device.get("copy_bandwidth_GBps") and report.device["copy_bandwidth_GBps"] * gpus
     report.device["floor_tok_s"] = bandwidth * 1e9 / report.model["weight_bytes"] if bandwidth else None
     hf, theirs = {}, {}
     if opts.compare_hf:
