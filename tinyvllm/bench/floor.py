@@ -23,16 +23,20 @@ from tinyvllm.bench.workloads import WorkloadSpec
 from tinyvllm.config import ModelConfig
 
 
+def kv_bytes_a_position(config: ModelConfig) -> int:
+    """One layer's K and V of one position, bf16."""
+    return config.kv_bytes_per_token // config.num_hidden_layers
+
+
 def kv_bytes_read(config: ModelConfig, contexts: np.ndarray, shared: int = 0) -> int:
     """Bytes of K/V that decoding at these context lengths reads, the first `shared` positions
     left out (floor_output_tok_s counts them once a step); contexts > shared."""
-    per_position = 2 * config.kv_size * 2                  # K and V, bf16, one layer
     positions = 0
     for layer in range(config.num_hidden_layers):
         window = config.layer_window(layer)
         own = contexts - shared
         positions += int(np.minimum(own, window).sum()) if window else int(own.sum())
-    return positions * per_position
+    return positions * kv_bytes_a_position(config)
 
 
 def floor_output_tok_s(spec: WorkloadSpec, seed: int, config: ModelConfig, weight_bytes: int,
@@ -44,6 +48,6 @@ def floor_output_tok_s(spec: WorkloadSpec, seed: int, config: ModelConfig, weigh
     contexts = np.concatenate([len(r.prompt_token_ids) + np.arange(1, r.max_tokens, dtype=np.int64)
                                for r in requests])      # decoded tokens: all after each first
     shared_layers = sum(config.layer_window(n) is None for n in range(config.num_hidden_layers))
-    shared_bytes = spec.shared_prefix * shared_layers * 2 * config.kv_size * 2 * (steps - 1)
+    shared_bytes = spec.shared_prefix * shared_layers * kv_bytes_a_position(config) * (steps - 1)
     total = steps * weight_bytes + kv_bytes_read(config, contexts, spec.shared_prefix) + shared_bytes
     return sum(r.max_tokens for r in requests) / (total / bandwidth_Bps)
