@@ -260,22 +260,22 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
         done
       done ;;
     kernel-ab)
-      # as tree-ab for a change to cuda/ alone: the kernel files that differ from BASE_REV (a
-      # commit) are swapped in place between rounds, so both sides compile from the same paths and
-      # PyCUDA's cache serves every unchanged file (a second tree compiles all of them, ~70 s);
+      # as tree-ab for a change to cuda/ alone: BASE_CUDA=dir holds the other side's cuda/ files
+      # (staged where git is, docs/device-runs.md: the machine's copy has no history); the files
+      # that differ are swapped in place between rounds, so both sides compile from the same paths
+      # and PyCUDA's cache serves every unchanged file (a second tree compiles all of them, ~70 s);
       # BENCH_FLAGS: more `bench` flags (e.g. --quantization=fp8); the checkout's files are restored
-      base=${BASE_REV:?kernel-ab needs BASE_REV=commit}
-      if [ -n "$(git diff --name-only "$base" -- . ':!cuda' ':!docs' ':!*.md')" ]; then
-        log "kernel-ab: files outside cuda/ differ from $base; use tree-ab"
-      elif [ -n "$(git diff --diff-filter=ADRCT --name-only "$base" -- cuda)" ]; then
-        log "kernel-ab: kernel files added, removed or renamed since $base; use tree-ab"
+      base=${BASE_CUDA:?kernel-ab needs BASE_CUDA=dir}
+      if [ "$(cd "$base" && ls | sort)" != "$(cd cuda && ls | sort)" ]; then
+        log "kernel-ab: $base and cuda/ hold different file names (kernel files added, removed or renamed): use tree-ab"
       else
-        changed=$(git diff --name-only "$base" -- cuda); keep=$(mktemp -d)
+        changed=$(for f in cuda/*; do cmp -s "$f" "$base/$(basename "$f")" || echo "$f"; done); keep=$(mktemp -d)
+        log "kernel-ab: $(echo $changed | wc -w) kernel files differ: $(echo $changed)"
         for f in $changed; do cp "$f" "$keep/$(basename "$f")"; done
         for round in $(seq "${ROUNDS:-3}"); do
           for side in base this; do
             for f in $changed; do
-              if [ $side = base ]; then git show "$base:$f" > "$f"; else cp "$keep/$(basename "$f")" "$f"; fi
+              if [ $side = base ]; then cp "$base/$(basename "$f")" "$f"; else cp "$keep/$(basename "$f")" "$f"; fi
             done
             timeout 150 python3 -m tinyvllm bench ${MODEL:+--model "$MODEL"} --workload latency ${BENCH_FLAGS:-} \
               > "$OUT/bench-kernel-ab.log" 2>&1
