@@ -222,14 +222,16 @@ print(urllib.request.urlopen('http://127.0.0.1:8123/metrics', timeout=10).read()
     load-mixed)
       # benchmarks/load_server.py --workload mixed (long prompts with short outputs sent back to back
       # beside 512-token streams, 64 streams at once) against `tinyvllm serve`, then the same load
-      # against `vllm serve` from /tmp/vsite: the same model directory, each on a free port
+      # against `vllm serve` from /tmp/vsite: the same model directory, each on a free port;
+      # SERVE_FLAGS: more `tinyvllm serve` flags (e.g. --max-num-batched-tokens 4096); NO_VLLM=1: tinyvllm alone
       model=/tmp/tinyvllm-models/llama-3.2-1b
       [ -f $model/config.json ] || python3 -m tinyvllm make-model $model --preset llama-3.2-1b > /dev/null
-      for server in tinyvllm vllm; do
+      servers="tinyvllm vllm"; [ -n "${NO_VLLM:-}" ] && servers=tinyvllm
+      for server in $servers; do
         port=$(free_port)
         if [ $server = tinyvllm ]; then
           setsid python3 -m tinyvllm serve $model --served-model-name llama --port $port --max-model-len 8192 \
-            --gpu-memory-utilization 0.8 --disable-log-requests > "$OUT/serve-mixed-$server.log" 2>&1 &
+            --gpu-memory-utilization 0.8 --disable-log-requests ${SERVE_FLAGS:-} > "$OUT/serve-mixed-$server.log" 2>&1 &
         else
           need_vsite load-mixed || break
           VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONPATH=$VSITE:$(pwd) setsid python3 -m vllm.entrypoints.cli.main serve \
