@@ -106,7 +106,7 @@ def expanded_fields(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np
     per 16 weights, each value its format's twin's exactly: a * q is exact in every format (the
     twins' step 2); b = -0 where the format has no min, so a * q + b is a * q, zero's sign kept."""
     rows, cols = weight.shape
-    q, a, b = weight.format.fields(_blocks(weight))      # the format's integer form (block_format.py)
+    q, a, b = weight.fields()                             # the format's integer form (block_format.py)
     per_entry = q.size // a.size // EXPANDED_GROUP      # a K-quant's sub-block or a block: 1 or 2 groups of 16
     a, b = (np.repeat(v.reshape(-1), per_entry) for v in (a, b))
     return q.reshape(rows, cols), a.reshape(rows, -1).astype(np.float32), b.reshape(rows, -1).astype(np.float32)

@@ -129,6 +129,10 @@ class QuantizedWeight:
     def dequantize(self) -> np.ndarray:
         return self.format.dequantize(self.blocks, self.shape)
 
+    def fields(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The whole matrix's integer form, its blocks in row order (BlockFormat.fields)."""
+        return self.format.fields(self.format.blocks(self.blocks, self.shape))
+
     def dequantize_bf16(self) -> np.ndarray:
         return self.format.dequantize_bf16(self.blocks, self.shape)
 
@@ -165,7 +169,7 @@ def affine_blocks(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.n
     fmt = weight.format
     if fmt.nibble_offset is None:
         raise ValueError(f"{fmt.name}: not a nibble format, the only ones the GEMV factors")
-    q, a, b = fmt.fields(fmt.blocks(weight.blocks, weight.shape))
+    q, a, b = weight.fields()
     codes = (q.astype(np.int16) + fmt.nibble_offset).astype(np.uint8)
     b = b - np.float32(fmt.nibble_offset) * a          # a * (c - off) + b = a * c + (b - off * a); off * a exact
     return codes.reshape(n, k // 32, 32), a.reshape(n, -1), b.reshape(n, -1)

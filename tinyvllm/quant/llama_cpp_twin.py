@@ -62,7 +62,7 @@ def integer_form(weight: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.nd
     name = weight.format.name
     if name not in ("Q8_0", "Q4_0", "Q4_1"):
         raise ValueError(f"no twin of llama.cpp's {name} dot product (K-quants pair with Q8_K)")
-    q, d, m = weight.format.fields(weight.blocks.reshape(-1, weight.format.block_bytes))   # d, m: [blocks, 1]
+    q, d, m = weight.fields()                                         # d, m: [blocks, 1]
     return (q.astype(np.float32).reshape(n, k // BLOCK, BLOCK), d.reshape(n, k // BLOCK),
             m.reshape(n, k // BLOCK) if name == "Q4_1" else None)
 
