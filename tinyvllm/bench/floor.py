@@ -31,10 +31,9 @@ def kv_bytes_a_position(config: ModelConfig) -> int:
 def kv_bytes_read(config: ModelConfig, contexts: np.ndarray, shared: int = 0) -> int:
     """Bytes of K/V that decoding at these context lengths reads, the first `shared` positions
     left out (floor_output_tok_s counts them once a step); contexts > shared."""
-    positions = 0
+    own, positions = contexts - shared, 0
     for layer in range(config.num_hidden_layers):
         window = config.layer_window(layer)
-        own = contexts - shared
         positions += int(np.minimum(own, window).sum()) if window else int(own.sum())
     return positions * kv_bytes_a_position(config)
 
